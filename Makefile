@@ -1,0 +1,40 @@
+# The two set-up commands: `make train` and `make test`. Both work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of this release lies on disk on the development machines; see README.
+TORCH_VERSION ?= 2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DATA_DIR ?= data/stdlib_tiny
+TRAIN_CONFIG ?= configs/tiny_cpu.yaml
+PYTEST_ARGS ?=
+
+.PHONY: install data train test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The bundled corpus: the Python standard library's sources, tokenized with a BPE trained on them.
+$(DATA_DIR)/metadata.json: $(STAMP)
+	$(BIN)/longctx-pack --source stdlib --train-tokenizer 4096 --seq-len 1024 \
+	  --max-docs 400 --seed 0 --output $(DATA_DIR)
+
+data: $(DATA_DIR)/metadata.json
+
+train: data
+	$(BIN)/longctx-moe train --config $(TRAIN_CONFIG) --set data.path=$(DATA_DIR)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check longctx_moe cp_attention data_packing rl_hooks tests bench
+
+clean:
+	rm -rf $(VENV) data runs

@@ -1,0 +1,1 @@
+"""cp_attention: exact (context-parallel) attention over packed variable-length sequences."""

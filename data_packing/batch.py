@@ -1,0 +1,101 @@
+"""PackedBatch: the contract between the loaders and the trainer (one micro-batch on one rank).
+
+Layout (THD, no batch dimension): documents lie one after another in a flat token axis of
+physical length T. Document i occupies physical positions
+[cu_seqlens_padded[i], cu_seqlens_padded[i] + len_i), where len_i = cu_seqlens[i+1] - cu_seqlens[i];
+the rest of its padded slot, up to cu_seqlens_padded[i+1], is padding (present only when documents
+are padded to the CP/TP multiple). Padding is never counted in `cu_seqlens`.
+
+Shapes: T physical tokens, N documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class PackedBatch:
+    tokens: torch.Tensor  # int64 [T]; pad id at padding positions
+    labels: torch.Tensor  # int64 [T]; next token of the same document, IGNORE_INDEX where none
+    cu_seqlens: torch.Tensor  # int32 [N+1]; cumulative real document lengths
+    cu_seqlens_padded: torch.Tensor  # int32 [N+1]; physical offsets of the padded slots
+    position_ids: torch.Tensor  # int64 [T]; restart at 0 for every document (0 at padding)
+    max_seqlen: int  # host int: longest real document; never read it from a device tensor
+    loss_weight: torch.Tensor | None = None  # float32 [T]; optional per-token weight
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def num_docs(self) -> int:
+        return int(self.cu_seqlens.numel()) - 1
+
+    def num_target_tokens(self) -> int:
+        """Tokens that carry a loss; the trainer sums this over the whole optimizer step."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def doc_lengths(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    def real_token_mask(self) -> torch.Tensor:
+        """bool [T]: True at real (non-padding) positions."""
+        mask = torch.zeros(self.num_tokens, dtype=torch.bool, device=self.tokens.device)
+        lens = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        for start, n in zip(self.cu_seqlens_padded[:-1].tolist(), lens.tolist()):
+            mask[start:start + n] = True
+        return mask
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            moved[f.name] = value.to(device, non_blocking=True) if torch.is_tensor(value) else value
+        return PackedBatch(**moved)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the broken invariant (used by loaders and rl_hooks)."""
+        t = self.num_tokens
+        for name in ("labels", "position_ids"):
+            if getattr(self, name).shape != (t,):
+                raise ValueError(f"PackedBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected ({t},)")
+        if self.cu_seqlens.shape != self.cu_seqlens_padded.shape:
+            raise ValueError("PackedBatch.cu_seqlens and cu_seqlens_padded must have the same length")
+        lens = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        slots = self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]
+        if (lens < 0).any() or (lens > slots).any():
+            raise ValueError("PackedBatch: every document must fit its padded slot (0 <= len <= slot)")
+        if int(self.cu_seqlens[0]) != 0 or int(self.cu_seqlens_padded[0]) != 0:
+            raise ValueError("PackedBatch: cu_seqlens and cu_seqlens_padded must start at 0")
+        if int(self.cu_seqlens_padded[-1]) > t:
+            raise ValueError(f"PackedBatch: cu_seqlens_padded ends at {int(self.cu_seqlens_padded[-1])} > T={t}")
+        longest = int(lens.max()) if lens.numel() else 0
+        if self.max_seqlen < longest:
+            raise ValueError(f"PackedBatch.max_seqlen={self.max_seqlen} < longest document {longest}")
+
+
+def labels_from_tokens(tokens: torch.Tensor, cu_seqlens: torch.Tensor,
+                       cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    """int64 [T]: the next token inside the same document; IGNORE_INDEX at each document's last
+    token and at padding."""
+    labels = torch.full_like(tokens, IGNORE_INDEX)
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    for start, n in zip(cu_seqlens_padded[:-1].tolist(), lens):
+        if n > 1:
+            labels[start:start + n - 1] = tokens[start + 1:start + n]
+    return labels
+
+
+def position_ids_from_cu(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
+                         total: int) -> torch.Tensor:
+    """int64 [T]: 0..len-1 inside each document, 0 at padding."""
+    pos = torch.zeros(total, dtype=torch.long)
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    for start, n in zip(cu_seqlens_padded[:-1].tolist(), lens):
+        pos[start:start + n] = torch.arange(n)
+    return pos

@@ -1,0 +1,40 @@
+"""ModelConfig: the architecture of the MoE transformer (owned by the model package)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 2  # GQA: num_heads % num_kv_heads == 0
+    head_dim: int = 32
+    qk_norm: bool = True  # RMSNorm on q and k per head (Qwen3 style)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    attention_backend: str = "auto"  # see cp_attention.kernels: auto | torch_cpu | torch_varlen | flex | flash_attn | reference
+
+    # Mixture of experts
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden_size: int = 128
+    shared_expert_hidden_size: int = 0  # 0 = no shared expert
+    first_k_dense: int = 0  # the first k layers use a dense MLP instead of MoE
+    dense_hidden_size: int = 512
+    router_score: str = "softmax"  # softmax | sigmoid
+    router_renormalize: bool = True  # renormalise the top-k weights to sum to 1
+    aux_loss_type: str = "seq"  # none | switch (per micro-batch) | seq (per document)
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: float = 1e-3
+    expert_bias: bool = False  # aux-loss-free balancing: a bias that affects selection only
+    expert_bias_update_rate: float = 1e-3
+    grouped_gemm: str = "auto"  # auto | grouped_mm | loop
+
+    # Cross-entropy over the vocabulary in chunks of this many tokens (bounds fp32 logits memory).
+    loss_chunk_tokens: int = 1024

@@ -1,0 +1,153 @@
+"""Run a function in N real `torch.distributed` processes (gloo on CPU) and collect the results.
+
+Every distributed test goes through `run_distributed`:
+
+    results = run_distributed(_check_ring, world_size=4, args=(seed,), timeout=300)
+
+`fn(rank, world_size, *args)` must be a module-level function (processes are spawned, so it is
+imported by name). The process group is initialised before `fn` runs and destroyed after it.
+Each rank's stdout/stderr lines are prefixed with `[rank r]`. A failure on any rank is re-raised in
+the parent with that rank's traceback; a rank that has not finished by `timeout` seconds (a
+deadlock) fails the test instead of hanging CI, and all ranks are killed.
+
+Start one process group per test and loop over many cases inside it: spawning costs a few seconds
+per process on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class DistributedTestError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _PrefixedStream(io.TextIOBase):
+    """Line-buffered writer that prefixes every line with the rank."""
+
+    def __init__(self, stream, prefix: str):
+        self._stream, self._prefix, self._buf = stream, prefix, ""
+
+    def write(self, text: str) -> int:
+        self._buf += text
+        while "\n" in self._buf:
+            line, self._buf = self._buf.split("\n", 1)
+            self._stream.write(f"{self._prefix}{line}\n")
+        self._stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        if self._buf:
+            self._stream.write(f"{self._prefix}{self._buf}\n")
+            self._buf = ""
+        self._stream.flush()
+
+
+def _worker(fn, rank, world_size, port, args, kwargs, result_q, backend, threads):
+    import torch
+    import torch.distributed as dist
+
+    sys.stdout = _PrefixedStream(sys.__stdout__, f"[rank {rank}] ")
+    sys.stderr = _PrefixedStream(sys.__stderr__, f"[rank {rank}] ")
+    # Oversubscribing 2 cores with N ranks x N OpenMP threads makes every test crawl.
+    torch.set_num_threads(threads)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args, **kwargs)
+        result_q.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        result_q.put((rank, "error", traceback.format_exc()))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a peer died; nothing to tidy
+                pass
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout: float = 300.0,
+    backend: str = "gloo",
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return results by rank."""
+    ctx = mp.get_context("spawn")
+    result_q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, r, world_size, port, args, kwargs or {}, result_q, backend, threads_per_rank),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    finished = False
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(results) - set(errors))
+                raise DistributedTestError(
+                    f"ranks {missing} did not finish within {timeout:.0f}s (deadlock?)"
+                    + _format_errors(errors)
+                )
+            try:
+                rank, status, payload = result_q.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in results and r not in errors]
+                for r in dead:
+                    errors[r] = f"process exited with code {procs[r].exitcode} before reporting"
+                continue
+            (results if status == "ok" else errors)[rank] = payload
+            if errors:
+                # One rank failed: its peers are likely blocked in a collective; give them a
+                # moment to report their own error, then stop waiting.
+                deadline = min(deadline, time.monotonic() + 10.0)
+        if errors:
+            raise DistributedTestError(_format_errors(errors))
+        finished = True
+        return [results[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=5 if finished else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _format_errors(errors: dict[int, str]) -> str:
+    return "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))

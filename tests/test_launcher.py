@@ -1,0 +1,42 @@
+"""The distributed test launcher: results by rank, errors re-raised, deadlocks time out."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.launcher import DistributedTestError, run_distributed
+
+
+def _sum_ranks(rank, world_size):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _fail_on_rank_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()
+
+
+def _deadlock(rank, world_size):
+    if rank == 0:
+        dist.barrier()  # rank 1 never joins: it is stuck elsewhere
+    else:
+        time.sleep(600)
+
+
+def test_results_come_back_by_rank():
+    assert run_distributed(_sum_ranks, 3, timeout=120) == [3.0, 3.0, 3.0]
+
+
+def test_error_on_one_rank_is_reraised_with_its_traceback():
+    with pytest.raises(DistributedTestError, match="boom on purpose"):
+        run_distributed(_fail_on_rank_one, 2, timeout=120)
+
+
+def test_deadlock_fails_instead_of_hanging():
+    with pytest.raises(DistributedTestError, match="did not finish"):
+        run_distributed(_deadlock, 2, timeout=10)
