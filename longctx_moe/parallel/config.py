@@ -1,0 +1,20 @@
+"""ParallelConfig: parallel degrees and strategies (owned by the parallel package)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ParallelConfig:
+    # Attention side: world = tp * cp * dp.  MoE side (Parallel Folding): world = etp * ep * edp.
+    tp: int = 1
+    cp: int = 1
+    dp: int = -1  # -1: derived as world // (tp * cp)
+    ep: int = 1
+    etp: int = 1
+    cp_backend: str = "ring"  # ring | ulysses | hierarchical
+    hierarchical_sizes: list[int] | None = None  # [inner (a2a), outer (p2p)] for cp_backend=hierarchical
+    dispatcher: str = "alltoall"  # alltoall | allgather
+    dispatch_dtype: str = "none"  # none | bf16 | fp8: payload compression of the expert all-to-all
+    capacity_factor: float | None = None  # None: dropless
