@@ -1,0 +1,126 @@
+"""ParallelDims: group tables against hand-computed layouts, validation errors, real groups on gloo."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from longctx_moe.parallel.config import ParallelConfig
+from longctx_moe.parallel.dims import ParallelDims
+from longctx_moe.parallel.plan_groups import main as plan_groups_main
+from tests.launcher import run_distributed
+
+
+def _dims(world, **kw):
+    return ParallelDims.from_config(ParallelConfig(**kw), world)
+
+
+def test_issue_worked_example_world8():
+    # Issue 5, verbatim: world 8, TP2 CP2 DP2 attention, ETP1 EP4 EDP2 MoE.
+    t = _dims(8, tp=2, cp=2, ep=4).table()
+    assert t["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert t["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert t["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert t["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert t["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert t["etp"] == [[r] for r in range(8)]
+    assert t["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert t["tp_cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_pure_data_parallel_and_ep_with_etp():
+    t = _dims(4, ep=2).table()
+    assert t["tp"] == [[0], [1], [2], [3]] and t["cp"] == [[0], [1], [2], [3]]
+    assert t["dp"] == [[0, 1, 2, 3]] and t["dp_cp"] == [[0, 1, 2, 3]]
+    assert t["ep"] == [[0, 1], [2, 3]] and t["edp"] == [[0, 2], [1, 3]]
+    # world 8, ETP2 EP2 EDP2: rank = etp + 2*(ep + 2*edp).
+    t = _dims(8, tp=4, etp=2, ep=2).table()
+    assert t["etp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert t["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert t["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert t["tp"] == [[0, 1, 2, 3], [4, 5, 6, 7]] and t["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_hierarchical_cp_world4_and_16():
+    # Acceptance layout: world 4, CP4 as hierarchical 2x2 (inner fastest), EP2 EDP2.
+    d = _dims(4, cp=4, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 2])
+    t = d.table()
+    assert t["cp"] == [[0, 1, 2, 3]] and t["dp"] == [[0], [1], [2], [3]]
+    assert t["cp_inner"] == [[0, 1], [2, 3]] and t["cp_outer"] == [[0, 2], [1, 3]]
+    assert t["ep"] == [[0, 1], [2, 3]] and t["edp"] == [[0, 2], [1, 3]]
+    # world 16, TP2 x CP(2 inner x 2 outer) x DP2: cp = inner + 2*outer, rank = tp + 2*(cp + 4*dp).
+    t = _dims(16, tp=2, cp=4, ep=8, cp_backend="hierarchical", hierarchical_sizes=[2, 2]).table()
+    assert t["cp"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert t["cp_inner"][:3] == [[0, 2], [1, 3], [4, 6]] and t["cp_outer"][:2] == [[0, 4], [1, 5]]
+    assert t["ep"] == [list(range(8)), list(range(8, 16))] and t["edp"][0] == [0, 8]
+
+
+def test_every_rank_in_exactly_one_group_per_name():
+    d = _dims(16, tp=2, cp=2, ep=4)
+    for name, groups in d.table().items():
+        flat = sorted(r for g in groups for r in g)
+        assert flat == list(range(16)), name
+        assert all(len(g) == d.size(name) for g in groups), name
+    assert (d.dp, d.edp) == (4, 4)
+    assert d.ranks("dp_cp", rank=5) == [1, 3, 5, 7, 9, 11, 13, 15] and d.rank_in("dp_cp", 5) == 2
+
+
+@pytest.mark.parametrize("world,kw,model,needle", [
+    (8, dict(tp=3), None, "not divisible by tp*cp=3*1"),
+    (8, dict(ep=3), None, "not divisible by etp*ep=1*3"),
+    (8, dict(tp=2, dp=3), None, "tp*cp*dp=2*1*3=6 != world_size=8"),
+    (8, dict(ep=4), dict(num_experts=6), "num_experts=6 is not divisible by ep=4"),
+    (8, dict(tp=8), dict(num_heads=4), "num_heads=4 is not divisible by tp=8"),
+    (12, dict(tp=3), dict(num_heads=6, num_kv_heads=2), "num_kv_heads=2 and tp=3"),
+    (4, dict(cp=4, cp_backend="hierarchical", hierarchical_sizes=[2, 3]), None,
+     "multiply to 6 != cp=4"),
+    (4, dict(cp=4, cp_backend="hierarchical"), None, "needs hierarchical_sizes"),
+    (4, dict(cp=4, hierarchical_sizes=[2, 2]), None, "cp_backend='ring'"),
+    (4, dict(cp=4, cp_backend="ulysses"), dict(num_heads=6), "num_heads/tp=6 is not divisible by 4"),
+    (4, dict(dispatch_dtype="fp16"), None, "dispatch_dtype='fp16' is unknown"),
+    (4, dict(capacity_factor=0.0), None, "capacity_factor=0.0 must be > 0"),
+    (4, dict(etp=2), dict(expert_hidden_size=9), "expert_hidden_size=9 is not divisible by etp=2"),
+])
+def test_validation_errors_name_the_numbers(world, kw, model, needle):
+    with pytest.raises(ValueError) as e:
+        ParallelDims.from_config(ParallelConfig(**kw), world, SimpleNamespace(**(model or {})))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_kv_replication_allowed():
+    d = ParallelDims.from_config(ParallelConfig(tp=4), 4, SimpleNamespace(num_heads=8, num_kv_heads=2))
+    assert d.tp == 4
+
+
+def test_plan_groups_cli(capsys):
+    assert plan_groups_main(["--world", "16", "--tp", "2", "--cp", "2", "--ep", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "ep        {0,1,2,3} {4,5,6,7} {8,9,10,11} {12,13,14,15}" in out
+    assert plan_groups_main(["--world", "8", "--ep", "4", "--num-experts", "6"]) == 2
+    assert "num_experts=6" in capsys.readouterr().err
+
+
+def test_world_size_one_has_no_groups():
+    d = _dims(1)
+    d.build_groups(0)
+    assert d.group("ep") is None and d.size("dp_cp") == 1 and d.rank_in("tp") == 0
+
+
+def _check_groups(rank, world):
+    d = _dims(world, cp=2, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 1])
+    d.build_groups(rank)
+    for name in d.names():
+        g = d.group(name)
+        # The sum of global ranks over a group equals the sum of the table's ranks for it.
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=g)
+        assert t.item() == sum(d.ranks(name)), name
+        assert dist.get_rank(g) == d.rank_in(name) and dist.get_world_size(g) == d.size(name)
+    return True
+
+
+def test_build_groups_on_gloo():
+    assert run_distributed(_check_groups, world_size=4, timeout=120) == [True] * 4
