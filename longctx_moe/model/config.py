@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+_CHOICES = {
+    "router_score": ("softmax", "sigmoid"),
+    "aux_loss_type": ("none", "switch", "seq"),
+    "grouped_gemm": ("auto", "grouped_mm", "loop"),
+}
+
 
 @dataclass
 class ModelConfig:
@@ -38,3 +44,27 @@ class ModelConfig:
 
     # Cross-entropy over the vocabulary in chunks of this many tokens (bounds fp32 logits memory).
     loss_chunk_tokens: int = 1024
+
+    def validate(self) -> None:
+        """Raise ValueError naming the key, its value and the fix."""
+        for key, allowed in _CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"model.{key}={getattr(self, key)!r} is not one of {list(allowed)}")
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                    "head_dim", "num_experts", "top_k", "expert_hidden_size", "loss_chunk_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_heads={self.num_heads} must be divisible by "
+                             f"model.num_kv_heads={self.num_kv_heads} (GQA)")
+        if self.head_dim % 2:
+            raise ValueError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}")
+        if not 0 <= self.first_k_dense <= self.num_layers:
+            raise ValueError(f"model.first_k_dense={self.first_k_dense} must lie in "
+                             f"[0, model.num_layers={self.num_layers}]")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense

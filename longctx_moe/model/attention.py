@@ -1,0 +1,118 @@
+"""Grouped-query attention over packed documents, and the per-micro-batch document layout.
+
+Padding choice: PackedBatch documents may be padded (cu_seqlens real, cu_seqlens_padded physical).
+We hand the varlen kernel cu_q = cu_k = every real-document boundary interleaved with every
+padding-run boundary, so each padding run is a segment of its own: padding never attends to a real
+token and is never attended to, and the kernel needs no mask. Padding outputs are finite garbage
+that no loss reads (their labels are -100 and the MoE statistics skip them).
+
+Shapes: T physical tokens, N documents, S attention segments (documents + padding runs),
+H query heads, G kv heads, R head dim, D model dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from data_packing.batch import PackedBatch
+from longctx_moe.model.config import ModelConfig
+from longctx_moe.model.layers import RMSNorm, apply_rope, rope_cos_sin
+
+
+@dataclass
+class DocLayout:
+    """Everything the layers need to know about one micro-batch's documents (built once per forward)."""
+
+    position_ids_T: torch.Tensor  # int64 [T]
+    cu_attn_S: torch.Tensor  # int32 [S+1]: documents and padding runs, each its own segment
+    max_attn: int  # host int: the longest segment
+    doc_id_T: torch.Tensor  # int64 [T]: document index, -1 at padding
+    num_docs: int
+    real_mask_T: torch.Tensor | None  # bool [T]; None when the micro-batch has no padding
+    batch: PackedBatch  # the source batch (the CP executor reads its cu_seqlens_padded)
+    rope: dict = field(default_factory=dict)  # (head_dim, theta, dtype) -> (cos_TR, sin_TR)
+
+    def rope_cos_sin(self, head_dim: int, theta: float, dtype: torch.dtype):
+        key = (head_dim, theta, dtype)
+        if key not in self.rope:
+            cos, sin = rope_cos_sin(self.position_ids_T, head_dim, theta)
+            self.rope[key] = (cos.to(dtype), sin.to(dtype))
+        return self.rope[key]
+
+
+def doc_layout(batch: PackedBatch) -> DocLayout:
+    """Build the DocLayout of a PackedBatch; one host sync for the segment bounds."""
+    t = batch.num_tokens
+    cu, cup = batch.cu_seqlens.long(), batch.cu_seqlens_padded.long()
+    lens_N = cu[1:] - cu[:-1]
+    slots_N = cup[1:] - cup[:-1]
+    dev = batch.tokens.device
+    tail = torch.tensor([t], device=dev)
+    bounds = torch.unique(torch.cat([cup, cup[:-1] + lens_N, tail]))  # sorted, duplicates gone
+    seg_lens = (bounds[1:] - bounds[:-1]).tolist()
+    n = int(lens_N.numel())
+    has_padding = bool((slots_N != lens_N).any()) or int(cup[-1]) != t
+    doc_ids = torch.stack([torch.arange(n, device=dev), torch.full((n,), -1, device=dev)], 1)
+    repeats = torch.stack([lens_N, slots_N - lens_N], 1)
+    doc_id_T = torch.repeat_interleave(doc_ids.flatten(), repeats.flatten())
+    doc_id_T = torch.cat([doc_id_T, doc_id_T.new_full((t - doc_id_T.numel(),), -1)])
+    return DocLayout(
+        position_ids_T=batch.position_ids,
+        cu_attn_S=bounds.to(torch.int32),
+        max_attn=max(seg_lens, default=0),
+        doc_id_T=doc_id_T,
+        num_docs=n,
+        real_mask_T=(doc_id_T >= 0) if has_padding else None,
+        batch=batch,
+    )
+
+
+class LocalAttention:
+    """Single-device varlen attention: the default `Attention.attn_fn`.
+
+    Call: (q_THR, k_TGR, v_TGR, layout) -> out_THR. The context-parallel executor replaces it with a
+    callable of the same signature."""
+
+    def __init__(self, backend: str = "auto"):
+        self.backend = backend
+
+    def __call__(self, q_THR, k_TGR, v_TGR, layout: DocLayout) -> torch.Tensor:
+        from cp_attention.kernels import varlen_attention  # lands with the cp_attention package
+
+        cu = layout.cu_attn_S
+        out_THR, _lse_HT = varlen_attention(q_THR, k_TGR, v_TGR, cu, cu, layout.max_attn,
+                                            layout.max_attn, causal=True, backend=self.backend)
+        return out_THR
+
+
+class Attention(nn.Module):
+    """GQA self-attention with optional per-head q/k RMSNorm (Qwen3) and RoPE from position_ids."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.rope_theta = cfg.rope_theta
+        d = cfg.hidden_size
+        self.wq = nn.Linear(d, cfg.num_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.attn_fn = LocalAttention(cfg.attention_backend)
+
+    def forward(self, x_TD: torch.Tensor, layout: DocLayout) -> torch.Tensor:
+        t = x_TD.shape[0]
+        # Head counts come from the weights so TP (which shards wq/wk/wv by heads) needs no edit here.
+        q_THR = self.wq(x_TD).view(t, -1, self.head_dim)
+        k_TGR = self.wk(x_TD).view(t, -1, self.head_dim)
+        v_TGR = self.wv(x_TD).view(t, -1, self.head_dim)
+        if self.q_norm is not None:
+            q_THR, k_TGR = self.q_norm(q_THR), self.k_norm(k_TGR)
+        cos_TR, sin_TR = layout.rope_cos_sin(self.head_dim, self.rope_theta, q_THR.dtype)
+        q_THR, k_TGR = apply_rope(q_THR, cos_TR, sin_TR), apply_rope(k_TGR, cos_TR, sin_TR)
+        out_THR = self.attn_fn(q_THR, k_TGR, v_TGR, layout)
+        return self.wo(out_THR.reshape(t, -1))

@@ -1,0 +1,72 @@
+"""Small dense building blocks: RMSNorm, rotary embedding (rotate-half, Qwen/Llama layout), SwiGLU MLP.
+
+Shapes: T tokens, D model dim, H heads, R head dim (rotary dim), F MLP hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on `x` run in: the autocast dtype when autocast is on for x's device
+    and x is fp32, else x's own dtype. Used where we cast by hand (ops autocast does not cover)."""
+    kind = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / rms(x), normalised in at least fp32; returns x's dtype (bf16 q/k stay bf16)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        # Normalise in fp32 for bf16/fp16 inputs (as HF Qwen3 does); float64 stays float64 so the
+        # float64 exactness tests are not limited by fp32 rounding.
+        x_hi = x.float() if dtype in _LOW_PRECISION else x
+        y = F.rms_norm(x_hi, (x.shape[-1],), eps=self.eps).to(dtype)
+        return self.weight.to(dtype) * y
+
+
+def rope_cos_sin(position_ids_T: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos, sin [T, R] for positions [T] (R = head_dim, halves repeated as in HF's layout).
+
+    Computed in fp32 like HF's Qwen3: positions < 2^24 are exact and the angles match HF bit for bit.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids_T.device,
+                                             dtype=torch.float32) / head_dim))
+    freqs_TR2 = position_ids_T.float()[:, None] * inv_freq[None, :]
+    emb_TR = torch.cat((freqs_TR2, freqs_TR2), dim=-1)
+    return emb_TR.cos(), emb_TR.sin()
+
+
+def apply_rope(x_THR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x*cos + rotate_half(x)*sin; cos/sin must already have x's dtype."""
+    half = x_THR.shape[-1] // 2
+    x1, x2 = x_THR[..., :half], x_THR[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x_THR * cos_TR[:, None, :] + rotated * sin_TR[:, None, :]
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU MLP: down(silu(gate(x)) * up(x)). Used for first_k_dense layers and the shared
+    expert; separate gate/up projections so TP can column-shard them without interleaving."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w_gate = nn.Linear(dim, hidden, bias=False)
+        self.w_up = nn.Linear(dim, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x_TD)) * self.w_up(x_TD))

@@ -1,0 +1,120 @@
+"""Losses: load-balancing aux losses (Switch per micro-batch, DeepSeek-V3 per sequence), router
+z-loss, and a chunked fused linear + cross-entropy that never holds fp32 logits for the whole row.
+
+Shapes: T tokens, E experts, K top-k, N documents, D model dim, V vocabulary.
+All router statistics are fp32 (or float64 for a float64 model).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longctx_moe.model.layers import autocast_dtype
+
+IGNORE_INDEX = -100
+
+
+def _normalised(scores_TE: torch.Tensor) -> torch.Tensor:
+    # Sigmoid scores do not sum to one; DeepSeek-V3 normalises them for the balance statistic.
+    return scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(torch.finfo(scores_TE.dtype).tiny)
+
+
+def switch_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+    """Switch-Transformer balance loss E * sum_e f_e * P_e over one micro-batch (1.0 when balanced).
+
+    f_e = fraction of the T*K assignments that went to e; P_e = mean normalised score of e."""
+    t, e = scores_TE.shape
+    if t == 0:
+        return scores_TE.sum()
+    k = topk_idx_TK.shape[1]
+    f_E = torch.bincount(topk_idx_TK.flatten(), minlength=e).to(scores_TE.dtype) / (t * k)
+    p_E = _normalised(scores_TE).mean(0)
+    return e * torch.dot(f_E, p_E)
+
+
+def sequence_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, doc_id_T: torch.Tensor,
+                      num_docs: int) -> torch.Tensor:
+    """DeepSeek-V3 sequence-wise balance loss of each document: [N], 0 for empty documents.
+
+    For document s with T_s tokens: E/(K T_s^2) * sum_e count_se * sum_t p_te. Padding (doc_id -1)
+    is skipped. A packed row's per-document values equal those of each document on its own."""
+    t, e = scores_TE.shape
+    k = topk_idx_TK.shape[1]
+    keep_T = doc_id_T >= 0
+    doc_T, scores_TE, idx_TK = doc_id_T[keep_T], scores_TE[keep_T], topk_idx_TK[keep_T]
+    flat = (doc_T[:, None] * e + idx_TK).flatten()
+    counts_NE = torch.bincount(flat, minlength=num_docs * e).view(num_docs, e).to(scores_TE.dtype)
+    psum_NE = scores_TE.new_zeros(num_docs, e).index_add_(0, doc_T, _normalised(scores_TE))
+    len_N = torch.bincount(doc_T, minlength=num_docs).to(scores_TE.dtype)
+    per_doc = (counts_NE * psum_NE).sum(-1) * e / (k * len_N.square().clamp_min(1))
+    return per_doc
+
+
+def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2 (0 for no tokens)."""
+    if logits_TE.shape[0] == 0:
+        return logits_TE.sum()
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum_t w_t * CE(h_t @ W^T, y_t) computed chunk by chunk; gradients are formed in the forward
+    (as Liger's fused linear CE does) so neither logits nor softmax are kept for the backward."""
+
+    @staticmethod
+    def forward(ctx, h_ND, w_VD, labels_N, weight_N, chunk, cdtype):
+        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        acc = torch.float64 if cdtype == torch.float64 else torch.float32
+        w_c = w_VD.to(cdtype)  # one cast per forward, not one per chunk
+        total = torch.zeros((), dtype=acc, device=h_ND.device)
+        grad_h = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        for s in range(0, h_ND.shape[0], chunk):
+            h_c = h_ND[s:s + chunk].to(cdtype)
+            y_c = labels_N[s:s + chunk]
+            logits_CV = (h_c @ w_c.t()).to(acc)  # fp32 logits of one chunk only
+            lse_C = torch.logsumexp(logits_CV, -1)
+            ce_C = lse_C - logits_CV.gather(1, y_c[:, None]).squeeze(1)
+            w_C = None if weight_N is None else weight_N[s:s + chunk].to(acc)
+            total += (ce_C if w_C is None else ce_C * w_C).sum()
+            if not want_grad:
+                continue
+            g_CV = logits_CV.sub_(lse_C[:, None]).exp_()  # softmax, in place over the logits
+            g_CV[torch.arange(y_c.numel(), device=y_c.device), y_c] -= 1
+            if w_C is not None:
+                g_CV.mul_(w_C[:, None])
+            g_CV = g_CV.to(cdtype)
+            if grad_h is not None:
+                grad_h[s:s + chunk] = g_CV @ w_c
+            if ctx.needs_input_grad[1]:
+                g_w = (g_CV.t() @ h_c).to(w_VD.dtype)
+                grad_w = g_w if grad_w is None else grad_w.add_(g_w)
+        if ctx.needs_input_grad[1] and grad_w is None:
+            grad_w = torch.zeros_like(w_VD)
+        ctx.save_for_backward(grad_h, grad_w)
+        return total.float() if acc == torch.float32 else total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
+        gw = None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)
+        return gh, gw, None, None, None, None
+
+
+def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor,
+                          loss_weight_T: torch.Tensor | None = None,
+                          chunk_tokens: int = 1024) -> tuple[torch.Tensor, int]:
+    """(ce_sum, num_targets): sum over target tokens (labels != -100) of loss_weight * CE of the
+    logits h @ W^T. h [T, D] (any float dtype), W [V, D]; ce_sum is fp32 (float64 for float64).
+
+    Only target rows are projected, chunk_tokens at a time, in the autocast dtype when autocast is on."""
+    if chunk_tokens < 1:
+        raise ValueError(f"model.loss_chunk_tokens={chunk_tokens} must be >= 1")
+    idx_N = (labels_T != IGNORE_INDEX).nonzero().squeeze(1)  # host sync: num_targets is a host int
+    h_ND = h_TD.index_select(0, idx_N)
+    labels_N = labels_T.index_select(0, idx_N)
+    weight_N = None if loss_weight_T is None else loss_weight_T.index_select(0, idx_N)
+    cdtype = autocast_dtype(h_ND)
+    ce_sum = _LinearCrossEntropy.apply(h_ND, w_VD, labels_N, weight_N, chunk_tokens, cdtype)
+    return ce_sum, int(idx_N.numel())

@@ -1,0 +1,183 @@
+"""Mixture-of-experts FFN: router, grouped experts, the single-device token dispatcher, and the
+MoE layer that ties them together with its balance statistics.
+
+Dispatch contract (docs/ARCHITECTURE.md):
+    router(x_TD) -> (topk_idx_TK, topk_weight_TK, aux)
+    dispatcher(x_TD, topk_idx_TK, topk_weight_TK, experts) -> y_TD
+    experts(x_MD, tokens_per_local_expert_E) -> y_MD   (rows sorted by local expert)
+Expert parallelism swaps `MoE.dispatcher` and slices `GroupedExperts` along dim 0.
+
+Shapes: T tokens, D model dim, E experts (local experts for GroupedExperts), K top-k,
+M = T*K routed rows, F expert hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longctx_moe.model.attention import DocLayout
+from longctx_moe.model.config import ModelConfig
+from longctx_moe.model.grouped_gemm import grouped_matmul
+from longctx_moe.model.layers import SwiGLU, autocast_dtype
+from longctx_moe.model.losses import router_z_loss, sequence_aux_loss, switch_aux_loss
+
+
+@dataclass
+class RouterAux:
+    logits_TE: torch.Tensor  # fp32 (float64 for a float64 model) router logits
+    scores_TE: torch.Tensor  # softmax or sigmoid of the logits (no bias)
+
+
+@dataclass
+class MoEStats:
+    aux_loss: torch.Tensor  # scalar, times cfg.aux_loss_coeff
+    z_loss: torch.Tensor  # scalar, times cfg.z_loss_coeff
+    counts_E: torch.Tensor  # int64 [E]: real tokens routed to each expert (after top-k)
+
+
+class Router(nn.Module):
+    """Linear scores -> softmax|sigmoid -> top-k (selection may add the aux-free expert bias) ->
+    weights from the unbiased scores, optionally renormalised. Math in fp32 regardless of autocast."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.score, self.renormalize = cfg.top_k, cfg.router_score, cfg.router_renormalize
+        self.use_bias, self.bias_rate = cfg.expert_bias, cfg.expert_bias_update_rate
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        # Aux-loss-free balancing bias (DeepSeek-V3): selection only, updated by update_bias.
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+
+    def forward(self, x_TD: torch.Tensor):
+        dtype = torch.float64 if x_TD.dtype == torch.float64 else torch.float32
+        with torch.autocast(x_TD.device.type, enabled=False):
+            logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
+        scores_TE = logits_TE.softmax(-1) if self.score == "softmax" else logits_TE.sigmoid()
+        select_TE = scores_TE + self.expert_bias.to(dtype) if self.use_bias else scores_TE
+        topk_idx_TK = torch.topk(select_TE, self.top_k, dim=-1).indices
+        topk_weight_TK = scores_TE.gather(1, topk_idx_TK)
+        if self.renormalize:
+            topk_weight_TK = topk_weight_TK / topk_weight_TK.sum(-1, keepdim=True).clamp_min(1e-20)
+        return topk_idx_TK, topk_weight_TK, RouterAux(logits_TE, scores_TE)
+
+    @torch.no_grad()
+    def update_bias(self, counts_E: torch.Tensor) -> None:
+        """bias += rate * sign(mean - count): under-loaded experts become more likely to be picked."""
+        counts = counts_E.to(self.expert_bias.device, torch.float32)
+        self.expert_bias.add_(self.bias_rate * torch.sign(counts.mean() - counts))
+
+
+class GroupedExperts(nn.Module):
+    """SwiGLU experts held as [E, ...] parameters, run as two grouped GEMMs.
+
+    w_gate_up [E, D, 2F] (gate columns first, then up), w_down [E, F, D]. EP slices dim 0 and sets
+    num_local_experts / expert_offset (the global index of local expert 0)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, impl: str = "auto"):
+        super().__init__()
+        self.num_local_experts, self.expert_offset, self.impl = num_experts, 0, impl
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden))
+        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+    def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        # _grouped_mm is not on autocast's list: cast by hand, once per forward per weight.
+        cdtype = autocast_dtype(x_MD)
+        x_MD = x_MD.to(cdtype)
+        h_MF2 = grouped_matmul(x_MD, self.w_gate_up.to(cdtype), tokens_per_expert_E, self.impl)
+        gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
+        act_MF = F.silu(gate_MF) * up_MF
+        return grouped_matmul(act_MF, self.w_down.to(cdtype), tokens_per_expert_E, self.impl)
+
+
+class _GatherRows(torch.autograd.Function):
+    """x_TD[token_M] where token_M = order // K lists each token K times in expert order. The
+    backward gathers instead of scatter-adding: g_TKD = g_MD[inv_order] summed over K."""
+
+    @staticmethod
+    def forward(ctx, x_TD, token_M, inv_order_M, k):
+        ctx.save_for_backward(inv_order_M)
+        ctx.k = k
+        return x_TD.index_select(0, token_M)
+
+    @staticmethod
+    def backward(ctx, g_MD):
+        (inv_order_M,) = ctx.saved_tensors
+        g_TKD = g_MD.index_select(0, inv_order_M).view(-1, ctx.k, g_MD.shape[-1])
+        return g_TKD.sum(1), None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """y[perm] for a permutation; the backward is the gather with the inverse permutation."""
+
+    @staticmethod
+    def forward(ctx, y_MD, perm_M, inv_perm_M):
+        ctx.save_for_backward(inv_perm_M)
+        return y_MD.index_select(0, perm_M)
+
+    @staticmethod
+    def backward(ctx, g_MD):
+        (inv_perm_M,) = ctx.saved_tensors
+        return g_MD.index_select(0, inv_perm_M), None, None
+
+
+class LocalDispatcher:
+    """Single-device dispatch: stable sort of the T*K assignments by expert (argsort + bincount, no
+    one-hot), grouped GEMM, un-sort, and the weighted sum over K as one batched matmul."""
+
+    def __call__(self, x_TD, topk_idx_TK, topk_weight_TK, experts: GroupedExperts) -> torch.Tensor:
+        t, k = topk_idx_TK.shape
+        flat_M = topk_idx_TK.flatten()
+        order_M = torch.argsort(flat_M, stable=True)
+        inv_order_M = torch.empty_like(order_M)
+        inv_order_M[order_M] = torch.arange(order_M.numel(), device=order_M.device)
+        counts_E = torch.bincount(flat_M, minlength=experts.num_local_experts)
+        x_MD = _GatherRows.apply(x_TD, order_M // k, inv_order_M, k)
+        y_MD = experts(x_MD, counts_E)
+        y_TKD = _Permute.apply(y_MD, inv_order_M, order_M).view(t, k, -1)
+        y_T1D = torch.bmm(topk_weight_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD)
+        return y_T1D.squeeze(1)
+
+
+class MoE(nn.Module):
+    """Routed experts (+ optional shared expert). forward(x_TD, layout) -> (y_TD, MoEStats)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_hidden_size,
+                                      cfg.grouped_gemm)
+        hs = cfg.shared_expert_hidden_size
+        self.shared = SwiGLU(cfg.hidden_size, hs) if hs > 0 else None
+        self.dispatcher = LocalDispatcher()
+
+    def forward(self, x_TD: torch.Tensor, layout: DocLayout):
+        topk_idx_TK, topk_weight_TK, aux = self.router(x_TD)
+        y_TD = self.dispatcher(x_TD, topk_idx_TK, topk_weight_TK, self.experts)
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+        return y_TD, self.stats(topk_idx_TK, aux, layout)
+
+    def stats(self, topk_idx_TK, aux: RouterAux, layout: DocLayout) -> MoEStats:
+        """Balance statistics over the real tokens of this micro-batch (padding skipped)."""
+        cfg, scores_TE, logits_TE = self.cfg, aux.scores_TE, aux.logits_TE
+        if layout.real_mask_T is not None:
+            keep = layout.real_mask_T
+            topk_idx_TK, scores_TE, logits_TE = topk_idx_TK[keep], scores_TE[keep], logits_TE[keep]
+        counts_E = torch.bincount(topk_idx_TK.flatten(), minlength=cfg.num_experts)
+        zero = scores_TE.new_zeros(())
+        if cfg.aux_loss_type == "switch":
+            aux_loss = cfg.aux_loss_coeff * switch_aux_loss(scores_TE, topk_idx_TK)
+        elif cfg.aux_loss_type == "seq":
+            doc_T = layout.doc_id_T if layout.real_mask_T is None else layout.doc_id_T[layout.real_mask_T]
+            per_doc_N = sequence_aux_loss(scores_TE, topk_idx_TK, doc_T, layout.num_docs)
+            # Mean over this micro-batch's documents (DeepSeek-V3 averages over sequences), so the
+            # scale does not grow with how many documents a row packs.
+            aux_loss = cfg.aux_loss_coeff * per_doc_N.sum() / max(layout.num_docs, 1)
+        else:
+            aux_loss = zero
+        z_loss = cfg.z_loss_coeff * router_z_loss(logits_TE) if cfg.z_loss_coeff else zero
+        return MoEStats(aux_loss=aux_loss, z_loss=z_loss, counts_E=counts_E)

@@ -1,0 +1,141 @@
+"""The MoE transformer on packed documents, and the API the trainer calls.
+
+Shapes: T physical tokens, D model dim, V vocabulary, L MoE layers, E experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from data_packing.batch import PackedBatch
+from longctx_moe.model.attention import Attention, DocLayout, doc_layout
+from longctx_moe.model.config import ModelConfig
+from longctx_moe.model.layers import RMSNorm, SwiGLU
+from longctx_moe.model.losses import chunked_cross_entropy
+from longctx_moe.model.moe import MoE, MoEStats
+
+
+@dataclass
+class ForwardOutput:
+    ce_sum: torch.Tensor  # fp32 scalar: sum over target tokens of (loss_weight *) cross-entropy
+    num_targets: int  # target tokens in this micro-batch
+    aux_loss: torch.Tensor  # scalar, already times aux_loss_coeff, summed over MoE layers
+    z_loss: torch.Tensor  # scalar, already times z_loss_coeff, summed over MoE layers
+    expert_counts: torch.Tensor  # int64 [L, E]: real tokens routed per expert after top-k
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(norm(x)); x + ffn(norm(x)) where ffn is MoE or a dense SwiGLU."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.is_moe = layer_idx >= cfg.first_k_dense
+        self.ffn = MoE(cfg) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.dense_hidden_size)
+
+    def forward(self, x_TD: torch.Tensor, layout: DocLayout) -> tuple[torch.Tensor, MoEStats | None]:
+        x_TD = x_TD + self.attn(self.attn_norm(x_TD), layout)
+        if self.is_moe:
+            h_TD, stats = self.ffn(self.ffn_norm(x_TD), layout)
+        else:
+            h_TD, stats = self.ffn(self.ffn_norm(x_TD)), None
+        return x_TD + h_TD, stats
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def output_weight(self) -> torch.Tensor:
+        """[V, D] projection to the vocabulary (the embedding when tied)."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def _run(self, batch: PackedBatch) -> tuple[torch.Tensor, list[MoEStats]]:
+        layout = doc_layout(batch)
+        x_TD = self.embed(batch.tokens)
+        stats = []
+        for block in self.layers:
+            x_TD, s = block(x_TD, layout)
+            if s is not None:
+                stats.append(s)
+        return self.norm(x_TD), stats
+
+    def hidden_states(self, batch: PackedBatch) -> torch.Tensor:
+        """x_TD after the final norm (fp32 residual stream under autocast)."""
+        return self._run(batch)[0]
+
+    def logits(self, batch: PackedBatch) -> torch.Tensor:
+        """logits_TV over the whole vocabulary (RL log-probs, HF parity); training uses forward()."""
+        return torch.nn.functional.linear(self.hidden_states(batch), self.output_weight())
+
+    def forward(self, batch: PackedBatch) -> ForwardOutput:
+        h_TD, stats = self._run(batch)
+        ce_sum, n = chunked_cross_entropy(h_TD, self.output_weight(), batch.labels,
+                                          batch.loss_weight, self.cfg.loss_chunk_tokens)
+        zero = h_TD.new_zeros((), dtype=torch.float32)
+        e = self.cfg.num_experts
+        counts = (torch.stack([s.counts_E for s in stats]) if stats
+                  else torch.zeros(0, e, dtype=torch.int64, device=h_TD.device))
+        return ForwardOutput(
+            ce_sum=ce_sum, num_targets=n,
+            aux_loss=sum((s.aux_loss for s in stats), zero),
+            z_loss=sum((s.z_loss for s in stats), zero),
+            expert_counts=counts,
+        )
+
+    def moe_layers(self) -> list[MoE]:
+        return [b.ffn for b in self.layers if b.is_moe]
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts_LE: torch.Tensor) -> None:
+        """Once per optimizer step with the step's expert counts (int [L, E], summed over the step's
+        micro-batches and data-parallel ranks). A no-op unless cfg.expert_bias."""
+        moe = self.moe_layers()
+        if tuple(counts_LE.shape) != (len(moe), self.cfg.num_experts):
+            raise ValueError(f"update_expert_bias: counts of shape {tuple(counts_LE.shape)}, expected "
+                             f"[num_moe_layers={len(moe)}, num_experts={self.cfg.num_experts}]; pass "
+                             "the sum of ForwardOutput.expert_counts over the step")
+        if not self.cfg.expert_bias:
+            return
+        for layer, counts_E in zip(moe, counts_LE, strict=True):
+            layer.router.update_bias(counts_E)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameter count; exclude_embedding drops the input embedding (kept when tied to the head)."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and self.lm_head is not None:
+            total -= self.embed.weight.numel()
+        return total
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) for every matrix, ones for norms, zero expert bias."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+        for layer in self.moe_layers():
+            layer.router.expert_bias.zero_()
+
+
+def build_model(cfg: ModelConfig) -> Transformer:
+    """A randomly initialised Transformer (deterministic under torch.manual_seed), fp32 on CPU."""
+    model = Transformer(cfg)
+    model.init_weights()
+    return model
+
+
+__all__ = ["Block", "ForwardOutput", "Transformer", "build_model"]
