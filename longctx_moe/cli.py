@@ -1,0 +1,75 @@
+"""The `longctx-moe` command: `train` (one process, or N local ranks with --nproc) and
+`plan-groups` (provided by longctx_moe.parallel.plan_groups, imported lazily)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a model from a YAML config")
+    p.add_argument("--config", required=True, help="YAML file, e.g. configs/tiny_cpu.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted override, repeatable: --set model.num_experts=16 --set train.steps=50")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="local ranks to launch through torch's elastic launcher (gloo on CPU, nccl on GPU)")
+
+
+def _train_argv(args: argparse.Namespace) -> list[str]:
+    argv = ["--config", args.config]
+    for item in args.overrides:
+        argv += ["--set", item]
+    return argv
+
+
+def launch_local(nproc: int, train_argv: list[str]) -> int:
+    """Run `python -m longctx_moe.train` on `nproc` local ranks (torchrun --standalone)."""
+    from torch.distributed.run import get_args_parser, run
+
+    launcher_args = get_args_parser().parse_args(
+        ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "--module", "longctx_moe.train",
+         *train_argv])
+    try:
+        run(launcher_args)
+    except Exception as e:  # ChildFailedError: the failing rank already printed its one-line error
+        print(f"error: a rank failed ({type(e).__name__}); see its message above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc < 1:
+        print(f"error: --nproc={args.nproc} must be >= 1", file=sys.stderr)
+        return 2
+    if args.nproc > 1:
+        return launch_local(args.nproc, _train_argv(args))
+    from longctx_moe.train import main as train_main
+
+    return train_main(_train_argv(args))
+
+
+def cmd_plan_groups(rest: list[str]) -> int:
+    try:
+        from longctx_moe.parallel.plan_groups import main as plan_main
+    except ImportError as e:
+        print(f"error: plan-groups is unavailable ({e}); it lives in longctx_moe.parallel.plan_groups",
+              file=sys.stderr)
+        return 2
+    return int(plan_main(rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "plan-groups":  # its own parser owns every flag after the name
+        return cmd_plan_groups(argv[1:])
+    parser = argparse.ArgumentParser(prog="longctx-moe", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    sub.add_parser("plan-groups", help="print the process groups of a parallel layout", add_help=False)
+    args = parser.parse_args(argv)
+    return cmd_train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""The run configuration: nested dataclasses, YAML loading, dotted overrides, validation.
+
+`Config` assembles the components' own configs (model, data, parallel, owned by their packages)
+with the trainer's (optim, train, checkpoint, logging, defined here). Every user-facing problem
+raises `ConfigError` with a one-line message naming the key, the cause and the fix; the CLI prints
+it without a traceback.
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["model.num_experts=16", "train.steps=10"])
+    write_config(cfg, run_dir / "config.yaml")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from data_packing.config import DataConfig
+from longctx_moe.model.config import ModelConfig
+from longctx_moe.parallel.config import ParallelConfig
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message is one line that names the key and the fix."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3  # peak learning rate, reached at the end of warmup
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio at train.steps
+    warmup_steps: int = 10
+    schedule: str = "cosine"  # cosine | linear | constant (all after a linear warmup)
+    weight_decay: float = 0.1  # applied to matrices only (not norms, biases)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    impl: str = "auto"  # auto | fused | foreach | for_loop: torch AdamW implementation
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100  # optimizer steps
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    param_dtype: str = "fp32"  # master weights and optimizer state: fp32 | fp64 (tests)
+    autocast_dtype: str = "bf16"  # compute dtype under autocast: bf16 | fp16 | none
+    nan_policy: str = "stop"  # stop | skip: what a non-finite loss or grad norm does
+    num_threads: int = 0  # intra-op CPU threads per rank; 0 = cores // local ranks
+    run_dir: str = "runs/default"
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # "" = <train.run_dir>/checkpoints
+    every_steps: int = 0  # 0 = only the final checkpoint
+    keep_last: int = 2  # older step directories are deleted; 0 keeps all
+    save_final: bool = True
+    resume: str = "auto"  # auto (latest in dir if any) | none | <path of a step directory>
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1  # write a metrics.jsonl line every N steps (the last step always)
+    progress_bar: bool = True
+    peak_tflops: float = 0.0  # per-rank peak for MFU; 0 = measure once with a bf16 matmul
+    metrics_file: str = "metrics.jsonl"  # relative to train.run_dir
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# Closed sets of string values. Keys owned by other packages are listed here so that a bad value
+# fails at load time rather than deep inside a module.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "optim.schedule": ("cosine", "linear", "constant"),
+    "optim.impl": ("auto", "fused", "foreach", "for_loop"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "train.param_dtype": ("fp32", "fp64"),
+    "train.autocast_dtype": ("bf16", "fp16", "none"),
+    "train.nan_policy": ("stop", "skip"),
+    "model.router_score": ("softmax", "sigmoid"),
+    "model.aux_loss_type": ("none", "switch", "seq"),
+    "model.grouped_gemm": ("auto", "grouped_mm", "loop"),
+    "model.attention_backend": ("auto", "torch_cpu", "torch_varlen", "flex", "flash_attn", "reference"),
+    "parallel.cp_backend": ("ring", "ulysses", "hierarchical"),
+    "parallel.dispatcher": ("alltoall", "allgather"),
+    "parallel.dispatch_dtype": ("none", "bf16", "fp8"),
+}
+
+# ---------------------------------------------------------------- building from dicts
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    # The dataclasses use `from __future__ import annotations`: resolve the string annotations.
+    return typing.get_type_hints(cls)
+
+
+def _unknown_key(prefix: str, name: str, options: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    hint = f"did you mean '{prefix}{close[0]}'?" if close else f"known keys: {', '.join(options)}"
+    return ConfigError(f"unknown config key '{prefix}{name}'; {hint}")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Convert a YAML value to the annotated type `tp`, or raise ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(key, value, args[0])
+    if value is None:
+        raise ConfigError(f"{key}: null is not allowed; give a {_type_name(tp)}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list like [1, 2], got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    """Instantiate dataclass `cls` from a mapping, recursing into nested dataclasses."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = _field_types(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for name, value in data.items():
+        if name not in hints:
+            raise _unknown_key(prefix, str(name), names)
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(f"{prefix}{name}", value, tp)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict) -> Config:
+    """Build and validate a Config from a nested mapping (unknown keys are errors)."""
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------- overrides
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' has no '='; write it as key=value, e.g. model.top_k=2")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # a plain string such as a path with ':' in it
+    return key, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Set dotted keys (`model.num_experts=16`) in the nested mapping `data`, in order.
+
+    Values are parsed as YAML scalars/lists (`true`, `null`, `[2, 2]`, `1e-3`) and coerced to the
+    field's type when the Config is built; unknown keys are reported there with a suggestion.
+    """
+    for item in overrides:
+        key, value = _parse_override(item)
+        _check_path(key)
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def _check_path(key: str) -> None:
+    """Report an unknown dotted key early, with a suggestion at the level that is wrong."""
+    cls: Any = Config
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"override '{key}': '{'.'.join(parts[:i])}' is a value, not a section")
+        hints = _field_types(cls)
+        if part not in hints:
+            prefix = ".".join(parts[:i]) + "." if i else ""
+            raise _unknown_key(prefix, part, list(hints))
+        cls = hints[part]
+    if dataclasses.is_dataclass(cls):
+        raise ConfigError(f"override '{key}' names a section; set one of its keys, e.g. {key}.{dataclasses.fields(cls)[0].name}=...")
+
+
+# ---------------------------------------------------------------- files
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist; pass an existing YAML file, e.g. configs/tiny_cpu.yaml")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise ConfigError(f"config file '{path}' is not valid YAML{where}: {problem}; fix the syntax there") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of sections (model:, data:, ...), got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (or start from defaults when `path` is None), apply overrides, validate."""
+    data = load_yaml(path) if path is not None else {}
+    apply_overrides(data, list(overrides or []))
+    return config_from_dict(data)
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def write_config(cfg: Config, path: str | Path) -> Path:
+    """Write the resolved config as YAML (atomically: temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    tmp.replace(path)
+    return path
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_choices(cfg: Config) -> None:
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        obj = getattr(cfg, section)
+        if not hasattr(obj, name):
+            continue  # a teammate renamed or removed the field; nothing to check
+        value = getattr(obj, name)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), allowed, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(allowed)}{hint}")
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _check_model(m: ModelConfig) -> None:
+    _require(m.top_k >= 1 and m.top_k <= m.num_experts,
+             f"model.top_k={m.top_k} must be in [1, model.num_experts={m.num_experts}]; lower top_k or raise num_experts")
+    _require(m.num_kv_heads >= 1 and m.num_heads % m.num_kv_heads == 0,
+             f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
+    for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "num_experts",
+                "expert_hidden_size", "loss_chunk_tokens"):
+        _require(getattr(m, key) >= 1, f"model.{key}={getattr(m, key)} must be >= 1")
+    _require(0 <= m.first_k_dense <= m.num_layers,
+             f"model.first_k_dense={m.first_k_dense} must be in [0, model.num_layers={m.num_layers}]")
+
+
+def _check_trainer(cfg: Config) -> None:
+    o, t = cfg.optim, cfg.train
+    _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
+    _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+             f"optim.betas={o.betas} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+    _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
+    _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
+    _require(t.param_dtype != "fp64" or t.autocast_dtype == "none",
+             f"train.param_dtype=fp64 with train.autocast_dtype={t.autocast_dtype} would compute in low precision; "
+             "set train.autocast_dtype=none")
+    _require(t.num_threads >= 0, f"train.num_threads={t.num_threads} must be >= 0 (0 = automatic)")
+    _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0 (0 = only at the end)")
+    _require(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last must be >= 0 (0 keeps all)")
+    _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be >= 1")
+    _require(cfg.logging.peak_tflops >= 0, "logging.peak_tflops must be >= 0 (0 = measure)")
+
+
+def _check_data(d: DataConfig) -> None:
+    _require(d.micro_batch_tokens >= 1, f"data.micro_batch_tokens={d.micro_batch_tokens} must be >= 1")
+    _require(d.global_batch_tokens >= d.micro_batch_tokens,
+             f"data.global_batch_tokens={d.global_batch_tokens} must be >= data.micro_batch_tokens={d.micro_batch_tokens}")
+
+
+def _run_component_validators(cfg: Config) -> None:
+    # Components may define their own `validate()`; their ValueErrors become ConfigErrors.
+    for section in ("model", "data", "parallel"):
+        check = getattr(getattr(cfg, section), "validate", None)
+        if callable(check):
+            try:
+                check()
+            except ValueError as e:
+                raise ConfigError(f"{section}: {e}") from None
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError (one line) for the first invalid value."""
+    _check_choices(cfg)
+    _check_model(cfg.model)
+    _check_data(cfg.data)
+    _check_trainer(cfg)
+    _run_component_validators(cfg)

@@ -1,0 +1,123 @@
+"""Per-step training metrics: expert-load statistics, MFU, the JSONL writer and the progress bar.
+
+Legend: L MoE layers, E experts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def expert_load_stats(counts_LE: torch.Tensor) -> dict[str, list[float]]:
+    """Per-layer load balance from token counts [L, E] (any numeric dtype).
+
+    min/max are each layer's least/most loaded expert relative to a perfectly even split
+    (1.0 = even; max = E means one expert took everything); cv is std/mean of the counts.
+    Layers that routed no tokens report zeros.
+    """
+    c = counts_LE.detach().to(torch.float64).cpu()
+    if c.ndim != 2 or c.shape[1] == 0:
+        return {"expert_load_min": [], "expert_load_max": [], "expert_load_cv": []}
+    mean = c.mean(dim=1, keepdim=True)
+    safe = torch.where(mean > 0, mean, torch.ones_like(mean))
+    rel = torch.where(mean > 0, c / safe, torch.zeros_like(c))
+    cv = torch.where(mean[:, 0] > 0, c.std(dim=1, unbiased=False) / safe[:, 0], torch.zeros_like(mean[:, 0]))
+    return {
+        "expert_load_min": [round(v, 4) for v in rel.min(dim=1).values.tolist()],
+        "expert_load_max": [round(v, 4) for v in rel.max(dim=1).values.tolist()],
+        "expert_load_cv": [round(v, 4) for v in cv.tolist()],
+    }
+
+
+def measure_peak_tflops(device: torch.device, size: int = 2048, repeats: int = 5) -> float:
+    """Median TFLOP/s of a bf16 `size`^3 matmul on `device` (the MFU denominator when none is
+    configured). Uses the current thread count, so on CPU it is the peak of this rank's share."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(2):  # warm-up: thread pools, kernel selection
+        a @ b
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 2 * size**3 / times[len(times) // 2] / 1e12
+
+
+def step_flops(model_cfg: Any, doc_lengths: list[int]) -> float | None:
+    """Training FLOPs (fwd + bwd) of the documents of one step, from the model's own count.
+
+    Returns None when the model package provides no FLOP model (MFU is then not reported).
+    """
+    try:
+        from longctx_moe.model.flops import model_flops
+    except ImportError:
+        return None
+    return float(model_flops(model_cfg, doc_lengths))
+
+
+class MetricsLogger:
+    """Appends one JSON object per logged step to `path` (rank 0 only) and drives a tqdm bar."""
+
+    def __init__(self, path: str | Path | None, total_steps: int, initial_step: int = 0,
+                 progress_bar: bool = True):
+        self.path = Path(path) if path is not None else None
+        self._file = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", buffering=1)  # line-buffered: survive a crash
+        self._bar = None
+        if progress_bar and self.path is not None:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step", dynamic_ncols=True)
+
+    def log(self, record: dict[str, Any], write: bool = True) -> None:
+        if self._file is not None and write:
+            self._file.write(json.dumps(_jsonable(record)) + "\n")
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(_postfix(record), refresh=False)
+
+    def message(self, text: str) -> None:
+        """Print a line without breaking the progress bar (rank 0 only)."""
+        if self._bar is not None:
+            self._bar.write(text)
+        elif self._file is not None:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def _postfix(record: dict[str, Any]) -> dict[str, str]:
+    out = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",
+           "tok/s": f"{record['tokens_per_s']:.0f}"}
+    if record.get("mfu") is not None:
+        out["mfu"] = f"{100 * record['mfu']:.1f}%"
+    return out
+
+
+def _jsonable(record: dict[str, Any]) -> dict[str, Any]:
+    # JSON has no NaN/inf: write them as strings so a diverged step stays readable.
+    def fix(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return str(v)
+        if isinstance(v, list):
+            return [fix(x) for x in v]
+        return v
+
+    return {k: fix(v) for k, v in record.items()}

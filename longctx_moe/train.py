@@ -1,0 +1,291 @@
+"""The training run: process setup, building the pieces, the step loop, checkpoints, metrics.
+
+Entry points: `longctx-moe train --config FILE [--set k=v ...] [--nproc N]` (see cli.py) and
+`torchrun --nproc-per-node N -m longctx_moe.train --config FILE [--set k=v ...]`, which runs
+`main` below on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from longctx_moe.checkpoint import (
+    CheckpointError,
+    find_resume_dir,
+    load_rank_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from longctx_moe.config import Config, ConfigError, load_config, write_config
+from longctx_moe.metrics import MetricsLogger, expert_load_stats, measure_peak_tflops
+from longctx_moe.trainer import NonFiniteLossError, StepResult, Trainer, iterate_steps
+
+# Errors a user can act on: printed as one line, no traceback.
+USER_ERRORS = (ConfigError, CheckpointError, NonFiniteLossError)
+
+
+@dataclass
+class RunContext:
+    rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    run_dir: Path
+    ckpt_dir: Path
+
+
+# ---------------------------------------------------------------------- process setup
+
+
+def init_distributed(device_kind: str) -> tuple[int, int, int]:
+    """(rank, world, local world) from torchrun's environment; init the default group if needed."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return 0, 1, 1
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def configure_cpu(cfg: Config, local_world_size: int) -> None:
+    # Denormal fp32 values (AdamW's second moments of tiny gradients) make sqrt/div crawl on x86.
+    torch.set_flush_denormal(True)
+    threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // local_world_size)
+    torch.set_num_threads(threads)
+
+
+def make_context(cfg: Config) -> RunContext:
+    kind = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) else "cpu"
+    rank, world, local_world = init_distributed(kind)
+    device = pick_device(cfg.train.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    configure_cpu(cfg, local_world)
+    run_dir = Path(cfg.train.run_dir)
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    return RunContext(rank, world, local_world, device, run_dir, ckpt_dir)
+
+
+# ---------------------------------------------------------------------- building
+
+
+def check_data_against_model(cfg: Config) -> dict:
+    """Read the packed corpus' metadata; the vocabulary must fit the model's embedding."""
+    from data_packing.loader import read_metadata
+
+    if not (Path(cfg.data.path) / "metadata.json").is_file():
+        raise ConfigError(f"data.path='{cfg.data.path}' has no metadata.json; run `make data` "
+                          "(or longctx-pack --output DIR) and set data.path=DIR")
+    meta = read_metadata(cfg.data.path)
+    if meta["vocab_size"] > cfg.model.vocab_size:
+        raise ConfigError(f"the corpus at data.path has vocab_size={meta['vocab_size']} > model.vocab_size="
+                          f"{cfg.model.vocab_size}; set model.vocab_size={meta['vocab_size']}")
+    return meta
+
+
+def pad_multiple(cfg: Config) -> int:
+    """Each document is padded to lcm(2*CP, TP): the CP load-balanced split halves it 2*CP ways,
+    sequence-parallel TP splits it TP ways."""
+    import math
+
+    cp, tp = cfg.parallel.cp, cfg.parallel.tp
+    return math.lcm(2 * cp if cp > 1 else 1, tp)
+
+
+def build_dims(cfg: Config, ctx: RunContext):
+    from longctx_moe.parallel.dims import ParallelDims
+
+    try:
+        dims = ParallelDims.from_config(cfg.parallel, ctx.world_size, cfg.model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    dims.build_groups(ctx.rank)
+    return dims
+
+
+def build_model_for(cfg: Config, dims: Any, device: torch.device) -> torch.nn.Module:
+    from longctx_moe.model import build_model
+
+    torch.manual_seed(cfg.train.seed)  # same init on every rank: replicas start identical
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}[cfg.train.param_dtype]
+    model = build_model(cfg.model).to(device=device, dtype=dtype)
+    # Tensor/context/expert parallelism is applied here, to the built single-device model, by
+    # `longctx_moe.parallel.parallelize(model, dims)` once that module exists.
+    if dims.world_size > 1 and (dims.tp, dims.cp, dims.ep) != (1, 1, 1):
+        try:
+            from longctx_moe.parallel.parallelize import parallelize
+        except ImportError:
+            raise ConfigError("parallel.tp/cp/ep > 1 needs longctx_moe.parallel.parallelize, which is not "
+                              "built yet; use data parallelism only (tp=cp=ep=1)") from None
+        model = parallelize(model, dims)
+    return model
+
+
+def build_loader(cfg: Config, dims: Any):
+    from data_packing.loader import build_step_loader
+
+    cfg.data.pad_multiple = pad_multiple(cfg)
+    return build_step_loader(cfg.data, dims.rank_in("dp", dims.rank or 0), dims.size("dp"))
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+def _resume_expectations(cfg: Config) -> dict:
+    return {"model": dataclasses.asdict(cfg.model), "parallel": dataclasses.asdict(cfg.parallel)}
+
+
+def save(trainer: Trainer, loader: Any, ctx: RunContext) -> Path:
+    state = trainer.state_dict()
+    state["loader"] = loader.state_dict() if hasattr(loader, "state_dict") else None
+    state["rng"] = rng_state()
+    return save_checkpoint(ctx.ckpt_dir, trainer.step, state, _resume_expectations(trainer.cfg),
+                           ctx.rank, ctx.world_size, trainer.cfg.checkpoint.keep_last)
+
+
+def maybe_resume(trainer: Trainer, loader: Any, ctx: RunContext) -> Path | None:
+    step_dir = find_resume_dir(ctx.ckpt_dir, trainer.cfg.checkpoint.resume)
+    if step_dir is None:
+        return None
+    _, state = load_rank_state(step_dir, ctx.rank, ctx.world_size, _resume_expectations(trainer.cfg))
+    trainer.load_state_dict(state, str(step_dir))
+    if state.get("loader") is not None and hasattr(loader, "load_state_dict"):
+        loader.load_state_dict(state["loader"])
+    set_rng_state(state["rng"])
+    return step_dir
+
+
+# ---------------------------------------------------------------------- the loop
+
+
+def peak_tflops(cfg: Config, ctx: RunContext) -> float:
+    """Per-rank peak for MFU: configured, or measured once on rank 0 and shared with all ranks."""
+    value = torch.tensor([cfg.logging.peak_tflops], dtype=torch.float64)
+    if value.item() <= 0 and ctx.rank == 0:
+        value.fill_(measure_peak_tflops(ctx.device))
+    if ctx.world_size > 1:
+        dist.broadcast(value, src=0)  # the default group: every rank of the run
+    return float(value.item())
+
+
+def step_record(res: StepResult, seconds: float, peak: float, world: int, step: int, epoch: Any) -> dict:
+    record = {"step": step, "loss": res.loss, "ce_loss": res.ce_loss, "aux_loss": res.aux_loss,
+              "z_loss": res.z_loss, "grad_norm": res.grad_norm, "lr": res.lr, "tokens": res.num_tokens,
+              "target_tokens": res.num_targets, "step_time_s": seconds,
+              "tokens_per_s": res.num_tokens / seconds,
+              "mfu": None if res.flops is None else res.flops / seconds / (peak * 1e12 * world),
+              "skipped": res.skipped, "epoch": epoch}
+    if res.expert_counts is not None:
+        record.update(expert_load_stats(res.expert_counts))
+    return record
+
+
+def fit(trainer: Trainer, loader: Any, ctx: RunContext, logger: MetricsLogger, peak: float) -> list[dict]:
+    """Run optimizer steps until train.steps; log every step, checkpoint as configured."""
+    cfg, records = trainer.cfg, []
+    total, every = cfg.train.steps, cfg.checkpoint.every_steps
+    for batches in iterate_steps(loader, trainer.step, total):
+        t0 = time.perf_counter()
+        res = trainer.train_step(batches)
+        record = step_record(res, time.perf_counter() - t0, peak, ctx.world_size, trainer.step,
+                             getattr(loader, "epoch", None))
+        records.append(record)
+        logger.log(record, write=trainer.step % cfg.logging.log_every == 0 or trainer.step == total)
+        if res.skipped:
+            logger.message(f"step {trainer.step}: non-finite loss/grad norm, update skipped (train.nan_policy=skip)")
+        if every and trainer.step % every == 0 and trainer.step != total:
+            save(trainer, loader, ctx)
+    if cfg.checkpoint.save_final:
+        save(trainer, loader, ctx)
+    return records
+
+
+def run(cfg: Config) -> dict:
+    """Train as configured; return a summary (run dir, metrics file, checkpoint dir, losses)."""
+    ctx = make_context(cfg)
+    dims = build_dims(cfg, ctx)
+    check_data_against_model(cfg)
+    model = build_model_for(cfg, dims, ctx.device)
+    loader = build_loader(cfg, dims)
+    trainer = Trainer(cfg, model, dims, ctx.device)
+    resumed = maybe_resume(trainer, loader, ctx)
+    metrics_path = ctx.run_dir / cfg.logging.metrics_file
+    if ctx.rank == 0:
+        write_config(cfg, ctx.run_dir / "config.yaml")
+        if resumed is None and metrics_path.exists():
+            metrics_path.unlink()  # a fresh run: do not append to an old run's metrics
+    peak = peak_tflops(cfg, ctx)
+    logger = MetricsLogger(metrics_path if ctx.rank == 0 else None, cfg.train.steps, trainer.step,
+                           cfg.logging.progress_bar)
+    if resumed is not None:
+        logger.message(f"resumed from {resumed} at step {trainer.step}")
+    try:
+        records = fit(trainer, loader, ctx, logger, peak)
+    finally:
+        logger.close()
+    return {"run_dir": str(ctx.run_dir), "metrics": str(metrics_path), "checkpoints": str(ctx.ckpt_dir),
+            "config": str(ctx.run_dir / "config.yaml"), "records": records, "rank": ctx.rank,
+            "peak_tflops": peak}
+
+
+def summarize(summary: dict) -> str:
+    recs = [r for r in summary["records"] if not r["skipped"]]
+    lines = [f"metrics:     {summary['metrics']}", f"checkpoints: {summary['checkpoints']}",
+             f"config:      {summary['config']}"]
+    if recs:
+        k = max(1, len(recs) // 10)
+        first = sum(r["loss"] for r in recs[:k]) / k
+        last = sum(r["loss"] for r in recs[-k:]) / k
+        tps = sorted(r["tokens_per_s"] for r in recs)[len(recs) // 2]
+        lines.insert(0, f"loss {first:.4f} (first {k} steps) -> {last:.4f} (last {k} steps); "
+                        f"median {tps:.0f} tokens/s over {len(summary['records'])} steps")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="longctx_moe.train", description="Train an MoE LM from a YAML config.")
+    p.add_argument("--config", required=True, help="YAML file, e.g. configs/tiny_cpu.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted override, repeatable: --set model.num_experts=16")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run on this rank (torchrun starts one per rank). User errors: one line, exit status 2."""
+    args = parse_args(argv)
+    try:
+        summary = run(load_config(args.config, args.overrides))
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if summary["rank"] == 0:
+        print(summarize(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

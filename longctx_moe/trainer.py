@@ -1,0 +1,209 @@
+"""The training loop: one optimizer step over a list of micro-batches, metrics, checkpoints.
+
+Loss normalisation (DESIGN.md "Losses"): for the micro-batches of one optimizer step on every
+data-parallel rank, G = the global number of target tokens (summed over DP). Each micro-batch
+contributes
+
+    loss_mb = ce_sum_mb / G + (aux_loss_mb + z_loss_mb) * n_mb / G
+
+so the gradients summed over micro-batches and over DP x CP ranks are exactly those of one big
+batch: the token-mean cross-entropy plus the token-weighted mean of the auxiliary losses. Never a
+mean per micro-batch (that would overweight short micro-batches).
+
+Gradient reduction is a bucketed all-reduce (SUM) after the last micro-batch, per reduction axis:
+dense parameters over `dp_cp`; a parameter carrying `reduce_axis = "edp"` (set by the expert-
+parallel wiring in `longctx_moe.parallel`) over `edp`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from data_packing.batch import PackedBatch
+from longctx_moe.config import Config
+from longctx_moe.metrics import step_flops
+from longctx_moe.optim import LRSchedule, build_optimizer, clip_grad_norm
+
+_BUCKET_BYTES = 64 * 2**20  # flattened all-reduce size: few collectives, bounded extra memory
+
+
+class NonFiniteLossError(RuntimeError):
+    """train.nan_policy=stop and a step produced a NaN/inf loss or gradient norm."""
+
+
+@dataclass
+class StepResult:
+    loss: float  # ce + aux + z, normalised as above and summed over the global batch
+    ce_loss: float
+    aux_loss: float
+    z_loss: float
+    grad_norm: float
+    lr: float
+    num_targets: int  # global target tokens (G)
+    num_tokens: int  # global real tokens (documents' lengths, no padding)
+    skipped: bool
+    expert_counts: torch.Tensor | None  # [L_moe, E] global token counts of this step
+    flops: float | None  # model FLOPs (fwd + bwd) of the global batch; None without a FLOP model
+
+
+def _group_size(dims: Any, name: str) -> int:
+    return 1 if dims is None else dims.size(name)
+
+
+def _all_reduce(t: torch.Tensor, dims: Any, name: str) -> torch.Tensor:
+    if _group_size(dims, name) > 1:
+        dist.all_reduce(t, group=dims.group(name))
+    return t
+
+
+class Trainer:
+    """Owns the model's optimizer and schedule and runs optimizer steps.
+
+    `model(batch: PackedBatch) -> ForwardOutput(ce_sum, num_targets, aux_loss, z_loss,
+    expert_counts [L_moe, E])`. `dims` is a built `ParallelDims` (None: a single process).
+    """
+
+    def __init__(self, cfg: Config, model: torch.nn.Module, dims: Any = None,
+                 device: torch.device | str = "cpu"):
+        self.cfg, self.model, self.dims = cfg, model, dims
+        self.device = torch.device(device)
+        self.optimizer = build_optimizer(model, cfg.optim)
+        self.schedule = LRSchedule(self.optimizer, cfg.optim, cfg.train.steps)
+        self.step = 0  # optimizer steps completed (including skipped ones)
+        self._params = [p for p in model.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ one step
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        name = self.cfg.train.autocast_dtype
+        if name == "none":
+            return contextlib.nullcontext()
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def step_totals(self, micro_batches: list[PackedBatch]) -> tuple[int, int, float | None]:
+        """(G target tokens, real tokens, model FLOPs) of this step over all DP ranks.
+
+        Every CP/TP rank of one DP replica holds the same (unsharded) micro-batches, so the sums
+        run over the dp axis only (one collective)."""
+        lengths = [n for mb in micro_batches for n in mb.doc_lengths()]
+        flops = step_flops(self.cfg.model, lengths)
+        local = [sum(mb.num_target_tokens() for mb in micro_batches), sum(lengths), flops or 0.0]
+        t = _all_reduce(torch.tensor(local, dtype=torch.float64), self.dims, "dp")
+        return int(t[0]), int(t[1]), (float(t[2]) if flops is not None else None)
+
+    def train_step(self, micro_batches: list[PackedBatch]) -> StepResult:
+        """Forward/backward over every micro-batch, reduce, clip, and (unless non-finite) update."""
+        lr = self.schedule.apply()
+        g, num_tokens, flops = self.step_totals(micro_batches)
+        if g == 0:
+            raise ValueError(f"step {self.step + 1}: the global batch has no target tokens (all labels are -100); "
+                             "check the data (documents of length >= 2) and data.global_batch_tokens")
+        sums, counts = self._accumulate(micro_batches, g)
+        self._reduce_gradients()
+        _all_reduce(sums, self.dims, "dp_cp")
+        if counts is not None:
+            _all_reduce(counts, self.dims, "dp_cp")
+        grad_norm = float(clip_grad_norm(self._params, self.cfg.optim.grad_clip))
+        loss = float(sums[0])
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if skipped:
+            self._on_non_finite(loss, grad_norm)
+        else:
+            self.optimizer.step()
+            if self.cfg.model.expert_bias and counts is not None:
+                self.model.update_expert_bias(counts.to(self.device))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.advance()
+        self.step += 1
+        return StepResult(loss=loss, ce_loss=float(sums[1]), aux_loss=float(sums[2]), z_loss=float(sums[3]),
+                          grad_norm=grad_norm, lr=lr, num_targets=g, num_tokens=num_tokens, skipped=skipped,
+                          expert_counts=counts, flops=flops)
+
+    def _accumulate(self, micro_batches: list[PackedBatch], g: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Backward every micro-batch; return sums [loss, ce, aux, z] (fp64) and the summed
+        expert counts [L_moe, E] (fp64) of this rank."""
+        sums = torch.zeros(4, dtype=torch.float64)
+        counts = None
+        for mb in micro_batches:
+            mb = mb.to(self.device)
+            n = mb.num_target_tokens()
+            with self.autocast():
+                out = self.model(mb)
+            ce = out.ce_sum / g
+            aux = (out.aux_loss + out.z_loss) * (n / g)
+            loss = ce + aux
+            loss.backward()
+            parts = torch.stack([torch.as_tensor(v, dtype=torch.float64).detach().cpu().reshape(())
+                                 for v in (loss, ce, out.aux_loss * (n / g), out.z_loss * (n / g))])
+            sums += parts
+            c = getattr(out, "expert_counts", None)
+            if c is not None:
+                c = c.detach().to(torch.float64).cpu()
+                counts = c if counts is None else counts + c
+        return sums, counts
+
+    def _reduce_gradients(self) -> None:
+        """Sum gradients over the data-parallel replicas, one flattened bucket at a time."""
+        by_axis: dict[str, list[torch.Tensor]] = {}
+        for p in self._params:
+            if p.grad is None:
+                # A parameter unused this step (e.g. an expert no token chose on this rank) still
+                # has to join the collective with zeros, or ranks would disagree on bucket layout.
+                p.grad = torch.zeros_like(p)
+            by_axis.setdefault(getattr(p, "reduce_axis", "dp_cp"), []).append(p.grad)
+        for axis, grads in by_axis.items():
+            if _group_size(self.dims, axis) > 1:
+                for bucket in _buckets(grads):
+                    flat = _flatten_dense_tensors(bucket)
+                    dist.all_reduce(flat, group=self.dims.group(axis))
+                    for g, r in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                        g.copy_(r)
+
+    def _on_non_finite(self, loss: float, grad_norm: float) -> None:
+        what = f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} " \
+               f"(loss={loss}, grad_norm={grad_norm}) at step {self.step + 1}"
+        if self.cfg.train.nan_policy == "stop":
+            raise NonFiniteLossError(f"{what}; lower optim.lr, check the data, or set train.nan_policy=skip")
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "schedule": self.schedule.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any], where: str = "checkpoint") -> None:
+        from longctx_moe.checkpoint import load_model_state
+
+        load_model_state(self.model, state["model"], where)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.step = int(state["step"])
+
+
+def _buckets(grads: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    bucket, size = [], 0
+    for g in grads:
+        # Flattening needs one dtype per bucket: start a new bucket when it changes.
+        if bucket and (size + g.numel() * g.element_size() > _BUCKET_BYTES or g.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+    if bucket:
+        yield bucket
+
+
+def iterate_steps(loader: Iterable[list[PackedBatch]], start_step: int, total_steps: int) -> Iterator[list[PackedBatch]]:
+    """The loader's steps until `total_steps` optimizer steps are done (resumed runs start later)."""
+    it = iter(loader)
+    for _ in range(start_step, total_steps):
+        yield next(it)
