@@ -18,3 +18,4 @@ class ParallelConfig:
     dispatcher: str = "alltoall"  # alltoall | allgather
     dispatch_dtype: str = "none"  # none | bf16 | fp8: payload compression of the expert all-to-all
     capacity_factor: float | None = None  # None: dropless
+    drop_policy: str = "probs"  # probs | position: which assignments over capacity are dropped

@@ -32,6 +32,7 @@ from longctx_moe.parallel.config import ParallelConfig
 CP_BACKENDS = ("ring", "ulysses", "hierarchical")
 DISPATCHERS = ("alltoall", "allgather")
 DISPATCH_DTYPES = ("none", "bf16", "fp8")
+DROP_POLICIES = ("probs", "position")
 
 # (group name, grid, axes spanned). Grids are the rank orderings above, slowest axis first.
 _ATTN_AXES = ("dp", "cp", "tp")
@@ -83,6 +84,8 @@ def _check_options(cfg: ParallelConfig) -> None:
               f"{DISPATCH_DTYPES}")
     if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:
         _fail(f"parallel.capacity_factor={cfg.capacity_factor} must be > 0, or null for dropless")
+    if cfg.drop_policy not in DROP_POLICIES:
+        _fail(f"parallel.drop_policy={cfg.drop_policy!r} is unknown; use one of {DROP_POLICIES}")
 
 
 def _check_hierarchical(cfg: ParallelConfig) -> tuple[int, int]:

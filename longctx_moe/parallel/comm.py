@@ -1,0 +1,157 @@
+"""Autograd-aware variable-size collectives for expert parallelism, with payload compression.
+
+Legend: N rows (token copies) of D features; splits are host lists of row counts, one per rank.
+
+- `all_to_all_rows(x_ND, send_splits, recv_splits, group, codec)`: rows [sum(send)] -> rows
+  [sum(recv)]; backward is the reverse all-to-all of the gradient.
+- `all_gather_rows(x_ND, sizes, group)`: every rank's rows concatenated in rank order; backward
+  sums each rank's slice of the gradient back to its owner (a reduce-scatter done as an
+  all-to-all, because the row counts differ per rank).
+
+Payload codecs (`make_codec`): "none", "bf16", "fp8". The fp8 codec sends e4m3 values with one
+fp32 scale per row (s = amax(|x_row|) / 448), packed into one uint8 buffer so a single all-to-all
+carries both. Round-trip bound per element (e4m3 has 3 mantissa bits; its smallest subnormal
+step is 2^-9 in scaled units):
+
+    |decode(encode(x)) - x| <= 2^-4 * |x| + 2^-10 * s        (FP8_REL_BOUND, FP8_ABS_BOUND)
+
+Quantisation is treated as the identity in backward (straight-through); gradients travel in the
+codec's `grad` codec (bf16 for the fp8 codec: e4m3 is for activations, as in DeepEP / MegaScale).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+FP8_MAX = 448.0  # largest finite torch.float8_e4m3fn
+FP8_REL_BOUND = 2.0**-4  # half a unit in the last place of a 3-bit mantissa
+FP8_ABS_BOUND = 2.0**-10  # half the subnormal step 2^-9, times the row scale
+
+
+class Codec:
+    """Identity codec: rows travel in their own dtype."""
+
+    name = "none"
+
+    def encode(self, x_ND: torch.Tensor) -> torch.Tensor:
+        return x_ND.contiguous()
+
+    def decode(self, buf: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
+        return buf.to(dtype)
+
+    def wire_bytes_per_row(self, dim: int, dtype: torch.dtype) -> int:
+        return dim * torch.empty((), dtype=dtype).element_size()
+
+    def grad(self) -> Codec:
+        return self
+
+
+class BF16Codec(Codec):
+    name = "bf16"
+
+    def encode(self, x_ND):
+        return x_ND.to(torch.bfloat16).contiguous()
+
+    def wire_bytes_per_row(self, dim, dtype):
+        return 2 * dim
+
+
+class FP8Codec(Codec):
+    """e4m3 values plus one fp32 scale per row, in one uint8 buffer [N, D + 4]."""
+
+    name = "fp8"
+
+    def encode(self, x_ND):
+        x32 = x_ND.to(torch.float32)
+        # tiny floor: an all-zero row gets scale > 0 and encodes as zeros.
+        scale_N1 = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1e-30)
+        q_ND = (x32 / scale_N1).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return torch.cat([q_ND.view(torch.uint8), scale_N1.view(torch.uint8)], dim=1)
+
+    def decode(self, buf, dtype, dim):
+        q_ND = buf[:, :dim].contiguous().view(torch.float8_e4m3fn)
+        scale_N1 = buf[:, dim:].contiguous().view(torch.float32)
+        return (q_ND.to(torch.float32) * scale_N1).to(dtype)
+
+    def wire_bytes_per_row(self, dim, dtype):
+        return dim + 4
+
+    def grad(self):
+        return BF16Codec()
+
+
+def make_codec(name: str) -> Codec:
+    """'none' | 'bf16' | 'fp8' -> codec."""
+    codecs = {"none": Codec, "bf16": BF16Codec, "fp8": FP8Codec}
+    if name not in codecs:
+        raise ValueError(f"dispatch_dtype={name!r} is unknown; use one of {tuple(codecs)}")
+    return codecs[name]()
+
+
+def _a2a_raw(x_ND, send_splits, recv_splits, group, codec):
+    buf = codec.encode(x_ND)
+    out = buf.new_empty((sum(recv_splits),) + tuple(buf.shape[1:]))
+    dist.all_to_all_single(out, buf, recv_splits, send_splits, group=group)
+    return codec.decode(out, x_ND.dtype, x_ND.shape[1])
+
+
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, send_splits, recv_splits, group, codec):
+        ctx.meta = (send_splits, recv_splits, group, codec)
+        return _a2a_raw(x_ND, send_splits, recv_splits, group, codec)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        send_splits, recv_splits, group, codec = ctx.meta
+        grad = _a2a_raw(grad_ND.contiguous(), recv_splits, send_splits, group, codec.grad())
+        return grad, None, None, None, None
+
+
+def all_to_all_rows(x_ND: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                    group, codec: Codec | None = None) -> torch.Tensor:
+    """Send rows [sum(send_splits), D] in rank order; return received rows [sum(recv_splits), D]."""
+    return _AllToAllRows.apply(x_ND, list(send_splits), list(recv_splits), group, codec or Codec())
+
+
+class _AllGatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, sizes, rank, group):
+        ctx.meta = (sizes, rank, group)
+        pad = max(sizes)
+        # dist.all_gather needs equal shapes: pad every rank's rows to the largest count.
+        padded = x_ND.new_zeros((pad,) + tuple(x_ND.shape[1:]))
+        padded[: x_ND.shape[0]] = x_ND
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        sizes, rank, group = ctx.meta
+        n = sizes[rank]
+        # Slice r of the gradient belongs to rank r: send it there and sum what arrives.
+        recv = _a2a_raw(grad_MD.contiguous(), sizes, [n] * len(sizes), group, Codec())
+        return recv.view(len(sizes), n, *grad_MD.shape[1:]).sum(0), None, None, None
+
+
+def all_gather_rows(x_ND: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """Concatenate every rank's rows ([sizes[r], ...] on rank r) in rank order; autograd-aware."""
+    return _AllGatherRows.apply(x_ND, list(sizes), dist.get_rank(group), group)
+
+
+def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
+    """All-to-all of an int64 [R, C] table: row r goes to rank r; returns [R, C] from each rank."""
+    recv = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
+    return recv
+
+
+def gather_sizes(n: int, group) -> list[int]:
+    """Every rank's host int `n`, in rank order."""
+    size_R = torch.zeros(dist.get_world_size(group), dtype=torch.int64)
+    mine = torch.tensor([n], dtype=torch.int64)
+    parts = list(size_R.split(1))
+    dist.all_gather(parts, mine, group=group)
+    return [int(p) for p in parts]

@@ -1,0 +1,235 @@
+"""Expert-parallel token dispatchers: all-to-all and all-gather over the EP group.
+
+Legend: T local tokens, D model dim, K top-k, E experts in total, R ranks in the EP group,
+L = E / R experts held per rank (rank r holds experts [r*L, (r+1)*L)), N kept (token, expert)
+assignments of this rank, M rows this rank's experts process, G tokens gathered over the group.
+
+Contract (docs/ARCHITECTURE.md):
+    dispatcher(x_TD, topk_idx_TK, topk_weight_TK, experts) -> y_TD
+    y[t] = sum_k topk_weight[t, k] * expert_{topk_idx[t, k]}(x[t])   (dropped assignments add 0)
+where `experts(x_MD, tokens_per_local_expert_L) -> y_MD` runs this rank's L experts on rows sorted
+by local expert (`tokens_per_local_expert_L`: int64 [L] on x's device, sums to M).
+
+Dropless by default. With `capacity_factor`, each expert keeps at most
+ceil(capacity_factor * T * K / E) assignments *from each source rank* (decided on the owner of the
+tokens, before any communication, as Megatron-Core does); `drop_policy` "probs" keeps the highest
+weights, "position" the earliest tokens. Both dispatchers give identical results.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from longctx_moe.parallel.comm import (
+    all_gather_rows,
+    all_to_all_rows,
+    exchange_counts,
+    gather_sizes,
+    make_codec,
+)
+from longctx_moe.parallel.dims import DROP_POLICIES
+
+
+
+@dataclass
+class Routing:
+    """Kept assignments sorted by expert (ties in token order)."""
+
+    token_N: torch.Tensor  # int64 local token index
+    expert_N: torch.Tensor  # int64 global expert id
+    weight_N: torch.Tensor  # combine weight, differentiable
+    counts_E: torch.Tensor  # int64 kept assignments per expert
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Assignments one expert accepts from one rank's `num_tokens` tokens."""
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def _check_inputs(x_TD, topk_idx_TK, topk_weight_TK, num_experts):
+    if x_TD.dim() != 2:
+        raise ValueError(f"x must be [T, D], got shape {tuple(x_TD.shape)}; flatten the batch first")
+    if topk_idx_TK.shape != topk_weight_TK.shape or topk_idx_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(f"topk_idx {tuple(topk_idx_TK.shape)} and topk_weight "
+                         f"{tuple(topk_weight_TK.shape)} must both be [T={x_TD.shape[0]}, K]")
+    if topk_idx_TK.dtype.is_floating_point:
+        raise ValueError(f"topk_idx must be an integer tensor, got {topk_idx_TK.dtype}")
+    if topk_idx_TK.numel() and (topk_idx_TK.min() < 0 or topk_idx_TK.max() >= num_experts):
+        raise ValueError(f"topk_idx holds ids outside [0, {num_experts}); the router and the "
+                         "dispatcher disagree on num_experts")
+
+
+def _capacity_keep(expert_N, weight_N, num_tokens, top_k, num_experts, factor, policy):
+    """Bool mask [N]: the first `capacity` assignments of each expert in policy order."""
+    cap = expert_capacity(num_tokens, top_k, num_experts, factor)
+    n = expert_N.numel()
+    # Policy order first (stable, so ties keep token order), then group by expert (stable).
+    pre = torch.argsort(-weight_N.detach(), stable=True) if policy == "probs" else torch.arange(n)
+    order = pre[torch.argsort(expert_N[pre], stable=True)]
+    counts = torch.bincount(expert_N, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.arange(n) - starts[expert_N[order]]
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[order] = rank_in_expert < cap
+    return keep
+
+
+def route(topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor, num_experts: int,
+          capacity_factor: float | None = None, drop_policy: str = "probs") -> Routing:
+    """Flatten top-k choices into assignments sorted by expert, applying the capacity if any."""
+    T, K = topk_idx_TK.shape
+    dev = topk_idx_TK.device
+    expert_N = topk_idx_TK.reshape(-1).long()
+    token_N = torch.arange(T, device=dev).repeat_interleave(K)
+    weight_N = topk_weight_TK.reshape(-1)
+    if capacity_factor is not None:
+        keep = _capacity_keep(expert_N.cpu(), weight_N.cpu(), T, K, num_experts, capacity_factor,
+                              drop_policy).to(dev)
+        expert_N, token_N, weight_N = expert_N[keep], token_N[keep], weight_N[keep]
+    order = torch.argsort(expert_N, stable=True)
+    return Routing(token_N[order], expert_N[order], weight_N[order],
+                   torch.bincount(expert_N, minlength=num_experts))
+
+
+def combine(y_ND: torch.Tensor, routing: Routing, num_tokens: int) -> torch.Tensor:
+    """y_TD[t] = sum of weight * y over the assignments of token t (zeros for unrouted tokens)."""
+    w_N1 = routing.weight_N.unsqueeze(1).to(y_ND.dtype)
+    out = y_ND.new_zeros((num_tokens, y_ND.shape[1]))
+    return out.index_add(0, routing.token_N, y_ND * w_N1)
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+class _EPDispatcher:
+    """Shared set-up: the EP group, expert ownership, capacity and the checks on `experts`."""
+
+    def __init__(self, num_experts: int, group=None, capacity_factor: float | None = None,
+                 drop_policy: str = "probs"):
+        self.group = group
+        self.ep_size = 1 if group is None else dist.get_world_size(group)
+        self.ep_rank = 0 if group is None else dist.get_rank(group)
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size "
+                             f"{self.ep_size}; choose ep dividing the number of experts")
+        if drop_policy not in DROP_POLICIES:
+            raise ValueError(f"drop_policy={drop_policy!r} is unknown; use one of {DROP_POLICIES}")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be > 0, or None for dropless")
+        self.num_experts, self.local_experts = num_experts, num_experts // self.ep_size
+        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.wire_bytes = 0  # payload bytes this rank sent to other ranks in the last forward
+
+    def _route(self, x_TD, topk_idx_TK, topk_weight_TK, experts) -> Routing:
+        _check_inputs(x_TD, topk_idx_TK, topk_weight_TK, self.num_experts)
+        held = getattr(experts, "num_local_experts", self.local_experts)
+        if held != self.local_experts:
+            raise ValueError(f"experts holds {held} experts but EP={self.ep_size} over "
+                             f"{self.num_experts} experts gives {self.local_experts} per rank; "
+                             "shard the experts with the same EP size")
+        return route(topk_idx_TK, topk_weight_TK, self.num_experts, self.capacity_factor,
+                     self.drop_policy)
+
+    def _remote_rows(self, splits: list[int]) -> int:
+        return sum(n for r, n in enumerate(splits) if r != self.ep_rank)
+
+
+class AllToAllDispatcher(_EPDispatcher):
+    """Permute by expert, all-to-all with split sizes, sort by local expert, experts(), and back.
+
+    `dispatch_dtype` compresses the payloads: "bf16" both ways; "fp8" sends the tokens as e4m3
+    with per-token scales and brings the outputs back in bf16 (see comm.py for the bound).
+    """
+
+    def __init__(self, num_experts: int, group=None, capacity_factor: float | None = None,
+                 drop_policy: str = "probs", dispatch_dtype: str = "none"):
+        super().__init__(num_experts, group, capacity_factor, drop_policy)
+        self.codec = make_codec(dispatch_dtype)
+        self.combine_codec = self.codec.grad()
+
+    def __call__(self, x_TD, topk_idx_TK, topk_weight_TK, experts):
+        routing = self._route(x_TD, topk_idx_TK, topk_weight_TK, experts)
+        x_ND = x_TD.index_select(0, routing.token_N)
+        if self.ep_size == 1:
+            self.wire_bytes = 0
+            return combine(experts(x_ND, routing.counts_E), routing, x_TD.shape[0])
+        R, L = self.ep_size, self.local_experts
+        send_RL = routing.counts_E.view(R, L).cpu()
+        recv_RL = exchange_counts(send_RL, self.group)  # row s: what rank s sends to my experts
+        send, recv = send_RL.sum(1).tolist(), recv_RL.sum(1).tolist()
+        x_MD = all_to_all_rows(x_ND, send, recv, self.group, self.codec)
+        # Rows arrive grouped by source rank, then local expert; experts() wants expert-major.
+        expert_M = torch.arange(L).repeat(R).repeat_interleave(recv_RL.flatten())
+        order_M = torch.argsort(expert_M, stable=True).to(x_TD.device)
+        y_MD = experts(x_MD.index_select(0, order_M), recv_RL.sum(0).to(x_TD.device))
+        y_MD = y_MD.index_select(0, _inverse(order_M))
+        y_ND = all_to_all_rows(y_MD, recv, send, self.group, self.combine_codec)
+        D, dtype = x_TD.shape[1], x_TD.dtype
+        self.wire_bytes = (self._remote_rows(send) * self.codec.wire_bytes_per_row(D, dtype)
+                           + self._remote_rows(recv) * self.combine_codec.wire_bytes_per_row(D, dtype))
+        return combine(y_ND, routing, x_TD.shape[0])
+
+
+class AllGatherDispatcher(_EPDispatcher):
+    """All-gather every token of the EP group, run the local experts, reduce-scatter the outputs.
+
+    Simpler and latency-friendly for few tokens; sends R-1 copies of every token, so it loses to
+    the all-to-all once top-k * R is small relative to R (see bench/moe_dispatch.py).
+    """
+
+    def __call__(self, x_TD, topk_idx_TK, topk_weight_TK, experts):
+        routing = self._route(x_TD, topk_idx_TK, topk_weight_TK, experts)
+        if self.ep_size == 1:
+            self.wire_bytes = 0
+            x_ND = x_TD.index_select(0, routing.token_N)
+            return combine(experts(x_ND, routing.counts_E), routing, x_TD.shape[0])
+        T, R = x_TD.shape[0], self.ep_size
+        sizes = gather_sizes(T, self.group)
+        if max(sizes) == 0:  # the whole group is empty (every rank knows: no collective follows)
+            self.wire_bytes = 0
+            return x_TD * 0
+        x_GD = all_gather_rows(x_TD, sizes, self.group)
+        mine = self._local_assignments(routing, sizes)
+        y_ND = experts(x_GD.index_select(0, mine.token_N), mine.counts_E)
+        part_GD = combine(y_ND, mine, x_GD.shape[0])
+        # Reduce-scatter with uneven sizes: slice r goes to rank r, which sums R partials.
+        y_RTD = all_to_all_rows(part_GD, sizes, [T] * R, self.group)
+        row = x_TD.shape[1] * x_TD.element_size()
+        self.wire_bytes = (R - 1) * max(sizes) * row + (sum(sizes) - T) * row
+        return y_RTD.view(R, T, x_TD.shape[1]).sum(0)
+
+    def _local_assignments(self, routing: Routing, sizes: list[int]) -> Routing:
+        """Every rank's kept assignments to this rank's experts, sorted by local expert."""
+        offset = sum(sizes[: self.ep_rank])
+        ids_N2 = torch.stack([routing.token_N + offset, routing.expert_N], dim=1).cpu()
+        n_sizes = gather_sizes(ids_N2.shape[0], self.group)
+        ids_A2 = all_gather_rows(ids_N2, n_sizes, self.group)
+        w_A = all_gather_rows(routing.weight_N.unsqueeze(1), n_sizes, self.group).squeeze(1)
+        local_A = ids_A2[:, 1] - self.ep_rank * self.local_experts
+        sel = torch.nonzero((local_A >= 0) & (local_A < self.local_experts)).squeeze(1)
+        order = sel[torch.argsort(local_A[sel], stable=True)]
+        dev = routing.token_N.device
+        return Routing(ids_A2[order, 0].to(dev), local_A[order].to(dev), w_A[order.to(w_A.device)],
+                       torch.bincount(local_A[sel], minlength=self.local_experts).to(dev))
+
+
+def build_dispatcher(dims, cfg, num_experts: int):
+    """The dispatcher `cfg` (ParallelConfig) asks for, over `dims`' EP group."""
+    if dims.etp > 1:
+        raise ValueError(f"etp={dims.etp}: tensor-parallel experts are not implemented by the "
+                         "dispatchers yet; use etp=1")
+    group = dims.group("ep") if dims.ep > 1 else None
+    if cfg.dispatcher == "allgather":
+        if cfg.dispatch_dtype != "none":
+            raise ValueError(f"dispatch_dtype={cfg.dispatch_dtype!r} compresses the all-to-all "
+                             "only; use dispatcher=alltoall or dispatch_dtype=none")
+        return AllGatherDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy)
+    return AllToAllDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,
+                              cfg.dispatch_dtype)
