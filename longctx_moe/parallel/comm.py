@@ -125,7 +125,7 @@ class _AllGatherRows(torch.autograd.Function):
         padded[: x_ND.shape[0]] = x_ND
         parts = [torch.empty_like(padded) for _ in sizes]
         dist.all_gather(parts, padded, group=group)
-        return torch.cat([p[:n] for p, n in zip(parts, sizes)])
+        return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
 
     @staticmethod
     def backward(ctx, grad_MD):

@@ -34,7 +34,6 @@ from longctx_moe.parallel.comm import (
 from longctx_moe.parallel.dims import DROP_POLICIES
 
 
-
 @dataclass
 class Routing:
     """Kept assignments sorted by expert (ties in token order)."""

@@ -97,7 +97,7 @@ def _check_all_cases(rank, world):
         want = (ref[0][s], ref[1][s], ref[2], ref[3][e], ref[4][e])
         for cls in (AllToAllDispatcher, AllGatherDispatcher):
             got = _run_sharded(cls, rank, *data, sizes, cap, policy)
-            for what, a, b in zip(("y", "dx", "drouter", "dw1", "dw2"), got, want):
+            for what, a, b in zip(("y", "dx", "drouter", "dw1", "dw2"), got, want, strict=True):
                 b = torch.zeros_like(a) if b is None else b  # an expert with no token
                 a = torch.zeros_like(b) if a is None else a
                 err = (a - b).abs().max().item() if a.numel() else 0.0
