@@ -47,7 +47,7 @@ class PackedBatch:
         """bool [T]: True at real (non-padding) positions."""
         mask = torch.zeros(self.num_tokens, dtype=torch.bool, device=self.tokens.device)
         lens = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-        for start, n in zip(self.cu_seqlens_padded[:-1].tolist(), lens.tolist()):
+        for start, n in zip(self.cu_seqlens_padded[:-1].tolist(), lens.tolist(), strict=True):
             mask[start:start + n] = True
         return mask
 
@@ -85,7 +85,7 @@ def labels_from_tokens(tokens: torch.Tensor, cu_seqlens: torch.Tensor,
     token and at padding."""
     labels = torch.full_like(tokens, IGNORE_INDEX)
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    for start, n in zip(cu_seqlens_padded[:-1].tolist(), lens):
+    for start, n in zip(cu_seqlens_padded[:-1].tolist(), lens, strict=True):
         if n > 1:
             labels[start:start + n - 1] = tokens[start + 1:start + n]
     return labels
@@ -96,6 +96,6 @@ def position_ids_from_cu(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tens
     """int64 [T]: 0..len-1 inside each document, 0 at padding."""
     pos = torch.zeros(total, dtype=torch.long)
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    for start, n in zip(cu_seqlens_padded[:-1].tolist(), lens):
+    for start, n in zip(cu_seqlens_padded[:-1].tolist(), lens, strict=True):
         pos[start:start + n] = torch.arange(n)
     return pos

@@ -1,0 +1,63 @@
+"""`longctx-pack`: tokenize and pack a corpus into memory-mapped rows (see `pipeline.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from data_packing.packing import ALGORITHMS, OVERFLOW_MODES
+from data_packing.pipeline import PackArgs, pack, report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="longctx-pack", description="Tokenize documents and pack them into rows with exact "
+        "document boundaries (memory-mapped shards + metadata.json).")
+    p.add_argument("--source", nargs="+", dest="sources", default=["stdlib"], metavar="PATH",
+                   help="`stdlib` (the Python standard library's .py files; default), JSONL/Parquet/"
+                   "Arrow files or globs, or a saved `datasets` directory")
+    p.add_argument("--output", required=True, help="output directory")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer", help="a `tokenizers` JSON file")
+    tok.add_argument("--train-tokenizer", type=int, metavar="VOCAB",
+                     help="train a byte-level BPE of this vocabulary size on the input")
+    p.add_argument("--vocab-size", type=int, help="vocabulary size of --ids-key data without a tokenizer")
+    p.add_argument("--text-key", default="text")
+    p.add_argument("--ids-key", help="column of pre-tokenized ids (no tokenization)")
+    p.add_argument("--messages-key", default="messages", help="column of chat records "
+                   "(lists of {role, content}); loss only on assistant turns")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="bfd")
+    p.add_argument("--overflow", choices=OVERFLOW_MODES, default="split",
+                   help="documents longer than --seq-len: split into pieces, truncate, or drop")
+    p.add_argument("--cp-size", type=int, default=1)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--append-eos", action="store_true", help="end every document with EOS")
+    p.add_argument("--eos-token", help="EOS token of --tokenizer (default: a common name)")
+    p.add_argument("--pad-token", help="padding token (default: <|pad|>, else EOS)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="tokenizer threads (does not change the output)")
+    p.add_argument("--max-docs", type=int, help="only the first N input documents (dry runs)")
+    p.add_argument("--num-shards", type=int, default=1)
+    p.add_argument("--shard-index", type=int, help="build only this shard (parallel jobs)")
+    p.add_argument("--overwrite", action="store_true", help="replace an incompatible output")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    args = PackArgs(**vars(ns))
+    try:
+        result = pack(args)
+    except (ValueError, FileExistsError) as e:
+        print(f"longctx-pack: error: {e}", file=sys.stderr)
+        return 2
+    print(report(result, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

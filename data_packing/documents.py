@@ -1,0 +1,143 @@
+"""Turn raw records into token arrays (and chat loss masks), counting every record that is dropped.
+
+Record kinds (see `sources.Corpus.kind`):
+- "text": str, or bytes that must be valid UTF-8 (the stdlib source reads files as bytes);
+- "ids": a list of token ids in [0, vocab_size);
+- "chat": a list of {"role": str, "content": str} messages, rendered as
+  "<|role|>\\n" + content + "\\n" per message. Only the content (and its newline) of assistant
+  messages carries a loss: mask 1 there, 0 elsewhere (role headers, user and system turns).
+
+Dropped records are counted by reason (DROP_REASONS) so that
+docs_in == docs_packed + sum(dropped) always holds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from data_packing.tokenizer import encode_texts
+
+DROP_REASONS = ("empty", "invalid_utf8", "missing_value", "bad_record")
+
+
+@dataclass
+class Tokenized:
+    """Good documents of one chunk, in input order. tokens: int32 [L] each; masks: uint8 [L] each
+    (chat corpora only)."""
+
+    index: list[int] = field(default_factory=list)
+    tokens: list[np.ndarray] = field(default_factory=list)
+    masks: list[np.ndarray] | None = None
+    dropped: Counter = field(default_factory=Counter)
+
+
+def _as_text(value) -> tuple[str | None, str | None]:
+    """(text, None) or (None, drop reason)."""
+    if value is None:
+        return None, "missing_value"
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, "invalid_utf8"
+    if not isinstance(value, str):
+        return None, "bad_record"
+    return (value, None) if value else (None, "empty")
+
+
+def _chat_segments(value) -> tuple[list[tuple[str, int]] | None, str | None]:
+    """[(text, supervised)] for one chat record, or (None, drop reason)."""
+    if value is None:
+        return None, "missing_value"
+    if not isinstance(value, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value):
+        return None, "bad_record"
+    segs = []
+    for m in value:
+        segs.append((f"<|{m['role']}|>\n", 0))
+        segs.append((m["content"] + "\n", int(m["role"] == "assistant")))
+    return (segs, None) if segs else (None, "empty")
+
+
+def render_chat(value) -> str | None:
+    segs, _ = _chat_segments(value)
+    return None if segs is None else "".join(s for s, _ in segs)
+
+
+def _finish(out: Tokenized, i: int, ids: np.ndarray, mask: np.ndarray | None, eos_id: int | None):
+    if ids.size == 0:
+        out.dropped["empty"] += 1
+        return
+    if eos_id is not None:
+        ids = np.append(ids, np.int32(eos_id))
+        mask = None if mask is None else np.append(mask, mask[-1])  # EOS ends the last turn
+    out.index.append(i)
+    out.tokens.append(ids)
+    if mask is not None:
+        out.masks.append(mask)
+
+
+def tokenize_records(records: list, first_index: int, kind: str, tok, eos_id: int | None,
+                     vocab_size: int) -> Tokenized:
+    """Tokenize one chunk. eos_id: appended to every document when not None."""
+    out = Tokenized(masks=[] if kind == "chat" else None)
+    if kind == "ids":
+        for k, value in enumerate(records):
+            if value is None:
+                out.dropped["missing_value"] += 1
+                continue
+            ids = np.asarray(value)
+            if ids.ndim != 1 or (ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0
+                                               or ids.max() >= vocab_size)):
+                out.dropped["bad_record"] += 1
+                continue
+            _finish(out, first_index + k, ids.astype(np.int32), None, eos_id)
+        return out
+    if kind == "text":
+        good, texts = [], []
+        for k, value in enumerate(records):
+            text, reason = _as_text(value)
+            if reason:
+                out.dropped[reason] += 1
+            else:
+                good.append(first_index + k)
+                texts.append(text)
+        for i, ids in zip(good, encode_texts(tok, texts), strict=True):
+            _finish(out, i, ids, None, eos_id)
+        return out
+    return _tokenize_chat(records, first_index, tok, eos_id, out)
+
+
+def _tokenize_chat(records, first_index, tok, eos_id, out: Tokenized) -> Tokenized:
+    docs, flat = [], []
+    for k, value in enumerate(records):
+        segs, reason = _chat_segments(value)
+        if reason:
+            out.dropped[reason] += 1
+            continue
+        docs.append((first_index + k, len(flat), len(segs)))
+        flat.extend(segs)
+    encoded = encode_texts(tok, [s for s, _ in flat])  # one batched call for all segments
+    for i, lo, n in docs:
+        parts = encoded[lo:lo + n]
+        ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        mask = np.concatenate([np.full(len(p), flat[lo + j][1], np.uint8) for j, p in enumerate(parts)])
+        _finish(out, i, ids, mask, eos_id)
+    return out
+
+
+def training_texts(corpus, chunk: int = 256) -> Iterator[str]:
+    """The texts a tokenizer is trained on: every valid text or rendered chat, in order."""
+    if corpus.kind == "ids":
+        raise ValueError("--train-tokenizer needs text input, but the corpus is pre-tokenized "
+                         "(--ids-key); pass --vocab-size instead")
+    for start in range(0, len(corpus), chunk):
+        for value in corpus.slice(start, start + chunk):
+            text = render_chat(value) if corpus.kind == "chat" else _as_text(value)[0]
+            if text:
+                yield text

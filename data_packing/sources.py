@@ -1,0 +1,147 @@
+"""Corpus readers for `longctx-pack`: the bundled `stdlib` source and files read through `datasets`.
+
+A `Corpus` is an indexable list of raw records (str text, bytes, list[int] ids, or a chat: list of
+{"role", "content"} dicts; None when a record lacks the key). Records are interpreted and
+validated in `documents.py`, so every bad record is counted there, never silently skipped.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from dataclasses import dataclass
+
+STDLIB = "stdlib"
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+@dataclass
+class Corpus:
+    name: str
+    kind: str  # "text", "ids" or "chat": how `documents.py` reads each record
+    records: object  # a sequence supporting len() and slicing
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def slice(self, start: int, stop: int) -> list:
+        return list(self.records[start:stop])
+
+
+class _Files:
+    """Lazily read files: slicing returns their bytes (read only when a shard needs them)."""
+
+    def __init__(self, paths: list[str]):
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, sl: slice) -> list[bytes]:
+        out = []
+        for p in self.paths[sl]:
+            with open(p, "rb") as f:
+                out.append(f.read())
+        return out
+
+
+def stdlib_files() -> list[str]:
+    """The running Python's standard-library .py files, sorted by relative path (deterministic
+    on one machine); installed packages (site-/dist-packages) are excluded."""
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__")]
+        found.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
+    return sorted(found, key=lambda p: os.path.relpath(p, root))
+
+
+def _expand(sources: list[str]) -> list[str]:
+    paths = []
+    for src in sources:
+        matches = sorted(glob.glob(src)) if glob.has_magic(src) else [src]
+        if not matches or not all(os.path.exists(m) for m in matches):
+            raise ValueError(f"input {src!r} does not exist (or the glob matches nothing); "
+                             "pass existing files, a glob, a saved dataset directory, or `stdlib`")
+        paths.extend(matches)
+    return paths
+
+
+def _load_dataset(paths: list[str]):
+    import datasets
+
+    datasets.disable_progress_bars()
+    if len(paths) == 1 and os.path.isdir(paths[0]):
+        try:
+            ds = datasets.load_from_disk(paths[0])
+        except Exception as e:  # noqa: BLE001 - report any reader failure as one line
+            raise ValueError(f"cannot read {paths[0]!r} as a saved `datasets` directory "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise ValueError(f"{paths[0]!r} is a DatasetDict without a 'train' split "
+                                 f"(splits: {list(ds)}); save the split you want to pack")
+            ds = ds["train"]
+        return ds
+    exts = {os.path.splitext(p)[1].lower() for p in paths}
+    if len(exts) != 1 or next(iter(exts)) not in _FORMATS:
+        raise ValueError(f"cannot tell the format of {paths[:3]}: use one kind of file with a "
+                         f"suffix in {sorted(_FORMATS)} (or a saved dataset directory)")
+    fmt = _FORMATS[exts.pop()]
+    try:
+        return datasets.load_dataset(fmt, data_files=paths, split="train")
+    except Exception as e:  # noqa: BLE001
+        cause = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        if e.__cause__ is not None:
+            cause += f" <- {type(e.__cause__).__name__}: {str(e.__cause__).splitlines()[0][:160]}"
+        raise ValueError(f"cannot read {paths if len(paths) > 1 else paths[0]!r} as {fmt} "
+                         f"({cause}); check the file is valid and complete") from None
+
+
+def _pick_column(ds, name: str, text_key: str, ids_key: str | None, messages_key: str):
+    cols = list(ds.column_names)
+    if ids_key is not None:
+        if ids_key not in cols:
+            raise ValueError(f"--ids-key {ids_key!r} is not a column of {name} (columns: {cols}); "
+                             "pass the column holding token ids")
+        return ids_key, "ids"
+    if text_key in cols:
+        first = next((v for v in ds.select(range(min(len(ds), 64)))[text_key] if v is not None), "")
+        return text_key, "chat" if isinstance(first, list) else "text"
+    if messages_key in cols:
+        return messages_key, "chat"
+    raise ValueError(f"column {text_key!r} is not in {name} (columns: {cols}); pass --text-key "
+                     "COLUMN, --ids-key COLUMN, or --messages-key COLUMN for chat records")
+
+
+def open_corpus(sources: list[str], text_key: str = "text", ids_key: str | None = None,
+                messages_key: str = "messages", max_docs: int | None = None) -> Corpus:
+    """The records to pack, in a deterministic order, limited to the first `max_docs`."""
+    if sources == [STDLIB]:
+        paths = stdlib_files()
+        if not paths:
+            raise ValueError("found no .py files under sysconfig's stdlib path; pass input files")
+        recs = _Files(paths[:max_docs] if max_docs else paths)
+        return Corpus(STDLIB, "text", recs)
+    paths = _expand(sources)
+    ds = _load_dataset(paths)
+    name = paths[0] if len(paths) == 1 else f"{len(paths)} files"
+    column, kind = _pick_column(ds, name, text_key, ids_key, messages_key)
+    if max_docs:
+        ds = ds.select(range(min(max_docs, len(ds))))
+    return Corpus(name, kind, _Column(ds, column))
+
+
+class _Column:
+    """One column of a `datasets.Dataset`, sliced without materialising the whole table."""
+
+    def __init__(self, ds, column: str):
+        self.ds, self.column = ds, column
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, sl: slice) -> list:
+        start, stop, _ = sl.indices(len(self.ds))
+        return self.ds.select(range(start, stop))[self.column] if stop > start else []
