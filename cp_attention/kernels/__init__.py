@@ -1,0 +1,94 @@
+"""Single-device varlen attention with logsumexp, behind one interface and several backends.
+
+    out_THD, lse_HT = attn_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal)
+    dq_THD, dk_SHD, dv_SHD = attn_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, ...)
+    out_THD, lse_HT = varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)  # autograd
+
+Shape legend: T query tokens, S key tokens, Hq / Hkv heads (Hq % Hkv == 0, query head h uses kv
+head h // (Hq // Hkv)), D head dim, N documents. cu_q / cu_k: int32 [N+1] cumulative boundaries;
+max_q / max_k: host ints. Causal masks are bottom-right aligned per document (flash-attn >= 2.1):
+query i of a document with lengths (Lq, Lk) sees keys j <= i + Lk - Lq. Rows that see no key, and
+trailing padding past cu_q[-1], return out = 0 and lse = -inf; their gradients are zero.
+lse is float32 (float64 for float64 inputs); out has the input dtype.
+
+attn_backward accepts an (out, lse) that came from a larger attention (the merged result of a
+ring) and returns this block's exact contribution: dS = P * (dP - rowsum(dout * out)),
+P = exp(S - lse).
+
+Backends: "torch_cpu" (torch's CPU flash kernel over buckets of documents), "reference" (dense
+float64 maths, for tests), "torch_varlen" (torch's varlen flash kernel, CUDA), "flex"
+(flex_attention with a document block mask, CUDA), "flash_attn" (the flash-attn package, CUDA).
+"auto" picks torch_cpu on CPU and the best available one on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference as _reference
+from ._common import check_inputs, doc_lengths
+from ._registry import BACKENDS, load_backend, resolve_backend
+
+__all__ = ["BACKENDS", "attn_backward", "attn_forward", "reference_attention", "resolve_backend",
+           "varlen_attention"]
+
+
+def _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k) -> None:
+    check_inputs(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k)
+    doc_lengths(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], max_q, max_k)
+
+
+def attn_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
+                 scale: float | None = None, backend: str = "auto"):
+    """q [T, Hq, D], k / v [S, Hkv, D] -> (out [T, Hq, D] input dtype, lse [Hq, T] float32/64)."""
+    _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k)
+    impl = load_backend(resolve_backend(backend, q_THD.device))
+    return impl.forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale)
+
+
+def attn_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q: int,
+                  max_k: int, causal: bool, scale: float | None = None, backend: str = "auto"):
+    """-> (dq [T, Hq, D], dk [S, Hkv, D], dv [S, Hkv, D]) in the input dtype, for the passed
+    (possibly globally merged) out [T, Hq, D] and lse [Hq, T]."""
+    _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k)
+    if out_THD.shape != q_THD.shape or dout_THD.shape != q_THD.shape:
+        raise ValueError(f"out {tuple(out_THD.shape)} and dout {tuple(dout_THD.shape)} must match q "
+                         f"{tuple(q_THD.shape)}")
+    if lse_HT.shape != (q_THD.shape[1], q_THD.shape[0]):
+        raise ValueError(f"lse must be [Hq, T] = {[q_THD.shape[1], q_THD.shape[0]]}; got "
+                         f"{list(lse_HT.shape)} (transpose a [T, H] lse)")
+    impl = load_backend(resolve_backend(backend, q_THD.device))
+    return impl.backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k,
+                         causal, scale)
+
+
+def reference_attention(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
+                        scale: float | None = None, backend: str = "reference"):
+    """Dense masked float64 attention: same contract as attn_forward (out in the input dtype)."""
+    _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k)
+    return _reference.reference_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale)
+
+
+class _VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, backend):
+        name = resolve_backend(backend, q.device)
+        out, lse = attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, name)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.args = (max_q, max_k, causal, scale, name)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, causal, scale, name = ctx.args
+        dq, dk, dv = attn_backward(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                                   causal, scale, name)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool = True,
+                     scale: float | None = None, backend: str = "auto"):
+    """Differentiable attn_forward: (out [T, Hq, D], lse [Hq, T]); lse carries no gradient."""
+    return _VarlenAttention.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, backend)

@@ -1,0 +1,167 @@
+"""Group the documents of a packed row into padded batches ("buckets") for a batched dense kernel.
+
+Pure host-side planning, cached per (boundaries, causal): the model calls attention with the same
+cu_seqlens in every layer, forward and backward, so planning costs once per micro-batch.
+
+Two layouts, both exact:
+- "shift" (causal): document b is laid out in P = max Lk slots; key j sits at slot j and query i at
+  slot i + Lk_b - Lq_b. The kernel's top-left causal mask on the square P x P then equals the
+  bottom-right causal mask of the document, and no real query ever sees a padded key, so no mask
+  tensor is needed. Queries with a negative slot see no key: they are left out (lse -inf, out 0).
+- "masked": query i at slot i, key j at slot j, plus a boolean mask [B, 1, Pq or 1, Pk] for key
+  padding (and the bottom-right causal mask when a causal document has Lq much smaller than Lk,
+  where the square "shift" layout would waste work).
+
+Padded slots gather a real token (finite values) and are never scattered back; in the backward
+they get dout = 0 and lse = +inf, so they contribute exactly zero.
+Shape legend: B documents in a bucket, Pq / Pk padded query / key slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+# Fixed cost of one kernel call, in score elements of one head (gather, launch, scatter). Buckets
+# are merged while padding costs less than this; measured roughly on a 2-core CPU (see
+# bench/attention_kernels.py) and only a tie-breaker, never a correctness matter.
+CALL_OVERHEAD = 8192
+_DP_LIMIT = 400  # beyond this many documents, bucket greedily instead of the O(N^2) DP
+
+
+@dataclass
+class Bucket:
+    layout: str  # "shift" (kernel is_causal, no mask tensor) or "masked"
+    batch: int
+    pq: int
+    pk: int
+    q_src: torch.Tensor  # long [B*Pq]: token gathered into each query slot (valid for padding)
+    k_src: torch.Tensor  # long [B*Pk]
+    q_pos: torch.Tensor  # long [Mq]: slots holding real queries that see at least one key
+    q_tok: torch.Tensor  # long [Mq]: their token indices
+    k_pos: torch.Tensor  # long [Mk]: slots holding real keys
+    k_tok: torch.Tensor  # long [Mk]
+    q_pad: torch.Tensor  # bool [B*Pq]: True at slots that are not in q_pos
+    mask: torch.Tensor | None  # bool [B, 1, Pq or 1, Pk]: True = may attend; None = no mask
+    q_slice: int | None = None  # start token when the bucket is one unpadded contiguous run
+    k_slice: int | None = None
+    _additive: dict = field(default_factory=dict)
+
+    def additive_mask(self, dtype: torch.dtype, device) -> torch.Tensor | None:
+        """The mask as the kernel wants it: 0 / -inf in the query dtype, cached per dtype."""
+        if self.mask is None:
+            return None
+        key = (dtype, str(device))
+        if key not in self._additive:
+            m = torch.zeros(self.mask.shape, dtype=dtype, device=device)
+            self._additive[key] = m.masked_fill_(~self.mask.to(device), float("-inf"))
+        return self._additive[key]
+
+
+def _layout(causal: bool, lq: int, lk: int) -> str:
+    # The square shift layout costs Lk^2/2; the masked one Lq*Lk. Prefer no mask unless it wastes.
+    return "shift" if causal and 2 * lq >= lk else "masked"
+
+
+def _area(layout: str, pq: int, pk: int) -> int:
+    return pk * pk // 2 if layout == "shift" else pq * pk
+
+
+def _partition(docs: list[tuple[int, int, int]], layout: str) -> list[list[int]]:
+    """Split docs (index, Lq, Lk), sorted by decreasing size, into contiguous runs that minimise
+    sum(CALL_OVERHEAD + B * padded area): exact DP for small N, greedy otherwise."""
+    n = len(docs)
+    if n > _DP_LIMIT:
+        return _greedy(docs, layout)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for end in range(1, n + 1):
+        pq = pk = 0
+        for start in range(end - 1, -1, -1):
+            pq, pk = max(pq, docs[start][1]), max(pk, docs[start][2])
+            cost = best[start] + CALL_OVERHEAD + (end - start) * _area(layout, pq, pk)
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    runs, end = [], n
+    while end > 0:
+        runs.append(list(range(cut[end], end)))
+        end = cut[end]
+    return runs[::-1]
+
+
+def _greedy(docs, layout):
+    runs, cur, pq, pk, real = [], [], 0, 0, 0
+    for i, (_, lq, lk) in enumerate(docs):
+        npq, npk, area = max(pq, lq), max(pk, lk), _area(layout, lq, lk)
+        if cur and (len(cur) + 1) * _area(layout, npq, npk) - (real + area) > CALL_OVERHEAD:
+            runs.append(cur)
+            cur, npq, npk, real = [], lq, lk, 0
+        cur.append(i)
+        pq, pk, real = npq, npk, real + area
+    return runs + ([cur] if cur else [])
+
+
+def _doc_slots(layout, sq, lq, sk, lk, pq, pk):
+    """One document's slots: (q_src [Pq], k_src [Pk], query-slot validity [Pq] bool, query
+    token per slot [Pq], key validity [Pk] bool). Invalid slots gather the document's first token."""
+    slot_q, slot_k = torch.arange(pq), torch.arange(pk)
+    first = lk - lq if layout == "shift" else 0  # slot of query 0; negative = rows that see nothing
+    tok_q = sq + slot_q - first
+    valid_q = (slot_q >= max(first, 0)) & (slot_q < first + lq)
+    valid_k = slot_k < lk
+    q_src = torch.where(valid_q, tok_q, sq)
+    k_src = torch.where(valid_k, sk + slot_k, sk)
+    return q_src, k_src, valid_q, tok_q, valid_k
+
+
+def _doc_mask(layout, causal, lq, lk, pq, pk):
+    """bool [1, Pq or 1, Pk] for the masked layout: key padding, plus bottom-right causal."""
+    key_ok = torch.arange(pk) < lk
+    if not causal:
+        return key_ok.view(1, 1, pk)
+    rows = torch.arange(pq)[:, None] + (lk - lq)
+    return (key_ok[None, :] & (torch.arange(pk)[None, :] <= rows)).view(1, pq, pk)
+
+
+def build_bucket(layout, causal, members, starts_q, lens_q, starts_k, lens_k) -> Bucket:
+    """Stack the slots of the documents in `members` (document indices) into one Bucket."""
+    lq = [lens_q[i] for i in members]
+    lk = [lens_k[i] for i in members]
+    pk = max(lk)
+    pq = pk if layout == "shift" else max(lq)
+    parts = [_doc_slots(layout, starts_q[i], lens_q[i], starts_k[i], lens_k[i], pq, pk)
+             for i in members]
+    q_src, k_src, valid_q, tok_q, valid_k = (torch.cat(t) for t in zip(*parts, strict=False))
+    mask = None
+    if layout == "masked" and (causal or min(lk) < pk):
+        mask = torch.stack([_doc_mask(layout, causal, a, b, pq, pk) for a, b in zip(lq, lk, strict=False)])
+    b = Bucket(layout, len(members), pq, pk, q_src, k_src,
+               q_pos=valid_q.nonzero().flatten(), q_tok=tok_q[valid_q],
+               k_pos=valid_k.nonzero().flatten(), k_tok=k_src[valid_k],
+               q_pad=~valid_q, mask=mask)
+    sq = starts_q[members[0]]
+    in_place = bool(valid_q.all()) and torch.equal(tok_q, torch.arange(sq, sq + pq))
+    if len(members) == 1 and in_place and bool(valid_k.all()):
+        b.q_slice, b.k_slice = starts_q[members[0]], starts_k[members[0]]
+    return b
+
+
+@lru_cache(maxsize=64)
+def plan_buckets(bounds_q: tuple, bounds_k: tuple, causal: bool) -> tuple[Bucket, ...]:
+    """Buckets covering every document with at least one query and one key."""
+    starts_q, starts_k = bounds_q[:-1], bounds_k[:-1]
+    lens_q = [b - a for a, b in zip(bounds_q[:-1], bounds_q[1:], strict=False)]
+    lens_k = [b - a for a, b in zip(bounds_k[:-1], bounds_k[1:], strict=False)]
+    by_layout: dict[str, list] = {}
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=False)):
+        if lq > 0 and lk > 0:
+            by_layout.setdefault(_layout(causal, lq, lk), []).append((i, lq, lk))
+    buckets = []
+    for layout, docs in by_layout.items():
+        docs.sort(key=lambda d: (d[2], d[1]), reverse=True)
+        for run in _partition(docs, layout):
+            members = [docs[j][0] for j in run]
+            buckets.append(build_bucket(layout, causal, members, starts_q, lens_q, starts_k, lens_k))
+    return tuple(buckets)

@@ -1,0 +1,72 @@
+"""Validation and small helpers shared by every varlen attention backend.
+
+Shape legend: T query tokens, S key tokens, Hq query heads, Hkv key/value heads, D head dim,
+N documents. cu_q / cu_k are int32 [N+1] cumulative boundaries; document i's queries are
+q[cu_q[i]:cu_q[i+1]] and its keys k[cu_k[i]:cu_k[i+1]]. Tokens past cu_q[-1] (cu_k[-1]) are
+trailing padding: output 0, lse -inf, zero gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 inputs, float32 for every 16/32-bit input."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def default_scale(scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def check_inputs(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q: int, max_k: int) -> None:
+    """Raise ValueError with a one-line cause and fix for any malformed argument."""
+    if q_THD.dim() != 3 or k_SHD.dim() != 3 or v_SHD.dim() != 3:
+        raise ValueError(
+            f"varlen attention expects q [T, Hq, D] and k, v [S, Hkv, D]; got q {tuple(q_THD.shape)}, "
+            f"k {tuple(k_SHD.shape)}, v {tuple(v_SHD.shape)} (flatten the batch dim into tokens)")
+    if k_SHD.shape != v_SHD.shape:
+        raise ValueError(f"k {tuple(k_SHD.shape)} and v {tuple(v_SHD.shape)} must have the same shape")
+    hq, hkv = q_THD.shape[1], k_SHD.shape[1]
+    if q_THD.shape[2] != k_SHD.shape[2]:
+        raise ValueError(f"head dim of q ({q_THD.shape[2]}) differs from k ({k_SHD.shape[2]})")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"GQA needs Hq % Hkv == 0; got Hq={hq}, Hkv={hkv} (choose divisible head counts)")
+    if not (q_THD.dtype == k_SHD.dtype == v_SHD.dtype) or q_THD.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q, k, v must share one floating dtype; got {q_THD.dtype}, {k_SHD.dtype}, {v_SHD.dtype}")
+    for name, cu in (("cu_q", cu_q), ("cu_k", cu_k)):
+        if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64) or cu.numel() < 1:
+            raise ValueError(f"{name} must be an int32 tensor [N+1] of cumulative lengths; got "
+                             f"{cu.dtype} {tuple(cu.shape)}")
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_q has {cu_q.numel() - 1} documents but cu_k has {cu_k.numel() - 1}; "
+                         "pass one boundary per document to both")
+    if not isinstance(max_q, int) or not isinstance(max_k, int):
+        raise ValueError("max_q and max_k must be host ints (never read them from a device tensor)")
+
+
+def doc_lengths(cu_q, cu_k, total_q: int, total_k: int, max_q: int, max_k: int):
+    """Host lists (starts_q, lens_q, starts_k, lens_k), validated against the tensor sizes."""
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    lens_q = [b - a for a, b in zip(bq[:-1], bq[1:], strict=False)]
+    lens_k = [b - a for a, b in zip(bk[:-1], bk[1:], strict=False)]
+    if bq[0] != 0 or bk[0] != 0 or min(lens_q + lens_k + [0]) < 0:
+        raise ValueError("cu_q / cu_k must start at 0 and be non-decreasing (cumulative lengths)")
+    if bq[-1] > total_q or bk[-1] > total_k:
+        raise ValueError(f"cu_q ends at {bq[-1]} (T={total_q}) / cu_k at {bk[-1]} (S={total_k}): "
+                         "boundaries past the tensors; fix the packing")
+    if max(lens_q, default=0) > max_q or max(lens_k, default=0) > max_k:
+        raise ValueError(f"max_q={max_q} / max_k={max_k} smaller than the longest document "
+                         f"({max(lens_q, default=0)}, {max(lens_k, default=0)}); pass the true maxima")
+    return bq[:-1], lens_q, bk[:-1], lens_k
+
+
+def kernel_lse(lse_HT: torch.Tensor) -> torch.Tensor:
+    """Replace -inf (rows that see no key anywhere) by +inf, so exp(S - lse) = 0 in a kernel's
+    backward instead of exp(-inf + inf) = NaN; those rows then contribute no gradient."""
+    return torch.where(lse_HT == float("-inf"), float("inf"), lse_HT)

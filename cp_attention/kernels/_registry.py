@@ -1,0 +1,46 @@
+"""Backend names, availability checks and lazy loading (GPU packages are imported only here,
+through their one adapter module, and only when asked for)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+BACKENDS = ("torch_cpu", "reference", "torch_varlen", "flex", "flash_attn")
+_MODULES = {"torch_cpu": "torch_cpu", "reference": "_reference_backend",
+            "torch_varlen": "torch_varlen", "flex": "flex", "flash_attn": "flash_attn"}
+_CUDA_PREFERENCE = ("flash_attn", "torch_varlen", "flex")
+
+
+def load_backend(name: str):
+    """The adapter module of a resolved backend (exposes forward / backward)."""
+    return importlib.import_module(f"{__package__}.{_MODULES[name]}")
+
+
+def _unavailable_reason(name: str, device: torch.device) -> str | None:
+    """None when `name` can run on `device`, else a short cause-and-fix sentence."""
+    if name in ("torch_cpu", "reference"):
+        if name == "torch_cpu" and device.type != "cpu":
+            return f"torch_cpu runs on CPU tensors, not {device.type}; use backend='auto'"
+        return None
+    return load_backend(name).unavailable_reason(device)
+
+
+def resolve_backend(name: str, device) -> str:
+    """Turn "auto" or a backend name into a backend that can run on `device`, or raise a one-line
+    RuntimeError naming the cause and the fix."""
+    device = torch.device(device)
+    if name == "auto":
+        if device.type == "cpu":
+            return "torch_cpu"
+        for cand in _CUDA_PREFERENCE:
+            if _unavailable_reason(cand, device) is None:
+                return cand
+        return "reference"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {('auto',) + BACKENDS}")
+    reason = _unavailable_reason(name, device)
+    if reason is not None:
+        raise RuntimeError(f"attention backend {name!r} is unavailable: {reason}")
+    return name

@@ -1,0 +1,82 @@
+"""Adapter for the flash-attn package (CUDA, fp16/bf16): the only module that imports it.
+
+Uses flash_attn.flash_attn_interface._flash_attn_varlen_forward / _backward, whose positional
+signatures changed across releases (window_size tuple in 2.5, window_size_left/right and softcap
+from 2.6), so arguments are bound by name against the installed signature.
+Shape legend: T query tokens, S key tokens, Hq / Hkv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import torch
+
+from ._common import default_scale, kernel_lse
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    if importlib.util.find_spec("flash_attn") is None:
+        return "the flash-attn package is not installed (pip install 'longctx-moe[gpu]' on a CUDA machine)"
+    if device.type != "cuda":
+        return f"flash-attn kernels run on CUDA tensors, not {device.type}; use backend='auto'"
+    return None
+
+
+def _interface():
+    from flash_attn import flash_attn_interface  # lazy: GPU-only package
+
+    return flash_attn_interface
+
+
+def _call_by_name(fn, values: dict):
+    """Call fn with the entries of `values` its signature names (version-proof binding)."""
+    params = inspect.signature(fn).parameters
+    missing = [p for p, spec in params.items() if p not in values and spec.default is inspect._empty]
+    if missing:
+        raise RuntimeError(f"unsupported flash-attn version: {fn.__name__} needs {missing}; "
+                           "install flash-attn >= 2.5")
+    return fn(**{p: values[p] for p in params if p in values})
+
+
+def _common_args(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"flash_attn supports float16/bfloat16, not {q.dtype}; use backend='flex' "
+                         "or 'reference' for this dtype")
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu_q.int(), cu_seqlens_k=cu_k.int(),
+                max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0,
+                softmax_scale=default_scale(scale, q.shape[-1]), causal=bool(causal),
+                window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=0.0,
+                alibi_slopes=None, return_softmax=False, deterministic=True, rng_state=None)
+
+
+def _fix_padding(out_THD, lse_HT, cu_q):
+    """Rows past cu_q[-1] are untouched by the kernel; rows that see no key get lse = +inf from
+    flash-attn. Both become out 0, lse -inf (device-side, no host sync)."""
+    rows = torch.arange(out_THD.shape[0], device=out_THD.device) >= cu_q[-1]
+    lse_HT = torch.where(rows[None, :] | ~torch.isfinite(lse_HT), float("-inf"), lse_HT)
+    out_THD = out_THD.masked_fill((rows[:, None] | torch.isinf(lse_HT).t())[..., None], 0)
+    return out_THD, lse_HT
+
+
+def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None):
+    """-> (out [T, Hq, D] input dtype, lse [Hq, T] float32). GQA is native to flash-attn."""
+    args = _common_args(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale)
+    res = _call_by_name(_interface()._flash_attn_varlen_forward, args)
+    # 2.6+: (out, lse, S_dmask, rng_state); 2.5: (out, q, k, v, out_padded, lse, S_dmask, rng).
+    out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
+    if lse.dim() != 2:
+        raise RuntimeError(f"flash-attn returned a padded lse {tuple(lse.shape)}; install flash-attn >= 2.5")
+    return _fix_padding(out, lse.float(), cu_q)
+
+
+def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k, causal,
+             scale=None):
+    """Block gradients for a passed (possibly merged) out / lse; -> (dq, dk, dv)."""
+    args = _common_args(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale)
+    dq, dk, dv = torch.zeros_like(q_THD), torch.zeros_like(k_SHD), torch.zeros_like(v_SHD)
+    args.update(dout=dout_THD.contiguous(), out=out_THD.contiguous(),
+                softmax_lse=kernel_lse(lse_HT.float()).contiguous(), dq=dq, dk=dk, dv=dv)
+    _call_by_name(_interface()._flash_attn_varlen_backward, args)
+    return dq, dk, dv

@@ -1,0 +1,215 @@
+"""Single-device varlen attention kernels against the dense float64 reference.
+
+Shape legend: T query tokens, S key tokens, Hq / Hkv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cp_attention.kernels import (
+    attn_backward,
+    attn_forward,
+    reference_attention,
+    resolve_backend,
+    varlen_attention,
+)
+from cp_attention.kernels._buckets import plan_buckets
+from cp_attention.kernels.reference import doc_mask_TS, reference_backward
+
+NEG_INF = float("-inf")
+
+
+def _cu(lens):
+    return torch.tensor([0] + torch.tensor(lens, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _make(lens_q, lens_k, hq, hkv, d, pad, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    t, s = int(cu_q[-1]) + pad, int(cu_k[-1]) + pad
+    q = torch.randn(t, hq, d, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(s, hkv, d, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(s, hkv, d, generator=g, dtype=torch.float64).to(dtype)
+    dout = torch.randn(t, hq, d, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v, dout, cu_q, cu_k, max(lens_q, default=0), max(lens_k, default=0)
+
+
+def _assert_lse(lse, ref, atol):
+    # -inf (rows that see no key, padding) must match exactly; finite values within atol.
+    assert torch.equal(lse == NEG_INF, ref == NEG_INF)
+    fin = ref != NEG_INF
+    torch.testing.assert_close(lse[fin].double(), ref[fin].double(), atol=atol, rtol=0)
+
+
+@st.composite
+def packs(draw):
+    n = draw(st.integers(1, 20))
+    length = st.one_of(st.just(1), st.integers(0, 24))
+    lens_q = draw(st.lists(length, min_size=n, max_size=n))
+    same = draw(st.booleans())
+    lens_k = lens_q if same else draw(st.lists(length, min_size=n, max_size=n))
+    hq, hkv = draw(st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3), (4, 1)]))
+    return lens_q, lens_k, hq, hkv, draw(st.integers(0, 3)), draw(st.booleans()), draw(st.integers(0, 99))
+
+
+@settings(max_examples=60)
+@given(packs())
+def test_float64_matches_reference(case):
+    lens_q, lens_k, hq, hkv, pad, causal, seed = case
+    q, k, v, dout, cu_q, cu_k, mq, mk = _make(lens_q, lens_k, hq, hkv, 8, pad, torch.float64, seed)
+    args = (cu_q, cu_k, mq, mk, causal)
+    out, lse = attn_forward(q, k, v, *args, backend="torch_cpu")
+    ref_out, ref_lse = reference_attention(q, k, v, *args)
+    assert out.dtype == torch.float64 and lse.dtype == torch.float64
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+    _assert_lse(lse, ref_lse, 1e-10)
+    assert torch.all(out[ref_lse.t() == NEG_INF] == 0)  # rows that see nothing: exactly 0
+    grads = attn_backward(dout, q, k, v, out, lse, *args, backend="torch_cpu")
+    ref_grads = reference_backward(dout, q, k, v, ref_out, ref_lse, *args)
+    for g, r in zip(grads, ref_grads, strict=False):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
+    t_real, s_real = int(cu_q[-1]), int(cu_k[-1])
+    assert torch.all(grads[0][t_real:] == 0) and torch.all(grads[1][s_real:] == 0)
+    assert torch.all(grads[2][s_real:] == 0)
+
+
+def test_reference_mask_is_bottom_right():
+    # One document with Lq=2, Lk=4: query 0 sees keys 0..2, query 1 sees all four.
+    mask = doc_mask_TS(_cu([2]), _cu([4]), 2, 4, causal=True)
+    assert mask.tolist() == [[True, True, True, False], [True, True, True, True]]
+    # Lq=3, Lk=1: only the last query sees the key; the others see nothing.
+    mask = doc_mask_TS(_cu([3]), _cu([1]), 3, 1, causal=True)
+    assert mask.flatten().tolist() == [False, False, True]
+
+
+# bf16 / float32 against the float64 reference on the same (rounded) inputs.
+# float32: the kernel accumulates in float32 over <= 64 keys of O(1) terms, so errors are a few
+#   ulps of values O(1-10): 2e-5 absolute leaves a wide margin yet catches any masking mistake
+#   (those are O(0.1)).
+# bf16: out is rounded to bf16 (relative 2^-8 ~ 4e-3) and the kernel rounds P to bf16 before P@V;
+#   |out| <= max |v| ~ 4, so 3e-2 absolute; lse is float32 computed from bf16 q, k: 1e-2.
+#   Gradients sum a few dozen bf16-rounded products: 6e-2 absolute.
+@pytest.mark.parametrize("dtype,tol_out,tol_lse,tol_grad", [
+    (torch.float32, 2e-5, 2e-5, 5e-5), (torch.bfloat16, 3e-2, 1e-2, 6e-2)])
+def test_low_precision_matches_reference(dtype, tol_out, tol_lse, tol_grad):
+    cases = [([5, 1, 17, 9, 0, 30], [5, 1, 17, 9, 0, 30], True),
+             ([3, 8, 1, 12], [20, 8, 4, 1], True),
+             ([3, 8, 1, 12], [20, 8, 4, 0], False)]
+    for i, (lq, lk, causal) in enumerate(cases):
+        q, k, v, dout, cu_q, cu_k, mq, mk = _make(lq, lk, 4, 2, 16, 2, dtype, i)
+        args = (cu_q, cu_k, mq, mk, causal)
+        out, lse = attn_forward(q, k, v, *args)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double(), *args)
+        torch.testing.assert_close(out.double(), ref_out, atol=tol_out, rtol=0)
+        _assert_lse(lse, ref_lse, tol_lse)
+        grads = attn_backward(dout, q, k, v, out, lse, *args)
+        ref = reference_backward(dout.double(), q.double(), k.double(), v.double(), ref_out,
+                                 ref_lse, *args)
+        for g, r in zip(grads, ref, strict=False):
+            assert g.dtype == dtype
+            torch.testing.assert_close(g.double(), r, atol=tol_grad, rtol=0)
+
+
+def test_gradcheck_tiny():
+    q, k, v, _, cu_q, cu_k, mq, mk = _make([3, 1, 2], [3, 2, 2], 2, 1, 4, 1, torch.float64, 7)
+    for causal in (True, False):
+        fn = lambda q_, k_, v_, c=causal: varlen_attention(q_, k_, v_, cu_q, cu_k, mq, mk, c)[0]
+        inputs = tuple(x.clone().requires_grad_() for x in (q, k, v))
+        assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8)
+
+
+def _merge(o1, l1, o2, l2):
+    """Merge two partial attentions over disjoint key sets (float64, -inf safe)."""
+    lse = torch.logaddexp(l1, l2)
+    safe = torch.where(lse == NEG_INF, 0.0, lse)
+    w1 = torch.exp(l1 - safe).t()[..., None]
+    w2 = torch.exp(l2 - safe).t()[..., None]
+    return o1 * w1 + o2 * w2, lse
+
+
+def _split_keys(q, k, v, lens_q, lens_k, cuts):
+    """Per document, keys [0, cut) go to block 1, [cut, Lk) to block 2."""
+    starts = _cu(lens_k).tolist()
+    i1 = [j for s, c in zip(starts, cuts, strict=False) for j in range(s, s + c)]
+    i2 = [j for s, lk, c in zip(starts, lens_k, cuts, strict=False) for j in range(s + c, s + lk)]
+    lens1, lens2 = cuts, [lk - c for lk, c in zip(lens_k, cuts, strict=False)]
+    return (k[i1], v[i1], _cu(lens1), max(lens1)), (k[i2], v[i2], _cu(lens2), max(lens2)), i1, i2
+
+
+def test_backward_with_merged_out_lse():
+    """Ring use: keys split in two blocks, partial results merged, each block's backward run with
+    the merged (out, lse); the blocks' gradients must sum to the full gradient. Causal documents
+    have Lk >= Lq and cut <= Lk - Lq, so block 1 is fully visible (non-causal) and block 2 keeps
+    the bottom-right causal mask; non-causal documents are cut anywhere."""
+    for causal in (True, False):
+        lens_q, lens_k, cuts = [4, 1, 6, 3], [9, 1, 6, 7], [5, 0, 0, 2]
+        q, k, v, dout, cu_q, _, mq, _ = _make(lens_q, lens_k, 4, 2, 8, 2, torch.float64, 3)
+        cu_k = _cu(lens_k)
+        b1, b2, i1, i2 = _split_keys(q, k, v, lens_q, lens_k, cuts)
+        full = attn_forward(q, k, v, cu_q, cu_k, mq, max(lens_k), causal)
+        o1, l1 = attn_forward(q, b1[0], b1[1], cu_q, b1[2], mq, b1[3], False)
+        o2, l2 = attn_forward(q, b2[0], b2[1], cu_q, b2[2], mq, b2[3], causal)
+        out, lse = _merge(o1, l1, o2, l2)
+        torch.testing.assert_close(out, full[0], atol=1e-12, rtol=0)
+        g1 = attn_backward(dout, q, b1[0], b1[1], out, lse, cu_q, b1[2], mq, b1[3], False)
+        g2 = attn_backward(dout, q, b2[0], b2[1], out, lse, cu_q, b2[2], mq, b2[3], causal)
+        ref = reference_backward(dout, q, k, v, *full, cu_q, cu_k, mq, max(lens_k), causal)
+        torch.testing.assert_close(g1[0] + g2[0], ref[0], atol=1e-10, rtol=0)
+        for grad_full, a, b in ((ref[1], g1[1], g2[1]), (ref[2], g1[2], g2[2])):
+            torch.testing.assert_close(a, grad_full[i1], atol=1e-10, rtol=0)
+            torch.testing.assert_close(b, grad_full[i2], atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_documents_are_isolated(dtype):
+    lens = [7, 30, 1, 30, 12]
+    q, k, v, dout, cu_q, cu_k, mq, mk = _make(lens, lens, 4, 2, 16, 3, dtype, 11)
+    base = attn_forward(q, k, v, cu_q, cu_k, mq, mk, True)
+    base_g = attn_backward(dout, q, k, v, *base, cu_q, cu_k, mq, mk, True)
+    doc = slice(7, 37)  # document 1: same length as document 3, so likely in one kernel batch
+    for x in (q, k, v):
+        x[doc] = torch.randn_like(x[doc])
+    new = attn_forward(q, k, v, cu_q, cu_k, mq, mk, True)
+    new_g = attn_backward(dout, q, k, v, *new, cu_q, cu_k, mq, mk, True)
+    other = torch.ones(q.shape[0], dtype=torch.bool)
+    other[doc] = False
+    assert not torch.equal(new[0][doc], base[0][doc])
+    assert torch.equal(new[0][other], base[0][other]) and torch.equal(new[1][:, other], base[1][:, other])
+    for a, b in zip(new_g, base_g, strict=False):
+        assert torch.equal(a[other], b[other]) and not torch.equal(a[doc], b[doc])
+
+
+def test_buckets_cover_each_document_once():
+    lens = [1] * 40 + [200, 190, 5, 0, 64]
+    bounds = tuple(_cu(lens).tolist())
+    buckets = plan_buckets(bounds, bounds, True)
+    tokens = torch.cat([b.q_tok for b in buckets]).sort().values
+    assert torch.equal(tokens, torch.arange(sum(lens)))
+    keys = torch.cat([b.k_tok for b in buckets]).sort().values
+    assert torch.equal(keys, torch.arange(sum(lens)))
+    assert len(buckets) < 10  # forty 1-token documents share one kernel call
+
+
+def test_errors_name_cause_and_fix():
+    q, k, v, _, cu_q, cu_k, mq, mk = _make([3, 2], [3, 2], 4, 2, 8, 0, torch.float32, 0)
+    with pytest.raises(RuntimeError, match="flash-attn"):
+        attn_forward(q, k, v, cu_q, cu_k, mq, mk, True, backend="flash_attn")
+    with pytest.raises(RuntimeError, match="flash-attn"):
+        resolve_backend("flash_attn", "cpu")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        resolve_backend("flash", "cpu")
+    assert resolve_backend("auto", "cpu") == "torch_cpu"
+    with pytest.raises(ValueError, match="Hq % Hkv"):
+        attn_forward(q, k[:, :1].expand(-1, 3, -1), v[:, :1].expand(-1, 3, -1), cu_q, cu_k, mq, mk, True)
+    with pytest.raises(ValueError, match="max_q"):
+        attn_forward(q, k, v, cu_q, cu_k, 2, mk, True)
+    with pytest.raises(ValueError, match="documents"):
+        attn_forward(q, k, v, cu_q, cu_k[:2], mq, mk, True)
+    with pytest.raises(ValueError, match="past the tensors"):
+        attn_forward(q, k, v, cu_q + 1 - (cu_q == 0).int(), cu_k, mq, mk, True)
