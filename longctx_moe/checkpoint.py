@@ -153,7 +153,7 @@ def load_rank_state(step_dir: str | Path, rank: int, world_size: int,
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file '{path}' is missing; the step directory is incomplete: "
                               "resume from another step") from None
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
         raise CheckpointError(f"checkpoint file '{path}' is corrupt ({type(e).__name__}); "
                               "resume from another step directory or set checkpoint.resume=none") from None
     return meta, state
@@ -163,11 +163,12 @@ def _check_expected(step_dir: Path, meta: dict, expect: dict) -> None:
     for section, want in expect.items():
         have = meta.get(section)
         if isinstance(want, dict) and isinstance(have, dict):
-            for key in sorted(set(want) | set(have)):
-                if want.get(key) != have.get(key):
+            # Keys only one side knows (a field added since) are not compared.
+            for key in sorted(set(want) & set(have)):
+                if want[key] != have[key]:
                     raise CheckpointError(
-                        f"checkpoint '{step_dir}' has {section}.{key}={have.get(key)!r} but the config has "
-                        f"{want.get(key)!r}; resume with the same {section} config or set checkpoint.resume=none")
+                        f"checkpoint '{step_dir}' has {section}.{key}={have[key]!r} but the config has "
+                        f"{want[key]!r}; resume with the same {section} config or set checkpoint.resume=none")
         elif want != have:
             raise CheckpointError(f"checkpoint '{step_dir}' has {section}={have!r} but the run has {want!r}; "
                                   "resume with matching settings or set checkpoint.resume=none")
