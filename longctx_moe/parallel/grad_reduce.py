@@ -1,0 +1,101 @@
+"""Gradient and statistics reductions over the folded mesh.
+
+Loss convention (docs/ARCHITECTURE.md): each rank's loss is a SUM over its tokens divided by a
+global count computed once per step, so the global loss is the plain sum of the per-rank losses
+over DP x CP (TP peers hold the same tokens and compute the same loss). Hence gradients are
+SUMMED, never averaged:
+
+- dense parameters: all-reduce over `dp_cp`; TP-sharded or TP-replicated, each rank already holds
+  the gradient of its own shard for its DP x CP slice of tokens.
+- expert parameters (inside GroupedExperts, duck-typed by `num_local_experts`): the dispatcher
+  already summed over the tokens of the EP group; all-reduce over `edp` then covers every rank
+  once. With TP > 1 and ETP = 1 each token is dispatched once per TP peer, so the sum counts it
+  tp times: `expert_grad_scale` defaults to 1/tp to undo exactly that.
+- aux-loss token counts: over `tp_cp` (one whole sequence), or every rank with `global_batch`.
+- expert-bias load counts: over `dp_cp`, so every rank applies the same bias update.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def is_expert_module(module: nn.Module) -> bool:
+    """GroupedExperts (or a stand-in): holds [E_local, ...] weights sharded by EP."""
+    return hasattr(module, "num_local_experts") and hasattr(module, "expert_offset")
+
+
+def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(dense, expert) trainable parameters of `model`, each listed once, in module order."""
+    expert_ids = {id(p) for m in model.modules() if is_expert_module(m) for p in m.parameters()}
+    dense, expert, seen = [], [], set()
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            (expert if id(p) in expert_ids else dense).append(p)
+    return dense, expert
+
+
+def _all_reduce_grads(params: list[nn.Parameter], group, scale: float = 1.0) -> None:
+    """Sum the gradients of `params` over `group`, one flat buffer per dtype."""
+    for p in params:
+        # Every rank must contribute the same buffers: a parameter without gradient (an expert
+        # that got no token) contributes zeros.
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for group_params in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in group_params])
+        if group is not None:
+            dist.all_reduce(flat, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for p in group_params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
+
+
+def reduce_gradients(dense: list[nn.Parameter], expert: list[nn.Parameter], dims, *,
+                     expert_grad_scale: float | None = None) -> None:
+    """Sum dense gradients over dp_cp and expert gradients over edp (times expert_grad_scale).
+
+    `expert_grad_scale=None` means 1/tp: the dispatchers send each token once per TP peer.
+    """
+    scale = 1.0 / dims.tp if expert_grad_scale is None else expert_grad_scale
+    _all_reduce_grads(dense, _group(dims, "dp_cp"))
+    _all_reduce_grads(expert, _group(dims, "edp"), scale)
+
+
+def reduce_aux_counts(counts: torch.Tensor, dims, *, global_batch: bool = False) -> torch.Tensor:
+    """Sum aux-loss token counts (any shape, e.g. [E] or [docs, E]) over one sequence (tp_cp),
+    or over every rank with `global_batch`. Returns a new tensor.
+
+    With tokens replicated over TP the sum is tp times each distinct count: normalise by a token
+    total reduced over the same group, and fractions come out right.
+    """
+    out = counts.clone()
+    for name in ("tp_cp", "dp") if global_batch else ("tp_cp",):
+        group = _group(dims, name)
+        if group is not None:
+            dist.all_reduce(out, group=group)
+    return out
+
+
+def reduce_expert_bias_counts(counts_E: torch.Tensor, dims) -> torch.Tensor:
+    """Global expert load [E] over the data-parallel ranks (dp_cp): identical on every rank."""
+    out = counts_E.clone()
+    group = _group(dims, "dp_cp")
+    if group is not None:
+        dist.all_reduce(out, group=group)
+    return out
+
+
+def _group(dims, name: str):
+    """None when the group has one rank: nothing to reduce."""
+    return dims.group(name) if dims.size(name) > 1 else None
