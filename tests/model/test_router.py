@@ -1,0 +1,121 @@
+"""Router and balance-loss tests: score functions, renormalisation, top-k = E, the aux-loss-free
+expert bias, the Switch and per-sequence aux losses, and the router z-loss."""
+
+import pytest
+import torch
+
+from longctx_moe.model.attention import doc_layout
+from longctx_moe.model.losses import router_z_loss, sequence_aux_loss, switch_aux_loss
+from longctx_moe.model.moe import MoE, Router
+from tests.model.helpers import packed_batch, tiny_config
+
+TOL64 = 1e-12  # float64 sums of a few dozen O(1) terms
+
+
+def _router(**overrides):
+    torch.manual_seed(0)
+    r = Router(tiny_config(**overrides))
+    torch.nn.init.normal_(r.weight, std=1.0)
+    return r
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_scores_topk_and_renormalisation(score, renormalize):
+    r = _router(router_score=score, router_renormalize=renormalize, num_experts=6, top_k=3)
+    x = torch.randn(10, 32, dtype=torch.float64)
+    idx, w, aux = r(x)
+    logits = x @ r.weight.double().t()
+    scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
+    ref_w, ref_idx = scores.topk(3, dim=-1)
+    assert torch.equal(idx, ref_idx)
+    if renormalize:
+        ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+        torch.testing.assert_close(w.sum(-1), torch.ones(10, dtype=torch.float64), atol=TOL64, rtol=0)
+    torch.testing.assert_close(w, ref_w, atol=TOL64, rtol=0)
+    torch.testing.assert_close(aux.scores_TE, scores, atol=TOL64, rtol=0)
+
+
+def test_router_math_is_fp32_under_autocast_and_topk_equals_e():
+    r = _router(num_experts=4, top_k=4)
+    x = torch.randn(6, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        idx, w, aux = r(x)
+    assert aux.logits_TE.dtype == torch.float32 and w.dtype == torch.float32
+    assert torch.equal(idx.sort(-1).values, torch.arange(4).expand(6, 4))
+    torch.testing.assert_close(w.sum(-1), torch.ones(6), atol=1e-6, rtol=0)
+
+
+def test_expert_bias_affects_selection_only():
+    r = _router(expert_bias=True, router_renormalize=False)
+    x = torch.randn(20, 32, dtype=torch.float64)
+    r.expert_bias.copy_(torch.tensor([10.0, 0, 0, 0]))  # forces expert 0 into every top-k
+    idx, w, aux = r(x)
+    assert (idx == 0).any(-1).all()
+    torch.testing.assert_close(w, aux.scores_TE.gather(1, idx), atol=0, rtol=0)  # unbiased weights
+
+
+def test_expert_bias_updates_balance_load_on_skewed_input():
+    cfg = tiny_config(expert_bias=True, expert_bias_update_rate=0.02, aux_loss_type="none",
+                      num_experts=8, top_k=2)
+    torch.manual_seed(0)
+    moe = MoE(cfg).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    batch = packed_batch([256], cfg.vocab_size)
+    layout = doc_layout(batch)
+    # Skew: every token shares a component that the router maps onto experts 0 and 1.
+    x = torch.randn(256, 32, dtype=torch.float64) + 1.0 * moe.router.weight[:2].sum(0).double()
+    loads = []
+    for _ in range(60):
+        with torch.no_grad():
+            counts = moe(x, layout)[1].counts_E
+        loads.append(counts.double())
+        moe.router.update_bias(counts)
+    cv = [c.std() / c.mean() for c in loads]
+    assert loads[0][:2].sum() > 0.5 * 512  # 2 of 8 experts take most of the load at the start
+    # Sign updates settle into a small oscillation around balance: judge the last 10 steps.
+    assert max(cv[-10:]) < 0.4 * cv[0]
+    assert max(c.max() for c in loads[-10:]) < 0.6 * loads[0].max()
+
+
+def _naive_seq_aux(scores_TE, idx_TK):
+    t, e = scores_TE.shape
+    k = idx_TK.shape[1]
+    p = scores_TE / scores_TE.sum(-1, keepdim=True)
+    f = torch.stack([(idx_TK == i).sum() for i in range(e)]).double() * e / (k * t)
+    return (f * p.mean(0)).sum()
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_sequence_aux_loss_of_packed_row_is_sum_over_documents(score):
+    r = _router(router_score=score, num_experts=6, top_k=2)
+    lens = [7, 1, 12, 4]
+    batch = packed_batch(lens, 64, pad_multiple=4, trailing_pad=2)
+    layout = doc_layout(batch)
+    x = torch.randn(batch.num_tokens, 32, dtype=torch.float64)
+    idx, _, aux = r(x)
+    packed = sequence_aux_loss(aux.scores_TE, idx, layout.doc_id_T, layout.num_docs)
+    separate = []
+    for d, (s, n) in enumerate(zip(batch.cu_seqlens_padded[:-1].tolist(), lens, strict=True)):
+        i_d, _, a_d = r(x[s:s + n])
+        one = sequence_aux_loss(a_d.scores_TE, i_d, torch.zeros(n, dtype=torch.long), 1)
+        torch.testing.assert_close(one[0], _naive_seq_aux(a_d.scores_TE, i_d), atol=TOL64, rtol=0)
+        torch.testing.assert_close(packed[d], one[0], atol=TOL64, rtol=0)
+        separate.append(one[0])
+    torch.testing.assert_close(packed.sum(), torch.stack(separate).sum(), atol=TOL64, rtol=0)
+
+
+def test_switch_aux_loss_and_z_loss_formulas():
+    r = _router(num_experts=4, top_k=2)
+    x = torch.randn(9, 32, dtype=torch.float64)
+    idx, _, aux = r(x)
+    counts = torch.bincount(idx.flatten(), minlength=4).double()
+    ref = 4 * (counts / 18 * aux.scores_TE.mean(0)).sum()
+    torch.testing.assert_close(switch_aux_loss(aux.scores_TE, idx), ref, atol=TOL64, rtol=0)
+    # Perfect balance gives exactly 1: uniform scores, every expert picked equally often.
+    uniform = torch.full((4, 4), 0.25, dtype=torch.float64)
+    even = torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]])
+    assert abs(float(switch_aux_loss(uniform, even)) - 1.0) < TOL64
+    ref_z = torch.logsumexp(aux.logits_TE, -1).pow(2).mean()
+    torch.testing.assert_close(router_z_loss(aux.logits_TE), ref_z, atol=TOL64, rtol=0)
