@@ -1,0 +1,140 @@
+"""Whole-model tests: document isolation, position restart, chunked cross-entropy, the trainer
+API (ForwardOutput, expert bias update, param counts, FLOPs), config errors, memorisation."""
+
+import pytest
+import torch
+
+from longctx_moe.model import ModelConfig, build_model, model_flops
+from longctx_moe.model.losses import chunked_cross_entropy
+from tests.model.helpers import packed_batch, tiny_config
+
+TOL64 = 1e-10  # float64 end to end: rounding only
+
+
+def _model64(**overrides):
+    torch.manual_seed(0)
+    return build_model(tiny_config(init_std=0.2, **overrides)).double()
+
+
+@pytest.mark.parametrize("overrides", [{}, {"first_k_dense": 1, "shared_expert_hidden_size": 8,
+                                            "router_score": "sigmoid", "tie_embeddings": True}])
+def test_documents_are_isolated_and_positions_restart(overrides):
+    model = _model64(**overrides)
+    gen = torch.Generator().manual_seed(1)
+    lens = [6, 1, 9, 5]
+    batch = packed_batch(lens, 64, pad_multiple=4, trailing_pad=3, generator=gen)
+    base = model.logits(batch)
+    cup = batch.cu_seqlens_padded.tolist()
+    changed = batch.tokens.clone()
+    changed[cup[2]:cup[2] + lens[2]] = torch.randint(0, 64, (lens[2],), generator=gen)
+    other = model.logits(packed_batch(lens, 64, pad_multiple=4, trailing_pad=3, tokens=changed))
+    assert (other[cup[2]:cup[2] + lens[2]] - base[cup[2]:cup[2] + lens[2]]).abs().max() > 1e-3
+    for d in (0, 1, 3):
+        s = slice(cup[d], cup[d] + lens[d])
+        torch.testing.assert_close(other[s], base[s], atol=TOL64, rtol=0)
+    # Position restart: document 3 alone in its own row gives the same logits as inside the pack.
+    alone = packed_batch([lens[3]], 64, tokens=batch.tokens[cup[3]:cup[3] + lens[3]].clone())
+    torch.testing.assert_close(model.logits(alone), base[cup[3]:cup[3] + lens[3]], atol=TOL64, rtol=0)
+
+
+def test_chunked_cross_entropy_matches_full_logits():
+    torch.manual_seed(0)
+    h = torch.randn(23, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (23,))
+    labels[[0, 5, 6, 22]] = -100
+    weight = torch.rand(23, dtype=torch.float64)
+    for lw in (None, weight):
+        ce, n = chunked_cross_entropy(h, w, labels, lw, chunk_tokens=4)
+        g = torch.autograd.grad(2.5 * ce, [h, w])
+        per_tok = torch.nn.functional.cross_entropy(h @ w.t(), labels, reduction="none")
+        ref = (per_tok if lw is None else per_tok * lw).sum()
+        g_ref = torch.autograd.grad(2.5 * ref, [h, w])
+        assert n == 19
+        torch.testing.assert_close(ce, ref, atol=TOL64, rtol=0)
+        for a, b in zip(g, g_ref, strict=True):
+            torch.testing.assert_close(a, b, atol=TOL64, rtol=0)
+
+
+def test_forward_output_contract_and_bf16_autocast():
+    cfg = tiny_config(first_k_dense=1, num_layers=3, aux_loss_type="switch")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    batch = packed_batch([9, 4, 13], cfg.vocab_size, pad_multiple=4)
+    out = model(batch)
+    assert out.ce_sum.dtype == torch.float32 and out.ce_sum.shape == ()
+    assert out.num_targets == batch.num_target_tokens() == 23
+    assert out.expert_counts.dtype == torch.int64 and out.expert_counts.shape == (2, cfg.num_experts)
+    # Counts are over real tokens only (26 of 32 positions), top_k each.
+    assert out.expert_counts.sum(1).tolist() == [26 * cfg.top_k] * 2
+    assert out.aux_loss > 0 and out.z_loss > 0
+    full = torch.nn.functional.cross_entropy(model.logits(batch), batch.labels, reduction="sum")
+    torch.testing.assert_close(out.ce_sum, full, atol=1e-4, rtol=1e-5)  # fp32, summation order
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf = model(batch)
+    (bf.ce_sum / bf.num_targets + bf.aux_loss + bf.z_loss).backward()
+    # bf16 matmuls (8-bit mantissa) over a random-init model: the mean CE agrees to ~1%.
+    assert abs(bf.ce_sum.item() - out.ce_sum.item()) / out.ce_sum.item() < 2e-2
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_build_is_deterministic_and_counts_params():
+    cfg = tiny_config(shared_expert_hidden_size=8)
+    torch.manual_seed(3)
+    a = build_model(cfg)
+    torch.manual_seed(3)
+    b = build_model(cfg)
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert na == nb and torch.equal(pa, pb)
+    d, v, e, f = 32, 64, 4, 16
+    attn = d * 8 * (2 * 4 + 2 * 2) + 2 * 8  # q,o: 4 heads of 8; k,v: 2 heads; q/k norms
+    moe = e * d + e * 3 * d * f + 3 * d * 8
+    per_layer = attn + moe + 2 * d
+    assert a.num_params() == 2 * v * d + 2 * per_layer + d
+    assert a.num_params(exclude_embedding=True) == v * d + 2 * per_layer + d
+
+
+def test_update_expert_bias_and_flops():
+    model = _model64(expert_bias=True, expert_bias_update_rate=0.5, first_k_dense=1, num_layers=3)
+    counts = torch.tensor([[9, 1, 5, 5], [0, 0, 0, 20]])
+    model.update_expert_bias(counts)
+    biases = [layer.router.expert_bias.tolist() for layer in model.moe_layers()]
+    assert biases == [[-0.5, 0.5, 0.0, 0.0], [0.5, 0.5, 0.5, -0.5]]
+    with pytest.raises(ValueError, match="num_moe_layers=2"):
+        model.update_expert_bias(counts[:1])
+    cfg = model.cfg
+    d = cfg.hidden_size
+    dense = 3 * d * cfg.dense_hidden_size
+    moe = d * 4 + 2 * 3 * d * cfg.expert_hidden_size
+    attn = d * 8 * 12
+    n_active = 3 * attn + dense + 2 * moe + d * cfg.vocab_size
+    lens = [5, 1, 10]
+    attention = 12 * (15 + 1 + 55) * 4 * 8 * 3
+    assert model_flops(cfg, lens) == 6 * n_active * 16 + attention
+
+
+@pytest.mark.parametrize("key,value,match", [("router_score", "relu", "model.router_score"),
+                                             ("num_kv_heads", 3, "model.num_kv_heads=3"),
+                                             ("top_k", 9, "model.top_k=9"),
+                                             ("aux_loss_type", "global", "model.aux_loss_type")])
+def test_bad_config_names_the_key(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        build_model(ModelConfig(**{key: value}))
+
+
+def test_memorises_one_packed_batch():
+    torch.manual_seed(0)
+    cfg = tiny_config(aux_loss_type="switch", init_std=0.05)
+    model = build_model(cfg)
+    batch = packed_batch([20, 7, 30, 5], cfg.vocab_size, pad_multiple=4,
+                         generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    for _ in range(300):
+        out = model(batch)
+        loss = out.ce_sum / out.num_targets
+        (loss + out.aux_loss + out.z_loss).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if loss.item() < 0.05:
+            break
+    assert loss.item() < 0.1
