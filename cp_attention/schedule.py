@@ -1,0 +1,114 @@
+"""Kernel calls of the CP schedule: which local queries see which keys at each ring step.
+
+Each step is ONE varlen kernel call over all local queries [L] and all keys of the step's KV
+block, described by (cu_q, cu_k, causal). Every query row appears in exactly one segment, so a
+step yields at most one partial result per row and the merge stays a pairwise fold. Segments:
+- (lq, lk) with both > 0: queries see keys (bottom-right causal, or full);
+- (lq, 0): queries that see nothing at this step (padding, or no visible key): out 0, lse -inf;
+- (0, lk): keys that no query of this step sees (padding, unused chunk): zero gradients.
+
+Zigzag pieces of ring rank r hold chunks r and 2P-1-r of a document. Against the block of ring
+rank s (chunks s and 2P-1-s of the same document):
+- s == r: both chunks against both chunks, causal. Bottom-right alignment of the square
+  [chunk r, chunk 2P-1-r] x [same] is exactly "key position <= query position".
+- s < r: both local chunks see chunk s in full (it precedes both); chunk 2P-1-s comes after both.
+- s > r: only chunk 2P-1-r sees anything, and it sees both chunks of s in full.
+Padding is at the end of a slot, so the real tokens of every piece are a prefix of it and trimming
+to the real prefix keeps the alignment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous block of a rank's local layout: document `doc`, local tokens
+    [local_start, local_start + length), the first `real` of them real; `phys_start` is the
+    physical position of the first token of the block (zigzag: of its first chunk)."""
+
+    doc: int
+    local_start: int
+    length: int
+    real: int
+    zigzag: bool
+    phys_start: int
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One varlen kernel call: cu_q / cu_k int32 [n+1], host ints max_q / max_k."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    causal: bool
+    empty: bool  # no query sees any key: the kernel call can be skipped
+
+    def to(self, device: torch.device) -> StepSpec:
+        return StepSpec(self.cu_q.to(device), self.cu_k.to(device), self.max_q, self.max_k,
+                        self.causal, self.empty)
+
+
+def _spec(segments: list[tuple[int, int]], causal: bool) -> StepSpec:
+    segs = [(a, b) for a, b in segments if a or b]
+    lq = [a for a, _ in segs]
+    lk = [b for _, b in segs]
+    cu_q = torch.tensor([0] + lq, dtype=torch.int64).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lk, dtype=torch.int64).cumsum(0).to(torch.int32)
+    empty = not any(a and b for a, b in segs)
+    return StepSpec(cu_q, cu_k, max(lq, default=0), max(lk, default=0), causal, empty)
+
+
+def _with_padding(real: int, length: int) -> list[tuple[int, int]]:
+    """Segments of one piece seen against itself: its real prefix, then its padding isolated."""
+    pad = length - real
+    return [(real, real), (pad, 0), (0, pad)]
+
+
+def diagonal_step(pieces: list[Piece], causal: bool) -> StepSpec:
+    """Step 0: the local queries against the local keys (same layout on both sides)."""
+    segs: list[tuple[int, int]] = []
+    for p in pieces:
+        segs += _with_padding(p.real, p.length)
+    return _spec(segs, causal)
+
+
+def full_sequence_step(cu: torch.Tensor, cu_pad: torch.Tensor) -> StepSpec:
+    """All owned tokens in physical order, every document against itself (Ulysses), causal."""
+    segs: list[tuple[int, int]] = []
+    for length, slot in zip(cu.diff().tolist(), cu_pad.diff().tolist(), strict=True):
+        segs += _with_padding(length, slot)
+    return _spec(segs, True)
+
+
+def _ring_pair(qp: Piece, kp: Piece, r: int, s: int, causal: bool) -> tuple[int, int, int, int]:
+    """(q offset, q len, k offset, k len) of the zigzag pair, offsets local to the pieces."""
+    if not causal:
+        return 0, qp.real, 0, kp.real
+    c = qp.length // 2
+    if s < r:
+        return 0, qp.real, 0, min(kp.real, c)
+    return c, max(0, qp.real - c), 0, kp.real
+
+
+def ring_step(q_pieces: list[Piece], k_pieces: list[Piece], r: int, s: int,
+              causal: bool) -> StepSpec:
+    """Step t > 0 on ring rank r with the ring block of rank s != r (zigzag pieces only: both
+    ranks list the same zigzag documents first, with equal piece lengths)."""
+    segs: list[tuple[int, int]] = []
+    q_pos = k_pos = 0
+    for qp, kp in zip(q_pieces, k_pieces, strict=False):
+        if not qp.zigzag:
+            break
+        qo, ql, ko, kl = _ring_pair(qp, kp, r, s, causal)
+        if ql == 0 or kl == 0:
+            continue
+        qa, ka = qp.local_start + qo, kp.local_start + ko
+        segs += [(qa - q_pos, 0), (0, ka - k_pos), (ql, kl)]
+        q_pos, k_pos = qa + ql, ka + kl
+    return _spec(segs, False)
