@@ -70,3 +70,25 @@ def kernel_lse(lse_HT: torch.Tensor) -> torch.Tensor:
     """Replace -inf (rows that see no key anywhere) by +inf, so exp(S - lse) = 0 in a kernel's
     backward instead of exp(-inf + inf) = NaN; those rows then contribute no gradient."""
     return torch.where(lse_HT == float("-inf"), float("inf"), lse_HT)
+
+
+def external_lse_grads(local_fn, dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT):
+    """Block gradients for an external (merged) (out, lse) from any differentiable local kernel.
+
+    local_fn(q, k, v) -> (out_l [T, Hq, D], lse_l [Hq, T]) must support gradients through both.
+    With w = exp(lse_l - lse), back-propagating grad_out = w * dout and
+    grad_lse = w * (rowsum(dout * out_l) - rowsum(dout * out)) gives
+    dS = P_l * w * (dP - rowsum(dout * out)) = P * (dP - D), P = exp(S - lse): the ring formula.
+    """
+    with torch.enable_grad():
+        q, k, v = (x.detach().requires_grad_() for x in (q_THD, k_SHD, v_SHD))
+        out_l, lse_l = local_fn(q, k, v)
+        lse_ext = lse_HT.to(lse_l.dtype)
+        seen = torch.isfinite(lse_l) & torch.isfinite(lse_ext)
+        w_HT = torch.where(seen, torch.exp(lse_l.detach() - torch.where(seen, lse_ext, 0.0)), 0.0)
+        w_TH1 = w_HT.t()[..., None]
+        d_local = (dout_THD * out_l.detach()).sum(-1, dtype=w_HT.dtype)
+        d_ext = (dout_THD * out_THD).sum(-1, dtype=w_HT.dtype)
+        grad_lse = w_HT * (d_local - d_ext).t()
+        grad_out = (dout_THD * w_TH1).to(out_l.dtype)
+        return torch.autograd.grad((out_l, lse_l), (q, k, v), (grad_out, grad_lse))

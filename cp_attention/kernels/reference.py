@@ -44,8 +44,10 @@ def reference_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, sca
     scale = default_scale(scale, q_THD.shape[-1])
     mask_TS = doc_mask_TS(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal)
     s_HTS = _scores_HTS(q_THD, k_SHD, mask_TS, scale)
-    lse_HT = torch.logsumexp(s_HTS, dim=-1)
-    seen_HT = torch.isfinite(lse_HT)
+    # Double where: rows that see no key get lse -inf without NaN gradients under autograd.
+    seen_HT = mask_TS.any(-1).expand(s_HTS.shape[:2])
+    lse_HT = torch.logsumexp(torch.where(seen_HT[..., None], s_HTS, 0.0), dim=-1)
+    lse_HT = torch.where(seen_HT, lse_HT, float("-inf"))
     p_HTS = torch.exp(s_HTS - torch.where(seen_HT, lse_HT, 0.0)[..., None])
     g = q_THD.shape[1] // k_SHD.shape[1]
     v = v_SHD.double().repeat_interleave(g, dim=1)

@@ -18,7 +18,8 @@ from cp_attention.kernels import (
     varlen_attention,
 )
 from cp_attention.kernels._buckets import plan_buckets
-from cp_attention.kernels.reference import doc_mask_TS, reference_backward
+from cp_attention.kernels._common import external_lse_grads
+from cp_attention.kernels.reference import doc_mask_TS, reference_backward, reference_forward
 
 NEG_INF = float("-inf")
 
@@ -213,3 +214,41 @@ def test_errors_name_cause_and_fix():
         attn_forward(q, k, v, cu_q, cu_k[:2], mq, mk, True)
     with pytest.raises(ValueError, match="past the tensors"):
         attn_forward(q, k, v, cu_q + 1 - (cu_q == 0).int(), cu_k, mq, mk, True)
+
+
+def test_recompute_backward_with_merged_lse():
+    """The GPU flex backend's trick, checked on CPU with the differentiable float64 reference as
+    the local kernel: back-propagating (w * dout, w * (D_local - D)) through a block's local
+    (out, lse) equals that block's share of the full gradient under the merged (out, lse)."""
+    lens_q, lens_k, cuts = [4, 2, 6], [9, 0, 8], [5, 0, 3]
+    q, k, v, dout, cu_q, _, mq, _ = _make(lens_q, lens_k, 4, 2, 8, 1, torch.float64, 5)
+    cu_k = _cu(lens_k)
+    b1, b2, i1, i2 = _split_keys(q, k, v, lens_q, lens_k, cuts)
+    full = reference_forward(q, k, v, cu_q, cu_k, mq, max(lens_k), True)
+    ref = reference_backward(dout, q, k, v, *full, cu_q, cu_k, mq, max(lens_k), True)
+    dq = torch.zeros_like(q)
+    for (kb, vb, cu_b, mb), idx, causal in ((b1, i1, False), (b2, i2, True)):
+        local = lambda q_, k_, v_, kb=kb, cu_b=cu_b, mb=mb, c=causal: reference_forward(
+            q_, k_, v_, cu_q, cu_b, mq, mb, c)
+        gq, gk, gv = external_lse_grads(local, dout, q, kb, vb, *full)
+        torch.testing.assert_close(gk, ref[1][idx], atol=1e-10, rtol=0)
+        torch.testing.assert_close(gv, ref[2][idx], atol=1e-10, rtol=0)
+        dq += gq
+    torch.testing.assert_close(dq, ref[0], atol=1e-10, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_document_mask_forward_on_cpu():
+    """flex's eager CPU path (forward only) checks the document mask_mod and the lse convention
+    that the CUDA backend relies on."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    assert flex is not None
+    from cp_attention.kernels import flex as flex_backend
+
+    for causal in (True, False):
+        q, k, v, _, cu_q, cu_k, mq, mk = _make([3, 1, 5, 2], [6, 0, 5, 1], 4, 2, 8, 2,
+                                               torch.float64, 1)
+        out, lse = flex_backend.forward(q, k, v, cu_q, cu_k, mq, mk, causal)
+        ref_out, ref_lse = reference_attention(q, k, v, cu_q, cu_k, mq, mk, causal)
+        torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+        _assert_lse(lse, ref_lse, 1e-10)
