@@ -59,7 +59,9 @@ def write_shard(out_dir: str, k: int, arrays: dict[str, np.ndarray], info: dict)
     names are written raw, others with np.save."""
     final = os.path.join(out_dir, shard_name(k))
     tmp = os.path.join(out_dir, f".tmp_{shard_name(k)}_{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for name in os.listdir(out_dir):  # leftovers of an interrupted attempt at this shard
+        if name.startswith(f".tmp_{shard_name(k)}_"):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
     os.makedirs(tmp)
     for name, arr in arrays.items():
         path = os.path.join(tmp, name)
