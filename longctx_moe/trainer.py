@@ -153,20 +153,22 @@ class Trainer:
 
     def _reduce_gradients(self) -> None:
         """Sum gradients over the data-parallel replicas, one flattened bucket at a time."""
-        by_axis: dict[str, list[torch.Tensor]] = {}
+        by_axis: dict[str, list[torch.nn.Parameter]] = {}
         for p in self._params:
-            if p.grad is None:
-                # A parameter unused this step (e.g. an expert no token chose on this rank) still
-                # has to join the collective with zeros, or ranks would disagree on bucket layout.
-                p.grad = torch.zeros_like(p)
-            by_axis.setdefault(getattr(p, "reduce_axis", "dp_cp"), []).append(p.grad)
-        for axis, grads in by_axis.items():
-            if _group_size(self.dims, axis) > 1:
-                for bucket in _buckets(grads):
-                    flat = _flatten_dense_tensors(bucket)
-                    dist.all_reduce(flat, group=self.dims.group(axis))
-                    for g, r in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-                        g.copy_(r)
+            by_axis.setdefault(getattr(p, "reduce_axis", "dp_cp"), []).append(p)
+        for axis, params in by_axis.items():
+            if _group_size(self.dims, axis) == 1:
+                continue
+            for p in params:
+                if p.grad is None:
+                    # Unused this step on this rank (an expert no token chose): it still joins
+                    # the collective, with zeros, so every rank flattens the same layout.
+                    p.grad = torch.zeros_like(p)
+            for bucket in _buckets([p.grad for p in params]):
+                flat = _flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, group=self.dims.group(axis))
+                for g, r in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                    g.copy_(r)
 
     def _on_non_finite(self, loss: float, grad_norm: float) -> None:
         what = f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} " \
