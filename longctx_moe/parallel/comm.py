@@ -7,6 +7,9 @@ Legend: N rows (token copies) of D features; splits are host lists of row counts
 - `all_gather_rows(x_ND, sizes, group)`: every rank's rows concatenated in rank order; backward
   sums each rank's slice of the gradient back to its owner (a reduce-scatter done as an
   all-to-all, because the row counts differ per rank).
+- `split_replicated` / `gather_replicated`: rows replicated over a group (TP peers) are split
+  into one chunk per rank and put back together; the gradients follow the Megatron rule for
+  replicated activations (each rank ends with the full, identical gradient).
 
 Payload codecs (`make_codec`): "none", "bf16", "fp8". The fp8 codec sends e4m3 values with one
 fp32 scale per row (s = amax(|x_row|) / 448), packed into one uint8 buffer so a single all-to-all
@@ -115,17 +118,20 @@ def all_to_all_rows(x_ND: torch.Tensor, send_splits: list[int], recv_splits: lis
     return _AllToAllRows.apply(x_ND, list(send_splits), list(recv_splits), group, codec or Codec())
 
 
+def _all_gather_raw(x_ND, sizes, group):
+    # dist.all_gather needs equal shapes: pad every rank's rows to the largest count.
+    padded = x_ND.new_zeros((max(sizes),) + tuple(x_ND.shape[1:]))
+    padded[: x_ND.shape[0]] = x_ND
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+
+
 class _AllGatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, sizes, rank, group):
         ctx.meta = (sizes, rank, group)
-        pad = max(sizes)
-        # dist.all_gather needs equal shapes: pad every rank's rows to the largest count.
-        padded = x_ND.new_zeros((pad,) + tuple(x_ND.shape[1:]))
-        padded[: x_ND.shape[0]] = x_ND
-        parts = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(parts, padded, group=group)
-        return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+        return _all_gather_raw(x_ND, sizes, group)
 
     @staticmethod
     def backward(ctx, grad_MD):
@@ -139,6 +145,55 @@ class _AllGatherRows(torch.autograd.Function):
 def all_gather_rows(x_ND: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """Concatenate every rank's rows ([sizes[r], ...] on rank r) in rank order; autograd-aware."""
     return _AllGatherRows.apply(x_ND, list(sizes), dist.get_rank(group), group)
+
+
+class _SplitRows(torch.autograd.Function):
+    """Forward: this rank's chunk of rows replicated over `group`. Backward: the full gradient,
+    assembled from every rank's chunk (the input is replicated, so each rank needs all of it)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, sizes, rank, group):
+        ctx.meta = (sizes, group)
+        start = sum(sizes[:rank])
+        return x_TD[start:start + sizes[rank]].clone()
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        sizes, group = ctx.meta
+        return _all_gather_raw(grad_ND.contiguous(), sizes, group), None, None, None
+
+
+class _GatherReplicatedRows(torch.autograd.Function):
+    """Forward: all ranks' chunks concatenated (the result is replicated over `group`).
+    Backward: this rank's slice of the gradient, which is the same on every rank of the group."""
+
+    @staticmethod
+    def forward(ctx, x_ND, sizes, rank, group):
+        ctx.meta = (sizes, rank)
+        return _all_gather_raw(x_ND, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        sizes, rank = ctx.meta
+        start = sum(sizes[:rank])
+        return grad_TD[start:start + sizes[rank]], None, None, None
+
+
+def chunk_sizes(n: int, parts: int) -> list[int]:
+    """Row counts of `parts` near-equal contiguous chunks of `n` rows (earlier chunks larger)."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def split_replicated(x_TD: torch.Tensor, group) -> torch.Tensor:
+    """This rank's contiguous chunk of rows that are replicated over `group` (e.g. TP peers)."""
+    sizes = chunk_sizes(x_TD.shape[0], dist.get_world_size(group))
+    return _SplitRows.apply(x_TD, sizes, dist.get_rank(group), group)
+
+
+def gather_replicated(x_ND: torch.Tensor, total: int, group) -> torch.Tensor:
+    """Inverse of `split_replicated`: every chunk concatenated, replicated over `group`."""
+    sizes = chunk_sizes(total, dist.get_world_size(group))
+    return _GatherReplicatedRows.apply(x_ND, sizes, dist.get_rank(group), group)
 
 
 def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:

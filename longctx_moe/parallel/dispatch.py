@@ -14,6 +14,10 @@ Dropless by default. With `capacity_factor`, each expert keeps at most
 ceil(capacity_factor * T * K / E) assignments *from each source rank* (decided on the owner of the
 tokens, before any communication, as Megatron-Core does); `drop_policy` "probs" keeps the highest
 weights, "position" the earliest tokens. Both dispatchers give identical results.
+
+TP (ETP = 1): TP peers hold the same tokens. With `tp_group`, each peer dispatches one contiguous
+chunk of them and the outputs are all-gathered back (Megatron-Core's approach), so experts see
+each token once and expert gradients need no 1/tp correction; capacity then applies per chunk.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from longctx_moe.parallel.comm import (
     all_gather_rows,
     all_to_all_rows,
     exchange_counts,
+    gather_replicated,
     gather_sizes,
     make_codec,
+    split_replicated,
 )
 from longctx_moe.parallel.dims import DROP_POLICIES
 
@@ -111,8 +117,8 @@ class _EPDispatcher:
     """Shared set-up: the EP group, expert ownership, capacity and the checks on `experts`."""
 
     def __init__(self, num_experts: int, group=None, capacity_factor: float | None = None,
-                 drop_policy: str = "probs"):
-        self.group = group
+                 drop_policy: str = "probs", tp_group=None):
+        self.group, self.tp_group = group, tp_group
         self.ep_size = 1 if group is None else dist.get_world_size(group)
         self.ep_rank = 0 if group is None else dist.get_rank(group)
         if num_experts % self.ep_size:
@@ -125,6 +131,17 @@ class _EPDispatcher:
         self.num_experts, self.local_experts = num_experts, num_experts // self.ep_size
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.wire_bytes = 0  # payload bytes this rank sent to other ranks in the last forward
+
+    def __call__(self, x_TD, topk_idx_TK, topk_weight_TK, experts):
+        """y_TD; with `tp_group`, each TP peer dispatches only its chunk of the (replicated)
+        tokens and the outputs are gathered back, so no expert runs a token twice."""
+        if self.tp_group is None or dist.get_world_size(self.tp_group) == 1:
+            return self._dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts)
+        T, g = x_TD.shape[0], self.tp_group
+        idx_NK = split_replicated(topk_idx_TK, g).detach()
+        y_ND = self._dispatch(split_replicated(x_TD, g), idx_NK,
+                              split_replicated(topk_weight_TK, g), experts)
+        return gather_replicated(y_ND, T, g)
 
     def _route(self, x_TD, topk_idx_TK, topk_weight_TK, experts) -> Routing:
         _check_inputs(x_TD, topk_idx_TK, topk_weight_TK, self.num_experts)
@@ -148,12 +165,12 @@ class AllToAllDispatcher(_EPDispatcher):
     """
 
     def __init__(self, num_experts: int, group=None, capacity_factor: float | None = None,
-                 drop_policy: str = "probs", dispatch_dtype: str = "none"):
-        super().__init__(num_experts, group, capacity_factor, drop_policy)
+                 drop_policy: str = "probs", dispatch_dtype: str = "none", tp_group=None):
+        super().__init__(num_experts, group, capacity_factor, drop_policy, tp_group)
         self.codec = make_codec(dispatch_dtype)
         self.combine_codec = self.codec.grad()
 
-    def __call__(self, x_TD, topk_idx_TK, topk_weight_TK, experts):
+    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, experts):
         routing = self._route(x_TD, topk_idx_TK, topk_weight_TK, experts)
         x_ND = x_TD.index_select(0, routing.token_N)
         if self.ep_size == 1:
@@ -183,7 +200,7 @@ class AllGatherDispatcher(_EPDispatcher):
     the all-to-all once top-k * R is small relative to R (see bench/moe_dispatch.py).
     """
 
-    def __call__(self, x_TD, topk_idx_TK, topk_weight_TK, experts):
+    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, experts):
         routing = self._route(x_TD, topk_idx_TK, topk_weight_TK, experts)
         if self.ep_size == 1:
             self.wire_bytes = 0
@@ -225,10 +242,12 @@ def build_dispatcher(dims, cfg, num_experts: int):
         raise ValueError(f"etp={dims.etp}: tensor-parallel experts are not implemented by the "
                          "dispatchers yet; use etp=1")
     group = dims.group("ep") if dims.ep > 1 else None
+    tp_group = dims.group("tp") if dims.tp > 1 else None  # TP peers split their shared tokens
     if cfg.dispatcher == "allgather":
         if cfg.dispatch_dtype != "none":
             raise ValueError(f"dispatch_dtype={cfg.dispatch_dtype!r} compresses the all-to-all "
                              "only; use dispatcher=alltoall or dispatch_dtype=none")
-        return AllGatherDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy)
+        return AllGatherDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,
+                                   tp_group)
     return AllToAllDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,
-                              cfg.dispatch_dtype)
+                              cfg.dispatch_dtype, tp_group)

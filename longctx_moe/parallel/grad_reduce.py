@@ -9,8 +9,9 @@ SUMMED, never averaged:
   the gradient of its own shard for its DP x CP slice of tokens.
 - expert parameters (inside GroupedExperts, duck-typed by `num_local_experts`): the dispatcher
   already summed over the tokens of the EP group; all-reduce over `edp` then covers every rank
-  once. With TP > 1 and ETP = 1 each token is dispatched once per TP peer, so the sum counts it
-  tp times: `expert_grad_scale` defaults to 1/tp to undo exactly that.
+  once. With TP > 1 the dispatchers from `build_dispatcher` split the TP peers' shared tokens
+  (each token reaches its experts once): scale 1. A dispatcher without `tp_group` sends every
+  token once per TP peer; pass `expert_grad_scale=1/tp` to undo exactly that.
 - aux-loss token counts: over `tp_cp` (one whole sequence), or every rank with `global_batch`.
 - expert-bias load counts: over `dp_cp`, so every rank applies the same bias update.
 """
@@ -62,14 +63,11 @@ def _all_reduce_grads(params: list[nn.Parameter], group, scale: float = 1.0) -> 
 
 
 def reduce_gradients(dense: list[nn.Parameter], expert: list[nn.Parameter], dims, *,
-                     expert_grad_scale: float | None = None) -> None:
-    """Sum dense gradients over dp_cp and expert gradients over edp (times expert_grad_scale).
-
-    `expert_grad_scale=None` means 1/tp: the dispatchers send each token once per TP peer.
-    """
-    scale = 1.0 / dims.tp if expert_grad_scale is None else expert_grad_scale
+                     expert_grad_scale: float = 1.0) -> None:
+    """Sum dense gradients over dp_cp and expert gradients over edp (times expert_grad_scale:
+    1/tp when TP peers dispatched the same tokens, see the module docstring)."""
     _all_reduce_grads(dense, _group(dims, "dp_cp"))
-    _all_reduce_grads(expert, _group(dims, "edp"), scale)
+    _all_reduce_grads(expert, _group(dims, "edp"), expert_grad_scale)
 
 
 def reduce_aux_counts(counts: torch.Tensor, dims, *, global_batch: bool = False) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """Gradient / count reductions on 4 gloo ranks in several folded layouts, against one process.
 
 A tiny tokenwise model (dense layer -> softmax router -> EP experts) sees the global batch split
-over DP x CP (TP peers get the same tokens); after reduce_gradients every rank's dense gradients
-and its expert shard's gradients must equal the unsharded float64 ones (1e-10: only the
-summation order differs).
+over DP x CP (TP peers get the same tokens, dispatched either both or split between them via
+tp_group); after reduce_gradients every rank's dense gradients and its expert shard's gradients
+must equal the unsharded float64 ones (1e-10: only the summation order differs).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _reference(x, wd, wr, w1, w2, g):
     return model, idx
 
 
-def _check_layout(rank, kw, seed):
+def _check_layout(rank, kw, seed, split_tp):
     dims = ParallelDims.from_config(ParallelConfig(**kw), 4)
     dims.build_groups(rank)
     x, wd, wr, w1, w2, g = _data(seed)
@@ -69,17 +69,19 @@ def _check_layout(rank, kw, seed):
     s = slice(chunk * T // (dims.dp * dims.cp), (chunk + 1) * T // (dims.dp * dims.cp))
     L = E // dims.ep
     model = TinyMoE(wd, wr, w1, w2, dims.rank_in("ep") * L, L)
-    y, idx = model(x[s], AllToAllDispatcher(E, dims.group("ep")))
+    tp_group = dims.group("tp") if split_tp else None
+    y, idx = model(x[s], AllToAllDispatcher(E, dims.group("ep"), tp_group=tp_group))
     ((y * g[s]).sum() / T).backward()  # the global token count, as the trainer does
     dense, expert = split_params(model)
     assert [p is model.dense or p is model.router for p in dense] == [True, True] and len(expert) == 2
-    reduce_gradients(dense, expert, dims)
+    # Without the TP split each TP peer dispatched the same tokens: undo the tp-fold sum.
+    reduce_gradients(dense, expert, dims, expert_grad_scale=1.0 if split_tp else 1.0 / dims.tp)
     e = slice(dims.rank_in("ep") * L, dims.rank_in("ep") * L + L)
     pairs = [(model.dense, ref.dense.grad), (model.router, ref.router.grad),
              (model.experts.w1_LDF, ref.experts.w1_LDF.grad[e]),
              (model.experts.w2_LFD, ref.experts.w2_LFD.grad[e])]
     for p, want in pairs:
-        assert (p.grad - want).abs().max().item() < TOL, (kw, p.shape)
+        assert (p.grad - want).abs().max().item() < TOL, (kw, split_tp, p.shape)
     _check_counts(dims, idx, ref_idx, s)
 
 
@@ -97,7 +99,8 @@ def _check_counts(dims, idx, ref_idx, s):
 
 def _check_all_layouts(rank, world):
     for seed, kw in enumerate(LAYOUTS):
-        _check_layout(rank, kw, seed)
+        for split_tp in (False, True) if kw.get("tp", 1) > 1 else (False,):
+            _check_layout(rank, kw, seed, split_tp)
     return True
 
 
