@@ -15,6 +15,9 @@ class ParallelConfig:
     etp: int = 1
     cp_backend: str = "ring"  # ring | ulysses | hierarchical
     hierarchical_sizes: list[int] | None = None  # [inner (a2a), outer (p2p)] for cp_backend=hierarchical
+    # Dynamic-CP: also build CP subgroups of these sizes (each divides cp), for micro-batches
+    # that run on fewer CP ranks; named cp_sub<size>.
+    dynamic_cp_sizes: list[int] | None = None
     dispatcher: str = "alltoall"  # alltoall | allgather
     dispatch_dtype: str = "none"  # none | bf16 | fp8: payload compression of the expert all-to-all
     capacity_factor: float | None = None  # None: dropless

@@ -14,6 +14,8 @@ Group names (each rank belongs to exactly one group of each name):
     tp_cp               TP x CP: one sequence (aux-loss token counts)
     ep, etp, edp        the MoE axes; edp reduces expert gradients
     cp_inner, cp_outer  only with cp_backend = "hierarchical"
+    cp_sub<s>           Dynamic-CP: consecutive runs of s ranks of each CP group, for each s in
+                        parallel.dynamic_cp_sizes
 
 This is the ONLY module that creates process groups. `table()` is pure (no process group is
 touched), so layouts can be planned and tested on one process (`longctx-moe plan-groups`).
@@ -105,6 +107,15 @@ def _check_hierarchical(cfg: ParallelConfig) -> tuple[int, int]:
     return int(sizes[0]), int(sizes[1])
 
 
+def _check_dynamic_cp(cfg: ParallelConfig) -> tuple[int, ...]:
+    sizes = tuple(sorted(set(cfg.dynamic_cp_sizes or ())))
+    for size in sizes:
+        if size < 1 or cfg.cp % size:
+            _fail(f"parallel.dynamic_cp_sizes holds {size}, which does not divide cp={cfg.cp}; "
+                  "use divisors of cp")
+    return sizes
+
+
 def _check_model(cfg: ParallelConfig, model_cfg: Any, cp_a2a: int) -> None:
     """Checks against the model; any attribute the model config lacks is skipped."""
     num_experts = getattr(model_cfg, "num_experts", None)
@@ -152,6 +163,7 @@ class ParallelDims:
     cp_backend: str = "ring"
     cp_inner: int = 1
     cp_outer: int = 1
+    dynamic_cp_sizes: tuple[int, ...] = ()
     rank: int | None = None
     _groups: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -161,12 +173,14 @@ class ParallelDims:
         _check_degrees(cfg, world_size)
         _check_options(cfg)
         inner, outer = _check_hierarchical(cfg)
+        dyn = _check_dynamic_cp(cfg)
         cp_a2a = {"ulysses": cfg.cp, "hierarchical": inner}.get(cfg.cp_backend, 1)
         if model_cfg is not None:
             _check_model(cfg, model_cfg, cp_a2a)
         return cls(world_size=world_size, tp=cfg.tp, cp=cfg.cp, dp=world_size // (cfg.tp * cfg.cp),
                    ep=cfg.ep, etp=cfg.etp, edp=world_size // (cfg.etp * cfg.ep),
-                   cp_backend=cfg.cp_backend, cp_inner=inner, cp_outer=outer)
+                   cp_backend=cfg.cp_backend, cp_inner=inner, cp_outer=outer,
+                   dynamic_cp_sizes=dyn)
 
     @property
     def hierarchical(self) -> bool:
@@ -175,7 +189,8 @@ class ParallelDims:
     def names(self) -> list[str]:
         """Every group name, in the order `build_groups` creates them."""
         extra = [n for n, _, _ in _HIER_SPECS] if self.hierarchical else []
-        return [n for n, _, _ in _GROUP_SPECS] + extra
+        dynamic = [f"cp_sub{s}" for s in self.dynamic_cp_sizes]
+        return [n for n, _, _ in _GROUP_SPECS] + extra + dynamic
 
     def table(self) -> dict[str, list[list[int]]]:
         """name -> every group's ranks (ascending), computed from the rank orderings; pure."""
@@ -186,7 +201,10 @@ class ParallelDims:
             "moe": (w.reshape(self.edp, self.ep, self.etp), _MOE_AXES),
         }
         specs = _GROUP_SPECS + (_HIER_SPECS if self.hierarchical else ())
-        return {name: _groups_along(*grids[g], keep) for name, g, keep in specs}
+        table = {name: _groups_along(*grids[g], keep) for name, g, keep in specs}
+        for s in self.dynamic_cp_sizes:
+            table[f"cp_sub{s}"] = [g[i:i + s] for g in table["cp"] for i in range(0, self.cp, s)]
+        return table
 
     def size(self, name: str) -> int:
         """Number of ranks in each group called `name`."""

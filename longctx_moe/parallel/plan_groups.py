@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=-1, help="-1: world // (tp*cp)")
     p.add_argument("--cp-backend", default="ring", choices=CP_BACKENDS)
     p.add_argument("--hierarchical-sizes", type=int, nargs=2, metavar=("INNER", "OUTER"))
+    p.add_argument("--dynamic-cp-sizes", type=int, nargs="+", metavar="SIZE",
+                   help="also plan Dynamic-CP subgroups of these sizes")
     p.add_argument("--num-experts", type=int)
     p.add_argument("--num-heads", type=int)
     p.add_argument("--num-kv-heads", type=int)
@@ -46,7 +48,8 @@ def format_table(dims: ParallelDims) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = ParallelConfig(tp=args.tp, cp=args.cp, dp=args.dp, ep=args.ep, etp=args.etp,
-                         cp_backend=args.cp_backend, hierarchical_sizes=args.hierarchical_sizes)
+                         cp_backend=args.cp_backend, hierarchical_sizes=args.hierarchical_sizes,
+                         dynamic_cp_sizes=args.dynamic_cp_sizes)
     model = {k: v for k, v in (("num_experts", args.num_experts), ("num_heads", args.num_heads),
                                ("num_kv_heads", args.num_kv_heads)) if v is not None}
     try:

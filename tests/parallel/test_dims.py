@@ -58,13 +58,20 @@ def test_hierarchical_cp_world4_and_16():
     assert t["ep"] == [list(range(8)), list(range(8, 16))] and t["edp"][0] == [0, 8]
 
 
+def test_dynamic_cp_subgroups():
+    t = _dims(8, tp=2, cp=4, dynamic_cp_sizes=[2, 1]).table()
+    assert t["cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert t["cp_sub2"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert t["cp_sub1"] == [[0], [2], [4], [6], [1], [3], [5], [7]]
+
+
 def test_every_rank_in_exactly_one_group_per_name():
-    d = _dims(16, tp=2, cp=2, ep=4)
+    d = _dims(16, tp=2, cp=4, ep=4, dynamic_cp_sizes=[2])
     for name, groups in d.table().items():
         flat = sorted(r for g in groups for r in g)
         assert flat == list(range(16)), name
         assert all(len(g) == d.size(name) for g in groups), name
-    assert (d.dp, d.edp) == (4, 4)
+    assert (d.dp, d.edp) == (2, 4)
     assert d.ranks("dp_cp", rank=5) == [1, 3, 5, 7, 9, 11, 13, 15] and d.rank_in("dp_cp", 5) == 2
 
 
@@ -83,6 +90,7 @@ def test_every_rank_in_exactly_one_group_per_name():
     (4, dict(dispatch_dtype="fp16"), None, "dispatch_dtype='fp16' is unknown"),
     (4, dict(capacity_factor=0.0), None, "capacity_factor=0.0 must be > 0"),
     (4, dict(etp=2), dict(expert_hidden_size=9), "expert_hidden_size=9 is not divisible by etp=2"),
+    (4, dict(cp=4, dynamic_cp_sizes=[3]), None, "holds 3, which does not divide cp=4"),
 ])
 def test_validation_errors_name_the_numbers(world, kw, model, needle):
     with pytest.raises(ValueError) as e:
@@ -110,7 +118,9 @@ def test_world_size_one_has_no_groups():
 
 
 def _check_groups(rank, world):
-    d = _dims(world, cp=2, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 1])
+    d = _dims(world, cp=2, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 1],
+              dynamic_cp_sizes=[1])
+    assert "cp_sub1" in d.names()
     d.build_groups(rank)
     for name in d.names():
         g = d.group(name)
