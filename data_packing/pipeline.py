@@ -170,7 +170,8 @@ def _shard_arrays(a: PackArgs, tokens, masks, index, plan, dtype: str) -> dict[s
         np.zeros(0, np.int64)
     doc, start, plen = plan.piece_doc[order], plan.piece_start[order], plan.piece_len[order]
     parts = [tokens[d][s:s + n] for d, s, n in zip(doc.tolist(), start.tolist(), plen.tolist(), strict=True)]
-    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
+    # One copy straight into the stored dtype (ids were range-checked against the vocabulary).
+    cat = lambda xs, dt: np.concatenate(xs, dtype=dt, casting="unsafe") if xs else np.zeros(0, dt)
     row_docs = np.zeros(len(rows) + 1, np.int64)
     np.cumsum(np.diff(offs)[rows], out=row_docs[1:])
     row_tokens = np.zeros(len(rows) + 1, np.int64)
