@@ -197,16 +197,17 @@ def gather_replicated(x_ND: torch.Tensor, total: int, group) -> torch.Tensor:
 
 
 def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
-    """All-to-all of an int64 [R, C] table: row r goes to rank r; returns [R, C] from each rank."""
+    """All-to-all of an int64 [R, C] table: row r goes to rank r; returns [R, C] from each rank,
+    on the host (split sizes are host ints). The collective runs on the table's device (NCCL
+    needs GPU tensors)."""
     recv = torch.empty_like(send_counts)
     dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
-    return recv
+    return recv.cpu()
 
 
-def gather_sizes(n: int, group) -> list[int]:
-    """Every rank's host int `n`, in rank order."""
-    size_R = torch.zeros(dist.get_world_size(group), dtype=torch.int64)
-    mine = torch.tensor([n], dtype=torch.int64)
-    parts = list(size_R.split(1))
+def gather_sizes(n: int, group, device: torch.device | str = "cpu") -> list[int]:
+    """Every rank's host int `n`, in rank order (collective on `device`)."""
+    mine = torch.tensor([n], dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine, group=group)
-    return [int(p) for p in parts]
+    return [int(p) for p in torch.cat(parts).cpu()]

@@ -177,7 +177,7 @@ class AllToAllDispatcher(_EPDispatcher):
             self.wire_bytes = 0
             return combine(experts(x_ND, routing.counts_E), routing, x_TD.shape[0])
         R, L = self.ep_size, self.local_experts
-        send_RL = routing.counts_E.view(R, L).cpu()
+        send_RL = routing.counts_E.view(R, L)
         recv_RL = exchange_counts(send_RL, self.group)  # row s: what rank s sends to my experts
         send, recv = send_RL.sum(1).tolist(), recv_RL.sum(1).tolist()
         x_MD = all_to_all_rows(x_ND, send, recv, self.group, self.codec)
@@ -207,7 +207,7 @@ class AllGatherDispatcher(_EPDispatcher):
             x_ND = x_TD.index_select(0, routing.token_N)
             return combine(experts(x_ND, routing.counts_E), routing, x_TD.shape[0])
         T, R = x_TD.shape[0], self.ep_size
-        sizes = gather_sizes(T, self.group)
+        sizes = gather_sizes(T, self.group, x_TD.device)
         if max(sizes) == 0:  # the whole group is empty (every rank knows: no collective follows)
             self.wire_bytes = 0
             return x_TD * 0
@@ -224,16 +224,15 @@ class AllGatherDispatcher(_EPDispatcher):
     def _local_assignments(self, routing: Routing, sizes: list[int]) -> Routing:
         """Every rank's kept assignments to this rank's experts, sorted by local expert."""
         offset = sum(sizes[: self.ep_rank])
-        ids_N2 = torch.stack([routing.token_N + offset, routing.expert_N], dim=1).cpu()
-        n_sizes = gather_sizes(ids_N2.shape[0], self.group)
+        ids_N2 = torch.stack([routing.token_N + offset, routing.expert_N], dim=1)
+        n_sizes = gather_sizes(ids_N2.shape[0], self.group, ids_N2.device)
         ids_A2 = all_gather_rows(ids_N2, n_sizes, self.group)
         w_A = all_gather_rows(routing.weight_N.unsqueeze(1), n_sizes, self.group).squeeze(1)
         local_A = ids_A2[:, 1] - self.ep_rank * self.local_experts
         sel = torch.nonzero((local_A >= 0) & (local_A < self.local_experts)).squeeze(1)
         order = sel[torch.argsort(local_A[sel], stable=True)]
-        dev = routing.token_N.device
-        return Routing(ids_A2[order, 0].to(dev), local_A[order].to(dev), w_A[order.to(w_A.device)],
-                       torch.bincount(local_A[sel], minlength=self.local_experts).to(dev))
+        return Routing(ids_A2[order, 0], local_A[order], w_A[order],
+                       torch.bincount(local_A[sel], minlength=self.local_experts))
 
 
 def build_dispatcher(dims, cfg, num_experts: int):
