@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The one prepared device check (see README "A GPU, sometimes"): installs nothing, checks every GPU
+# backend against the CPU float64 reference, times the kernels and a training step, and writes
+# everything under $OUT. Run it in ONE device call, then give the machine back.
+set -u
+OUT=${OUT:-bench/results/gpu}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
+  python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  python -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>&1 || true
+} > "$OUT/env.txt" 2>&1
+timeout 420 python bench/gpu_check.py --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
+rc=${PIPESTATUS[0]}
+echo "gpu_check exit code: $rc" | tee -a "$OUT/gpu_check.log"
+exit "$rc"
