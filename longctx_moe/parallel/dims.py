@@ -164,6 +164,7 @@ class ParallelDims:
     cp_inner: int = 1
     cp_outer: int = 1
     dynamic_cp_sizes: tuple[int, ...] = ()
+    config: ParallelConfig | None = field(default=None, repr=False)  # what it was built from
     rank: int | None = None
     _groups: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -180,7 +181,7 @@ class ParallelDims:
         return cls(world_size=world_size, tp=cfg.tp, cp=cfg.cp, dp=world_size // (cfg.tp * cfg.cp),
                    ep=cfg.ep, etp=cfg.etp, edp=world_size // (cfg.etp * cfg.ep),
                    cp_backend=cfg.cp_backend, cp_inner=inner, cp_outer=outer,
-                   dynamic_cp_sizes=dyn)
+                   dynamic_cp_sizes=dyn, config=cfg)
 
     @property
     def hierarchical(self) -> bool:

@@ -1,0 +1,40 @@
+"""parallelize(model, dims): apply parallelism to a Transformer built on one device.
+
+One readable sequence, as in torchtitan: TP, then CP, then EP. Today only EP (with DP) is
+applied; TP and CP raise a one-line error until the attention side is wired to cp_attention's
+executors (issue 5, point 2).
+
+EP: every MoE layer keeps its slice of the experts (shard_experts), swaps its LocalDispatcher
+for the configured expert-parallel dispatcher, and its expert parameters are tagged
+`reduce_axis = "edp"` so the trainer reduces them over EDP (dense ones stay on dp_cp).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from longctx_moe.parallel.config import ParallelConfig
+from longctx_moe.parallel.dispatch import build_dispatcher
+from longctx_moe.parallel.expert_parallel import shard_experts
+
+
+def parallelize(model: nn.Module, dims, cfg: ParallelConfig | None = None) -> nn.Module:
+    """Apply TP, CP and EP of `dims` (a built ParallelDims) to `model`, in place; returns it."""
+    cfg = cfg or dims.config or ParallelConfig(tp=dims.tp, cp=dims.cp, ep=dims.ep, etp=dims.etp)
+    if dims.tp > 1 or dims.cp > 1:
+        raise ValueError(f"parallelize: tp={dims.tp}, cp={dims.cp} are not applied to the model "
+                         "yet (only EP and DP are); set parallel.tp=1 and parallel.cp=1")
+    apply_expert_parallel(model, dims, cfg)
+    return model
+
+
+def apply_expert_parallel(model: nn.Module, dims, cfg: ParallelConfig) -> None:
+    """Shard every MoE layer's experts over the EP group and give it the EP dispatcher."""
+    ep_rank = dims.rank_in("ep") if dims.ep > 1 else 0
+    for layer in model.moe_layers():
+        num_experts = layer.experts.num_local_experts
+        if dims.ep > 1:
+            shard_experts(layer.experts, ep_rank, dims.ep)
+        layer.dispatcher = build_dispatcher(dims, cfg, num_experts)
+        for p in layer.experts.parameters():
+            p.reduce_axis = "edp"
