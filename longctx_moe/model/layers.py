@@ -22,7 +22,10 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class RMSNorm(nn.Module):
-    """y = weight * x / rms(x), normalised in at least fp32; returns x's dtype (bf16 q/k stay bf16)."""
+    """y = weight * x / rms(x), normalised in at least fp32.
+
+    Returns the dtype the next matmul wants: the autocast dtype for an fp32 input under autocast
+    (so q/k/v/router/experts share one cast instead of one per consumer), else x's dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -30,12 +33,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        # Normalise in fp32 for bf16/fp16 inputs (as HF Qwen3 does); float64 stays float64 so the
+        out_dtype = autocast_dtype(x)
+        # bf16/fp16 inputs are normalised in fp32 (as HF Qwen3 does); float64 stays float64 so the
         # float64 exactness tests are not limited by fp32 rounding.
-        x_hi = x.float() if dtype in _LOW_PRECISION else x
-        y = F.rms_norm(x_hi, (x.shape[-1],), eps=self.eps).to(dtype)
-        return self.weight.to(dtype) * y
+        x_hi = x.float() if x.dtype in _LOW_PRECISION else x
+        y = F.rms_norm(x_hi, (x.shape[-1],), self.weight.to(x_hi.dtype), eps=self.eps)
+        return y.to(out_dtype)
 
 
 def rope_cos_sin(position_ids_T: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

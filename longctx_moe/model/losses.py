@@ -37,15 +37,18 @@ def sequence_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, doc_id
     """DeepSeek-V3 sequence-wise balance loss of each document: [N], 0 for empty documents.
 
     For document s with T_s tokens: E/(K T_s^2) * sum_e count_se * sum_t p_te. Padding (doc_id -1)
-    is skipped. A packed row's per-document values equal those of each document on its own."""
+    is skipped. A packed row's per-document values equal those of each document on its own.
+    The kept doc ids must be non-decreasing (true for packed rows and order-keeping CP shards):
+    the per-document score sums are a segment reduction, ~100x faster on CPU than index_add_."""
     t, e = scores_TE.shape
     k = topk_idx_TK.shape[1]
     keep_T = doc_id_T >= 0
     doc_T, scores_TE, idx_TK = doc_id_T[keep_T], scores_TE[keep_T], topk_idx_TK[keep_T]
     flat = (doc_T[:, None] * e + idx_TK).flatten()
     counts_NE = torch.bincount(flat, minlength=num_docs * e).view(num_docs, e).to(scores_TE.dtype)
-    psum_NE = scores_TE.new_zeros(num_docs, e).index_add_(0, doc_T, _normalised(scores_TE))
-    len_N = torch.bincount(doc_T, minlength=num_docs).to(scores_TE.dtype)
+    len_N = torch.bincount(doc_T, minlength=num_docs)
+    psum_NE = torch.segment_reduce(_normalised(scores_TE), "sum", lengths=len_N)
+    len_N = len_N.to(scores_TE.dtype)
     per_doc = (counts_NE * psum_NE).sum(-1) * e / (k * len_N.square().clamp_min(1))
     return per_doc
 
@@ -58,39 +61,38 @@ def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """sum_t w_t * CE(h_t @ W^T, y_t) computed chunk by chunk; gradients are formed in the forward
-    (as Liger's fused linear CE does) so neither logits nor softmax are kept for the backward."""
+    """sum_n w_n * CE(h[idx_n] @ W^T, y_n) computed chunk by chunk; gradients are formed in the
+    forward (as Liger's fused linear CE does) so neither logits nor softmax are kept for backward,
+    and the target rows are gathered per chunk so h's gradient is an index_copy, not a scatter-add."""
 
     @staticmethod
-    def forward(ctx, h_ND, w_VD, labels_N, weight_N, chunk, cdtype):
-        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    def forward(ctx, h_TD, w_VD, idx_N, labels_N, weight_N, chunk, cdtype):
         acc = torch.float64 if cdtype == torch.float64 else torch.float32
         w_c = w_VD.to(cdtype)  # one cast per forward, not one per chunk
-        total = torch.zeros((), dtype=acc, device=h_ND.device)
-        grad_h = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        for s in range(0, h_ND.shape[0], chunk):
-            h_c = h_ND[s:s + chunk].to(cdtype)
+        total = torch.zeros((), dtype=acc, device=h_TD.device)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(h_TD) if need_h else None
+        grad_w = torch.zeros_like(w_VD) if need_w else None
+        for s in range(0, idx_N.numel(), chunk):
+            rows = idx_N[s:s + chunk]
+            h_c = h_TD.index_select(0, rows).to(cdtype)
             y_c = labels_N[s:s + chunk]
             logits_CV = (h_c @ w_c.t()).to(acc)  # fp32 logits of one chunk only
             lse_C = torch.logsumexp(logits_CV, -1)
             ce_C = lse_C - logits_CV.gather(1, y_c[:, None]).squeeze(1)
             w_C = None if weight_N is None else weight_N[s:s + chunk].to(acc)
             total += (ce_C if w_C is None else ce_C * w_C).sum()
-            if not want_grad:
+            if not (need_h or need_w):
                 continue
             g_CV = logits_CV.sub_(lse_C[:, None]).exp_()  # softmax, in place over the logits
             g_CV[torch.arange(y_c.numel(), device=y_c.device), y_c] -= 1
             if w_C is not None:
                 g_CV.mul_(w_C[:, None])
             g_CV = g_CV.to(cdtype)
-            if grad_h is not None:
-                grad_h[s:s + chunk] = g_CV @ w_c
-            if ctx.needs_input_grad[1]:
-                g_w = (g_CV.t() @ h_c).to(w_VD.dtype)
-                grad_w = g_w if grad_w is None else grad_w.add_(g_w)
-        if ctx.needs_input_grad[1] and grad_w is None:
-            grad_w = torch.zeros_like(w_VD)
+            if need_h:
+                grad_h.index_copy_(0, rows, (g_CV @ w_c).to(h_TD.dtype))
+            if need_w:
+                grad_w.add_(g_CV.t() @ h_c)
         ctx.save_for_backward(grad_h, grad_w)
         return total.float() if acc == torch.float32 else total
 
@@ -99,7 +101,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
         gw = None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor,
@@ -112,9 +114,8 @@ def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torc
     if chunk_tokens < 1:
         raise ValueError(f"model.loss_chunk_tokens={chunk_tokens} must be >= 1")
     idx_N = (labels_T != IGNORE_INDEX).nonzero().squeeze(1)  # host sync: num_targets is a host int
-    h_ND = h_TD.index_select(0, idx_N)
     labels_N = labels_T.index_select(0, idx_N)
     weight_N = None if loss_weight_T is None else loss_weight_T.index_select(0, idx_N)
-    cdtype = autocast_dtype(h_ND)
-    ce_sum = _LinearCrossEntropy.apply(h_ND, w_VD, labels_N, weight_N, chunk_tokens, cdtype)
+    cdtype = autocast_dtype(h_TD)
+    ce_sum = _LinearCrossEntropy.apply(h_TD, w_VD, idx_N, labels_N, weight_N, chunk_tokens, cdtype)
     return ce_sum, int(idx_N.numel())
