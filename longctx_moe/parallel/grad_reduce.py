@@ -14,6 +14,7 @@ SUMMED, never averaged:
   token once per TP peer; pass `expert_grad_scale=1/tp` to undo exactly that.
 - aux-loss token counts: over `tp_cp` (one whole sequence), or every rank with `global_batch`.
 - expert-bias load counts: over `dp_cp`, so every rank applies the same bias update.
+- the gradient norm for clipping: dense once, expert shards summed over `ep` (clip_grad_norm).
 """
 
 from __future__ import annotations
@@ -68,6 +69,33 @@ def reduce_gradients(dense: list[nn.Parameter], expert: list[nn.Parameter], dims
     1/tp when TP peers dispatched the same tokens, see the module docstring)."""
     _all_reduce_grads(dense, _group(dims, "dp_cp"))
     _all_reduce_grads(expert, _group(dims, "edp"), expert_grad_scale)
+
+
+def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], dims,
+                   max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the reduced gradients over the folded mesh (float64 scalar), and the
+    torch.nn.utils.clip_grad_norm_ scaling to `max_norm` when `max_norm > 0`.
+
+    A local norm is wrong under EP: each rank holds different expert shards, so local norms and
+    clip factors would differ and the replicated dense weights would drift apart. Dense gradients
+    are identical on every rank after `reduce_gradients` (TP is not applied yet) and count once;
+    expert shards are summed over `ep` (EDP replicas are identical and count once).
+    """
+    sq = lambda ps: sum((p.grad.double().square().sum() for p in ps if p.grad is not None),
+                        torch.zeros((), dtype=torch.float64))
+    expert_sq = sq(expert)
+    group = _group(dims, "ep")
+    if group is not None:
+        expert_sq = expert_sq.to(expert[0].grad.device) if expert else expert_sq
+        dist.all_reduce(expert_sq, group=group)
+    norm = (sq(dense) + expert_sq.cpu()).sqrt()
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))  # torch's clip_grad_norm_ rule
+        if coef < 1.0:
+            for p in dense + expert:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return norm
 
 
 def reduce_aux_counts(counts: torch.Tensor, dims, *, global_batch: bool = False) -> torch.Tensor:

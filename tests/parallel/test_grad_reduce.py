@@ -15,6 +15,7 @@ from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.dispatch import AllToAllDispatcher
 from longctx_moe.parallel.grad_reduce import (
+    clip_grad_norm,
     reduce_aux_counts,
     reduce_expert_bias_counts,
     reduce_gradients,
@@ -83,6 +84,18 @@ def _check_layout(rank, kw, seed, split_tp):
     for p, want in pairs:
         assert (p.grad - want).abs().max().item() < TOL, (kw, split_tp, p.shape)
     _check_counts(dims, idx, ref_idx, s)
+    # Clipping: the global norm of the full model's gradients, then the same scaled gradients.
+    ref_params = [ref.dense, ref.router, ref.experts.w1_LDF, ref.experts.w2_LFD]
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, 0.5 * _norm(ref_params))
+    norm = clip_grad_norm(dense, expert, dims, max_norm=0.5 * float(ref_norm))
+    assert abs(float(norm) - float(ref_norm)) < TOL, kw
+    clipped = [ref.dense.grad, ref.router.grad, ref.experts.w1_LDF.grad[e], ref.experts.w2_LFD.grad[e]]
+    for (p, _), want in zip(pairs, clipped, strict=True):
+        assert (p.grad - want).abs().max().item() < TOL, (kw, "clipped", p.shape)
+
+
+def _norm(params):
+    return float(torch.cat([p.grad.reshape(-1) for p in params]).norm())
 
 
 def _check_counts(dims, idx, ref_idx, s):
