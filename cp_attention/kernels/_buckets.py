@@ -28,6 +28,9 @@ import torch
 # are merged while padding costs less than this; measured roughly on a 2-core CPU (see
 # bench/attention_kernels.py) and only a tie-breaker, never a correctness matter.
 CALL_OVERHEAD = 8192
+# Padding a causal bucket of length in [pad_to - PAD_WINDOW, pad_to) up to pad_to (see torch_cpu:
+# the CPU kernel switches to 4x larger, far cheaper query blocks from 768 rows on).
+PAD_WINDOW = 168
 _DP_LIMIT = 400  # beyond this many documents, bucket greedily instead of the O(N^2) DP
 
 
@@ -125,11 +128,15 @@ def _doc_mask(layout, causal, lq, lk, pq, pk):
     return (key_ok[None, :] & (torch.arange(pk)[None, :] <= rows)).view(1, pq, pk)
 
 
-def build_bucket(layout, causal, members, starts_q, lens_q, starts_k, lens_k) -> Bucket:
-    """Stack the slots of the documents in `members` (document indices) into one Bucket."""
+def build_bucket(layout, causal, members, starts_q, lens_q, starts_k, lens_k,
+                 pad_to: int = 0) -> Bucket:
+    """Stack the slots of the documents in `members` (document indices) into one Bucket.
+    A "shift" bucket whose length is within PAD_WINDOW of `pad_to` is padded up to it."""
     lq = [lens_q[i] for i in members]
     lk = [lens_k[i] for i in members]
     pk = max(lk)
+    if layout == "shift" and pad_to - PAD_WINDOW <= pk < pad_to:
+        pk = pad_to
     pq = pk if layout == "shift" else max(lq)
     parts = [_doc_slots(layout, starts_q[i], lens_q[i], starts_k[i], lens_k[i], pq, pk)
              for i in members]
@@ -149,8 +156,10 @@ def build_bucket(layout, causal, members, starts_q, lens_q, starts_k, lens_k) ->
 
 
 @lru_cache(maxsize=64)
-def plan_buckets(bounds_q: tuple, bounds_k: tuple, causal: bool) -> tuple[Bucket, ...]:
-    """Buckets covering every document with at least one query and one key."""
+def plan_buckets(bounds_q: tuple, bounds_k: tuple, causal: bool,
+                 pad_to: int = 0) -> tuple[Bucket, ...]:
+    """Buckets covering every document with at least one query and one key (see build_bucket
+    for pad_to)."""
     starts_q, starts_k = bounds_q[:-1], bounds_k[:-1]
     lens_q = [b - a for a, b in zip(bounds_q[:-1], bounds_q[1:], strict=False)]
     lens_k = [b - a for a, b in zip(bounds_k[:-1], bounds_k[1:], strict=False)]
@@ -163,5 +172,6 @@ def plan_buckets(bounds_q: tuple, bounds_k: tuple, causal: bool) -> tuple[Bucket
         docs.sort(key=lambda d: (d[2], d[1]), reverse=True)
         for run in _partition(docs, layout):
             members = [docs[j][0] for j in run]
-            buckets.append(build_bucket(layout, causal, members, starts_q, lens_q, starts_k, lens_k))
+            buckets.append(build_bucket(layout, causal, members, starts_q, lens_q, starts_k, lens_k,
+                                        pad_to))
     return tuple(buckets)

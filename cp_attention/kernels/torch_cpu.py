@@ -21,85 +21,120 @@ _fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _plan(cu_q, cu_k, causal):
-    return plan_buckets(tuple(cu_q.tolist()), tuple(cu_k.tolist()), bool(causal))
+# aten's CPU flash kernels pick their query block from the padded length: 32 rows below 192, 64
+# below 768, 256 from 768 on, with 5 small GEMM calls per (query block, 512-key block). In bf16
+# each call has a fixed cost (~20 us), so the bf16 backward costs ~4 us per row and head even
+# for a 32-token document, while the float32 GEMMs have almost none: measured on this CPU (1
+# thread, 8 heads of 64), bwd of 128 tokens is 4.6 ms in bf16 but 1.3 ms in float32; of 400
+# tokens 13.9 vs 10.3 ms; of 731 tokens 33 vs 33 ms, but 24 ms in bf16 when padded to 768.
+# Hence: reduced-precision buckets from 600 tokens on are padded to 768 and run in bf16; the
+# backward of shorter ones runs in float32 (inputs upcast, gradients rounded once at the end,
+# which is also more accurate). The forward stays in the input dtype (bf16 is 2-3x faster).
+BIG_BLOCK_LEN = 768
+_REDUCED = (torch.bfloat16, torch.float16)
 
 
-def _gather(x_THD, src, start, b, p):
-    """[B, H, P, D] view (strided as [B, P, H, D]) of the bucket's slots of x."""
-    if start is not None:
-        return x_THD.narrow(0, start, p).unsqueeze(0).transpose(1, 2)
-    return x_THD.index_select(0, src).view(b, p, *x_THD.shape[1:]).transpose(1, 2)
+def _plan(cu_q, cu_k, causal, dtype):
+    pad_to = BIG_BLOCK_LEN if dtype in _REDUCED else 0
+    return plan_buckets(tuple(cu_q.tolist()), tuple(cu_k.tolist()), bool(causal), pad_to)
 
 
-def _gather_kv(x_SHD, bk: Bucket, groups: int):
-    """Keys/values of the bucket with kv heads repeated to the query heads: [B, Hq, Pk, D].
-    The CPU kernel has no GQA mode; repeating kv costs one copy, far below the attention work."""
-    x = _gather(x_SHD, bk.k_src, bk.k_slice, bk.batch, bk.pk)
-    if groups == 1:
-        return x
-    b, h, p, d = x.shape
-    return x.unsqueeze(2).expand(b, h, groups, p, d).reshape(b, h * groups, p, d)
+def _backward_dtype(dtype, bk: Bucket):
+    return torch.float32 if dtype in _REDUCED and bk.pq < BIG_BLOCK_LEN else dtype
 
 
-def _scatter_rows(dst_THD, src_BHPD, pos, tok, start):
-    """Write the real rows of a kernel output [B, H, P, D] (laid out [B, P, H, D]) into dst."""
-    rows = src_BHPD.transpose(1, 2)
-    if start is not None:
-        dst_THD.narrow(0, start, rows.shape[1]).copy_(rows[0])
-        return
-    flat = rows.reshape(-1, *dst_THD.shape[1:])
-    dst_THD.index_copy_(0, tok, flat.index_select(0, pos))
+def _q_view(x_THD, bk: Bucket, hkv: int):
+    """Query-like rows of the bucket as the kernel's [batch, heads, P, D].
+
+    An in-place bucket (one unpadded document) is a view with the GQA group folded into the
+    kernel's axes, [Hkv, G, P, D], so keys/values need no copy (see _kv_view). A gathered
+    bucket is [B, Hq, P, D] (strided as [B, P, Hq, D])."""
+    if bk.q_slice is not None:
+        p, hq, d = bk.pq, x_THD.shape[1], x_THD.shape[2]
+        return x_THD.narrow(0, bk.q_slice, p).view(p, hkv, hq // hkv, d).permute(1, 2, 0, 3)
+    return x_THD.index_select(0, bk.q_src).view(bk.batch, bk.pq, *x_THD.shape[1:]).transpose(1, 2)
+
+
+def _kv_view(x_SHD, bk: Bucket, groups: int):
+    """Keys/values matching _q_view: a stride-0 expansion [Hkv, G, P, D] for in-place buckets;
+    otherwise gathered and repeated to [B, Hq, P, D] (the CPU kernel has no GQA mode)."""
+    hkv, d = x_SHD.shape[1], x_SHD.shape[2]
+    if bk.k_slice is not None:
+        x = x_SHD.narrow(0, bk.k_slice, bk.pk).permute(1, 0, 2).unsqueeze(1)
+        return x.expand(hkv, groups, bk.pk, d)
+    x = x_SHD.index_select(0, bk.k_src).view(bk.batch, bk.pk, hkv, 1, d)
+    return x.expand(-1, -1, -1, groups, -1).reshape(bk.batch, bk.pk, hkv * groups, d).transpose(1, 2)
+
+
+def _rows(o, bk: Bucket, hq: int):
+    """Kernel output of _q_view's shape -> [B*P, Hq, D] rows (a view: the kernel writes P-major)."""
+    if bk.q_slice is not None:
+        return o.permute(2, 0, 1, 3).reshape(bk.pq, hq, o.shape[-1])
+    return o.transpose(1, 2).reshape(bk.batch * bk.pq, hq, o.shape[-1])
+
+
+def _scatter_rows(dst_THD, rows, bk: Bucket):
+    if bk.q_slice is not None:
+        dst_THD.narrow(0, bk.q_slice, bk.pq).copy_(rows)
+    else:
+        dst_THD.index_copy_(0, bk.q_tok, rows.index_select(0, bk.q_pos).to(dst_THD.dtype))
+
+
+def _new(shape, like, fill, covered: bool, dtype=None):
+    """Output buffer; no fill pass when the buckets write every row."""
+    dtype = dtype or like.dtype
+    if covered:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    return torch.full(shape, fill, dtype=dtype, device=like.device)
 
 
 def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None):
     """-> (out_THD in the input dtype, lse_HT float32, or float64 for float64 inputs)."""
     t, hq, d = q_THD.shape
-    groups = hq // k_SHD.shape[1]
+    hkv = k_SHD.shape[1]
     scale = default_scale(scale, d)
-    out_THD = q_THD.new_zeros(t, hq, d)
-    lse_HT = torch.full((hq, t), float("-inf"), dtype=lse_dtype(q_THD.dtype), device=q_THD.device)
-    for bk in _plan(cu_q, cu_k, causal):
-        q = _gather(q_THD, bk.q_src, bk.q_slice, bk.batch, bk.pq)
-        k, v = _gather_kv(k_SHD, bk, groups), _gather_kv(v_SHD, bk, groups)
+    plan = _plan(cu_q, cu_k, causal, q_THD.dtype)
+    covered = sum(bk.q_tok.numel() for bk in plan) == t
+    out_THD = _new((t, hq, d), q_THD, 0.0, covered)
+    lse_HT = _new((hq, t), q_THD, float("-inf"), covered, lse_dtype(q_THD.dtype))
+    for bk in plan:
+        q = _q_view(q_THD, bk, hkv)
+        k, v = _kv_view(k_SHD, bk, hq // hkv), _kv_view(v_SHD, bk, hq // hkv)
         o, lse = _fwd(q, k, v, 0.0, bk.layout == "shift",
                       attn_mask=bk.additive_mask(q.dtype, q.device), scale=scale)
-        _scatter_rows(out_THD, o, bk.q_pos, bk.q_tok, bk.q_slice)
-        lse_flat = lse.to(lse_HT.dtype).transpose(0, 1).reshape(hq, -1)
+        _scatter_rows(out_THD, _rows(o, bk, hq), bk)
         if bk.q_slice is not None:
-            lse_HT.narrow(1, bk.q_slice, bk.pq).copy_(lse_flat)
+            lse_HT.narrow(1, bk.q_slice, bk.pq).copy_(lse.reshape(hq, bk.pq))
         else:
-            lse_HT.index_copy_(1, bk.q_tok, lse_flat.index_select(1, bk.q_pos))
+            lse_flat = lse.transpose(0, 1).reshape(hq, -1)
+            lse_HT.index_copy_(1, bk.q_tok, lse_flat.index_select(1, bk.q_pos).to(lse_HT.dtype))
     return out_THD, lse_HT
 
 
-def _bucket_lse(lse_HT, bk: Bucket):
-    """[B, Hq, Pq] contiguous kernel lse: +inf at padded slots and at rows that see no key."""
+def _bucket_lse(klse_HT, bk: Bucket, hkv: int):
+    """Kernel lse of _q_view's shape; +inf at padded slots (klse_HT is already +inf where -inf)."""
+    hq = klse_HT.shape[0]
     if bk.q_slice is not None:
-        lse = lse_HT.narrow(1, bk.q_slice, bk.pq).unsqueeze(0)
-    else:
-        lse = lse_HT.index_select(1, bk.q_src).view(-1, bk.batch, bk.pq).transpose(0, 1)
-        lse = lse.masked_fill(bk.q_pad.view(bk.batch, 1, bk.pq), float("inf"))
-    return kernel_lse(lse).contiguous()
+        return klse_HT.narrow(1, bk.q_slice, bk.pq).view(hkv, hq // hkv, bk.pq)
+    lse = klse_HT.index_select(1, bk.q_src).view(hq, bk.batch, bk.pq).transpose(0, 1)
+    return lse.masked_fill(bk.q_pad.view(bk.batch, 1, bk.pq), float("inf"))
 
 
-def _bucket_dout(dout_THD, bk: Bucket):
-    dout = _gather(dout_THD, bk.q_src, bk.q_slice, bk.batch, bk.pq)
+def _bucket_dout(dout_THD, bk: Bucket, hkv: int):
+    dout = _q_view(dout_THD, bk, hkv)
     if bk.q_slice is None:
         dout = dout.masked_fill(bk.q_pad.view(bk.batch, 1, bk.pq, 1), 0)
     return dout
 
 
-def _scatter_kv_grad(dst_SHD, g_BHPD, bk: Bucket, groups: int):
-    """Sum the repeated heads back to kv heads and write the real key rows."""
-    rows = g_BHPD.transpose(1, 2)  # [B, Pk, Hq, D]
-    b, p, hq, d = rows.shape
-    if groups > 1:
-        rows = rows.reshape(b, p, hq // groups, groups, d).sum(3)
-    if bk.k_slice is not None:
-        dst_SHD.narrow(0, bk.k_slice, p).copy_(rows[0])
+def _scatter_kv_grad(dst_SHD, g, bk: Bucket, groups: int):
+    """Sum the kernel's per-query-head key gradients over each GQA group; write real keys."""
+    hkv, d = dst_SHD.shape[1], dst_SHD.shape[2]
+    if bk.k_slice is not None:  # g: [Hkv, G, P, D]
+        dst_SHD.narrow(0, bk.k_slice, bk.pk).copy_(g.sum(1).permute(1, 0, 2))
         return
-    dst_SHD.index_copy_(0, bk.k_tok, rows.reshape(b * p, *dst_SHD.shape[1:]).index_select(0, bk.k_pos))
+    rows = g.transpose(1, 2).reshape(bk.batch * bk.pk, hkv, groups, d).sum(2)
+    dst_SHD.index_copy_(0, bk.k_tok, rows.index_select(0, bk.k_pos).to(dst_SHD.dtype))
 
 
 def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k, causal,
@@ -107,17 +142,23 @@ def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, 
     """Gradients of this block for a (possibly larger, merged) (out, lse): (dq_THD, dk_SHD,
     dv_SHD) in the input dtype. The kernel computes rowsum(dout * out) from the out passed."""
     hq, d = q_THD.shape[1], q_THD.shape[2]
-    groups = hq // k_SHD.shape[1]
+    hkv = k_SHD.shape[1]
     scale = default_scale(scale, d)
-    dq, dk, dv = torch.zeros_like(q_THD), torch.zeros_like(k_SHD), torch.zeros_like(v_SHD)
-    for bk in _plan(cu_q, cu_k, causal):
-        q = _gather(q_THD, bk.q_src, bk.q_slice, bk.batch, bk.pq)
-        o = _gather(out_THD, bk.q_src, bk.q_slice, bk.batch, bk.pq)
-        k, v = _gather_kv(k_SHD, bk, groups), _gather_kv(v_SHD, bk, groups)
-        lse = _bucket_lse(lse_HT, bk).to(q.dtype if q.dtype == torch.float64 else torch.float32)
-        gq, gk, gv = _bwd(_bucket_dout(dout_THD, bk), q, k, v, o, lse, 0.0, bk.layout == "shift",
-                          attn_mask=bk.additive_mask(q.dtype, q.device), scale=scale)
-        _scatter_rows(dq, gq, bk.q_pos, bk.q_tok, bk.q_slice)
-        _scatter_kv_grad(dk, gk, bk, groups)
-        _scatter_kv_grad(dv, gv, bk, groups)
+    plan = _plan(cu_q, cu_k, causal, q_THD.dtype)
+    covered_q = sum(bk.q_tok.numel() for bk in plan) == q_THD.shape[0]
+    covered_k = sum(bk.k_tok.numel() for bk in plan) == k_SHD.shape[0]
+    dq = _new(q_THD.shape, q_THD, 0.0, covered_q)
+    dk, dv = _new(k_SHD.shape, k_SHD, 0.0, covered_k), _new(v_SHD.shape, v_SHD, 0.0, covered_k)
+    klse_HT = kernel_lse(lse_HT)
+    for bk in plan:
+        ct = _backward_dtype(q_THD.dtype, bk)
+        q, o = _q_view(q_THD, bk, hkv).to(ct), _q_view(out_THD, bk, hkv).to(ct)
+        k, v = _kv_view(k_SHD, bk, hq // hkv).to(ct), _kv_view(v_SHD, bk, hq // hkv).to(ct)
+        lse = _bucket_lse(klse_HT, bk, hkv).to(lse_dtype(ct))
+        gq, gk, gv = _bwd(_bucket_dout(dout_THD, bk, hkv).to(ct), q, k, v, o, lse, 0.0,
+                          bk.layout == "shift", attn_mask=bk.additive_mask(ct, q.device),
+                          scale=scale)
+        _scatter_rows(dq, _rows(gq, bk, hq), bk)
+        _scatter_kv_grad(dk, gk, bk, hq // hkv)
+        _scatter_kv_grad(dv, gv, bk, hq // hkv)
     return dq, dk, dv
