@@ -12,6 +12,7 @@ Group names (each rank belongs to exactly one group of each name):
     tp, cp, dp          one attention axis each
     dp_cp               DP x CP: dense-gradient reduction and the loss token count
     tp_cp               TP x CP: one sequence (aux-loss token counts)
+    world               every rank (gradients of replicated weights that TP leaves partial)
     ep, etp, edp        the MoE axes; edp reduces expert gradients
     cp_inner, cp_outer  only with cp_backend = "hierarchical"
     cp_sub<s>           Dynamic-CP: consecutive runs of s ranks of each CP group, for each s in
@@ -46,6 +47,7 @@ _GROUP_SPECS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("dp", "attn", ("dp",)),
     ("dp_cp", "attn", ("dp", "cp")),
     ("tp_cp", "attn", ("cp", "tp")),
+    ("world", "attn", ("dp", "cp", "tp")),
     ("ep", "moe", ("ep",)),
     ("etp", "moe", ("etp",)),
     ("edp", "moe", ("edp",)),

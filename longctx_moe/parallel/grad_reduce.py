@@ -65,9 +65,14 @@ def _all_reduce_grads(params: list[nn.Parameter], group, scale: float = 1.0) -> 
 
 def reduce_gradients(dense: list[nn.Parameter], expert: list[nn.Parameter], dims, *,
                      expert_grad_scale: float = 1.0) -> None:
-    """Sum dense gradients over dp_cp and expert gradients over edp (times expert_grad_scale:
-    1/tp when TP peers dispatched the same tokens, see the module docstring)."""
-    _all_reduce_grads(dense, _group(dims, "dp_cp"))
+    """Sum dense gradients over dp_cp (or the group a parameter's `reduce_axis` names) and expert
+    gradients over edp (times expert_grad_scale: 1/tp when TP peers dispatched the same tokens,
+    see the module docstring)."""
+    by_axis: dict[str, list[nn.Parameter]] = {}
+    for p in dense:
+        by_axis.setdefault(getattr(p, "reduce_axis", "dp_cp"), []).append(p)
+    for axis, params in by_axis.items():
+        _all_reduce_grads(params, _group(dims, axis))
     _all_reduce_grads(expert, _group(dims, "edp"), expert_grad_scale)
 
 
@@ -77,18 +82,16 @@ def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], dims,
     torch.nn.utils.clip_grad_norm_ scaling to `max_norm` when `max_norm > 0`.
 
     A local norm is wrong under EP: each rank holds different expert shards, so local norms and
-    clip factors would differ and the replicated dense weights would drift apart. Dense gradients
-    are identical on every rank after `reduce_gradients` (TP is not applied yet) and count once;
-    expert shards are summed over `ep` (EDP replicas are identical and count once).
+    clip factors would differ and the replicated dense weights would drift apart. After
+    `reduce_gradients`, replicated dense gradients are identical everywhere and count once;
+    TP-sharded ones (`tp_sharded`) are summed over `tp`, expert shards over `ep` (EDP replicas
+    are identical and count once).
     """
-    sq = lambda ps: sum((p.grad.double().square().sum() for p in ps if p.grad is not None),
-                        torch.zeros((), dtype=torch.float64))
-    expert_sq = sq(expert)
-    group = _group(dims, "ep")
-    if group is not None:
-        expert_sq = expert_sq.to(expert[0].grad.device) if expert else expert_sq
-        dist.all_reduce(expert_sq, group=group)
-    norm = (sq(dense) + expert_sq.cpu()).sqrt()
+    sharded = [p for p in dense if getattr(p, "tp_sharded", False)]
+    replicated = [p for p in dense if not getattr(p, "tp_sharded", False)]
+    norm_sq = (_sum_sq(replicated) + _sum_sq_over(sharded, dims, "tp")
+               + _sum_sq_over(expert, dims, "ep"))
+    norm = norm_sq.sqrt()
     if max_norm > 0:
         coef = min(1.0, max_norm / (float(norm) + 1e-6))  # torch's clip_grad_norm_ rule
         if coef < 1.0:
@@ -96,6 +99,27 @@ def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], dims,
                 if p.grad is not None:
                     p.grad.mul_(coef)
     return norm
+
+
+def _sum_sq(params: list[nn.Parameter]) -> torch.Tensor:
+    """Sum of squared gradient entries, float64 on the host."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None:
+            total += p.grad.double().square().sum().cpu()
+    return total
+
+
+def _sum_sq_over(params: list[nn.Parameter], dims, axis: str) -> torch.Tensor:
+    """`_sum_sq` of shards summed over the `axis` group (collective on the gradients' device)."""
+    local = _sum_sq(params)
+    group = _group(dims, axis)
+    if group is None:
+        return local
+    device = params[0].device if params else torch.device("cpu")
+    local = local.to(device)
+    dist.all_reduce(local, group=group)
+    return local.cpu()
 
 
 def reduce_aux_counts(counts: torch.Tensor, dims, *, global_batch: bool = False) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""parallelize (EP + DP) on the real Transformer: 4 gloo ranks against one process, float64.
+"""parallelize (TP + EP + DP) on the real Transformer: 4 gloo ranks against one process, float64.
 
-Each rank runs its own packed micro-batch; the reference runs all four with the unsharded model.
-After the reductions the trainer does (dense over dp_cp, experts over edp, summed: the loss is a
-sum over ranks), every gradient equals the reference within 1e-10 (summation order only).
+Each DP replica runs its own packed micro-batch (TP peers share it); the reference runs all of
+them with the unsharded model. After the reductions the trainer does (dense over dp_cp or their
+reduce_axis, experts over edp, summed: the loss is a sum over replicas), every gradient (the
+rank's shard of it) and the clipped global norm equal the reference within 1e-10 (float64;
+only the summation order differs).
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ import torch.distributed as dist
 from longctx_moe.model import build_model
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
-from longctx_moe.parallel.grad_reduce import reduce_gradients, split_params
+from longctx_moe.parallel.grad_reduce import clip_grad_norm, reduce_gradients, split_params
 from longctx_moe.parallel.parallelize import parallelize
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch, tiny_config
 
 TOL = 1e-10
 DOCS = [[5, 9], [1, 7, 3], [12], [2, 2, 6]]  # per rank; a length-1 document included
-LAYOUTS = [dict(ep=2), dict(ep=4, dispatcher="allgather")]
+LAYOUTS = [dict(ep=2), dict(ep=4, dispatcher="allgather"), dict(tp=2), dict(tp=2, ep=4),
+           dict(tp=2, ep=2, dispatcher="allgather")]
+COLUMN_SHARDED = ("wo.weight", "w_down.weight")  # row-parallel layers keep input columns
 
 
 def _loss(model, batch):
@@ -31,33 +35,46 @@ def _loss(model, batch):
 
 def _model(seed):
     torch.manual_seed(seed)
-    return build_model(tiny_config(num_experts=4, top_k=2)).double()
+    # first layer dense and a shared expert: both dense-MLP kinds get TP-sharded
+    cfg = tiny_config(num_experts=4, top_k=2, first_k_dense=1, shared_expert_hidden_size=16)
+    return build_model(cfg).double()
+
+
+def _expected_grad(name, p, want, dims):
+    """This rank's piece of the reference gradient `want` for parameter `p`."""
+    if getattr(p, "tp_sharded", False):
+        dim = 1 if name.endswith(COLUMN_SHARDED) else 0
+        n = p.shape[dim]
+        return want.narrow(dim, dims.rank_in("tp") * n, n)
+    if p.shape != want.shape:  # an expert weight: this rank's slice of dim 0
+        n = p.shape[0]
+        return want[dims.rank_in("ep") * n:(dims.rank_in("ep") + 1) * n]
+    return want
 
 
 def _check_layout(rank, world, kw, seed):
     dims = ParallelDims.from_config(ParallelConfig(**kw), world, tiny_config())
     dims.build_groups(rank)
     gen = torch.Generator().manual_seed(seed)
-    batches = [packed_batch(d, 64, generator=gen) for d in DOCS]
+    batches = [packed_batch(d, 64, generator=gen) for d in DOCS[:dims.dp]]
     ref = _model(seed)
     ref_loss = sum(_loss(ref, b)[0] for b in batches)
     ref_loss.backward()
     model = parallelize(_model(seed), dims)
-    loss, counts = _loss(model, batches[rank])
+    loss, counts = _loss(model, batches[dims.rank_in("dp")])
     loss.backward()
     dense, expert = split_params(model)
     assert all(getattr(p, "reduce_axis", "dp_cp") == "edp" for p in expert) and expert
     reduce_gradients(dense, expert, dims)
     total = loss.detach().clone()
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=dims.group("dp_cp"))  # TP peers hold the same loss
     assert abs(total.item() - ref_loss.item()) < TOL, kw
-    e0 = dims.rank_in("ep") * 4 // dims.ep
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        want = ref_params[name].grad
-        if p.shape != want.shape:  # an expert weight: this rank's slice of dim 0
-            want = want[e0:e0 + p.shape[0]]
+        want = _expected_grad(name, p, ref_params[name].grad, dims)
         assert (p.grad - want).abs().max().item() < TOL, (kw, name)
+    ref_norm = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), float("inf"))
+    assert abs(float(clip_grad_norm(dense, expert, dims, 0.0)) - float(ref_norm)) < TOL, kw
 
 
 def _check_all(rank, world):
@@ -70,7 +87,7 @@ def test_expert_parallel_model_matches_single_process_float64():
     assert run_distributed(_check_all, world_size=4, timeout=300) == [True] * 4
 
 
-def test_tp_cp_are_refused_with_an_actionable_error():
-    dims = ParallelDims.from_config(ParallelConfig(tp=2), 2, tiny_config())
-    with pytest.raises(ValueError, match="set parallel.tp=1"):
+def test_cp_is_refused_with_an_actionable_error():
+    dims = ParallelDims.from_config(ParallelConfig(cp=2), 2, tiny_config())
+    with pytest.raises(ValueError, match="set parallel.cp=1"):
         parallelize(_model(0), dims)
