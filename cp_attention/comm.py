@@ -2,9 +2,8 @@
 
 - CommStats: bytes and messages this rank sent, in total and per kind ("ring_fwd_kv",
   "ring_bwd_kv", "ring_bwd_dkv", "a2a_fwd", "a2a_bwd"); tests check them against formulas.
-- ring_exchange: send a buffer to the next rank of a group and receive the previous rank's, with
-  one batch of isend/irecv (dist.batch_isend_irecv); returns the requests to wait on later, so the
-  caller computes while the transfer runs.
+- post_p2p: one batch of isend/irecv (dist.batch_isend_irecv) to/from group ranks; returns the
+  requests to wait on later, so the caller computes while the transfer runs.
 - scatter_heads / gather_heads: the Ulysses all-to-all (sequence-sharded, all heads <-> all tokens
   of the group, a 1/P share of the heads), autograd-capable, uneven token counts per rank allowed.
   gloo implements all_to_all_single with uneven splits, so no p2p emulation is needed.
@@ -48,17 +47,17 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group, stats: CommStats | None,
-                  kind: str, tag: int = 0) -> list:
-    """Post: send `send` to group rank (r+1) % P, receive into `recv` from (r-1) % P."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    nxt = dist.get_global_rank(group, (rank + 1) % size)
-    prv = dist.get_global_rank(group, (rank - 1) % size)
-    ops = [dist.P2POp(dist.isend, send, nxt, group, tag),
-           dist.P2POp(dist.irecv, recv, prv, group, tag)]
-    if stats is not None:
-        stats.record(kind, _nbytes(send), 1)
-    return dist.batch_isend_irecv(ops)
+def post_p2p(ops: list[tuple[bool, torch.Tensor, int, int, str]], group,
+             stats: CommStats | None) -> list:
+    """Post (is_send, tensor, peer group rank, tag, kind) operations as one batch of isend/irecv;
+    returns the requests (wait on them later, keeping the tensors alive until then)."""
+    p2p = []
+    for is_send, tensor, peer, tag, kind in ops:
+        op = dist.isend if is_send else dist.irecv
+        p2p.append(dist.P2POp(op, tensor, dist.get_global_rank(group, peer), group, tag))
+        if is_send and stats is not None:
+            stats.record(kind, _nbytes(tensor), 1)
+    return dist.batch_isend_irecv(p2p) if p2p else []
 
 
 def wait_all(reqs: list) -> None:

@@ -35,7 +35,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cp_attention.schedule import Piece, StepSpec, diagonal_step, full_sequence_step, ring_step
+from cp_attention.schedule import (
+    Piece,
+    StepSpec,
+    chunk_rows,
+    diagonal_step,
+    full_sequence_step,
+    ring_step,
+)
 
 
 @dataclass(frozen=True)
@@ -71,18 +78,38 @@ class RingLayout:
     zigzag_tokens: int
     _steps: dict = field(default_factory=dict, repr=False)
 
-    def step(self, rank: int, t: int, causal: bool = True) -> StepSpec:
-        """Kernel call of ring step t on `rank`: queries = the local tokens; keys = the local tokens
-        (t == 0) or the ring block of rank (rank - t) % size (its first Z local tokens)."""
-        key = (rank, t, causal)
+    def step(self, rank: int, t: int) -> tuple[StepSpec, StepSpec | None]:
+        """Kernel calls of ring step t on `rank` (causal). The ring runs towards lower ranks: at
+        step t the rank holds the block of rank s = (rank + t) % size. t == 0: (local queries x
+        local keys, None). t > 0: (queries x half A of block s, queries x half B or None)."""
+        key = (rank, t)
         if key not in self._steps:
-            src = (rank - t) % self.size
+            src = (rank + t) % self.size
             if t == 0:
-                spec = diagonal_step(self.pieces[rank], causal)
+                self._steps[key] = (diagonal_step(self.pieces[rank], True), None)
             else:
-                spec = ring_step(self.pieces[rank], self.pieces[src], rank, src, causal)
-            self._steps[key] = spec
+                self._steps[key] = ring_step(self.pieces[rank], self.pieces[src], rank, src)
         return self._steps[key]
+
+    def chunk_rows(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 [Z/2] local rows of half A (first chunks) and half B (second chunks)."""
+        return chunk_rows(self.pieces[rank])
+
+    def traffic(self, rank: int, kv_heads: int, head_dim: int, itemsize: int,
+                acc_itemsize: int) -> dict[str, tuple[int, int]]:
+        """(bytes, messages) ring rank `rank` sends per layer, by kind. Every message carries one
+        half block [2, Z/2, Hkv, D]. Half A goes round the whole ring (P-1 messages per pass);
+        half B only travels to the ranks below its owner: forward and backward KV, P - rank
+        messages (none from rank 0); dK/dV accumulators of B, P - 1 - rank messages."""
+        p, z = self.size, self.zigzag_tokens
+        if p == 1 or z == 0:
+            return {k: (0, 0) for k in ("ring_fwd_kv", "ring_bwd_kv", "ring_bwd_dkv")}
+        half = z // 2 * 2 * kv_heads * head_dim
+        kv_msgs = (p - 1) + (p - rank if rank >= 1 else 0)
+        dkv_msgs = (p - 1) + (p - 1 - rank)
+        return {"ring_fwd_kv": (kv_msgs * half * itemsize, kv_msgs),
+                "ring_bwd_kv": (kv_msgs * half * itemsize, kv_msgs),
+                "ring_bwd_dkv": (dkv_msgs * half * acc_itemsize, dkv_msgs)}
 
 
 @dataclass
@@ -132,17 +159,16 @@ class CPPlan:
         return self._full_step
 
     def ring_bytes_per_rank(self, num_kv_heads: int, head_dim: int, itemsize: int,
-                            backward: bool = False, acc_itemsize: int | None = None) -> int:
-        """Bytes one rank sends in the ring of one attention layer: forward P-1 KV blocks of Z
-        tokens; backward again P-1 KV blocks plus P-1 dK/dV blocks in the accumulator dtype."""
-        p, z = self.ring.size, self.ring.zigzag_tokens
-        kv_block = 2 * z * num_kv_heads * head_dim
-        if p == 1 or z == 0:
-            return 0
-        fwd = (p - 1) * kv_block * itemsize
-        if not backward:
-            return fwd
-        return 2 * fwd + (p - 1) * kv_block * (acc_itemsize or max(itemsize, 4))
+                            backward: bool = False, acc_itemsize: int | None = None) -> float:
+        """Mean over the ring ranks of the bytes one rank sends per layer (RingLayout.traffic);
+        backward=True adds the backward pass (KV again, dK/dV in the accumulator dtype)."""
+        kinds = ("ring_fwd_kv", "ring_bwd_kv", "ring_bwd_dkv") if backward else ("ring_fwd_kv",)
+        total = 0
+        for r in range(self.ring.size):
+            tr = self.ring.traffic(r, num_kv_heads, head_dim, itemsize,
+                                   acc_itemsize or max(itemsize, 4))
+            total += sum(tr[k][0] for k in kinds)
+        return total / self.ring.size
 
 
 def plan_cp(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int,

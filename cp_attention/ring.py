@@ -9,17 +9,20 @@ possibly already TP-sharded (Hq % Hkv == 0, GQA). Returns out [L, Hq, D] in q's 
 gradients flow to q, k, v (lse carries none). `group` is the CP group; its rank r must hold
 plan.shard(x, r). `stats` (CommStats) accumulates what this rank sends.
 
-Schedule (P = group size, Z = the plan's ring tokens per rank: the zigzag pieces; whole documents
-never enter the ring):
-  forward:  at step t the rank holds the KV block of rank (r - t) % P; the transfer of the next
-            block (one batched isend/irecv of K and V packed in one buffer) is posted before the
-            current block computes. Partial (out, lse) merge in fp32 (cp_attention.merge).
-            Sends P-1 messages of 2*Z*Hkv*D elements.
-  backward: the KV blocks circulate again, and a dK/dV accumulator (fp32; float64 for float64)
-            travels with them: started by the first rank that sees a foreign block (t = 1) and sent
-            on after each step, it reaches the block's owner after step P-1, where the owner adds
-            its own (t = 0) contribution. Sends P-1 KV messages and P-1 dK/dV messages.
+Schedule (P = group size, Z = the plan's ring tokens per rank: its zigzag pieces; whole documents
+never enter the ring). The ring runs towards lower ranks: at step t rank r holds the KV block of
+rank s = (r + t) % P. A block travels as two halves: A (the first chunks, chunk s of each zigzag
+document) and B (the second chunks, chunk 2P-1-s). By causality only the ranks r < s need B (see
+cp_attention/schedule.py); the block visits them first (s-1, ..., 0), and after the wrap to P-1
+only A travels on. That saves a quarter of the ring bytes of plain zigzag (summed over ranks;
+the link from rank 1 to rank 0 still carries both halves at every step).
+  forward:  each step posts the next transfer (one batched isend/irecv: A, and B while needed)
+            before computing the current block; partial (out, lse) merge in fp32 (merge.py).
+  backward: the KV halves circulate again, and dK/dV accumulators (fp32; float64 for float64)
+            travel with them: A's round the ring and home; B's through the ranks below the owner,
+            and from rank 0 straight back to the owner. The owner adds its own (t = 0) part.
 Every kernel call receives the globally merged (out, lse), so each block's gradient is exact.
+Message counts and bytes per rank: RingLayout.traffic (tests check the executor against it).
 """
 
 from __future__ import annotations
@@ -27,12 +30,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cp_attention.comm import CommStats, ring_exchange, wait_all
+from cp_attention.comm import CommStats, post_p2p, wait_all
 from cp_attention.kernels import attn_backward, attn_forward
 from cp_attention.merge import acc_dtype, merge_, new_accumulators
 from cp_attention.plan import CPPlan, RingLayout
 
-KV_TAG, DKV_TAG = 0, 1
+KV_TAG, DKV_TAG = 0, 2  # KV halves A, B: 0, 1; dK/dV A, B, B home: 2, 3, 4
 
 
 def ring_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, group, causal: bool = True,
@@ -48,8 +51,10 @@ def ring_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, group, causal: bool = True
         raise ValueError(f"ring_attention: group has {size} ranks but the plan is for cp_size="
                          f"{plan.cp_size}; plan with the CP group's size")
     check_local_shapes(q_LHD, k_LHD, v_LHD, plan.local_tokens(rank), "ring_attention")
-    return RingAttention.apply(q_LHD, k_LHD, v_LHD, plan.ring, rank, group, causal, scale,
-                               backend, stats)
+    if not causal:
+        raise ValueError("ring_attention: only causal attention is planned (causal=False is not "
+                         "supported); use a single-device kernel for bidirectional attention")
+    return RingAttention.apply(q_LHD, k_LHD, v_LHD, plan.ring, rank, group, scale, backend, stats)
 
 
 def check_local_shapes(q, k, v, tokens: int, who: str) -> None:
@@ -65,8 +70,8 @@ class RingAttention(torch.autograd.Function):
     """Autograd wrapper of ring_forward / ring_backward on one ring layout and ring rank."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, rank, group, causal, scale, backend, stats):
-        args = (layout, rank, group, causal, scale, backend, stats)
+    def forward(ctx, q, k, v, layout, rank, group, scale, backend, stats):
+        args = (layout, rank, group, scale, backend, stats)
         out, lse = ring_forward(q, k, v, *args)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = args
@@ -77,30 +82,56 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def _kv_block(k, v, z: int) -> torch.Tensor:
-    """[2, Z, Hkv, D]: K and V of the ring tokens, one contiguous buffer (one message)."""
-    return torch.stack([k[:z], v[:z]])
+def _full(r: int, t: int, p: int) -> bool:
+    """Does rank r need half B of the block it holds at step t >= 1 (its owner is above it)?"""
+    return (r + t) % p > r
 
 
-def ring_forward(q, k, v, layout: RingLayout, rank: int, group, causal: bool, scale, backend,
+class _Halves:
+    """Routing of the KV halves of ring rank r (see the module docstring)."""
+
+    def __init__(self, layout: RingLayout, rank: int, group, stats, kind: str):
+        self.p, self.r, self.group, self.stats, self.kind = layout.size, rank, group, stats, kind
+        self.down, self.up = (rank - 1) % self.p, (rank + 1) % self.p
+
+    def post(self, t: int, cur: tuple, shape) -> tuple[list, tuple]:
+        """At step t send the held halves `cur` = (A, B or None) down, receive step t+1's up."""
+        p, r = self.p, self.r
+        ops = [(True, cur[0], self.down, KV_TAG, self.kind)]
+        if r >= 1 and (t == 0 or _full(r, t, p)):
+            ops.append((True, cur[1], self.down, KV_TAG + 1, self.kind))
+        nxt_a = cur[0].new_empty(shape)
+        nxt_b = cur[0].new_empty(shape) if _full(r, t + 1, p) else None
+        ops.append((False, nxt_a, self.up, KV_TAG, self.kind))
+        if nxt_b is not None:
+            ops.append((False, nxt_b, self.up, KV_TAG + 1, self.kind))
+        return post_p2p(ops, self.group, self.stats), (nxt_a, nxt_b)
+
+
+def _own_halves(k, v, layout: RingLayout, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[2, Z/2, Hkv, D] each: K and V of this rank's first chunks (A) and second chunks (B)."""
+    rows_a, rows_b = (x.to(k.device) for x in layout.chunk_rows(rank))
+    return (torch.stack([k.index_select(0, rows_a), v.index_select(0, rows_a)]),
+            torch.stack([k.index_select(0, rows_b), v.index_select(0, rows_b)]))
+
+
+def ring_forward(q, k, v, layout: RingLayout, rank: int, group, scale, backend,
                  stats: CommStats | None):
     """-> (out [L, Hq, D] q.dtype, lse [Hq, L] acc dtype)."""
     p, z = layout.size, layout.zigzag_tokens
     out_acc, lse_acc = new_accumulators(q)
     use_ring = p > 1 and z > 0
-    cur = _kv_block(k, v, z) if use_ring else None
+    cur = _own_halves(k, v, layout, rank) if use_ring else None
+    routes = _Halves(layout, rank, group, stats, "ring_fwd_kv") if use_ring else None
     for t in range(p):
         reqs, nxt = [], None
         if use_ring and t + 1 < p:
-            nxt = torch.empty_like(cur)
-            reqs = ring_exchange(cur, nxt, group, stats, "ring_fwd_kv", KV_TAG)
-        spec = layout.step(rank, t, causal).to(q.device)
-        if not spec.empty:
-            kk, vv = (k, v) if t == 0 else (cur[0], cur[1])
-            o, lse = attn_forward(q, kk, vv, spec.cu_q, spec.cu_k, spec.max_q, spec.max_k,
+            reqs, nxt = routes.post(t, cur, cur[0].shape)
+        for _, spec, kv in _calls(layout, rank, t, k, v, cur):
+            o, lse = attn_forward(q, kv[0], kv[1], spec.cu_q, spec.cu_k, spec.max_q, spec.max_k,
                                   spec.causal, scale, backend)
             merge_(out_acc, lse_acc, o, lse)
         wait_all(reqs)
@@ -108,13 +139,64 @@ def ring_forward(q, k, v, layout: RingLayout, rank: int, group, causal: bool, sc
     return out_acc.to(q.dtype), lse_acc
 
 
-def _block_grads(dout, q, kk, vv, out, lse, spec, scale, backend):
-    return attn_backward(dout, q, kk, vv, out, lse, spec.cu_q, spec.cu_k, spec.max_q,
-                         spec.max_k, spec.causal, scale, backend)
+def _calls(layout: RingLayout, rank: int, t: int, k, v, cur):
+    """(which, spec, (K, V)) kernel calls of step t that have work; which in local / a / b."""
+    spec_a, spec_b = layout.step(rank, t)
+    if t == 0:
+        blocks = [("local", spec_a, (k, v))]
+    elif cur is None:  # no ring tokens: every step after the first is empty
+        return []
+    else:
+        blocks = [("a", spec_a, cur[0]), ("b", spec_b, cur[1])]
+    return [(w, s.to(k.device), kv) for w, s, kv in blocks if s is not None and not s.empty]
 
 
-def ring_backward(dout, q, k, v, out, lse, layout: RingLayout, rank: int, group, causal: bool,
-                  scale, backend, stats: CommStats | None):
+class _Travel:
+    """dK/dV accumulators of the foreign blocks passing ring rank r in the backward (fp32 / f64).
+    A: started by the block's first visitor, passed down the ring, home after step P-1.
+    B: only the ranks below the owner touch it; passed down to rank 0, which sends it home."""
+
+    def __init__(self, layout: RingLayout, rank: int, group, stats, like: torch.Tensor):
+        self.p, self.r, self.group, self.stats, self.like = layout.size, rank, group, stats, like
+        self.down, self.up = (rank - 1) % self.p, (rank + 1) % self.p
+        self.in_a, self.in_b, self.reqs, self.keep = None, None, [], []
+        self.home_b, self.home_reqs = None, []
+        if rank >= 1:  # every block above rank 0 has B visitors; the last one is rank 0
+            self.home_b = torch.empty_like(like)
+            self.home_reqs = self._post([(False, self.home_b, 0, DKV_TAG + 2)])
+
+    def _post(self, ops):
+        return post_p2p([(*op, "ring_bwd_dkv") for op in ops], self.group, self.stats)
+
+    def step(self, t: int, contrib_a: torch.Tensor, contrib_b: torch.Tensor | None) -> None:
+        """Add this rank's contribution at step t >= 1 and pass the accumulators on."""
+        wait_all(self.reqs)
+        acc_a = contrib_a if t == 1 else self.in_a + contrib_a
+        ops = [(True, acc_a, self.down, DKV_TAG)]
+        acc_b = None
+        if contrib_b is not None:
+            acc_b = contrib_b if t == 1 else self.in_b + contrib_b
+            home = (self.r + t) % self.p
+            ops.append((True, acc_b, self.down, DKV_TAG + 1) if self.r >= 1
+                       else (True, acc_b, home, DKV_TAG + 2))
+        self.in_a = torch.empty_like(self.like)
+        ops.append((False, self.in_a, self.up, DKV_TAG))
+        self.in_b = None
+        if t + 1 < self.p and _full(self.r, t + 1, self.p):
+            self.in_b = torch.empty_like(self.like)
+            ops.append((False, self.in_b, self.up, DKV_TAG + 1))
+        self.keep = [acc_a, acc_b]  # isend buffers must outlive their requests
+        self.reqs = self._post(ops)
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> this rank's own block accumulators (A from the last visitor, B from rank 0)."""
+        wait_all(self.reqs)
+        wait_all(self.home_reqs)
+        return self.in_a, self.home_b
+
+
+def ring_backward(dout, q, k, v, out, lse, layout: RingLayout, rank: int, group, scale, backend,
+                  stats: CommStats | None):
     """-> (dq, dk, dv) in the input dtypes, accumulated in acc_dtype."""
     p, z = layout.size, layout.zigzag_tokens
     adt = acc_dtype(q.dtype)
@@ -122,33 +204,38 @@ def ring_backward(dout, q, k, v, out, lse, layout: RingLayout, rank: int, group,
     dk = torch.zeros(k.shape, dtype=adt, device=k.device)
     dv = torch.zeros(v.shape, dtype=adt, device=v.device)
     use_ring = p > 1 and z > 0
-    cur = _kv_block(k, v, z) if use_ring else None
-    travel_reqs, travel_in = [], None
+    cur = _own_halves(k, v, layout, rank) if use_ring else None
+    if use_ring:
+        routes = _Halves(layout, rank, group, stats, "ring_bwd_kv")
+        travel = _Travel(layout, rank, group, stats, cur[0].to(adt))
     for t in range(p):
         reqs, nxt = [], None
         if use_ring and t + 1 < p:
-            nxt = torch.empty_like(cur)
-            reqs = ring_exchange(cur, nxt, group, stats, "ring_bwd_kv", KV_TAG)
-        spec = layout.step(rank, t, causal).to(q.device)
-        kk, vv = (k, v) if t == 0 else (cur[0], cur[1]) if use_ring else (None, None)
-        grads = None if spec.empty else _block_grads(dout, q, kk, vv, out, lse, spec, scale,
-                                                     backend)
-        if grads is not None:
-            dq += grads[0]
-        if t == 0 and grads is not None:
-            dk += grads[1]
-            dv += grads[2]
+            reqs, nxt = routes.post(t, cur, cur[0].shape)
+        contrib = {}
+        for which, spec, kv in _calls(layout, rank, t, k, v, cur):
+            g = attn_backward(dout, q, kv[0], kv[1], out, lse, spec.cu_q, spec.cu_k, spec.max_q,
+                              spec.max_k, spec.causal, scale, backend)
+            dq += g[0]
+            contrib[which] = torch.stack([g[1], g[2]]).to(adt)
+        if t == 0 and "local" in contrib:
+            dk += contrib["local"][0]
+            dv += contrib["local"][1]
         elif t > 0 and use_ring:
-            contrib = (torch.stack([grads[1], grads[2]]).to(adt) if grads is not None
-                       else torch.zeros(cur.shape, dtype=adt, device=cur.device))
-            wait_all(travel_reqs)
-            travel = contrib if t == 1 else travel_in + contrib
-            travel_in = torch.empty_like(travel)
-            travel_reqs = ring_exchange(travel, travel_in, group, stats, "ring_bwd_dkv", DKV_TAG)
+            zeros = torch.zeros_like(travel.like)
+            travel.step(t, contrib.get("a", zeros),
+                        contrib.get("b", zeros) if _full(rank, t, p) else None)
         wait_all(reqs)
         cur = nxt
     if use_ring:
-        wait_all(travel_reqs)  # the accumulator of this rank's own block is back home
-        dk[:z] += travel_in[0]
-        dv[:z] += travel_in[1]
+        _add_home(dk, dv, layout, rank, *travel.finish())
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _add_home(dk, dv, layout: RingLayout, rank: int, home_a, home_b) -> None:
+    rows_a, rows_b = (x.to(dk.device) for x in layout.chunk_rows(rank))
+    dk.index_add_(0, rows_a, home_a[0])
+    dv.index_add_(0, rows_a, home_a[1])
+    if home_b is not None:
+        dk.index_add_(0, rows_b, home_b[0])
+        dv.index_add_(0, rows_b, home_b[1])

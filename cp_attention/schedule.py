@@ -11,7 +11,8 @@ Zigzag pieces of ring rank r hold chunks r and 2P-1-r of a document. Against the
 rank s (chunks s and 2P-1-s of the same document):
 - s == r: both chunks against both chunks, causal. Bottom-right alignment of the square
   [chunk r, chunk 2P-1-r] x [same] is exactly "key position <= query position".
-- s < r: both local chunks see chunk s in full (it precedes both); chunk 2P-1-s comes after both.
+- s < r: both local chunks see chunk s in full (it precedes both); chunk 2P-1-s comes after both,
+  so rank r never needs the second chunks of a block from a lower rank (the ring exploits it).
 - s > r: only chunk 2P-1-r sees anything, and it sees both chunks of s in full.
 Padding is at the end of a slot, so the real tokens of every piece are a prefix of it and trimming
 to the real prefix keeps the alignment.
@@ -86,29 +87,47 @@ def full_sequence_step(cu: torch.Tensor, cu_pad: torch.Tensor) -> StepSpec:
     return _spec(segs, True)
 
 
-def _ring_pair(qp: Piece, kp: Piece, r: int, s: int, causal: bool) -> tuple[int, int, int, int]:
-    """(q offset, q len, k offset, k len) of the zigzag pair, offsets local to the pieces."""
-    if not causal:
-        return 0, qp.real, 0, kp.real
-    c = qp.length // 2
-    if s < r:
-        return 0, qp.real, 0, min(kp.real, c)
-    return c, max(0, qp.real - c), 0, kp.real
+def _add_pair(segs: list, pos: list, qa: int, ql: int, ka: int, kl: int) -> None:
+    """Append queries [qa, qa+ql) x keys [ka, ka+kl), skipping the rows in between."""
+    if ql == 0 or kl == 0:
+        return
+    segs += [(qa - pos[0], 0), (0, ka - pos[1]), (ql, kl)]
+    pos[0], pos[1] = qa + ql, ka + kl
 
 
-def ring_step(q_pieces: list[Piece], k_pieces: list[Piece], r: int, s: int,
-              causal: bool) -> StepSpec:
-    """Step t > 0 on ring rank r with the ring block of rank s != r (zigzag pieces only: both
-    ranks list the same zigzag documents first, with equal piece lengths)."""
-    segs: list[tuple[int, int]] = []
-    q_pos = k_pos = 0
+def ring_step(q_pieces: list[Piece], k_pieces: list[Piece], r: int,
+              s: int) -> tuple[StepSpec, StepSpec | None]:
+    """Step with the ring block of rank s != r (causal). The block travels as two halves:
+    A = the first chunks (chunk s) of its zigzag pieces, B = the second chunks (chunk 2P-1-s),
+    each [Z/2] with document j at rows [F_j, F_j + C_j), F_j = local_start / 2. Returns the kernel
+    calls against A and against B (None when s < r: chunk 2P-1-s lies after both local chunks).
+    Both ranks list the same zigzag documents first, with equal piece lengths."""
+    seg_a: list[tuple[int, int]] = []
+    seg_b: list[tuple[int, int]] = []
+    pos_a, pos_b = [0, 0], [0, 0]
     for qp, kp in zip(q_pieces, k_pieces, strict=False):
         if not qp.zigzag:
             break
-        qo, ql, ko, kl = _ring_pair(qp, kp, r, s, causal)
-        if ql == 0 or kl == 0:
-            continue
-        qa, ka = qp.local_start + qo, kp.local_start + ko
-        segs += [(qa - q_pos, 0), (0, ka - k_pos), (ql, kl)]
-        q_pos, k_pos = qa + ql, ka + kl
-    return _spec(segs, False)
+        c, f = qp.length // 2, kp.local_start // 2
+        real_a, real_b = min(kp.real, c), max(0, kp.real - c)
+        if s < r:
+            _add_pair(seg_a, pos_a, qp.local_start, qp.real, f, real_a)
+        else:
+            qa, ql = qp.local_start + c, max(0, qp.real - c)
+            _add_pair(seg_a, pos_a, qa, ql, f, real_a)
+            _add_pair(seg_b, pos_b, qa, ql, f, real_b)
+    return _spec(seg_a, False), (_spec(seg_b, False) if s > r else None)
+
+
+def chunk_rows(pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 [Z/2] local rows of the first chunks (A) and of the second chunks (B) of the zigzag
+    pieces, in piece order."""
+    first, second = [], []
+    for p in pieces:
+        if not p.zigzag:
+            break
+        c = p.length // 2
+        first.append(torch.arange(p.local_start, p.local_start + c))
+        second.append(torch.arange(p.local_start + c, p.local_start + 2 * c))
+    empty = torch.zeros(0, dtype=torch.int64)
+    return (torch.cat(first) if first else empty), (torch.cat(second) if second else empty)

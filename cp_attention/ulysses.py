@@ -93,6 +93,8 @@ def hierarchical_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, inner_group, outer
     if got != (inner, outer):
         raise ValueError(f"hierarchical_attention: groups have sizes [inner, outer]={list(got)} "
                          f"but the plan was made with hierarchical_sizes={[inner, outer]}")
+    if not causal:
+        raise ValueError("hierarchical_attention: causal=False is not supported")
     i, o = dist.get_rank(inner_group), dist.get_rank(outer_group)
     check_local_shapes(q_LHD, k_LHD, v_LHD, plan.local_tokens(o * inner + i),
                        "hierarchical_attention")
@@ -100,7 +102,7 @@ def hierarchical_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, inner_group, outer
     counts = [plan.local_tokens(o * inner + j) for j in range(inner)]
     k_LHD, v_LHD = replicate_kv(k_LHD, v_LHD, inner)
     q_S, k_S, v_S = (scatter_heads(x, counts, inner_group, stats) for x in (q_LHD, k_LHD, v_LHD))
-    out_S, lse_hS = RingAttention.apply(q_S, k_S, v_S, plan.ring, o, outer_group, causal, scale,
+    out_S, lse_hS = RingAttention.apply(q_S, k_S, v_S, plan.ring, o, outer_group, scale,
                                         backend, stats)
     out = gather_heads(out_S, counts, inner_group, stats)
     return out, _gather_lse(lse_hS, counts, inner_group, stats)

@@ -27,17 +27,23 @@ def packs(draw):
 def _step_pairs(plan, r, t):
     """Physical (query, key) pairs computed by ring rank r at step t, from the step's cu's."""
     ring = plan.ring
-    spec = ring.step(r, t)
+    src = (r + t) % ring.size  # the ring runs towards lower ranks
     q_idx = ring.index[r]
-    k_idx = ring.index[(r - t) % ring.size]
+    if t == 0:
+        keys = [ring.index[r], None]
+    else:  # the block travels as half A (first chunks) and half B (second chunks)
+        keys = [ring.index[src][rows] for rows in ring.chunk_rows(src)]
     pairs = []
-    cq, ck = spec.cu_q.tolist(), spec.cu_k.tolist()
-    for i in range(len(cq) - 1):
-        lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
-        for a in range(lq):
-            for b in range(lk):
-                if not spec.causal or b <= a + lk - lq:
-                    pairs.append((int(q_idx[cq[i] + a]), int(k_idx[ck[i] + b])))
+    for spec, k_idx in zip(ring.step(r, t), keys, strict=True):
+        if spec is None:
+            continue
+        cq, ck = spec.cu_q.tolist(), spec.cu_k.tolist()
+        for i in range(len(cq) - 1):
+            lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+            for a in range(lq):
+                for b in range(lk):
+                    if not spec.causal or b <= a + lk - lq:
+                        pairs.append((int(q_idx[cq[i] + a]), int(k_idx[ck[i] + b])))
     return pairs
 
 
@@ -60,7 +66,8 @@ def test_ring_schedule_covers_the_causal_mask_exactly_once(pack):
     assert len(got) == len(set(got)), "a query-key pair is computed twice"
     assert set(got) == set(_causal_pairs(lens, slots))
     if plan.ring.zigzag_tokens == 0:
-        assert all(plan.ring.step(r, t).empty for r in range(p) for t in range(1, p))
+        assert all(s is None or s.empty for r in range(p) for t in range(1, p)
+                   for s in plan.ring.step(r, t))
 
 
 @settings(max_examples=40)
@@ -98,7 +105,16 @@ def test_zigzag_chunks_and_whole_documents():
     assert sorted(plan.local_tokens(r) for r in range(p)) == [12, 12]
     x = torch.randn(sum(slots), 3)
     assert torch.equal(plan.unshard([plan.shard(x, r) for r in range(p)]), x)
-    assert plan.ring_bytes_per_rank(2, 4, 4) == (p - 1) * 2 * 8 * 2 * 4 * 4
+    # P=2: half A (4 tokens) once per pass from both ranks; half B only from rank 1 (fwd, bwd
+    # KV) and the dK/dV of B only on rank 0 (which sends rank 1's B accumulator home).
+    half = 4 * 2 * 2 * 4  # tokens * (K, V) * Hkv * D
+    tr0, tr1 = (plan.ring.traffic(r, 2, 4, 2, 4) for r in range(p))
+    assert tr0 == {"ring_fwd_kv": (half * 2, 1), "ring_bwd_kv": (half * 2, 1),
+                   "ring_bwd_dkv": (2 * half * 4, 2)}
+    assert tr1 == {"ring_fwd_kv": (2 * half * 2, 2), "ring_bwd_kv": (2 * half * 2, 2),
+                   "ring_bwd_dkv": (half * 4, 1)}
+    assert plan.ring_bytes_per_rank(2, 4, 2, True, 4) == (sum(b for b, _ in tr0.values())
+                                                          + sum(b for b, _ in tr1.values())) / 2
 
 
 def test_hierarchical_split_and_local_cu():

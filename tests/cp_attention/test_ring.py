@@ -14,25 +14,33 @@ HEADS = (4, 2, 8)  # Hq, Hkv (GQA), D
 CASES_PER_P = {2: 16, 3: 12, 4: 12}
 
 
-def _expected_bytes(plan, kind: str, itemsize: int, acc_itemsize: int) -> tuple[int, int]:
-    """Formula: P-1 messages of a KV block (2 * Z * Hkv * D) per pass; none when Z = 0.
+def _expected(plan, rank: int, kind: str, itemsize: int, acc_itemsize: int) -> tuple[int, int]:
+    """Formula: every message is a half block [2, Z/2, Hkv, D] (first or second chunks of the
+    zigzag pieces). Per pass, half A goes P-1 hops from every rank; half B is sent only while the
+    receiver lies below the block's owner: KV: P - r messages from rank r >= 1, none from rank 0;
+    dK/dV of B: P - 1 - r messages. Nothing at all when Z = 0 (every document whole).
     Z is recomputed here from the zigzag documents' slots (each rank holds 2 of 2P chunks)."""
     p = plan.ring.size
     z = sum(int(plan.cu_seqlens_padded[i + 1] - plan.cu_seqlens_padded[i]) // p
             for i in plan.zigzag_docs)
     if p == 1 or z == 0:
         return 0, 0
-    elems = 2 * z * HEADS[1] * HEADS[2]
-    return (p - 1) * elems * (acc_itemsize if kind == "ring_bwd_dkv" else itemsize), p - 1
+    half = 2 * (z // 2) * HEADS[1] * HEADS[2]
+    if kind == "ring_bwd_dkv":
+        n = (p - 1) + (p - 1 - rank)
+        return n * half * acc_itemsize, n
+    n = (p - 1) + (p - rank if rank else 0)
+    return n * half * itemsize, n
 
 
-def _check_stats(stats: CommStats, plan, itemsize: int, acc_itemsize: int) -> None:
+def _check_stats(stats: CommStats, plan, rank: int, itemsize: int, acc_itemsize: int) -> None:
     for kind in ("ring_fwd_kv", "ring_bwd_kv", "ring_bwd_dkv"):
-        want = _expected_bytes(plan, kind, itemsize, acc_itemsize)
+        want = _expected(plan, rank, kind, itemsize, acc_itemsize)
         got = (stats.bytes(kind), stats.messages(kind))
         assert got == want, f"{kind}: sent {got}, formula {want}"
-    assert stats.bytes_sent == plan.ring_bytes_per_rank(HEADS[1], HEADS[2], itemsize, True,
-                                                        acc_itemsize)
+        assert want == plan.ring.traffic(rank, HEADS[1], HEADS[2], itemsize, acc_itemsize)[kind]
+    assert stats.bytes_sent == sum(_expected(plan, rank, k, itemsize, acc_itemsize)[0]
+                                   for k in ("ring_fwd_kv", "ring_bwd_kv", "ring_bwd_dkv"))
 
 
 def _ring_worker(rank, world, cases_by_p, dtype, atol, rtol, repeat):
@@ -49,7 +57,7 @@ def _ring_worker(rank, world, cases_by_p, dtype, atol, rtol, repeat):
 
             first = run_and_check(call, case, plan, rank, HEADS, dtype, atol, rtol)
             item = torch.empty(0, dtype=dtype).element_size()
-            _check_stats(stats, plan, item, max(item, 4))
+            _check_stats(stats, plan, rank, item, max(item, 4))
             if repeat:
                 again = run_and_check(call, case, plan, rank, HEADS, dtype, atol, rtol)
                 assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True)), "runs differ bitwise"

@@ -75,7 +75,7 @@ def _hier_cases(rank, inner_g, outer_g, cases, dtype, atol):
         item = torch.empty(0, dtype=dtype).element_size()
         _check_a2a(stats, counts, i, heads, item)
         ring_heads = max(heads[1], inner) // inner
-        want = plan.ring_bytes_per_rank(ring_heads, D, item, True, max(item, 4))
+        want = sum(b for b, _ in plan.ring.traffic(o, ring_heads, D, item, max(item, 4)).values())
         got = sum(stats.bytes(k) for k in ("ring_fwd_kv", "ring_bwd_kv", "ring_bwd_dkv"))
         assert got == want, f"hierarchical ring bytes {got} != formula {want}"
         again = run_and_check(call, case, plan, rank, heads, dtype, atol)
