@@ -31,7 +31,7 @@ CALL_OVERHEAD = 8192
 # Padding a causal bucket of length in [pad_to - PAD_WINDOW, pad_to) up to pad_to (see torch_cpu:
 # the CPU kernel switches to 4x larger, far cheaper query blocks from 768 rows on).
 PAD_WINDOW = 168
-_DP_LIMIT = 400  # beyond this many documents, bucket greedily instead of the O(N^2) DP
+_DP_LIMIT = 160  # beyond this many documents, bucket greedily instead of the O(N^2) DP
 
 
 @dataclass

@@ -27,17 +27,23 @@ def _unavailable_reason(name: str, device: torch.device) -> str | None:
     return load_backend(name).unavailable_reason(device)
 
 
-def resolve_backend(name: str, device) -> str:
-    """Turn "auto" or a backend name into a backend that can run on `device`, or raise a one-line
-    RuntimeError naming the cause and the fix."""
+def _auto_cuda(device: torch.device, dtype: torch.dtype | None) -> str:
+    # The flash kernels take fp16/bf16 only; flex also runs float32; float64 has only the reference.
+    if dtype == torch.float64:
+        return "reference"
+    prefs = _CUDA_PREFERENCE if dtype in (None, torch.float16, torch.bfloat16) else ("flex",)
+    for cand in prefs:
+        if _unavailable_reason(cand, device) is None:
+            return cand
+    return "reference"
+
+
+def resolve_backend(name: str, device, dtype: torch.dtype | None = None) -> str:
+    """Turn "auto" or a backend name into a backend that can run on `device` (and `dtype`, when
+    given, for "auto"), or raise a one-line error naming the cause and the fix."""
     device = torch.device(device)
     if name == "auto":
-        if device.type == "cpu":
-            return "torch_cpu"
-        for cand in _CUDA_PREFERENCE:
-            if _unavailable_reason(cand, device) is None:
-                return cand
-        return "reference"
+        return "torch_cpu" if device.type == "cpu" else _auto_cuda(device, dtype)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {('auto',) + BACKENDS}")
     reason = _unavailable_reason(name, device)
