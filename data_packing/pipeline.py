@@ -60,7 +60,9 @@ class PackArgs:
     shard_index: int | None = None
     overwrite: bool = False
     progress: bool = True
-    chunk_docs: int = 256
+    # Documents per encode_batch call: large, because every call waits for its longest document
+    # (fewer, bigger calls keep the tokenizer threads busy); small enough for a live progress bar.
+    chunk_docs: int = 1024
 
     @property
     def pad_multiple(self) -> int:
