@@ -8,15 +8,21 @@ shared tokens, so experts see each token once.
 EP: every MoE layer keeps its slice of the experts (shard_experts), swaps its LocalDispatcher
 for the configured expert-parallel dispatcher, and its expert parameters are tagged
 `reduce_axis = "edp"` so the trainer reduces them over EDP (dense ones stay on dp_cp).
+
+`model.grad_norm_fn(max_norm) -> norm` is attached for the trainer: the global gradient norm over
+the mesh (and clipping), where a local norm would desynchronise the replicas.
 """
 
 from __future__ import annotations
+
+import functools
 
 from torch import nn
 
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dispatch import build_dispatcher
 from longctx_moe.parallel.expert_parallel import shard_experts
+from longctx_moe.parallel.grad_reduce import clip_grad_norm, split_params
 from longctx_moe.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -29,6 +35,8 @@ def parallelize(model: nn.Module, dims, cfg: ParallelConfig | None = None) -> nn
     if dims.tp > 1:
         apply_tensor_parallel(model, dims)
     apply_expert_parallel(model, dims, cfg)
+    # The trainer's clipping hook: a local norm would differ per EP/TP rank (see grad_reduce).
+    model.grad_norm_fn = functools.partial(clip_grad_norm, *split_params(model), dims)
     return model
 
 

@@ -75,6 +75,7 @@ def _check_layout(rank, world, kw, seed):
         assert (p.grad - want).abs().max().item() < TOL, (kw, name)
     ref_norm = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), float("inf"))
     assert abs(float(clip_grad_norm(dense, expert, dims, 0.0)) - float(ref_norm)) < TOL, kw
+    assert abs(float(model.grad_norm_fn(0.0)) - float(ref_norm)) < TOL, kw
 
 
 def _check_all(rank, world):
