@@ -101,6 +101,8 @@ def test_low_precision_matches_reference(dtype, tol_out, tol_lse, tol_grad):
     cases = [([5, 1, 17, 9, 0, 30], [5, 1, 17, 9, 0, 30], True),
              ([3, 8, 1, 12], [20, 8, 4, 1], True),
              ([3, 8, 1, 12], [20, 8, 4, 0], False)]
+    if dtype == torch.bfloat16:  # 700 tokens: padded to 768, backward on the kernel's bf16 path
+        cases.append(([700, 20], [700, 20], True))
     for i, (lq, lk, causal) in enumerate(cases):
         q, k, v, dout, cu_q, cu_k, mq, mk = _make(lq, lk, 4, 2, 16, 2, dtype, i)
         args = (cu_q, cu_k, mq, mk, causal)
@@ -115,6 +117,26 @@ def test_low_precision_matches_reference(dtype, tol_out, tol_lse, tol_grad):
         for g, r in zip(grads, ref, strict=False):
             assert g.dtype == dtype
             torch.testing.assert_close(g.double(), r, atol=tol_grad, rtol=0)
+
+
+def test_padded_big_block_layout_is_exact(monkeypatch):
+    """The bf16 plan pads causal buckets up to the kernel's big-block length (768); shrink that
+    length to 64 to check the padded layout itself in float64 (Lq != Lk, 1-token docs, GQA)."""
+    from cp_attention.kernels import _buckets, torch_cpu
+
+    monkeypatch.setattr(torch_cpu, "_plan", lambda cu_q, cu_k, causal, dtype: _buckets.plan_buckets(
+        tuple(cu_q.tolist()), tuple(cu_k.tolist()), bool(causal), 64))
+    lens_q, lens_k = [5, 1, 17, 9, 31, 2, 40], [7, 1, 17, 12, 31, 1, 40]
+    q, k, v, dout, cu_q, cu_k, mq, mk = _make(lens_q, lens_k, 4, 2, 8, 2, torch.float64, 4)
+    assert max(bk.pk for bk in torch_cpu._plan(cu_q, cu_k, True, None)) == 64 > max(lens_k)
+    args = (cu_q, cu_k, mq, mk, True)
+    out, lse = attn_forward(q, k, v, *args)
+    ref_out, ref_lse = reference_attention(q, k, v, *args)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+    _assert_lse(lse, ref_lse, 1e-10)
+    grads = attn_backward(dout, q, k, v, out, lse, *args)
+    for g, r in zip(grads, reference_backward(dout, q, k, v, ref_out, ref_lse, *args), strict=True):
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
 
 
 def test_gradcheck_tiny():
