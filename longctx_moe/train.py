@@ -97,7 +97,10 @@ def check_data_against_model(cfg: Config) -> dict:
     if not (Path(cfg.data.path) / "metadata.json").is_file():
         raise ConfigError(f"data.path='{cfg.data.path}' has no metadata.json; run `make data` "
                           "(or longctx-pack --output DIR) and set data.path=DIR")
-    meta = read_metadata(cfg.data.path)
+    try:
+        meta = read_metadata(cfg.data.path)
+    except ValueError as e:
+        raise ConfigError(f"data.path: {e}") from None
     if meta["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"the corpus at data.path has vocab_size={meta['vocab_size']} > model.vocab_size="
                           f"{cfg.model.vocab_size}; set model.vocab_size={meta['vocab_size']}")
@@ -130,15 +133,14 @@ def build_model_for(cfg: Config, dims: Any, device: torch.device) -> torch.nn.Mo
     torch.manual_seed(cfg.train.seed)  # same init on every rank: replicas start identical
     dtype = {"fp32": torch.float32, "fp64": torch.float64}[cfg.train.param_dtype]
     model = build_model(cfg.model).to(device=device, dtype=dtype)
-    # Tensor/context/expert parallelism is applied here, to the built single-device model, by
-    # `longctx_moe.parallel.parallelize(model, dims)` once that module exists.
-    if dims.world_size > 1 and (dims.tp, dims.cp, dims.ep) != (1, 1, 1):
+    # Tensor/context/expert parallelism is applied here, to the built single-device model.
+    if (dims.tp, dims.cp, dims.ep) != (1, 1, 1):
+        from longctx_moe.parallel.parallelize import parallelize
+
         try:
-            from longctx_moe.parallel.parallelize import parallelize
-        except ImportError:
-            raise ConfigError("parallel.tp/cp/ep > 1 needs longctx_moe.parallel.parallelize, which is not "
-                              "built yet; use data parallelism only (tp=cp=ep=1)") from None
-        model = parallelize(model, dims)
+            model = parallelize(model, dims, cfg.parallel)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return model
 
 
@@ -146,7 +148,10 @@ def build_loader(cfg: Config, dims: Any):
     from data_packing.loader import build_step_loader
 
     cfg.data.pad_multiple = pad_multiple(cfg)
-    return build_step_loader(cfg.data, dims.rank_in("dp", dims.rank or 0), dims.size("dp"))
+    try:
+        return build_step_loader(cfg.data, dims.rank_in("dp", dims.rank or 0), dims.size("dp"))
+    except ValueError as e:  # the loader's messages name the data.* key and the fix
+        raise ConfigError(str(e)) from None
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -171,7 +176,10 @@ def maybe_resume(trainer: Trainer, loader: Any, ctx: RunContext) -> Path | None:
     _, state = load_rank_state(step_dir, ctx.rank, ctx.world_size, _resume_expectations(trainer.cfg))
     trainer.load_state_dict(state, str(step_dir))
     if state.get("loader") is not None and hasattr(loader, "load_state_dict"):
-        loader.load_state_dict(state["loader"])
+        try:
+            loader.load_state_dict(state["loader"])
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint '{step_dir}': {e}") from None
     set_rng_state(state["rng"])
     return step_dir
 

@@ -10,9 +10,9 @@ so the gradients summed over micro-batches and over DP x CP ranks are exactly th
 batch: the token-mean cross-entropy plus the token-weighted mean of the auxiliary losses. Never a
 mean per micro-batch (that would overweight short micro-batches).
 
-Gradient reduction is a bucketed all-reduce (SUM) after the last micro-batch, per reduction axis:
-dense parameters over `dp_cp`; a parameter carrying `reduce_axis = "edp"` (set by the expert-
-parallel wiring in `longctx_moe.parallel`) over `edp`.
+Gradients are all-reduced (SUM) once, after the last micro-batch, by the mesh's own rules
+(`longctx_moe.parallel.grad_reduce`: dense over dp_cp, experts over edp); clipping uses the
+mesh-aware norm that `parallelize` attaches as `model.grad_norm_fn` when the model is sharded.
 """
 
 from __future__ import annotations
@@ -25,14 +25,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from data_packing.batch import PackedBatch
 from longctx_moe.config import Config
 from longctx_moe.metrics import step_flops
 from longctx_moe.optim import LRSchedule, build_optimizer, clip_grad_norm
-
-_BUCKET_BYTES = 64 * 2**20  # flattened all-reduce size: few collectives, bounded extra memory
 
 
 class NonFiniteLossError(RuntimeError):
@@ -112,7 +109,7 @@ class Trainer:
         _all_reduce(sums, self.dims, "dp_cp")
         if counts is not None:
             _all_reduce(counts, self.dims, "dp_cp")
-        grad_norm = float(clip_grad_norm(self._params, self.cfg.optim.grad_clip))
+        grad_norm = self._clip()
         loss = float(sums[0])
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if skipped:
@@ -152,23 +149,21 @@ class Trainer:
         return sums, counts
 
     def _reduce_gradients(self) -> None:
-        """Sum gradients over the data-parallel replicas, one flattened bucket at a time."""
-        by_axis: dict[str, list[torch.nn.Parameter]] = {}
-        for p in self._params:
-            by_axis.setdefault(getattr(p, "reduce_axis", "dp_cp"), []).append(p)
-        for axis, params in by_axis.items():
-            if _group_size(self.dims, axis) == 1:
-                continue
-            for p in params:
-                if p.grad is None:
-                    # Unused this step on this rank (an expert no token chose): it still joins
-                    # the collective, with zeros, so every rank flattens the same layout.
-                    p.grad = torch.zeros_like(p)
-            for bucket in _buckets([p.grad for p in params]):
-                flat = _flatten_dense_tensors(bucket)
-                dist.all_reduce(flat, group=self.dims.group(axis))
-                for g, r in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-                    g.copy_(r)
+        """Sum gradients over the replicas (dense over dp_cp, experts over edp): see
+        longctx_moe.parallel.grad_reduce, which owns the mesh's reduction rules."""
+        if self.dims is None or self.dims.world_size == 1:
+            return
+        from longctx_moe.parallel.grad_reduce import reduce_gradients, split_params
+
+        reduce_gradients(*split_params(self.model), self.dims)
+
+    def _clip(self) -> float:
+        """Global gradient norm (and clipping): the mesh-aware hook that `parallelize` attaches,
+        or torch's foreach norm when every rank holds whole, identical gradients."""
+        fn = getattr(self.model, "grad_norm_fn", None)
+        if fn is not None:
+            return float(fn(self.cfg.optim.grad_clip))
+        return float(clip_grad_norm(self._params, self.cfg.optim.grad_clip))
 
     def _on_non_finite(self, loss: float, grad_norm: float) -> None:
         what = f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} " \
@@ -189,19 +184,6 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.step = int(state["step"])
-
-
-def _buckets(grads: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    bucket, size = [], 0
-    for g in grads:
-        # Flattening needs one dtype per bucket: start a new bucket when it changes.
-        if bucket and (size + g.numel() * g.element_size() > _BUCKET_BYTES or g.dtype != bucket[0].dtype):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(g)
-        size += g.numel() * g.element_size()
-    if bucket:
-        yield bucket
 
 
 def iterate_steps(loader: Iterable[list[PackedBatch]], start_step: int, total_steps: int) -> Iterator[list[PackedBatch]]:
