@@ -210,7 +210,8 @@ class _Progress:
         self.bar.close()
 
 
-def _build_shard(a: PackArgs, corpus, tok, eos_id, vocab_size, fingerprint: str, k: int) -> None:
+def _build_shard(a: PackArgs, corpus, tok, eos_id, vocab_size, fingerprint: str, k: int) -> dict:
+    """Tokenize, pack and write shard k; returns its counters."""
     lo, hi = _shard_range(len(corpus), k, a.num_shards)
     bar = _Progress(hi - lo, a.progress, f"shard {k}/{a.num_shards}")
     try:
@@ -226,6 +227,7 @@ def _build_shard(a: PackArgs, corpus, tok, eos_id, vocab_size, fingerprint: str,
                     docs_packed=int(np.unique(plan.piece_doc).size))
     storage.write_shard(a.output, k, arrays, {"fingerprint": fingerprint, "shard": k,
                                               "doc_range": [lo, hi], "counters": counters})
+    return counters
 
 
 def _fingerprint(a: PackArgs, corpus, tok_hash: str | None) -> str:
@@ -259,6 +261,22 @@ def _finish(a: PackArgs, fingerprint: str, tok_hash, vocab_size, eos_id, pad_id,
     return stats
 
 
+def _existing_output(a: PackArgs, fp: str) -> dict | None:
+    """metadata.json of an identical finished run (nothing to do), else None; refuses to mix
+    with a different finished run unless --overwrite (which clears it first)."""
+    meta_path = os.path.join(a.output, storage.METADATA)
+    if os.path.exists(meta_path):
+        meta = storage.read_json(meta_path)
+        if meta.get("fingerprint") == fp:
+            return meta
+        if not a.overwrite:
+            raise FileExistsError(f"{a.output} holds a finished run with different inputs or "
+                                  "arguments; use a new --output or pass --overwrite")
+    if a.overwrite:
+        _clear_output(a.output)
+    return None
+
+
 def pack(a: PackArgs) -> dict:
     """Run longctx-pack; returns {"stats", "timing", "complete", "skipped_shards"}."""
     validate(a)
@@ -271,37 +289,26 @@ def pack(a: PackArgs) -> dict:
     os.makedirs(a.output, exist_ok=True)
     _check_tokenizer(a.output, tok_bytes, a.overwrite)
     fp = _fingerprint(a, corpus, tok_hash)
-    meta_path = os.path.join(a.output, storage.METADATA)
-    if os.path.exists(meta_path):
-        meta = storage.read_json(meta_path)
-        if meta.get("fingerprint") == fp:
-            return {"stats": meta["stats"], "timing": {}, "complete": True,
-                    "skipped_shards": a.num_shards}
-        if not a.overwrite:
-            raise FileExistsError(f"{a.output} holds a finished run with different inputs or "
-                                  "arguments; use a new --output or pass --overwrite")
-    if a.overwrite:
-        _clear_output(a.output)
+    meta = _existing_output(a, fp)
+    if meta is not None:
+        return {"stats": meta["stats"], "timing": {}, "complete": True, "skipped_shards": a.num_shards}
     if tok_bytes is not None:
         storage.write_bytes_atomic(os.path.join(a.output, storage.TOKENIZER), tok_bytes)
-    todo = range(a.num_shards) if a.shard_index is None else [a.shard_index]
-    skipped = 0
+    skipped, docs, tokens = 0, 0, 0
     t1 = time.perf_counter()
-    for k in todo:
+    for k in range(a.num_shards) if a.shard_index is None else [a.shard_index]:
         if storage.finished_shard(a.output, k, fp) is not None:
             skipped += 1
             continue
-        _build_shard(a, corpus, tok, eos_id, vocab_size, fp, k)
+        counters = _build_shard(a, corpus, tok, eos_id, vocab_size, fp, k)
+        docs, tokens = docs + counters["docs_in"], tokens + counters["tokens_in"]
     t_pack = time.perf_counter() - t1
     complete = all(storage.finished_shard(a.output, k, fp) is not None for k in range(a.num_shards))
     stats = _finish(a, fp, tok_hash, vocab_size, eos_id, pad_id, corpus.kind) if complete else {}
-    done_docs = sum(_shard_range(len(corpus), k, a.num_shards)[1]
-                    - _shard_range(len(corpus), k, a.num_shards)[0] for k in todo) if skipped < len(todo) else 0
-    total = time.perf_counter() - t0
-    timing = {"seconds_total": round(total, 3), "seconds_tokenizer": round(t_tok, 3),
+    timing = {"seconds_total": round(time.perf_counter() - t0, 3), "seconds_tokenizer": round(t_tok, 3),
               "seconds_tokenize_pack_write": round(t_pack, 3),
-              "docs_per_s": round(done_docs / max(t_pack, 1e-9), 1),
-              "tokens_per_s": round(stats.get("tokens_in", 0) / max(t_pack, 1e-9), 1) if done_docs else 0.0}
+              "docs_per_s": round(docs / max(t_pack, 1e-9), 1),
+              "tokens_per_s": round(tokens / max(t_pack, 1e-9), 1)}
     storage.write_bytes_atomic(os.path.join(a.output, "run_stats.json"),
                                storage.dumps({"timing": timing, "skipped_shards": skipped}))
     return {"stats": stats, "timing": timing, "complete": complete, "skipped_shards": skipped}
