@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from . import reference as _reference
-from ._common import check_inputs, doc_lengths
+from ._common import check_inputs, default_scale, doc_lengths
 from ._registry import BACKENDS, load_backend, resolve_backend
 
 __all__ = ["BACKENDS", "attn_backward", "attn_forward", "reference_attention", "resolve_backend",
@@ -75,22 +75,49 @@ class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, backend):
         name = resolve_backend(backend, q.device, q.dtype)
+        scale = default_scale(scale, q.shape[-1])
         out, lse = attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, name)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.args = (max_q, max_k, causal, scale, name)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         max_q, max_k, causal, scale, name = ctx.args
-        dq, dk, dv = attn_backward(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
-                                   causal, scale, name)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        if dlse is None:
+            grads = attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
+                                  name)
+        else:
+            grads = _backward_with_lse_grad(dout, dlse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                                            causal, scale, name)
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def _backward_with_lse_grad(dout, dlse_HT, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
+                            scale, name):
+    """d lse_i / d S_ij = P_ij, so an lse gradient adds P * dlse to dS = P * (dP - D). Every
+    kernel computes D = rowsum(dout * out) itself; appending a column with out = 1, dout = -dlse
+    (and zeros in q, k, v, so S and dP are unchanged) turns D into D - dlse. Eight columns keep
+    the head dim a multiple of 8 for the GPU kernels; the scale is passed explicitly."""
+    pad = lambda x, fill=0.0: torch.nn.functional.pad(x, (0, _EXTRA_COLS), value=fill)
+    dout_x = pad(dout)
+    dout_x[..., -_EXTRA_COLS] = -dlse_HT.t().to(dout.dtype)
+    out_x = pad(out)
+    out_x[..., -_EXTRA_COLS] = 1.0
+    dq, dk, dv = attn_backward(dout_x, pad(q), pad(k), pad(v), out_x, lse, cu_q, cu_k, max_q, max_k,
+                               causal, scale, name)
+    d = q.shape[-1]
+    return dq[..., :d], dk[..., :d], dv[..., :d]
+
+
+_EXTRA_COLS = 8
 
 
 def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool = True,
                      scale: float | None = None, backend: str = "auto"):
-    """Differentiable attn_forward: (out [T, Hq, D], lse [Hq, T]); lse carries no gradient."""
+    """Differentiable attn_forward: (out [T, Hq, D], lse [Hq, T]); gradients flow through both
+    (an lse gradient costs a backward on a head dim padded by 8)."""
     return _VarlenAttention.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, backend)

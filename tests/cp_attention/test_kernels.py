@@ -147,6 +147,19 @@ def test_gradcheck_tiny():
         assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8)
 
 
+def test_gradcheck_through_lse():
+    """lse is differentiable too (a ring written in plain autograd merges with it)."""
+    q, k, v, _, cu_q, cu_k, mq, mk = _make([3, 1, 2], [4, 0, 2], 2, 1, 4, 1, torch.float64, 8)
+    w = torch.randn(2, q.shape[0], dtype=torch.float64)
+
+    def fn(q_, k_, v_):
+        out, lse = varlen_attention(q_, k_, v_, cu_q, cu_k, mq, mk, True)
+        return out, torch.where(torch.isfinite(lse), lse, 0.0) * w
+
+    inputs = tuple(x.clone().requires_grad_() for x in (q, k, v))
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8)
+
+
 def _merge(o1, l1, o2, l2):
     """Merge two partial attentions over disjoint key sets (float64, -inf safe)."""
     lse = torch.logaddexp(l1, l2)
