@@ -70,6 +70,9 @@ def format_stats(stats: dict, timing: dict | None = None) -> str:
     width = max(len(k) for k, _ in items)
     lines = []
     for k, v in items:
-        val = f"{v:,.4f}" if isinstance(v, float) else (f"{v:,}" if isinstance(v, int) else str(v))
+        if isinstance(v, float):
+            val = f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4f}"
+        else:
+            val = f"{v:,}" if isinstance(v, int) else str(v)
         lines.append(f"  {k:<{width}}  {val:>16}")
     return "\n".join(lines)
