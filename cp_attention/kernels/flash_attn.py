@@ -31,8 +31,12 @@ def _interface():
 
 
 def _call_by_name(fn, values: dict):
-    """Call fn with the entries of `values` its signature names (version-proof binding)."""
-    params = inspect.signature(fn).parameters
+    """Call fn with the entries of `values` its signature names (version-proof binding).
+    flash-attn >= 2.7 wraps these functions as torch custom ops (`CustomOpDef`, signature
+    (*args, **kwargs)); the original function's signature is on `_init_fn`."""
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    params = {p: spec for p, spec in params.items() if spec.kind in named}
     missing = [p for p, spec in params.items() if p not in values and spec.default is inspect._empty]
     if missing:
         raise RuntimeError(f"unsupported flash-attn version: {fn.__name__} needs {missing}; "

@@ -287,3 +287,34 @@ def test_flex_document_mask_forward_on_cpu():
         ref_out, ref_lse = reference_attention(q, k, v, cu_q, cu_k, mq, mk, causal)
         torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
         _assert_lse(lse, ref_lse, 1e-10)
+
+
+def test_flash_attn_arguments_bind_by_name_across_releases():
+    """flash-attn's private varlen functions changed signature (2.5: window_size tuple; 2.6:
+    window_size_left/right + softcap; 2.7+: wrapped as torch custom ops). The adapter binds by
+    name, checked here against stand-ins with each upstream signature."""
+    from cp_attention.kernels import flash_attn as fa
+
+    q = torch.zeros(2, 1, 8, dtype=torch.bfloat16)
+    vals = fa._common_args(q, q, q, _cu([2]), _cu([2]), 2, 2, True, None)
+
+    def v25(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            softmax_scale, causal, window_size, alibi_slopes, return_softmax, block_table=None):
+        return window_size, causal
+
+    def v26(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+            alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None):
+        return (window_size_left, window_size_right), causal
+
+    @torch.library.custom_op("longctx_test::fa_varlen", mutates_args=())
+    def v27(q: torch.Tensor, max_seqlen_q: int, causal: bool, softcap: float = 0.0) -> torch.Tensor:
+        return q + (1.0 if causal else 0.0)
+
+    assert fa._call_by_name(v25, vals) == ((-1, -1), True)
+    assert fa._call_by_name(v26, vals) == ((-1, -1), True)
+    assert torch.equal(fa._call_by_name(v27, vals), q + 1)
+    with pytest.raises(RuntimeError, match="flash-attn >= 2.5"):
+        fa._call_by_name(lambda q, unknown_arg: None, vals)
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        fa._common_args(q.float(), q, q, _cu([2]), _cu([2]), 2, 2, True, None)
