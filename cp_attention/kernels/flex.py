@@ -16,6 +16,7 @@ Shape legend: T query tokens, S key tokens, Hq / Hkv heads, D head dim.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -66,16 +67,24 @@ def block_mask(cu_q, cu_k, total_q, total_k, causal, device):
     return flex.create_block_mask(mask_mod, None, None, total_q, total_k, device=device)
 
 
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    # Without torch.compile flex_attention materialises the full [T, S] score matrix; compiled
+    # once per process with dynamic shapes, since every packed row has its own T.
+    return torch.compile(_flex().flex_attention, dynamic=True)
+
+
 def _local(q_THD, k_SHD, v_SHD, mask, scale):
     """(out [T, Hq, D], lse [Hq, T] natural log) of flex_attention on the packed row."""
     flex = _flex()
+    fn = _compiled_flex() if q_THD.is_cuda else flex.flex_attention  # eager on CPU: tests only
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_THD, k_SHD, v_SHD))
     kwargs = dict(block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if "return_aux" in inspect.signature(flex.flex_attention).parameters:
-        out, aux = flex.flex_attention(q, k, v, return_aux=flex.AuxRequest(lse=True), **kwargs)
+        out, aux = fn(q, k, v, return_aux=flex.AuxRequest(lse=True), **kwargs)
         lse = aux.lse
     else:
-        out, lse = flex.flex_attention(q, k, v, return_lse=True, **kwargs)
+        out, lse = fn(q, k, v, return_lse=True, **kwargs)
     return out[0].transpose(0, 1), lse[0]
 
 
