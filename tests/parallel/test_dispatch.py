@@ -8,10 +8,13 @@ reference. float64 end to end: the only differences are summation order, so 1e-1
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from longctx_moe.parallel.dispatch import AllGatherDispatcher, AllToAllDispatcher
+from longctx_moe.parallel.config import ParallelConfig
+from longctx_moe.parallel.dims import ParallelDims
+from longctx_moe.parallel.dispatch import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher
 from tests.launcher import run_distributed
 from tests.parallel._moe_ref import LoopExperts, kept_assignments, reference_moe
 
@@ -107,3 +110,28 @@ def _check_all_cases(rank, world):
 
 def test_dispatchers_match_unsharded_reference_float64():
     assert run_distributed(_check_all_cases, world_size=R, timeout=300) == [True] * R
+
+
+def test_bad_inputs_get_one_line_errors():
+    x, w = torch.randn(3, D), torch.rand(3, 2)
+    experts = LoopExperts(torch.randn(E, D, F), torch.randn(E, F, D), 0, E)
+    cases = [
+        (lambda: AllToAllDispatcher(E)(x, torch.tensor([[0, 9]] * 3), w, experts), "outside [0, 8)"),
+        (lambda: AllToAllDispatcher(E)(x, torch.zeros(2, 2, dtype=torch.long), w, experts),
+         "must both be [T=3, K]"),
+        (lambda: AllToAllDispatcher(E)(x, torch.zeros(3, 2, dtype=torch.long), w,
+                                       LoopExperts(torch.randn(E, D, F), torch.randn(E, F, D), 0, 2)),
+         "experts holds 2 experts"),
+        (lambda: AllToAllDispatcher(E, capacity_factor=0.0), "capacity_factor=0.0 must be > 0"),
+        (lambda: AllGatherDispatcher(E, drop_policy="random"), "drop_policy='random' is unknown"),
+        (lambda: AllToAllDispatcher(E, dispatch_dtype="int8"), "dispatch_dtype='int8' is unknown"),
+        (lambda: build_dispatcher(ParallelDims.from_config(ParallelConfig(etp=2), 2), ParallelConfig(), E),
+         "etp=2"),
+        (lambda: build_dispatcher(ParallelDims.from_config(ParallelConfig(), 1),
+                                  ParallelConfig(dispatcher="allgather", dispatch_dtype="fp8"), E),
+         "compresses the all-to-all only"),
+    ]
+    for fn, needle in cases:
+        with pytest.raises(ValueError) as e:
+            fn()
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
