@@ -31,16 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithm", choices=ALGORITHMS, default="bfd")
     p.add_argument("--overflow", choices=OVERFLOW_MODES, default="split",
                    help="documents longer than --seq-len: split into pieces, truncate, or drop")
-    p.add_argument("--cp-size", type=int, default=1)
-    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--cp-size", type=int, default=1,
+                   help="context-parallel degree: documents are padded to lcm(2*CP, TP)")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel degree (see --cp-size)")
     p.add_argument("--append-eos", action="store_true", help="end every document with EOS")
     p.add_argument("--eos-token", help="EOS token of --tokenizer (default: a common name)")
     p.add_argument("--pad-token", help="padding token (default: <|pad|>, else EOS)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the order of rows inside each shard")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="tokenizer threads (does not change the output)")
     p.add_argument("--max-docs", type=int, help="only the first N input documents (dry runs)")
-    p.add_argument("--num-shards", type=int, default=1)
+    p.add_argument("--num-shards", type=int, default=1,
+                   help="split the input into this many contiguous shards (packed independently)")
     p.add_argument("--shard-index", type=int, help="build only this shard (parallel jobs)")
     p.add_argument("--overwrite", action="store_true", help="replace an incompatible output")
     p.add_argument("--no-progress", dest="progress", action="store_false")
