@@ -1,9 +1,9 @@
 """parallelize(model, dims): apply parallelism to a Transformer built on one device.
 
-One readable sequence, as in torchtitan: TP, then CP, then EP. Today TP, EP and DP are applied;
-CP raises a one-line error until the attention side is wired to cp_attention's executors
-(issue 5, point 2). TP: see tensor_parallel.py; with TP > 1 the dispatchers split the TP peers'
-shared tokens, so experts see each token once.
+One readable sequence, as in torchtitan: TP, then CP, then EP (DP needs nothing here: the
+trainer reduces gradients over the groups parameters name). TP: tensor_parallel.py; with TP > 1
+the dispatchers split the TP peers' shared tokens, so experts see each token once. CP:
+context_parallel.py (cp_attention's planner and ring / ulysses / hierarchical executors).
 
 EP: every MoE layer keeps its slice of the experts (shard_experts), swaps its LocalDispatcher
 for the configured expert-parallel dispatcher, and its expert parameters are tagged
@@ -20,6 +20,7 @@ import functools
 from torch import nn
 
 from longctx_moe.parallel.config import ParallelConfig
+from longctx_moe.parallel.context_parallel import apply_context_parallel
 from longctx_moe.parallel.dispatch import build_dispatcher
 from longctx_moe.parallel.expert_parallel import shard_experts
 from longctx_moe.parallel.grad_reduce import clip_grad_norm, split_params
@@ -29,11 +30,10 @@ from longctx_moe.parallel.tensor_parallel import apply_tensor_parallel
 def parallelize(model: nn.Module, dims, cfg: ParallelConfig | None = None) -> nn.Module:
     """Apply TP, CP and EP of `dims` (a built ParallelDims) to `model`, in place; returns it."""
     cfg = cfg or dims.config or ParallelConfig(tp=dims.tp, cp=dims.cp, ep=dims.ep, etp=dims.etp)
-    if dims.cp > 1:
-        raise ValueError(f"parallelize: cp={dims.cp} is not applied to the model yet (TP, EP "
-                         "and DP are); set parallel.cp=1")
     if dims.tp > 1:
         apply_tensor_parallel(model, dims)
+    if dims.cp > 1:
+        apply_context_parallel(model, dims)
     apply_expert_parallel(model, dims, cfg)
     # The trainer's clipping hook: a local norm would differ per EP/TP rank (see grad_reduce).
     model.grad_norm_fn = functools.partial(clip_grad_norm, *split_params(model), dims)

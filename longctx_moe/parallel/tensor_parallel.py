@@ -64,10 +64,6 @@ def _keep(linear: nn.Linear, dim: int, start: int, stop: int) -> None:
 def shard_attention(attn: nn.Module, rank: int, size: int, group) -> None:
     """Heads [rank*H/size, (rank+1)*H/size) and their kv heads; GQA grouping is preserved."""
     h, g, r = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    if h % size or g % size:
-        raise ValueError(f"tensor parallelism over {size} ranks needs num_heads={h} and "
-                         f"num_kv_heads={g} divisible by tp (KV-head replication is not "
-                         "implemented); choose tp dividing num_kv_heads")
     hq, hk = h // size, g // size
     _keep(attn.wq, 0, rank * hq * r, (rank + 1) * hq * r)
     _keep(attn.wk, 0, rank * hk * r, (rank + 1) * hk * r)
@@ -82,9 +78,6 @@ def shard_attention(attn: nn.Module, rank: int, size: int, group) -> None:
 def shard_swiglu(mlp: nn.Module, rank: int, size: int, group) -> None:
     """Hidden units [rank*F/size, (rank+1)*F/size) of a dense SwiGLU."""
     f = mlp.w_gate.out_features
-    if f % size:
-        raise ValueError(f"a dense MLP of hidden size {f} cannot be split over tp={size}; "
-                         "choose tp dividing dense_hidden_size and shared_expert_hidden_size")
     lo, hi = rank * f // size, (rank + 1) * f // size
     _keep(mlp.w_gate, 0, lo, hi)
     _keep(mlp.w_up, 0, lo, hi)
@@ -92,13 +85,32 @@ def shard_swiglu(mlp: nn.Module, rank: int, size: int, group) -> None:
     _add_tp_hooks(mlp, group)
 
 
+def _dense_mlps(block: nn.Module) -> list[nn.Module]:
+    if not block.is_moe:
+        return [block.ffn]
+    return [block.ffn.shared] if block.ffn.shared is not None else []
+
+
+def check_tensor_parallel(model: nn.Module, size: int) -> None:
+    """One-line errors for shapes TP over `size` ranks cannot split (before any sharding)."""
+    for block in model.layers:
+        h, g = block.attn.num_heads, block.attn.num_kv_heads
+        if h % size or g % size:
+            raise ValueError(f"tensor parallelism over {size} ranks needs num_heads={h} and "
+                             f"num_kv_heads={g} divisible by tp (KV-head replication is not "
+                             "implemented); choose tp dividing num_kv_heads")
+        for mlp in _dense_mlps(block):
+            if mlp.w_gate.out_features % size:
+                raise ValueError(f"a dense MLP of hidden size {mlp.w_gate.out_features} cannot "
+                                 f"be split over tp={size}; choose tp dividing dense_hidden_size "
+                                 "and shared_expert_hidden_size")
+
+
 def apply_tensor_parallel(model: nn.Module, dims) -> None:
     """Shard every attention and dense MLP of `model` over dims' TP group."""
+    check_tensor_parallel(model, dims.tp)
     rank, size, group = dims.rank_in("tp"), dims.tp, dims.group("tp")
     for block in model.layers:
         shard_attention(block.attn, rank, size, group)
-        if block.is_moe:
-            if block.ffn.shared is not None:
-                shard_swiglu(block.ffn.shared, rank, size, group)
-        else:
-            shard_swiglu(block.ffn, rank, size, group)
+        for mlp in _dense_mlps(block):
+            shard_swiglu(mlp, rank, size, group)

@@ -22,9 +22,13 @@ from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch, tiny_config
 
 TOL = 1e-10
-DOCS = [[5, 9], [1, 7, 3], [12], [2, 2, 6]]  # per rank; a length-1 document included
+# per DP replica: a length-1 document, one long document spanning every CP rank, short ones
+DOCS = [[5, 9, 1, 33], [1, 7, 3], [12, 2], [2, 2, 6]]
 LAYOUTS = [dict(ep=2), dict(ep=4, dispatcher="allgather"), dict(tp=2), dict(tp=2, ep=4),
-           dict(tp=2, ep=2, dispatcher="allgather")]
+           dict(tp=2, ep=2, dispatcher="allgather"),
+           # CP: the acceptance layout (CP4 = hierarchical 2x2, EP2 EDP2), ring x TP, Ulysses x DP
+           dict(cp=4, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 2]),
+           dict(cp=2, tp=2, ep=4), dict(cp=2, ep=2, cp_backend="ulysses")]
 COLUMN_SHARDED = ("wo.weight", "w_down.weight")  # row-parallel layers keep input columns
 
 
@@ -33,10 +37,13 @@ def _loss(model, batch):
     return out.ce_sum + out.aux_loss + out.z_loss, out.expert_counts
 
 
-def _model(seed):
+def _model(seed, cp=1):
     torch.manual_seed(seed)
-    # first layer dense and a shared expert: both dense-MLP kinds get TP-sharded
-    cfg = tiny_config(num_experts=4, top_k=2, first_k_dense=1, shared_expert_hidden_size=16)
+    # first layer dense and a shared expert: both dense-MLP kinds get TP-sharded. Under CP the
+    # router z-loss and aux losses are still per local shard (context_parallel.py): off there.
+    extra = dict(aux_loss_type="none", z_loss_coeff=0.0) if cp > 1 else {}
+    cfg = tiny_config(num_experts=4, top_k=2, first_k_dense=1, shared_expert_hidden_size=16,
+                      **extra)
     return build_model(cfg).double()
 
 
@@ -56,11 +63,13 @@ def _check_layout(rank, world, kw, seed):
     dims = ParallelDims.from_config(ParallelConfig(**kw), world, tiny_config())
     dims.build_groups(rank)
     gen = torch.Generator().manual_seed(seed)
-    batches = [packed_batch(d, 64, generator=gen) for d in DOCS[:dims.dp]]
-    ref = _model(seed)
+    # slots padded to 2*CP (zigzag halves) and TP, as the trainer's loader does
+    pad = 2 * dims.cp * dims.tp
+    batches = [packed_batch(d, 64, pad_multiple=pad, generator=gen) for d in DOCS[:dims.dp]]
+    ref = _model(seed, dims.cp)
     ref_loss = sum(_loss(ref, b)[0] for b in batches)
     ref_loss.backward()
-    model = parallelize(_model(seed), dims)
+    model = parallelize(_model(seed, dims.cp), dims)
     loss, counts = _loss(model, batches[dims.rank_in("dp")])
     loss.backward()
     dense, expert = split_params(model)
@@ -88,7 +97,8 @@ def test_expert_parallel_model_matches_single_process_float64():
     assert run_distributed(_check_all, world_size=4, timeout=300) == [True] * 4
 
 
-def test_cp_is_refused_with_an_actionable_error():
-    dims = ParallelDims.from_config(ParallelConfig(cp=2), 2, tiny_config())
-    with pytest.raises(ValueError, match="set parallel.cp=1"):
+def test_kv_replication_under_tp_is_refused_with_an_actionable_error():
+    dims = ParallelDims.from_config(ParallelConfig(tp=4), 4, tiny_config())  # 2 kv heads
+    dims.rank = 0  # no process group needed: the check fires before any collective
+    with pytest.raises(ValueError, match="choose tp dividing num_kv_heads"):
         parallelize(_model(0), dims)
