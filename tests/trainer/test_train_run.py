@@ -2,6 +2,7 @@
 resumed from its checkpoint, and the same through `longctx-moe train --nproc 2`."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from longctx_moe.config import load_config
 from longctx_moe.train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[2]
-SHORT = ["data.global_batch_tokens=1024", "data.micro_batch_tokens=512", "optim.warmup_steps=1",
+SHORT = ["data.global_batch_tokens=1024", "data.micro_batch_tokens=512", "optim.warmup_steps=2",
          "logging.peak_tflops=1.0", "logging.progress_bar=false", "checkpoint.every_steps=2",
          "train.num_threads=1"]
 
@@ -36,23 +37,31 @@ def read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_short_default_run_then_resume(tmp_path, corpus, capsys):
+def test_short_default_run_then_exact_resume(tmp_path, corpus, capsys):
     run_dir = tmp_path / "run"
-    assert train_main(args(run_dir, corpus, 3)) == 0
+    assert train_main(args(run_dir, corpus, 5)) == 0
     out = capsys.readouterr().out
     assert f"metrics:     {run_dir / 'metrics.jsonl'}" in out and f"checkpoints: {run_dir / 'checkpoints'}" in out
-    first = read_metrics(run_dir)
-    assert [r["step"] for r in first] == [1, 2, 3]
-    for r in first:
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    for r in records:
         assert r["loss"] > 0 and r["grad_norm"] > 0 and 0 < r["mfu"] < 1 and r["tokens_per_s"] > 0
         assert len(r["expert_load_cv"]) == 2 and min(r["expert_load_min"]) <= 1 <= max(r["expert_load_max"])
         assert r["tokens"] <= 1024 and 0 < r["target_tokens"] < r["tokens"]
-    assert load_config(run_dir / "config.yaml").train.steps == 3  # the resolved config
-    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000003"]
+    assert load_config(run_dir / "config.yaml").train.steps == 5  # the resolved config
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000004", "step_00000005"]  # keep_last=2
 
-    assert train_main(args(run_dir, corpus, 5)) == 0  # picks up step 3 and continues
-    second = read_metrics(run_dir)
-    assert [r["step"] for r in second] == [1, 2, 3, 4, 5] and second[:3] == first
+    # Resume a second run from step 4: its step 5 equals the uninterrupted one bitwise (real
+    # model and loader, bf16 autocast, one thread: the same kernels in the same order).
+    resumed = tmp_path / "resumed"
+    shutil.copytree(ckpts / "step_00000004", resumed / "checkpoints" / "step_00000004")
+    (resumed / "checkpoints" / "latest").write_text("step_00000004\n")
+    assert train_main(args(resumed, corpus, 5)) == 0
+    again = read_metrics(resumed)
+    assert [r["step"] for r in again] == [5]
+    keys = ("loss", "grad_norm", "lr", "tokens", "expert_load_cv", "epoch")
+    assert [again[0][k] for k in keys] == [records[4][k] for k in keys]
 
 
 def test_bad_data_path_is_one_line(tmp_path, capsys):
