@@ -73,11 +73,40 @@ def _rows(o, bk: Bucket, hq: int):
     return o.transpose(1, 2).reshape(bk.batch * bk.pq, hq, o.shape[-1])
 
 
-def _scatter_rows(dst_THD, rows, bk: Bucket):
-    if bk.q_slice is not None:
-        dst_THD.narrow(0, bk.q_slice, bk.pq).copy_(rows)
-    else:
-        dst_THD.index_copy_(0, bk.q_tok, rows.index_select(0, bk.q_pos).to(dst_THD.dtype))
+def _kv_rows(g, bk: Bucket, hkv: int):
+    """Kernel key/value gradient -> [B*Pk, Hkv, D] rows, summed over each GQA group."""
+    if bk.k_slice is not None:  # g: [Hkv, G, P, D]
+        return g.sum(1).permute(1, 0, 2)
+    b, hq, p, d = g.shape
+    return g.transpose(1, 2).reshape(b * p, hkv, hq // hkv, d).sum(2)
+
+
+def _tiling(plan, total_q: int, total_k: int):
+    """The buckets in token order when each is one unpadded document and together they tile
+    [0, T) and [0, S): then outputs are assembled with one torch.cat instead of one copy per
+    document (fewer parallel regions, which matters on a shared, oversubscribed CPU)."""
+    if any(bk.q_slice is None or bk.k_slice is None for bk in plan):
+        return None
+    order = sorted(plan, key=lambda bk: bk.q_slice)
+    q_end = k_end = 0
+    for bk in order:
+        if bk.q_slice != q_end or bk.k_slice != k_end:
+            return None
+        q_end, k_end = q_end + bk.pq, k_end + bk.pk
+    return order if (q_end, k_end) == (total_q, total_k) and order else None
+
+
+def _assemble(pieces, plan, shape, like, fill, dim=0, dtype=None):
+    """Scatter per-bucket rows (pos/tok indexed along `dim`) into a new [shape] tensor."""
+    dtype = dtype or like.dtype
+    covered = sum(bk.q_tok.numel() for bk in plan) == shape[dim]
+    dst = _new(shape, like, fill, covered, dtype)
+    for bk, rows in zip(plan, pieces, strict=True):
+        if bk.q_slice is not None:
+            dst.narrow(dim, bk.q_slice, bk.pq).copy_(rows)
+        else:
+            dst.index_copy_(dim, bk.q_tok, rows.index_select(dim, bk.q_pos).to(dtype))
+    return dst
 
 
 def _new(shape, like, fill, covered: bool, dtype=None):
@@ -88,26 +117,30 @@ def _new(shape, like, fill, covered: bool, dtype=None):
     return torch.full(shape, fill, dtype=dtype, device=like.device)
 
 
+def _forward_bucket(q_THD, k_SHD, v_SHD, bk: Bucket, scale):
+    """-> (rows [B*P, Hq, D], lse [Hq, B*P]) of one kernel call."""
+    hq, hkv = q_THD.shape[1], k_SHD.shape[1]
+    q = _q_view(q_THD, bk, hkv)
+    k, v = _kv_view(k_SHD, bk, hq // hkv), _kv_view(v_SHD, bk, hq // hkv)
+    o, lse = _fwd(q, k, v, 0.0, bk.layout == "shift",
+                  attn_mask=bk.additive_mask(q.dtype, q.device), scale=scale)
+    lse = lse.reshape(hq, bk.pq) if bk.q_slice is not None else lse.transpose(0, 1).reshape(hq, -1)
+    return _rows(o, bk, hq), lse
+
+
 def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None):
     """-> (out_THD in the input dtype, lse_HT float32, or float64 for float64 inputs)."""
     t, hq, d = q_THD.shape
-    hkv = k_SHD.shape[1]
     scale = default_scale(scale, d)
     plan = _plan(cu_q, cu_k, causal, q_THD.dtype)
-    covered = sum(bk.q_tok.numel() for bk in plan) == t
-    out_THD = _new((t, hq, d), q_THD, 0.0, covered)
-    lse_HT = _new((hq, t), q_THD, float("-inf"), covered, lse_dtype(q_THD.dtype))
-    for bk in plan:
-        q = _q_view(q_THD, bk, hkv)
-        k, v = _kv_view(k_SHD, bk, hq // hkv), _kv_view(v_SHD, bk, hq // hkv)
-        o, lse = _fwd(q, k, v, 0.0, bk.layout == "shift",
-                      attn_mask=bk.additive_mask(q.dtype, q.device), scale=scale)
-        _scatter_rows(out_THD, _rows(o, bk, hq), bk)
-        if bk.q_slice is not None:
-            lse_HT.narrow(1, bk.q_slice, bk.pq).copy_(lse.reshape(hq, bk.pq))
-        else:
-            lse_flat = lse.transpose(0, 1).reshape(hq, -1)
-            lse_HT.index_copy_(1, bk.q_tok, lse_flat.index_select(1, bk.q_pos).to(lse_HT.dtype))
+    tiles = _tiling(plan, t, k_SHD.shape[0])
+    plan = tiles or plan
+    res = [_forward_bucket(q_THD, k_SHD, v_SHD, bk, scale) for bk in plan]
+    if tiles:
+        return torch.cat([r[0] for r in res]), torch.cat([r[1] for r in res], dim=1)
+    out_THD = _assemble([r[0] for r in res], plan, (t, hq, d), q_THD, 0.0)
+    lse_HT = _assemble([r[1] for r in res], plan, (hq, t), q_THD, float("-inf"), dim=1,
+                       dtype=lse_dtype(q_THD.dtype))
     return out_THD, lse_HT
 
 
@@ -127,38 +160,48 @@ def _bucket_dout(dout_THD, bk: Bucket, hkv: int):
     return dout
 
 
-def _scatter_kv_grad(dst_SHD, g, bk: Bucket, groups: int):
-    """Sum the kernel's per-query-head key gradients over each GQA group; write real keys."""
-    hkv, d = dst_SHD.shape[1], dst_SHD.shape[2]
-    if bk.k_slice is not None:  # g: [Hkv, G, P, D]
-        dst_SHD.narrow(0, bk.k_slice, bk.pk).copy_(g.sum(1).permute(1, 0, 2))
-        return
-    rows = g.transpose(1, 2).reshape(bk.batch * bk.pk, hkv, groups, d).sum(2)
-    dst_SHD.index_copy_(0, bk.k_tok, rows.index_select(0, bk.k_pos).to(dst_SHD.dtype))
+def _backward_bucket(t, bk: Bucket, scale):
+    """t = (dout, q, k, v, out, kernel lse) in the bucket's compute dtype ->
+    (dq rows [B*Pq, Hq, D], dk rows [B*Pk, Hkv, D], dv rows)."""
+    dout_THD, q_THD, k_SHD, v_SHD, out_THD, klse_HT = t
+    hq, hkv = q_THD.shape[1], k_SHD.shape[1]
+    q, o = _q_view(q_THD, bk, hkv), _q_view(out_THD, bk, hkv)
+    k, v = _kv_view(k_SHD, bk, hq // hkv), _kv_view(v_SHD, bk, hq // hkv)
+    lse = _bucket_lse(klse_HT, bk, hkv)
+    gq, gk, gv = _bwd(_bucket_dout(dout_THD, bk, hkv), q, k, v, o, lse, 0.0,
+                      bk.layout == "shift", attn_mask=bk.additive_mask(q.dtype, q.device),
+                      scale=scale)
+    return _rows(gq, bk, hq), _kv_rows(gk, bk, hkv), _kv_rows(gv, bk, hkv)
+
+
+def _scatter_kv(pieces, plan, like):
+    dst = _new(like.shape, like, 0.0, sum(bk.k_tok.numel() for bk in plan) == like.shape[0])
+    for bk, rows in zip(plan, pieces, strict=True):
+        if bk.k_slice is not None:
+            dst.narrow(0, bk.k_slice, bk.pk).copy_(rows)
+        else:
+            dst.index_copy_(0, bk.k_tok, rows.index_select(0, bk.k_pos).to(dst.dtype))
+    return dst
 
 
 def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k, causal,
              scale=None):
     """Gradients of this block for a (possibly larger, merged) (out, lse): (dq_THD, dk_SHD,
     dv_SHD) in the input dtype. The kernel computes rowsum(dout * out) from the out passed."""
-    hq, d = q_THD.shape[1], q_THD.shape[2]
-    hkv = k_SHD.shape[1]
-    scale = default_scale(scale, d)
+    scale = default_scale(scale, q_THD.shape[2])
     plan = _plan(cu_q, cu_k, causal, q_THD.dtype)
-    covered_q = sum(bk.q_tok.numel() for bk in plan) == q_THD.shape[0]
-    covered_k = sum(bk.k_tok.numel() for bk in plan) == k_SHD.shape[0]
-    dq = _new(q_THD.shape, q_THD, 0.0, covered_q)
-    dk, dv = _new(k_SHD.shape, k_SHD, 0.0, covered_k), _new(v_SHD.shape, v_SHD, 0.0, covered_k)
+    tiles = _tiling(plan, q_THD.shape[0], k_SHD.shape[0])
+    plan = tiles or plan
+    inputs = {}  # compute dtype -> inputs cast once for every bucket that needs them
     klse_HT = kernel_lse(lse_HT)
+    res = []
     for bk in plan:
         ct = _backward_dtype(q_THD.dtype, bk)
-        q, o = _q_view(q_THD, bk, hkv).to(ct), _q_view(out_THD, bk, hkv).to(ct)
-        k, v = _kv_view(k_SHD, bk, hq // hkv).to(ct), _kv_view(v_SHD, bk, hq // hkv).to(ct)
-        lse = _bucket_lse(klse_HT, bk, hkv).to(lse_dtype(ct))
-        gq, gk, gv = _bwd(_bucket_dout(dout_THD, bk, hkv).to(ct), q, k, v, o, lse, 0.0,
-                          bk.layout == "shift", attn_mask=bk.additive_mask(ct, q.device),
-                          scale=scale)
-        _scatter_rows(dq, _rows(gq, bk, hq), bk)
-        _scatter_kv_grad(dk, gk, bk, hq // hkv)
-        _scatter_kv_grad(dv, gv, bk, hq // hkv)
-    return dq, dk, dv
+        if ct not in inputs:
+            inputs[ct] = (*(x.to(ct) for x in (dout_THD, q_THD, k_SHD, v_SHD, out_THD)),
+                          klse_HT.to(lse_dtype(ct)))
+        res.append(_backward_bucket(inputs[ct], bk, scale))
+    if tiles:
+        return tuple(torch.cat([r[i] for r in res]).to(q_THD.dtype) for i in range(3))
+    dq = _assemble([r[0] for r in res], plan, q_THD.shape, q_THD, 0.0)
+    return dq, _scatter_kv([r[1] for r in res], plan, k_SHD), _scatter_kv([r[2] for r in res], plan, v_SHD)

@@ -119,6 +119,27 @@ def test_low_precision_matches_reference(dtype, tol_out, tol_lse, tol_grad):
             torch.testing.assert_close(g.double(), r, atol=tol_grad, rtol=0)
 
 
+def test_tiled_and_scattered_assembly_are_exact():
+    """Rows of unpadded single-document buckets that tile the row are assembled with one cat;
+    trailing padding (or any gathered bucket) takes the scatter path. Both exact in float64."""
+    from cp_attention.kernels import torch_cpu
+
+    lens = [100, 300, 600]
+    for pad, tiled in ((0, True), (3, False)):
+        q, k, v, dout, cu_q, cu_k, mq, mk = _make(lens, lens, 4, 2, 8, pad, torch.float64, 9)
+        plan = torch_cpu._plan(cu_q, cu_k, True, q.dtype)
+        assert (torch_cpu._tiling(plan, q.shape[0], k.shape[0]) is not None) == tiled
+        args = (cu_q, cu_k, mq, mk, True)
+        out, lse = attn_forward(q, k, v, *args)
+        ref_out, ref_lse = reference_attention(q, k, v, *args)
+        torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+        _assert_lse(lse, ref_lse, 1e-10)
+        grads = attn_backward(dout, q, k, v, out, lse, *args)
+        ref = reference_backward(dout, q, k, v, ref_out, ref_lse, *args)
+        for g, r in zip(grads, ref, strict=True):
+            torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
+
+
 def test_padded_big_block_layout_is_exact(monkeypatch):
     """The bf16 plan pads causal buckets up to the kernel's big-block length (768); shrink that
     length to 64 to check the padded layout itself in float64 (Lq != Lk, 1-token docs, GQA)."""
