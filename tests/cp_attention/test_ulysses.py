@@ -110,8 +110,8 @@ def _check_errors(rank, outer, case):
 
 
 def test_ulysses_and_hierarchical_float64_exact():
-    cases2 = make_cases(300, 2, 8)
-    cases4 = make_cases(301, 4, 8)
-    cases_h = make_cases(302, 2, 8, multiple=8)  # slots padded for CP=4 (2*4)
+    cases2 = make_cases(300, 2, 7)
+    cases4 = make_cases(301, 4, 7)
+    cases_h = make_cases(302, 2, 7, multiple=8)  # slots padded for CP=4 (2*4)
     res = run_distributed(_worker, 4, args=(cases2, cases4, cases_h), timeout=400)
     assert res == [0, 1, 2, 3]
