@@ -7,9 +7,10 @@ API
     plan.shard(x_T..., rank) -> x_L...          rank's local tokens, in its local order
     plan.unshard([x_L... per rank]) -> x_T...   inverse (positions owned by no rank are zero)
     plan.local_cu_seqlens[rank]                 int32 [n+1], piece boundaries of the local layout
-    plan.ring                                   RingLayout: pieces, step specs (the ring schedule)
+    plan.ring                                   RingLayout: pieces, index, step(rank, t) (the
+                                                ring schedule), traffic(rank, ...) (bytes/messages)
     plan.planned_imbalance                      max/mean of the planned per-rank cost
-    plan.ring_bytes_per_rank(h_kv, d, itemsize, backward=False)
+    plan.ring_bytes_per_rank(h_kv, d, itemsize, backward=False)   mean over ranks, one layer
 
 Placement (ring of size P; for hierarchical [inner, outer] the ring is the outer axis, and each
 outer rank's layout is cut into `inner` contiguous token ranges):
@@ -23,7 +24,7 @@ largest whole documents to zigzag until the planned imbalance is at most `max_im
 Local layout of ring rank r: its zigzag pieces (doc order, 2C tokens each: chunk r then chunk
 2P-1-r) followed by its whole documents (doc order). Padding sits at the end of each slot, so the
 real tokens of every piece form a prefix of the piece. The zigzag prefix has the same length Z on
-every rank: that prefix is the KV block that circulates.
+every rank: that prefix is the KV block that circulates (as two halves, see cp_attention/ring.py).
 
 Legend: T physical tokens, N documents, P ring size, C = slot/(2P) chunk length, Z ring tokens
 per rank, L local tokens of a rank.
