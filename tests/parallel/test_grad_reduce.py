@@ -23,6 +23,7 @@ from longctx_moe.parallel.grad_reduce import (
 )
 from tests.launcher import run_distributed
 from tests.parallel._moe_ref import LoopExperts
+from tests.parallel.test_dims import check_groups_on_gloo
 
 E, D, F, K, T = 8, 6, 5, 2, 24
 TOL = 1e-10
@@ -111,11 +112,12 @@ def _check_counts(dims, idx, ref_idx, s):
 
 
 def _check_all_layouts(rank, world):
+    check_groups_on_gloo(rank, world)
     for seed, kw in enumerate(LAYOUTS):
         for split_tp in (False, True) if kw.get("tp", 1) > 1 else (False,):
             _check_layout(rank, kw, seed, split_tp)
     return True
 
 
-def test_reduce_gradients_matches_unsharded_in_folded_layouts():
+def test_groups_and_reductions_match_unsharded_in_folded_layouts():
     assert run_distributed(_check_all_layouts, world_size=4, timeout=300) == [True] * 4

@@ -102,3 +102,14 @@ def test_kv_replication_under_tp_is_refused_with_an_actionable_error():
     dims.rank = 0  # no process group needed: the check fires before any collective
     with pytest.raises(ValueError, match="choose tp dividing num_kv_heads"):
         parallelize(_model(0), dims)
+
+
+def _check_world8(rank, world):
+    _check_layout(rank, world, dict(tp=2, cp=2, ep=4), 3)
+    return True
+
+
+@pytest.mark.slow
+def test_issue_acceptance_world8_tp2_cp2_dp2_ep4_float64():
+    # The issue's layout: attention TP2 x CP2 x DP2, MoE EP4 x EDP2 over the same 8 ranks.
+    assert run_distributed(_check_world8, world_size=8, timeout=600) == [True] * 8
