@@ -27,15 +27,16 @@ _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 # for a 32-token document, while the float32 GEMMs have almost none: measured on this CPU (1
 # thread, 8 heads of 64), bwd of 128 tokens is 4.6 ms in bf16 but 1.3 ms in float32; of 400
 # tokens 13.9 vs 10.3 ms; of 731 tokens 33 vs 33 ms, but 24 ms in bf16 when padded to 768.
-# Hence: reduced-precision buckets from 600 tokens on are padded to 768 and run in bf16; the
-# backward of shorter ones runs in float32 (inputs upcast, gradients rounded once at the end,
-# which is also more accurate). The forward stays in the input dtype (bf16 is 2-3x faster).
+# Hence, in the backward only: reduced-precision buckets from 600 tokens on are padded to 768
+# and run in bf16; shorter ones run in float32 (inputs upcast once, gradients rounded once at the
+# end, which is also more accurate). The forward is not padded (its bf16 path has no such cliff)
+# and stays in the input dtype (bf16 is 2-3x faster than float32 there).
 BIG_BLOCK_LEN = 768
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
-def _plan(cu_q, cu_k, causal, dtype):
-    pad_to = BIG_BLOCK_LEN if dtype in _REDUCED else 0
+def _plan(cu_q, cu_k, causal, dtype, backward: bool = False):
+    pad_to = BIG_BLOCK_LEN if backward and dtype in _REDUCED else 0
     return plan_buckets(tuple(cu_q.tolist()), tuple(cu_k.tolist()), bool(causal), pad_to)
 
 
@@ -189,7 +190,7 @@ def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, 
     """Gradients of this block for a (possibly larger, merged) (out, lse): (dq_THD, dk_SHD,
     dv_SHD) in the input dtype. The kernel computes rowsum(dout * out) from the out passed."""
     scale = default_scale(scale, q_THD.shape[2])
-    plan = _plan(cu_q, cu_k, causal, q_THD.dtype)
+    plan = _plan(cu_q, cu_k, causal, q_THD.dtype, backward=True)
     tiles = _tiling(plan, q_THD.shape[0], k_SHD.shape[0])
     plan = tiles or plan
     inputs = {}  # compute dtype -> inputs cast once for every bucket that needs them

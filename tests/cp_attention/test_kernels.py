@@ -145,8 +145,9 @@ def test_padded_big_block_layout_is_exact(monkeypatch):
     length to 64 to check the padded layout itself in float64 (Lq != Lk, 1-token docs, GQA)."""
     from cp_attention.kernels import _buckets, torch_cpu
 
-    monkeypatch.setattr(torch_cpu, "_plan", lambda cu_q, cu_k, causal, dtype: _buckets.plan_buckets(
-        tuple(cu_q.tolist()), tuple(cu_k.tolist()), bool(causal), 64))
+    monkeypatch.setattr(torch_cpu, "_plan", lambda cu_q, cu_k, causal, dtype, backward=False:
+                        _buckets.plan_buckets(tuple(cu_q.tolist()), tuple(cu_k.tolist()),
+                                              bool(causal), 64))
     lens_q, lens_k = [5, 1, 17, 9, 31, 2, 40], [7, 1, 17, 12, 31, 1, 40]
     q, k, v, dout, cu_q, cu_k, mq, mk = _make(lens_q, lens_k, 4, 2, 8, 2, torch.float64, 4)
     assert max(bk.pk for bk in torch_cpu._plan(cu_q, cu_k, True, None)) == 64 > max(lens_k)
