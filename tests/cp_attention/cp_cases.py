@@ -118,13 +118,19 @@ def assert_close_local(name, got, want, atol, rtol=0.0):
         assert err <= atol, f"{name}: max error {err:.3e} > {atol:.1e}"
 
 
-def run_and_check(call, case, plan, cp_rank, heads, dtype, atol, rtol=0.0):
+def run_and_check(call, case, plan, cp_rank, heads, dtype, atol, rtol=0.0, tp=(0, 1)):
     """Run `call(q, k, v) -> (out, lse)` on this rank's shard, backprop a random dout, and compare
     out, lse, dq, dk, dv with the float64 reference shard. Gradients at padding must be exactly 0.
+    tp = (tp_rank, tp_size): the rank holds only its TP share of the query and KV heads (CP x TP).
     Returns the local results (for bitwise comparison of repeated runs)."""
     hq, hkv, d = heads
     q, k, v, dout = random_qkv(case, hq, hkv, d, dtype)
     ref = reference_with_grads(q, k, v, dout, case["lens"], case["slots"])
+    if tp[1] > 1:  # attention is per head: the TP shard's reference is the full one's head slice
+        sq = slice(tp[0] * hq // tp[1], (tp[0] + 1) * hq // tp[1])
+        sk = slice(tp[0] * hkv // tp[1], (tp[0] + 1) * hkv // tp[1])
+        q, k, v, dout = q[:, sq], k[:, sk], v[:, sk], dout[:, sq]
+        ref = (ref[0][:, sq], ref[1][sq], ref[2][:, sq], ref[3][:, sk], ref[4][:, sk])
     ql, kl, vl = (plan.shard(x, cp_rank).clone().requires_grad_() for x in (q, k, v))
     out, lse = call(ql, kl, vl)
     out.backward(plan.shard(dout, cp_rank))

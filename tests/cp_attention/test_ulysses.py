@@ -1,12 +1,13 @@
-"""Ulysses (CP 2 and 4) and hierarchical 2x2 attention on one 4-process gloo group, against the
-single-process float64 reference: output, LSE, dq/dk/dv, zero gradients at padding, bitwise
-repeatability, all-to-all and ring bytes equal to their formulas, and set-up errors."""
+"""Ulysses (CP 2 and 4), hierarchical 2x2 and CP 2 x TP 2 attention on one 4-process gloo group,
+against the single-process float64 reference: output, LSE, dq/dk/dv, zero gradients at padding,
+bitwise repeatability, all-to-all and ring bytes equal to their formulas, and set-up errors."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from cp_attention.comm import CommStats
+from cp_attention.ring import ring_attention
 from cp_attention.ulysses import hierarchical_attention, ulysses_attention
 from tests.cp_attention.cp_cases import make_cases, plan_case, run_and_check
 from tests.launcher import run_distributed
@@ -91,8 +92,22 @@ def _worker(rank, world, cases2, cases4, cases_h):
         _ulysses_cases(rank, pair, 2, cases2, torch.float64, 1e-10)
     _ulysses_cases(rank, dist.group.WORLD, 4, cases4, torch.float64, 1e-10)
     _hier_cases(rank, inner, outer, cases_h, torch.float64, 1e-10)
+    _cp_tp_cases(rank, inner, cases2[:3])
     _check_errors(rank, outer, cases4[0])
     return rank
+
+
+def _cp_tp_cases(rank, cp_group, cases):
+    """CP 2 x TP 2: CP rank = rank % 2 (groups {0, 1} and {2, 3}), TP rank = rank // 2 holds half
+    the query and KV heads; ring and Ulysses on head-sharded inputs."""
+    tp = (rank // 2, 2)
+    for case in cases:
+        plan = plan_case(case, 2)
+        for fn in (ring_attention, ulysses_attention):
+            def call(q, k, v, plan=plan, fn=fn):
+                return fn(q, k, v, plan, cp_group)
+
+            run_and_check(call, case, plan, rank % 2, (8, 4, D), torch.float64, 1e-10, tp=tp)
 
 
 def _check_errors(rank, outer, case):
