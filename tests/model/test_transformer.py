@@ -37,15 +37,16 @@ def test_documents_are_isolated_and_positions_restart(overrides):
     torch.testing.assert_close(model.logits(alone), base[cup[3]:cup[3] + lens[3]], atol=TOL64, rtol=0)
 
 
-def test_chunked_cross_entropy_matches_full_logits():
+@pytest.mark.parametrize("vocab", [50, 20000])  # 20000: several cache-sized row blocks per chunk
+def test_chunked_cross_entropy_matches_full_logits(vocab):
     torch.manual_seed(0)
     h = torch.randn(23, 16, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
-    labels = torch.randint(0, 50, (23,))
+    w = torch.randn(vocab, 16, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, vocab, (23,))
     labels[[0, 5, 6, 22]] = -100
     weight = torch.rand(23, dtype=torch.float64)
     for lw in (None, weight):
-        ce, n = chunked_cross_entropy(h, w, labels, lw, chunk_tokens=4)
+        ce, n = chunked_cross_entropy(h, w, labels, lw, chunk_tokens=16)
         g = torch.autograd.grad(2.5 * ce, [h, w])
         per_tok = torch.nn.functional.cross_entropy(h @ w.t(), labels, reduction="none")
         ref = (per_tok if lw is None else per_tok * lw).sum()
