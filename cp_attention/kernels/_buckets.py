@@ -49,8 +49,10 @@ class Bucket:
     k_tok: torch.Tensor  # long [Mk]
     q_pad: torch.Tensor  # bool [B*Pq]: True at slots that are not in q_pos
     mask: torch.Tensor | None  # bool [B, 1, Pq or 1, Pk]: True = may attend; None = no mask
-    q_slice: int | None = None  # start token when the bucket is one unpadded contiguous run
+    q_slice: int | None = None  # in-place bucket (one document read through views): its start
     k_slice: int | None = None
+    q_len: int = 0  # in-place bucket: its real query / key count (slots past it are padding)
+    k_len: int = 0
     _additive: dict = field(default_factory=dict)
 
     def additive_mask(self, dtype: torch.dtype, device) -> torch.Tensor | None:
@@ -130,9 +132,10 @@ def _doc_mask(layout, causal, lq, lk, pq, pk):
 
 
 def build_bucket(layout, causal, members, starts_q, lens_q, starts_k, lens_k,
-                 pad_to: int = 0) -> Bucket:
+                 pad_to: int = 0, ends=(0, 0)) -> Bucket:
     """Stack the slots of the documents in `members` (document indices) into one Bucket.
-    A "shift" bucket whose length is within PAD_WINDOW of `pad_to` is padded up to it."""
+    A "shift" bucket whose length is within PAD_WINDOW of `pad_to` is padded up to it.
+    ends = (T, S): the real token counts (see _mark_in_place)."""
     lq = [lens_q[i] for i in members]
     lk = [lens_k[i] for i in members]
     pk = max(lk)
@@ -149,11 +152,20 @@ def build_bucket(layout, causal, members, starts_q, lens_q, starts_k, lens_k,
                q_pos=valid_q.nonzero().flatten(), q_tok=tok_q[valid_q],
                k_pos=valid_k.nonzero().flatten(), k_tok=k_src[valid_k],
                q_pad=~valid_q, mask=mask)
-    sq = starts_q[members[0]]
-    in_place = bool(valid_q.all()) and torch.equal(tok_q, torch.arange(sq, sq + pq))
-    if len(members) == 1 and in_place and bool(valid_k.all()):
-        b.q_slice, b.k_slice = starts_q[members[0]], starts_k[members[0]]
+    if len(members) == 1:
+        _mark_in_place(b, starts_q[members[0]], lq[0], starts_k[members[0]], lk[0], ends)
     return b
+
+
+def _mark_in_place(b: Bucket, sq: int, lq: int, sk: int, lk: int, ends) -> None:
+    """A one-document bucket whose slots are the token runs [sq, sq + Pq) and [sk, sk + Pk) is
+    read through views instead of gathers. Slots past the document then hold the tokens that
+    follow it (finite values, never seen by its queries; their rows are dropped), so this needs
+    that many tokens to follow: sq + Pq <= T and sk + Pk <= S."""
+    if b.layout == "shift" and lq != lk:  # queries would not start at slot 0
+        return
+    if sq + b.pq <= ends[0] and sk + b.pk <= ends[1]:
+        b.q_slice, b.k_slice, b.q_len, b.k_len = sq, sk, lq, lk
 
 
 @lru_cache(maxsize=64)
@@ -174,5 +186,5 @@ def plan_buckets(bounds_q: tuple, bounds_k: tuple, causal: bool,
         for run in _partition(docs, layout):
             members = [docs[j][0] for j in run]
             buckets.append(build_bucket(layout, causal, members, starts_q, lens_q, starts_k, lens_k,
-                                        pad_to))
+                                        pad_to, (bounds_q[-1], bounds_k[-1])))
     return tuple(buckets)

@@ -93,7 +93,7 @@ def _tiling(plan, total_q: int, total_k: int):
     for bk in order:
         if bk.q_slice != q_end or bk.k_slice != k_end:
             return None
-        q_end, k_end = q_end + bk.pq, k_end + bk.pk
+        q_end, k_end = q_end + bk.q_len, k_end + bk.k_len
     return order if (q_end, k_end) == (total_q, total_k) and order else None
 
 
@@ -104,7 +104,7 @@ def _assemble(pieces, plan, shape, like, fill, dim=0, dtype=None):
     dst = _new(shape, like, fill, covered, dtype)
     for bk, rows in zip(plan, pieces, strict=True):
         if bk.q_slice is not None:
-            dst.narrow(dim, bk.q_slice, bk.pq).copy_(rows)
+            dst.narrow(dim, bk.q_slice, bk.q_len).copy_(rows.narrow(dim, 0, bk.q_len))
         else:
             dst.index_copy_(dim, bk.q_tok, rows.index_select(dim, bk.q_pos).to(dtype))
     return dst
@@ -138,7 +138,8 @@ def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None):
     plan = tiles or plan
     res = [_forward_bucket(q_THD, k_SHD, v_SHD, bk, scale) for bk in plan]
     if tiles:
-        return torch.cat([r[0] for r in res]), torch.cat([r[1] for r in res], dim=1)
+        return (torch.cat([r[0][:bk.q_len] for r, bk in zip(res, plan, strict=True)]),
+                torch.cat([r[1][:, :bk.q_len] for r, bk in zip(res, plan, strict=True)], dim=1))
     out_THD = _assemble([r[0] for r in res], plan, (t, hq, d), q_THD, 0.0)
     lse_HT = _assemble([r[1] for r in res], plan, (hq, t), q_THD, float("-inf"), dim=1,
                        dtype=lse_dtype(q_THD.dtype))
@@ -149,7 +150,11 @@ def _bucket_lse(klse_HT, bk: Bucket, hkv: int):
     """Kernel lse of _q_view's shape; +inf at padded slots (klse_HT is already +inf where -inf)."""
     hq = klse_HT.shape[0]
     if bk.q_slice is not None:
-        return klse_HT.narrow(1, bk.q_slice, bk.pq).view(hkv, hq // hkv, bk.pq)
+        lse = klse_HT.narrow(1, bk.q_slice, bk.pq).view(hkv, hq // hkv, bk.pq)
+        if bk.q_len < bk.pq:  # the slots past the document belong to other tokens
+            lse = lse.clone()
+            lse[..., bk.q_len:] = float("inf")
+        return lse
     lse = klse_HT.index_select(1, bk.q_src).view(hq, bk.batch, bk.pq).transpose(0, 1)
     return lse.masked_fill(bk.q_pad.view(bk.batch, 1, bk.pq), float("inf"))
 
@@ -158,6 +163,9 @@ def _bucket_dout(dout_THD, bk: Bucket, hkv: int):
     dout = _q_view(dout_THD, bk, hkv)
     if bk.q_slice is None:
         dout = dout.masked_fill(bk.q_pad.view(bk.batch, 1, bk.pq, 1), 0)
+    elif bk.q_len < bk.pq:  # [Hkv, G, P, D] view: zero the rows past the document
+        dout = dout.clone()
+        dout[:, :, bk.q_len:] = 0
     return dout
 
 
@@ -179,7 +187,7 @@ def _scatter_kv(pieces, plan, like):
     dst = _new(like.shape, like, 0.0, sum(bk.k_tok.numel() for bk in plan) == like.shape[0])
     for bk, rows in zip(plan, pieces, strict=True):
         if bk.k_slice is not None:
-            dst.narrow(0, bk.k_slice, bk.pk).copy_(rows)
+            dst.narrow(0, bk.k_slice, bk.k_len).copy_(rows[:bk.k_len])
         else:
             dst.index_copy_(0, bk.k_tok, rows.index_select(0, bk.k_pos).to(dst.dtype))
     return dst
@@ -203,6 +211,8 @@ def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, 
                           klse_HT.to(lse_dtype(ct)))
         res.append(_backward_bucket(inputs[ct], bk, scale))
     if tiles:
-        return tuple(torch.cat([r[i] for r in res]).to(q_THD.dtype) for i in range(3))
+        lens = [(bk.q_len, bk.k_len, bk.k_len) for bk in plan]
+        return tuple(torch.cat([r[i][:n[i]] for r, n in zip(res, lens, strict=True)]).to(q_THD.dtype)
+                     for i in range(3))
     dq = _assemble([r[0] for r in res], plan, q_THD.shape, q_THD, 0.0)
     return dq, _scatter_kv([r[1] for r in res], plan, k_SHD), _scatter_kv([r[2] for r in res], plan, v_SHD)

@@ -141,24 +141,33 @@ def test_tiled_and_scattered_assembly_are_exact():
 
 
 def test_padded_big_block_layout_is_exact(monkeypatch):
-    """The bf16 plan pads causal buckets up to the kernel's big-block length (768); shrink that
-    length to 64 to check the padded layout itself in float64 (Lq != Lk, 1-token docs, GQA)."""
+    """The bf16 backward pads causal buckets up to the kernel's big-block length (768); shrink
+    that length to check the padded layouts themselves in float64 (Lq != Lk, 1-token docs, GQA)."""
     from cp_attention.kernels import _buckets, torch_cpu
 
+    pad_to = {}
     monkeypatch.setattr(torch_cpu, "_plan", lambda cu_q, cu_k, causal, dtype, backward=False:
                         _buckets.plan_buckets(tuple(cu_q.tolist()), tuple(cu_k.tolist()),
-                                              bool(causal), 64))
-    lens_q, lens_k = [5, 1, 17, 9, 31, 2, 40], [7, 1, 17, 12, 31, 1, 40]
-    q, k, v, dout, cu_q, cu_k, mq, mk = _make(lens_q, lens_k, 4, 2, 8, 2, torch.float64, 4)
-    assert max(bk.pk for bk in torch_cpu._plan(cu_q, cu_k, True, None)) == 64 > max(lens_k)
-    args = (cu_q, cu_k, mq, mk, True)
-    out, lse = attn_forward(q, k, v, *args)
-    ref_out, ref_lse = reference_attention(q, k, v, *args)
-    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
-    _assert_lse(lse, ref_lse, 1e-10)
-    grads = attn_backward(dout, q, k, v, out, lse, *args)
-    for g, r in zip(grads, reference_backward(dout, q, k, v, ref_out, ref_lse, *args), strict=True):
-        torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
+                                              bool(causal), pad_to["len"]))
+    cases = [  # (pad length, lens_q, lens_k): a gathered padded bucket; then a one-document
+        # bucket padded in place (the 20-token documents after it fill its padded slots)
+        (64, [5, 1, 17, 9, 31, 2, 40], [7, 1, 17, 12, 31, 1, 40]),
+        (150, [120, 20, 20], [120, 20, 20])]
+    for length, lens_q, lens_k in cases:
+        pad_to["len"] = length
+        q, k, v, dout, cu_q, cu_k, mq, mk = _make(lens_q, lens_k, 4, 2, 8, 2, torch.float64, 4)
+        plan = torch_cpu._plan(cu_q, cu_k, True, None)
+        assert max(bk.pk for bk in plan) == length > max(lens_k)
+        assert (length == 150) == any(bk.q_slice is not None and bk.q_len < bk.pq for bk in plan)
+        args = (cu_q, cu_k, mq, mk, True)
+        out, lse = attn_forward(q, k, v, *args)
+        ref_out, ref_lse = reference_attention(q, k, v, *args)
+        torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+        _assert_lse(lse, ref_lse, 1e-10)
+        grads = attn_backward(dout, q, k, v, out, lse, *args)
+        ref = reference_backward(dout, q, k, v, ref_out, ref_lse, *args)
+        for g, r in zip(grads, ref, strict=True):
+            torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
 
 
 def test_gradcheck_tiny():
