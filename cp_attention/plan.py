@@ -79,17 +79,20 @@ class RingLayout:
     zigzag_tokens: int
     _steps: dict = field(default_factory=dict, repr=False)
 
-    def step(self, rank: int, t: int) -> tuple[StepSpec, StepSpec | None]:
+    def step(self, rank: int, t: int, device: torch.device | str = "cpu"
+             ) -> tuple[StepSpec, StepSpec | None]:
         """Kernel calls of ring step t on `rank` (causal). The ring runs towards lower ranks: at
         step t the rank holds the block of rank s = (rank + t) % size. t == 0: (local queries x
-        local keys, None). t > 0: (queries x half A of block s, queries x half B or None)."""
-        key = (rank, t)
+        local keys, None). t > 0: (queries x half A of block s, queries x half B or None).
+        Cached per device, so a GPU run copies each cu_seqlens to the device once."""
+        key = (rank, t, str(device))
         if key not in self._steps:
             src = (rank + t) % self.size
             if t == 0:
-                self._steps[key] = (diagonal_step(self.pieces[rank], True), None)
+                specs = (diagonal_step(self.pieces[rank], True), None)
             else:
-                self._steps[key] = ring_step(self.pieces[rank], self.pieces[src], rank, src)
+                specs = ring_step(self.pieces[rank], self.pieces[src], rank, src)
+            self._steps[key] = tuple(s.to(device) if s is not None else None for s in specs)
         return self._steps[key]
 
     def chunk_rows(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -141,14 +141,14 @@ def ring_forward(q, k, v, layout: RingLayout, rank: int, group, scale, backend,
 
 def _calls(layout: RingLayout, rank: int, t: int, k, v, cur):
     """(which, spec, (K, V)) kernel calls of step t that have work; which in local / a / b."""
-    spec_a, spec_b = layout.step(rank, t)
+    spec_a, spec_b = layout.step(rank, t, k.device)
     if t == 0:
         blocks = [("local", spec_a, (k, v))]
     elif cur is None:  # no ring tokens: every step after the first is empty
         return []
     else:
         blocks = [("a", spec_a, cur[0]), ("b", spec_b, cur[1])]
-    return [(w, s.to(k.device), kv) for w, s, kv in blocks if s is not None and not s.empty]
+    return [(w, s, kv) for w, s, kv in blocks if s is not None and not s.empty]
 
 
 class _Travel:
