@@ -139,3 +139,22 @@ def test_memorises_one_packed_batch():
         if loss.item() < 0.05:
             break
     assert loss.item() < 0.1
+
+
+@pytest.mark.parametrize("aux", ["seq", "switch"])
+def test_all_padding_row_and_empty_documents(aux):
+    from data_packing.batch import PackedBatch
+
+    torch.manual_seed(0)
+    model = build_model(tiny_config(aux_loss_type=aux))
+    z = torch.zeros(8, dtype=torch.long)
+    pad_only = PackedBatch(tokens=z, labels=torch.full((8,), -100), position_ids=z, max_seqlen=0,
+                           cu_seqlens=torch.tensor([0, 0], dtype=torch.int32),
+                           cu_seqlens_padded=torch.tensor([0, 8], dtype=torch.int32))
+    out = model(pad_only)
+    assert out.num_targets == 0 and float(out.ce_sum) == 0.0 and float(out.aux_loss) == 0.0
+    assert out.expert_counts.sum() == 0
+    (out.ce_sum + out.aux_loss + out.z_loss).backward()
+    out = model(packed_batch([0, 5, 0, 1], 64, pad_multiple=4))  # empty documents in the row
+    assert out.num_targets == 4 and out.expert_counts.sum(1).tolist() == [12, 12]
+    assert torch.isfinite(out.ce_sum) and torch.isfinite(out.aux_loss)
