@@ -152,7 +152,7 @@ def test_all_padding_row_and_empty_documents(aux):
                            cu_seqlens=torch.tensor([0, 0], dtype=torch.int32),
                            cu_seqlens_padded=torch.tensor([0, 8], dtype=torch.int32))
     out = model(pad_only)
-    assert out.num_targets == 0 and float(out.ce_sum) == 0.0 and float(out.aux_loss) == 0.0
+    assert out.num_targets == 0 and out.ce_sum.item() == 0.0 and out.aux_loss.item() == 0.0
     assert out.expert_counts.sum() == 0
     (out.ce_sum + out.aux_loss + out.z_loss).backward()
     out = model(packed_batch([0, 5, 0, 1], 64, pad_multiple=4))  # empty documents in the row
