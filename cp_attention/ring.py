@@ -159,11 +159,8 @@ class _Travel:
     def __init__(self, layout: RingLayout, rank: int, group, stats, like: torch.Tensor):
         self.p, self.r, self.group, self.stats, self.like = layout.size, rank, group, stats, like
         self.down, self.up = (rank - 1) % self.p, (rank + 1) % self.p
-        self.in_a, self.in_b, self.reqs, self.keep = None, None, [], []
-        self.home_b, self.home_reqs = None, []
-        if rank >= 1:  # every block above rank 0 has B visitors; the last one is rank 0
-            self.home_b = torch.empty_like(like)
-            self.home_reqs = self._post([(False, self.home_b, 0, DKV_TAG + 2)])
+        self.in_a, self.in_b, self.home_b = None, None, None
+        self.reqs, self.keep, self.late_reqs, self.late_keep = [], [], [], []
 
     def _post(self, ops):
         return post_p2p([(*op, "ring_bwd_dkv") for op in ops], self.group, self.stats)
@@ -172,26 +169,35 @@ class _Travel:
         """Add this rank's contribution at step t >= 1 and pass the accumulators on."""
         wait_all(self.reqs)
         acc_a = contrib_a if t == 1 else self.in_a + contrib_a
-        ops = [(True, acc_a, self.down, DKV_TAG)]
+        ops, late = [(True, acc_a, self.down, DKV_TAG)], []
         acc_b = None
         if contrib_b is not None:
             acc_b = contrib_b if t == 1 else self.in_b + contrib_b
-            home = (self.r + t) % self.p
-            ops.append((True, acc_b, self.down, DKV_TAG + 1) if self.r >= 1
-                       else (True, acc_b, home, DKV_TAG + 2))
+            if self.r >= 1:
+                ops.append((True, acc_b, self.down, DKV_TAG + 1))
+            else:  # rank 0 is B's last visitor: straight home, waited only in finish()
+                late.append((True, acc_b, (self.r + t) % self.p, DKV_TAG + 2))
         self.in_a = torch.empty_like(self.like)
         ops.append((False, self.in_a, self.up, DKV_TAG))
         self.in_b = None
         if t + 1 < self.p and _full(self.r, t + 1, self.p):
             self.in_b = torch.empty_like(self.like)
             ops.append((False, self.in_b, self.up, DKV_TAG + 1))
+        if t == self.p - 1 and self.r >= 1:
+            # Posted last so that, per pair of ranks, receives follow the sender's order (NCCL
+            # matches point-to-point messages by order, not by tag): rank 0 sends A, then B home.
+            self.home_b = torch.empty_like(self.like)
+            ops.append((False, self.home_b, 0, DKV_TAG + 2))
         self.keep = [acc_a, acc_b]  # isend buffers must outlive their requests
         self.reqs = self._post(ops)
+        if late:
+            self.late_reqs += self._post(late)
+            self.late_keep.append(acc_b)
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> this rank's own block accumulators (A from the last visitor, B from rank 0)."""
         wait_all(self.reqs)
-        wait_all(self.home_reqs)
+        wait_all(self.late_reqs)
         return self.in_a, self.home_b
 
 
