@@ -57,6 +57,10 @@ class CPAttention:
         from cp_attention.ulysses import hierarchical_attention, ulysses_attention
 
         plan, dims, kw = self.state.plan, self.dims, {"backend": self.backend}
+        if plan is None or q_LHR.shape[0] != plan.local_tokens(dims.rank_in("cp")):
+            raise RuntimeError("CP attention got tokens that the current plan does not describe: "
+                               "under CP call model(batch) (it shards the batch), not "
+                               "model.logits / hidden_states on a full batch")
         if dims.cp_backend == "ring":
             out, _ = ring_attention(q_LHR, k_LGR, v_LGR, plan, dims.group("cp"), **kw)
         elif dims.cp_backend == "ulysses":

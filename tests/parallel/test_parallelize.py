@@ -90,6 +90,12 @@ def _check_layout(rank, world, kw, seed):
 def _check_all(rank, world):
     for seed, kw in enumerate(LAYOUTS):
         _check_layout(rank, world, kw, seed)
+    # Under CP only model(batch) shards the batch: a full batch elsewhere is refused, not wrong.
+    dims = ParallelDims.from_config(ParallelConfig(cp=2), world, tiny_config())
+    dims.build_groups(rank)
+    model = parallelize(_model(0, 2), dims)
+    with pytest.raises(RuntimeError, match="under CP call model"):
+        model.logits(packed_batch([8], 64, pad_multiple=4))
     return True
 
 
