@@ -47,12 +47,12 @@ def _backward_dtype(dtype, bk: Bucket):
 def _q_view(x_THD, bk: Bucket, hkv: int):
     """Query-like rows of the bucket as the kernel's [batch, heads, P, D].
 
-    An in-place bucket (one unpadded document) is a view with the GQA group folded into the
-    kernel's axes, [Hkv, G, P, D], so keys/values need no copy (see _kv_view). A gathered
-    bucket is [B, Hq, P, D] (strided as [B, P, Hq, D])."""
+    An in-place bucket (one document, read where it lies) is a view with the GQA group folded
+    into the kernel's axes, [Hkv, G, P, D], so keys/values need no copy (see _kv_view). A
+    gathered bucket is [B, Hq, P, D] (strided as [B, P, Hq, D])."""
     if bk.q_slice is not None:
         p, hq, d = bk.pq, x_THD.shape[1], x_THD.shape[2]
-        return x_THD.narrow(0, bk.q_slice, p).view(p, hkv, hq // hkv, d).permute(1, 2, 0, 3)
+        return x_THD.narrow(0, bk.q_slice, p).reshape(p, hkv, hq // hkv, d).permute(1, 2, 0, 3)
     return x_THD.index_select(0, bk.q_src).view(bk.batch, bk.pq, *x_THD.shape[1:]).transpose(1, 2)
 
 
@@ -83,7 +83,7 @@ def _kv_rows(g, bk: Bucket, hkv: int):
 
 
 def _tiling(plan, total_q: int, total_k: int):
-    """The buckets in token order when each is one unpadded document and together they tile
+    """The buckets in token order when each is one in-place document and together they tile
     [0, T) and [0, S): then outputs are assembled with one torch.cat instead of one copy per
     document (fewer parallel regions, which matters on a shared, oversubscribed CPU)."""
     if any(bk.q_slice is None or bk.k_slice is None for bk in plan):
@@ -150,7 +150,7 @@ def _bucket_lse(klse_HT, bk: Bucket, hkv: int):
     """Kernel lse of _q_view's shape; +inf at padded slots (klse_HT is already +inf where -inf)."""
     hq = klse_HT.shape[0]
     if bk.q_slice is not None:
-        lse = klse_HT.narrow(1, bk.q_slice, bk.pq).view(hkv, hq // hkv, bk.pq)
+        lse = klse_HT.narrow(1, bk.q_slice, bk.pq).reshape(hkv, hq // hkv, bk.pq)
         if bk.q_len < bk.pq:  # the slots past the document belong to other tokens
             lse = lse.clone()
             lse[..., bk.q_len:] = float("inf")
