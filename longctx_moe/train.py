@@ -213,6 +213,10 @@ def fit(trainer: Trainer, loader: Any, ctx: RunContext, logger: MetricsLogger, p
     """Run optimizer steps until train.steps; log every step, checkpoint as configured."""
     cfg, records = trainer.cfg, []
     total, every = cfg.train.steps, cfg.checkpoint.every_steps
+    if trainer.step >= total:
+        logger.message(f"the checkpoint is already at step {trainer.step} >= train.steps={total}: nothing to do; "
+                       "raise train.steps to continue or set checkpoint.resume=none to start over")
+        return records
     for batches in iterate_steps(loader, trainer.step, total):
         t0 = time.perf_counter()
         res = trainer.train_step(batches)

@@ -31,7 +31,9 @@ def train(dims, steps_batches):
     model = build_model(cfg.model).to(torch.float64)
     trainer = Trainer(cfg, model, dims)
     losses = [trainer.train_step(b).loss for b in steps_batches]
-    return {k: v.clone() for k, v in model.state_dict().items()}, losses
+    # numpy, not tensors: torch's queue shares tensor storage through a file descriptor that is
+    # gone once the worker process exits.
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}, losses
 
 
 def _dp_rank(rank, world_size):
@@ -50,6 +52,6 @@ def test_two_dp_ranks_equal_single_process_float64():
         # float64: only the order of the gradient sums differs (~1e-16 relative per step).
         assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-12, atol=0)
         for name, ref in ref_state.items():
-            assert torch.allclose(state[name], ref, rtol=1e-10, atol=1e-12), name
+            assert torch.allclose(torch.from_numpy(state[name]), torch.from_numpy(ref), rtol=1e-10, atol=1e-12), name
     moved = [k for k in ref_state if "expert_bias" in k]
-    assert moved and any(ref_state[k].abs().sum() > 0 for k in moved)  # the DP-summed counts were used
+    assert moved and any(abs(ref_state[k]).sum() > 0 for k in moved)  # the DP-summed counts were used

@@ -16,7 +16,7 @@ from longctx_moe.train import main as train_main
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["data.global_batch_tokens=1024", "data.micro_batch_tokens=512", "optim.warmup_steps=2",
          "logging.peak_tflops=1.0", "logging.progress_bar=false", "checkpoint.every_steps=2",
-         "train.num_threads=1"]
+         "train.num_threads=1", "checkpoint.resume=auto"]
 
 
 @pytest.fixture(scope="module")
