@@ -7,11 +7,15 @@ All router statistics are fp32 (or float64 for a float64 model).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from longctx_moe.model.layers import autocast_dtype
 
 IGNORE_INDEX = -100
+# Sums a no-grad statistic (int64 counts) over the ranks that share one micro-batch's tokens.
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _normalised(scores_TE: torch.Tensor) -> torch.Tensor:
@@ -19,45 +23,55 @@ def _normalised(scores_TE: torch.Tensor) -> torch.Tensor:
     return scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(torch.finfo(scores_TE.dtype).tiny)
 
 
-def switch_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def switch_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor,
+                    reduce: Reduce | None = None) -> torch.Tensor:
     """Switch-Transformer balance loss E * sum_e f_e * P_e over one micro-batch (1.0 when balanced).
 
-    f_e = fraction of the T*K assignments that went to e; P_e = mean normalised score of e."""
+    f_e = fraction of the T*K assignments that went to e; P_e = mean normalised score of e.
+    With `reduce` (sums no-grad statistics over the ranks that split this micro-batch's tokens,
+    e.g. CP), the value is this shard's share: the shares sum to the loss of the whole batch."""
+    reduce = reduce or _identity
     t, e = scores_TE.shape
-    if t == 0:
-        return scores_TE.sum()
     k = topk_idx_TK.shape[1]
-    f_E = torch.bincount(topk_idx_TK.flatten(), minlength=e).to(scores_TE.dtype) / (t * k)
-    p_E = _normalised(scores_TE).mean(0)
+    counts_E = reduce(torch.bincount(topk_idx_TK.flatten(), minlength=e))
+    t_all = reduce(torch.tensor(t, device=scores_TE.device)).clamp_min(1).to(scores_TE.dtype)
+    f_E = counts_E.to(scores_TE.dtype) / (t_all * k)
+    p_E = _normalised(scores_TE).sum(0) / t_all
     return e * torch.dot(f_E, p_E)
 
 
 def sequence_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, doc_id_T: torch.Tensor,
-                      num_docs: int) -> torch.Tensor:
+                      num_docs: int, reduce: Reduce | None = None) -> torch.Tensor:
     """DeepSeek-V3 sequence-wise balance loss of each document: [N], 0 for empty documents.
 
     For document s with T_s tokens: E/(K T_s^2) * sum_e count_se * sum_t p_te. Padding (doc_id -1)
     is skipped. A packed row's per-document values equal those of each document on its own.
     The kept doc ids must be non-decreasing (true for packed rows and order-keeping CP shards):
-    the per-document score sums are a segment reduction, ~100x faster on CPU than index_add_."""
-    t, e = scores_TE.shape
+    the per-document score sums are a segment reduction, ~100x faster on CPU than index_add_.
+    `reduce` as in switch_aux_loss (doc ids must then be global to the micro-batch)."""
+    reduce = reduce or _identity
+    e = scores_TE.shape[1]
     k = topk_idx_TK.shape[1]
     keep_T = doc_id_T >= 0
     doc_T, scores_TE, idx_TK = doc_id_T[keep_T], scores_TE[keep_T], topk_idx_TK[keep_T]
     flat = (doc_T[:, None] * e + idx_TK).flatten()
-    counts_NE = torch.bincount(flat, minlength=num_docs * e).view(num_docs, e).to(scores_TE.dtype)
+    counts_NE = torch.bincount(flat, minlength=num_docs * e).view(num_docs, e)
     len_N = torch.bincount(doc_T, minlength=num_docs)
     psum_NE = torch.segment_reduce(_normalised(scores_TE), "sum", lengths=len_N)
-    len_N = len_N.to(scores_TE.dtype)
-    per_doc = (counts_NE * psum_NE).sum(-1) * e / (k * len_N.square().clamp_min(1))
-    return per_doc
+    counts_NE, len_all_N = reduce(counts_NE).to(scores_TE.dtype), reduce(len_N).to(scores_TE.dtype)
+    return (counts_NE * psum_NE).sum(-1) * e / (k * len_all_N.square().clamp_min(1))
 
 
-def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
-    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2 (0 for no tokens)."""
-    if logits_TE.shape[0] == 0:
-        return logits_TE.sum()
-    return torch.logsumexp(logits_TE, dim=-1).square().mean()
+def router_z_loss(logits_TE: torch.Tensor, reduce: Reduce | None = None) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2 (0 for no tokens);
+    `reduce` as in switch_aux_loss."""
+    t_all = (reduce or _identity)(torch.tensor(logits_TE.shape[0], device=logits_TE.device))
+    lse_T = torch.logsumexp(logits_TE, dim=-1)
+    return lse_T.square().sum() / t_all.clamp_min(1).to(lse_T.dtype)
 
 
 def _softmax_grad_rows(logits_CV, labels_C, weight_C, acc, want_grad):

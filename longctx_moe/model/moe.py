@@ -153,6 +153,7 @@ class MoE(nn.Module):
         hs = cfg.shared_expert_hidden_size
         self.shared = SwiGLU(cfg.hidden_size, hs) if hs > 0 else None
         self.dispatcher = LocalDispatcher()
+        self.reduce_stats = None  # CP sets a sum over the ranks sharing the micro-batch (see stats)
 
     def forward(self, x_TD: torch.Tensor, layout: DocLayout):
         topk_idx_TK, topk_weight_TK, aux = self.router(x_TD)
@@ -162,22 +163,25 @@ class MoE(nn.Module):
         return y_TD, self.stats(topk_idx_TK, aux, layout)
 
     def stats(self, topk_idx_TK, aux: RouterAux, layout: DocLayout) -> MoEStats:
-        """Balance statistics over the real tokens of this micro-batch (padding skipped)."""
-        cfg, scores_TE, logits_TE = self.cfg, aux.scores_TE, aux.logits_TE
+        """Balance statistics over the real tokens of this micro-batch (padding skipped).
+
+        `self.reduce_stats` (None on one device) sums no-grad counts over the ranks that split the
+        micro-batch's tokens (CP); each rank's aux/z loss is then its share of the global value."""
+        cfg, scores_TE, logits_TE, red = self.cfg, aux.scores_TE, aux.logits_TE, self.reduce_stats
+        doc_T = layout.doc_id_T
         if layout.real_mask_T is not None:
             keep = layout.real_mask_T
-            topk_idx_TK, scores_TE, logits_TE = topk_idx_TK[keep], scores_TE[keep], logits_TE[keep]
+            topk_idx_TK, scores_TE, logits_TE, doc_T = topk_idx_TK[keep], scores_TE[keep], logits_TE[keep], doc_T[keep]
         counts_E = torch.bincount(topk_idx_TK.flatten(), minlength=cfg.num_experts)
         zero = scores_TE.new_zeros(())
         if cfg.aux_loss_type == "switch":
-            aux_loss = cfg.aux_loss_coeff * switch_aux_loss(scores_TE, topk_idx_TK)
+            aux_loss = cfg.aux_loss_coeff * switch_aux_loss(scores_TE, topk_idx_TK, red)
         elif cfg.aux_loss_type == "seq":
-            doc_T = layout.doc_id_T if layout.real_mask_T is None else layout.doc_id_T[layout.real_mask_T]
-            per_doc_N = sequence_aux_loss(scores_TE, topk_idx_TK, doc_T, layout.num_docs)
+            per_doc_N = sequence_aux_loss(scores_TE, topk_idx_TK, doc_T, layout.num_docs, red)
             # Mean over this micro-batch's documents (DeepSeek-V3 averages over sequences), so the
             # scale does not grow with how many documents a row packs.
             aux_loss = cfg.aux_loss_coeff * per_doc_N.sum() / max(layout.num_docs, 1)
         else:
             aux_loss = zero
-        z_loss = cfg.z_loss_coeff * router_z_loss(logits_TE) if cfg.z_loss_coeff else zero
+        z_loss = cfg.z_loss_coeff * router_z_loss(logits_TE, red) if cfg.z_loss_coeff else zero
         return MoEStats(aux_loss=aux_loss, z_loss=z_loss, counts_E=counts_E)

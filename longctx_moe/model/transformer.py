@@ -56,13 +56,15 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # PackedBatch -> DocLayout; CP may swap it for one that carries global document ids.
+        self.layout_fn = doc_layout
 
     def output_weight(self) -> torch.Tensor:
         """[V, D] projection to the vocabulary (the embedding when tied)."""
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def _run(self, batch: PackedBatch) -> tuple[torch.Tensor, list[MoEStats]]:
-        layout = doc_layout(batch)
+        layout = self.layout_fn(batch)
         x_TD = self.embed(batch.tokens)
         stats = []
         for block in self.layers:

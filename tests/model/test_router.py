@@ -119,3 +119,54 @@ def test_switch_aux_loss_and_z_loss_formulas():
     assert abs(float(switch_aux_loss(uniform, even)) - 1.0) < TOL64
     ref_z = torch.logsumexp(aux.logits_TE, -1).pow(2).mean()
     torch.testing.assert_close(router_z_loss(aux.logits_TE), ref_z, atol=TOL64, rtol=0)
+
+
+class _TwoPassAllReduce:
+    """Simulates an all-reduce (sum) between shards run one after another: pass 1 records each
+    shard's statistics in call order, pass 2 returns the sum over shards of the i-th statistic."""
+
+    def __init__(self, shards: int):
+        self.calls = [[] for _ in range(shards)]
+        self.shard, self.i, self.summing = 0, 0, False
+
+    def __call__(self, t):
+        if not self.summing:
+            self.calls[self.shard].append(t.clone())
+            return t
+        self.i += 1
+        return sum(c[self.i - 1] for c in self.calls)
+
+    def start(self, shard, summing):
+        self.shard, self.i, self.summing = shard, 0, summing
+
+
+def test_sharded_statistics_sum_to_the_whole_batch():
+    """CP-style split of a packed row (a document spans the cut): shares sum to the global losses,
+    and so do their gradients."""
+    e, k = 5, 2
+    torch.manual_seed(0)
+    logits = torch.randn(21, e, dtype=torch.float64, requires_grad=True)
+    idx = torch.topk(logits.detach(), k, dim=-1).indices
+    doc = torch.tensor([0] * 6 + [1] * 9 + [-1] * 2 + [2] * 4)
+    cuts = [slice(0, 10), slice(10, 21)]
+
+    def losses(sl, red):
+        lg, sc = logits[sl], logits[sl].softmax(-1)
+        return torch.cat([switch_aux_loss(sc, idx[sl], red)[None],
+                          sequence_aux_loss(sc, idx[sl], doc[sl], 3, red),
+                          router_z_loss(lg, red)[None]])
+
+    whole = losses(slice(None), None)
+    g_whole = torch.autograd.grad(whole.sum(), logits)[0]
+    red = _TwoPassAllReduce(2)
+    for s, sl in enumerate(cuts):
+        red.start(s, summing=False)
+        losses(sl, red)
+    shares = []
+    for s, sl in enumerate(cuts):
+        red.start(s, summing=True)
+        shares.append(losses(sl, red))
+    total = torch.stack(shares).sum(0)
+    torch.testing.assert_close(total, whole, atol=TOL64, rtol=0)
+    g_shards = torch.autograd.grad(total.sum(), logits)[0]
+    torch.testing.assert_close(g_shards, g_whole, atol=TOL64, rtol=0)
