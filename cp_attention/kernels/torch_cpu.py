@@ -23,14 +23,16 @@ _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 # aten's CPU flash kernels pick their query block from the padded length: 32 rows below 192, 64
 # below 768, 256 from 768 on, with 5 small GEMM calls per (query block, 512-key block). In bf16
-# each call has a fixed cost (~20 us), so the bf16 backward costs ~4 us per row and head even
-# for a 32-token document, while the float32 GEMMs have almost none: measured on this CPU (1
-# thread, 8 heads of 64), bwd of 128 tokens is 4.6 ms in bf16 but 1.3 ms in float32; of 400
-# tokens 13.9 vs 10.3 ms; of 731 tokens 33 vs 33 ms, but 24 ms in bf16 when padded to 768.
-# Hence, in the backward only: reduced-precision buckets from 600 tokens on are padded to 768
-# and run in bf16; shorter ones run in float32 (inputs upcast once, gradients rounded once at the
-# end, which is also more accurate). The forward is not padded (its bf16 path has no such cliff)
-# and stays in the input dtype (bf16 is 2-3x faster than float32 there).
+# each call has a fixed cost, so the bf16 backward of short buckets pays ~2-4 us per row and head
+# whatever the length, while the float32 GEMMs have almost none. Backward of one document, 8
+# heads of 64, min of 7 on this CPU, 2 threads (1 thread): 128 tokens bf16 2.5 ms vs float32
+# incl. casts 1.6 (3.9 vs 1.7); 256: 3.5 vs 5.9 (5.3 vs 4.4); 400: 6.4 vs 11.6 (11.5 vs 11.2);
+# 700: 16.1 vs 21.3 (28.7 vs 35.0); 767: 20.4 vs 24.9; 768: 13.3 vs 21.6 (21.3 vs 29.8).
+# Hence, in the backward only: buckets under 192 rows run in float32 (inputs upcast once,
+# gradients rounded once at the end, also more accurate); reduced-precision buckets from 600 to
+# 767 rows are padded to 768 (the kernel's big-block path). The forward is not padded (no such
+# cliff there) and stays in the input dtype (bf16 is 2-3x faster than float32).
+SMALL_BLOCK_LEN = 192
 BIG_BLOCK_LEN = 768
 _REDUCED = (torch.bfloat16, torch.float16)
 
@@ -41,7 +43,7 @@ def _plan(cu_q, cu_k, causal, dtype, backward: bool = False):
 
 
 def _backward_dtype(dtype, bk: Bucket):
-    return torch.float32 if dtype in _REDUCED and bk.pq < BIG_BLOCK_LEN else dtype
+    return torch.float32 if dtype in _REDUCED and bk.pq < SMALL_BLOCK_LEN else dtype
 
 
 def _q_view(x_THD, bk: Bucket, hkv: int):
