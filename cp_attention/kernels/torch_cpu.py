@@ -28,11 +28,15 @@ _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 # heads of 64, min of 7 on this CPU, 2 threads (1 thread): 128 tokens bf16 2.5 ms vs float32
 # incl. casts 1.6 (3.9 vs 1.7); 256: 3.5 vs 5.9 (5.3 vs 4.4); 400: 6.4 vs 11.6 (11.5 vs 11.2);
 # 700: 16.1 vs 21.3 (28.7 vs 35.0); 767: 20.4 vs 24.9; 768: 13.3 vs 21.6 (21.3 vs 29.8).
-# Hence, in the backward only: buckets under 192 rows run in float32 (inputs upcast once,
-# gradients rounded once at the end, also more accurate); reduced-precision buckets from 600 to
-# 767 rows are padded to 768 (the kernel's big-block path). The forward is not padded (no such
-# cliff there) and stays in the input dtype (bf16 is 2-3x faster than float32).
-SMALL_BLOCK_LEN = 192
+# In a whole backward over the bench's mixed documents the two choices measure within noise of
+# each other on a quiet machine (bf16 wins ~25% on rows of only 250-400-token documents), and
+# float32 wins by ~25% when the machine is loaded, besides being more accurate. Hence, in the
+# backward only:
+# buckets under 768 rows run in float32 (inputs upcast once, gradients rounded once at the end);
+# reduced-precision buckets from 600 to 767 rows are padded to 768, the kernel's big-block path,
+# and run in bf16. The forward is not padded (no such cliff there) and stays in the input dtype
+# (bf16 is 2-3x faster than float32 there).
+SMALL_BLOCK_LEN = 768  # below this many rows the backward runs in float32
 BIG_BLOCK_LEN = 768
 _REDUCED = (torch.bfloat16, torch.float16)
 
