@@ -141,7 +141,7 @@ def hf_runner(cfg, ours_model):
             n = mb.num_target_tokens()
             loss = out.loss * (n / g)  # HF's loss is a token mean over the micro-batch
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
