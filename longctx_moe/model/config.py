@@ -8,6 +8,7 @@ _CHOICES = {
     "router_score": ("softmax", "sigmoid"),
     "aux_loss_type": ("none", "switch", "seq"),
     "grouped_gemm": ("auto", "grouped_mm", "loop"),
+    "expert_precision": ("auto", "autocast", "param"),
 }
 
 
@@ -41,6 +42,10 @@ class ModelConfig:
     expert_bias: bool = False  # aux-loss-free balancing: a bias that affects selection only
     expert_bias_update_rate: float = 1e-3
     grouped_gemm: str = "auto"  # auto | grouped_mm | loop
+    # Dtype of the expert GEMMs under autocast: autocast (bf16, weights cast every step) | param
+    # (the weights' own dtype, no casts) | auto (param on CPU, where it measured faster in a full
+    # step on our Xeon; autocast elsewhere).
+    expert_precision: str = "auto"
 
     # Cross-entropy over the vocabulary in chunks of this many tokens (bounds fp32 logits memory).
     loss_chunk_tokens: int = 1024

@@ -76,15 +76,25 @@ class GroupedExperts(nn.Module):
     w_gate_up [E, D, 2F] (gate columns first, then up), w_down [E, F, D]. EP slices dim 0 and sets
     num_local_experts / expert_offset (the global index of local expert 0)."""
 
-    def __init__(self, num_experts: int, dim: int, hidden: int, impl: str = "auto"):
+    def __init__(self, num_experts: int, dim: int, hidden: int, impl: str = "auto",
+                 precision: str = "auto"):
         super().__init__()
-        self.num_local_experts, self.expert_offset, self.impl = num_experts, 0, impl
+        self.num_local_experts, self.expert_offset = num_experts, 0
+        self.impl, self.precision = impl, precision
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
 
+    def compute_dtype(self, x_MD: torch.Tensor) -> torch.dtype:
+        precision = self.precision
+        if precision == "auto":
+            precision = "param" if x_MD.device.type == "cpu" else "autocast"
+        if precision == "param":
+            return self.w_gate_up.dtype
+        # _grouped_mm is not on autocast's list: we cast by hand, once per forward per weight.
+        return autocast_dtype(x_MD)
+
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        # _grouped_mm is not on autocast's list: cast by hand, once per forward per weight.
-        cdtype = autocast_dtype(x_MD)
+        cdtype = self.compute_dtype(x_MD)
         x_MD = x_MD.to(cdtype)
         h_MF2 = grouped_matmul(x_MD, self.w_gate_up.to(cdtype), tokens_per_expert_E, self.impl)
         gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
@@ -149,7 +159,7 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_hidden_size,
-                                      cfg.grouped_gemm)
+                                      cfg.grouped_gemm, cfg.expert_precision)
         hs = cfg.shared_expert_hidden_size
         self.shared = SwiGLU(cfg.hidden_size, hs) if hs > 0 else None
         self.dispatcher = LocalDispatcher()

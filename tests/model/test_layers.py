@@ -148,3 +148,18 @@ def test_local_dispatcher_matches_naive(top_k):
         torch.testing.assert_close(a, b, atol=TOL64, rtol=0)
     if top_k < 4:
         assert grads[2][3].abs().max() == 0  # the idle expert gets an exactly zero gradient
+
+
+def test_expert_precision_under_autocast():
+    experts = GroupedExperts(2, 16, 8)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(5, 16).bfloat16()
+    cnt = torch.tensor([2, 3])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        dtypes = {}
+        for precision in ("autocast", "param", "auto"):
+            experts.precision = precision
+            dtypes[precision] = experts(x, cnt).dtype
+    # auto picks the parameters' dtype on CPU (no per-step weight casts).
+    assert dtypes == {"autocast": torch.bfloat16, "param": torch.float32, "auto": torch.float32}
