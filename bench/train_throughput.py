@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="timed steps per side per round")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0,
+                   help="intra-op threads of both sides (0 = torch's default); 1 is steadier on a shared machine")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--markdown", help="also write the table as Markdown here")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of our step")
@@ -153,6 +155,8 @@ def hf_runner(cfg, ours_model):
 def worker(args) -> None:
     """One side in this process: print a JSON line with step times, losses and memory."""
     torch.set_flush_denormal(True)  # both sides: denormals make AdamW crawl on x86
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from longctx_moe.model import build_model
 
     cfg = model_config()
@@ -187,7 +191,8 @@ def profile_step(run, batches) -> None:
 
 def run_side(side: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--data", args.data, "--rows", str(args.rows),
-           "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+           "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
+           "--threads", str(args.threads)]
     if args.profile:
         cmd.append("--profile")
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -249,6 +254,8 @@ def main(argv=None) -> int:
     from longctx_moe.metrics import measure_peak_tflops
     from longctx_moe.model.flops import model_flops
 
+    if args.threads:
+        torch.set_num_threads(args.threads)  # the peak is measured with the same threads
     ensure_corpus(args.data, args.seq_len)
     steps = step_batches(args.data, args.rows, args.warmup + args.steps)[args.warmup:]
     lengths = [[n for mb in b for n in mb.doc_lengths()] for b in steps]
