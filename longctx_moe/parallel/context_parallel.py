@@ -9,9 +9,10 @@ hierarchical), which reads the plan of the current forward. Position ids come fr
 batch, so RoPE sees true positions; labels too, so the local CE sum is exact and the trainer's
 sum over DP x CP gives the global loss.
 
-Not exact under CP yet (model-side statistics are per local micro-batch): the router z-loss
-(a mean over local tokens) and the seq / switch aux losses (per local piece or shard). They need
-sums and counts reduced over tp_cp (grad_reduce.reduce_aux_counts) inside MoE.stats.
+Router statistics are exact too: each MoE layer's `reduce_stats` sums its counts over the CP
+group (grad_reduce.stats_reducer), and `model.layout_fn` gives every local token the global id
+of its document in the micro-batch (and the micro-batch's document count), so each rank's
+aux / z loss is its share of the micro-batch's value and the shares sum to it over CP.
 Legend: T tokens of the full micro-batch, L this rank's tokens, H heads, R head dim.
 """
 
@@ -21,12 +22,29 @@ import torch
 from torch import nn
 
 from data_packing.batch import PackedBatch
+from longctx_moe.model.attention import DocLayout, doc_layout
+from longctx_moe.parallel.grad_reduce import stats_reducer
 
 
 class _CPState:
-    """The plan of the forward in flight, shared by the wrapped forward and the attn_fns."""
+    """The plan of the forward in flight, shared by the wrapped forward and the attn_fns, and
+    this rank's global document ids (int64 [L], -1 at padding) and the micro-batch's doc count."""
 
     plan = None
+    doc_id_L: torch.Tensor | None = None
+    num_docs = 0
+
+
+def global_doc_layout(state: _CPState, local: PackedBatch) -> DocLayout:
+    """`Transformer.layout_fn` under CP: the local layout, with document ids and count of the
+    whole micro-batch, so the per-document aux loss sums one document's pieces across CP."""
+    layout = doc_layout(local)
+    if state.doc_id_L is None or state.doc_id_L.shape[0] != local.num_tokens:
+        raise RuntimeError("CP layout got tokens that the current plan does not describe: under "
+                           "CP call model(batch) (it shards the batch)")
+    layout.doc_id_T, layout.num_docs = state.doc_id_L, state.num_docs
+    layout.real_mask_T = state.doc_id_L >= 0
+    return layout
 
 
 def shard_batch(batch: PackedBatch, plan, rank: int) -> PackedBatch:
@@ -72,19 +90,25 @@ class CPAttention:
 
 
 def apply_context_parallel(model: nn.Module, dims) -> None:
-    """Swap every attention's attn_fn for the CP executor and wrap model.forward to shard."""
+    """Swap every attention's attn_fn for the CP executor, wrap model.forward to shard, and make
+    the MoE statistics global to the micro-batch (layout_fn, reduce_stats over cp)."""
     from cp_attention.plan import plan_cp
 
     state = _CPState()
     for block in model.layers:
         backend = getattr(block.attn.attn_fn, "backend", "auto")
         block.attn.attn_fn = CPAttention(state, dims, backend)
+    for layer in model.moe_layers():
+        layer.reduce_stats = stats_reducer(dims)
+    model.layout_fn = lambda local: global_doc_layout(state, local)
     sizes = [dims.cp_inner, dims.cp_outer] if dims.hierarchical else None
     cp_rank, full_forward = dims.rank_in("cp"), model.forward
 
     def forward(batch: PackedBatch):
         state.plan = plan_cp(batch.cu_seqlens, batch.cu_seqlens_padded, dims.cp,
                              hierarchical_sizes=sizes, num_tokens=batch.num_tokens)
+        full = doc_layout(batch)
+        state.doc_id_L, state.num_docs = state.plan.shard(full.doc_id_T, cp_rank), full.num_docs
         return full_forward(shard_batch(batch, state.plan, cp_rank))
 
     model.forward = forward  # instance attribute: nn.Module.__call__ dispatches to it

@@ -13,6 +13,8 @@ SUMMED, never averaged:
   (each token reaches its experts once): scale 1. A dispatcher without `tp_group` sends every
   token once per TP peer; pass `expert_grad_scale=1/tp` to undo exactly that.
 - aux-loss token counts: over `tp_cp` (one whole sequence), or every rank with `global_batch`.
+  Inside the model (MoE.reduce_stats, see stats_reducer) the statistics are summed over `cp`
+  only (or `dp_cp` for the global-batch aux loss): TP peers already hold every token.
 - expert-bias load counts: over `dp_cp`, so every rank applies the same bias update.
 - the gradient norm for clipping: dense once, expert shards summed over `ep` (clip_grad_norm).
 """
@@ -144,6 +146,25 @@ def reduce_expert_bias_counts(counts_E: torch.Tensor, dims) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(out, group=group)
     return out
+
+
+def stats_reducer(dims, *, global_batch: bool = False):
+    """`MoE.reduce_stats`: sums no-grad statistics (int64 counts, any shape) over the ranks that
+    split one micro-batch's tokens: `cp`, or `dp_cp` (the whole data-parallel batch) with
+    `global_batch`. None when that group has one rank (nothing to reduce).
+
+    Not over TP: TP peers route the same tokens, and a tp-fold count sum would be normalised by
+    a tp-fold token total while each rank's score sums stay local (its share would be 1/tp)."""
+    group = _group(dims, "dp_cp" if global_batch else "cp")
+    if group is None:
+        return None
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    return reduce
 
 
 def _group(dims, name: str):

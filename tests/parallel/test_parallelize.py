@@ -1,4 +1,5 @@
-"""parallelize (TP + EP + DP) on the real Transformer: 4 gloo ranks against one process, float64.
+"""parallelize (TP + CP + EP + DP) on the real Transformer: 4 gloo ranks against one process,
+float64, with the seq or switch aux loss, the router z-loss and a (random) expert bias on.
 
 Each DP replica runs its own packed micro-batch (TP peers share it); the reference runs all of
 them with the unsharded model. After the reductions the trainer does (dense over dp_cp or their
@@ -16,7 +17,12 @@ import torch.distributed as dist
 from longctx_moe.model import build_model
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
-from longctx_moe.parallel.grad_reduce import clip_grad_norm, reduce_gradients, split_params
+from longctx_moe.parallel.grad_reduce import (
+    clip_grad_norm,
+    reduce_expert_bias_counts,
+    reduce_gradients,
+    split_params,
+)
 from longctx_moe.parallel.parallelize import parallelize
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch, tiny_config
@@ -28,7 +34,9 @@ LAYOUTS = [dict(ep=2), dict(ep=4, dispatcher="allgather"), dict(tp=2), dict(tp=2
            dict(tp=2, ep=2, dispatcher="allgather"),
            # CP: the acceptance layout (CP4 = hierarchical 2x2, EP2 EDP2), ring x TP, Ulysses x DP
            dict(cp=4, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 2]),
-           dict(cp=2, tp=2, ep=4), dict(cp=2, ep=2, cp_backend="ulysses")]
+           dict(cp=2, tp=2, ep=4), dict(cp=2, ep=2, cp_backend="ulysses"),
+           dict(cp=4, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 2])]
+AUX = ("seq", "switch")  # layout i runs AUX[i % 2]: the acceptance layout (5 and 8) runs both
 COLUMN_SHARDED = ("wo.weight", "w_down.weight")  # row-parallel layers keep input columns
 
 
@@ -37,14 +45,15 @@ def _loss(model, batch):
     return out.ce_sum + out.aux_loss + out.z_loss, out.expert_counts
 
 
-def _model(seed, cp=1):
+def _model(seed, aux="seq"):
     torch.manual_seed(seed)
-    # first layer dense and a shared expert: both dense-MLP kinds get TP-sharded. Under CP the
-    # router z-loss and aux losses are still per local shard (context_parallel.py): off there.
-    extra = dict(aux_loss_type="none", z_loss_coeff=0.0) if cp > 1 else {}
+    # first layer dense and a shared expert: both dense-MLP kinds get TP-sharded.
     cfg = tiny_config(num_experts=4, top_k=2, first_k_dense=1, shared_expert_hidden_size=16,
-                      **extra)
-    return build_model(cfg).double()
+                      aux_loss_type=aux, aux_loss_coeff=0.1, z_loss_coeff=0.01, expert_bias=True)
+    model = build_model(cfg).double()
+    for layer in model.moe_layers():  # a non-zero bias changes the selection: exercise it
+        layer.router.expert_bias.copy_(0.05 * torch.randn(cfg.num_experts))
+    return model
 
 
 def _expected_grad(name, p, want, dims):
@@ -59,17 +68,18 @@ def _expected_grad(name, p, want, dims):
     return want
 
 
-def _check_layout(rank, world, kw, seed):
+def _check_layout(rank, world, kw, seed, aux="seq"):
     dims = ParallelDims.from_config(ParallelConfig(**kw), world, tiny_config())
     dims.build_groups(rank)
     gen = torch.Generator().manual_seed(seed)
     # slots padded to 2*CP (zigzag halves) and TP, as the trainer's loader does
     pad = 2 * dims.cp * dims.tp
     batches = [packed_batch(d, 64, pad_multiple=pad, generator=gen) for d in DOCS[:dims.dp]]
-    ref = _model(seed, dims.cp)
-    ref_loss = sum(_loss(ref, b)[0] for b in batches)
+    ref = _model(seed, aux)
+    ref_out = [_loss(ref, b) for b in batches]
+    ref_loss = sum(loss for loss, _ in ref_out)
     ref_loss.backward()
-    model = parallelize(_model(seed, dims.cp), dims)
+    model = parallelize(_model(seed, aux), dims)
     loss, counts = _loss(model, batches[dims.rank_in("dp")])
     loss.backward()
     dense, expert = split_params(model)
@@ -78,6 +88,8 @@ def _check_layout(rank, world, kw, seed):
     total = loss.detach().clone()
     dist.all_reduce(total, group=dims.group("dp_cp"))  # TP peers hold the same loss
     assert abs(total.item() - ref_loss.item()) < TOL, kw
+    # expert-bias load: summed over the data-parallel ranks, it is the whole batch's
+    assert torch.equal(reduce_expert_bias_counts(counts, dims), sum(c for _, c in ref_out)), kw
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         want = _expected_grad(name, p, ref_params[name].grad, dims)
@@ -89,11 +101,11 @@ def _check_layout(rank, world, kw, seed):
 
 def _check_all(rank, world):
     for seed, kw in enumerate(LAYOUTS):
-        _check_layout(rank, world, kw, seed)
+        _check_layout(rank, world, kw, seed, AUX[seed % 2])
     # Under CP only model(batch) shards the batch: a full batch elsewhere is refused, not wrong.
     dims = ParallelDims.from_config(ParallelConfig(cp=2), world, tiny_config())
     dims.build_groups(rank)
-    model = parallelize(_model(0, 2), dims)
+    model = parallelize(_model(0), dims)
     with pytest.raises(RuntimeError, match="under CP call model"):
         model.logits(packed_batch([8], 64, pad_multiple=4))
     return True
@@ -111,7 +123,8 @@ def test_kv_replication_under_tp_is_refused_with_an_actionable_error():
 
 
 def _check_world8(rank, world):
-    _check_layout(rank, world, dict(tp=2, cp=2, ep=4), 3)
+    for seed, aux in enumerate(AUX):
+        _check_layout(rank, world, dict(tp=2, cp=2, ep=4), seed, aux)
     return True
 
 
