@@ -22,3 +22,6 @@ class ParallelConfig:
     dispatch_dtype: str = "none"  # none | bf16 | fp8: payload compression of the expert all-to-all
     capacity_factor: float | None = None  # None: dropless
     drop_policy: str = "probs"  # probs | position: which assignments over capacity are dropped
+    # Balance statistics of the aux / z losses: over each micro-batch (TP x CP share it), or over
+    # the whole data-parallel batch (Megatron's global-batch aux loss; needs aux_loss_type=switch).
+    aux_loss_scope: str = "micro_batch"  # micro_batch | global_batch

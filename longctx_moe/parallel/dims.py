@@ -36,6 +36,7 @@ CP_BACKENDS = ("ring", "ulysses", "hierarchical")
 DISPATCHERS = ("alltoall", "allgather")
 DISPATCH_DTYPES = ("none", "bf16", "fp8")
 DROP_POLICIES = ("probs", "position")
+AUX_LOSS_SCOPES = ("micro_batch", "global_batch")
 
 # (group name, grid, axes spanned). Grids are the rank orderings above, slowest axis first.
 _ATTN_AXES = ("dp", "cp", "tp")
@@ -90,6 +91,9 @@ def _check_options(cfg: ParallelConfig) -> None:
         _fail(f"parallel.capacity_factor={cfg.capacity_factor} must be > 0, or null for dropless")
     if cfg.drop_policy not in DROP_POLICIES:
         _fail(f"parallel.drop_policy={cfg.drop_policy!r} is unknown; use one of {DROP_POLICIES}")
+    if cfg.aux_loss_scope not in AUX_LOSS_SCOPES:
+        _fail(f"parallel.aux_loss_scope={cfg.aux_loss_scope!r} is unknown; use one of "
+              f"{AUX_LOSS_SCOPES}")
 
 
 def _check_hierarchical(cfg: ParallelConfig) -> tuple[int, int]:
@@ -137,6 +141,10 @@ def _check_model(cfg: ParallelConfig, model_cfg: Any, cp_a2a: int) -> None:
         _fail(f"the all-to-all CP axis ({cfg.cp_backend}, size {cp_a2a}) splits heads: "
               f"num_heads/tp={heads // cfg.tp} is not divisible by {cp_a2a}; use cp_backend=ring "
               "or a smaller all-to-all size")
+    if cfg.aux_loss_scope == "global_batch" and getattr(model_cfg, "aux_loss_type", None) == "seq":
+        _fail("parallel.aux_loss_scope=global_batch balances the whole batch but "
+              "model.aux_loss_type=seq balances each document; use aux_loss_type=switch or "
+              "aux_loss_scope=micro_batch")
     ffn = getattr(model_cfg, "expert_hidden_size", None)
     if ffn is not None and ffn % cfg.etp:
         _fail(f"expert_hidden_size={ffn} is not divisible by etp={cfg.etp}; choose etp dividing it")

@@ -9,6 +9,9 @@ EP: every MoE layer keeps its slice of the experts (shard_experts), swaps its Lo
 for the configured expert-parallel dispatcher, and its expert parameters are tagged
 `reduce_axis = "edp"` so the trainer reduces them over EDP (dense ones stay on dp_cp).
 
+`parallel.aux_loss_scope=global_batch` sums the router statistics over the whole data-parallel
+batch (expert_parallel.apply_global_batch_aux), after CP has made them global to a micro-batch.
+
 `model.grad_norm_fn(max_norm) -> norm` is attached for the trainer: the global gradient norm over
 the mesh (and clipping), where a local norm would desynchronise the replicas.
 """
@@ -22,7 +25,7 @@ from torch import nn
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.context_parallel import apply_context_parallel
 from longctx_moe.parallel.dispatch import build_dispatcher
-from longctx_moe.parallel.expert_parallel import shard_experts
+from longctx_moe.parallel.expert_parallel import apply_global_batch_aux, shard_experts
 from longctx_moe.parallel.grad_reduce import clip_grad_norm, split_params
 from longctx_moe.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -35,6 +38,8 @@ def parallelize(model: nn.Module, dims, cfg: ParallelConfig | None = None) -> nn
     if dims.cp > 1:
         apply_context_parallel(model, dims)
     apply_expert_parallel(model, dims, cfg)
+    if cfg.aux_loss_scope == "global_batch":
+        apply_global_batch_aux(model, dims)
     # The trainer's clipping hook: a local norm would differ per EP/TP rank (see grad_reduce).
     model.grad_norm_fn = functools.partial(clip_grad_norm, *split_params(model), dims)
     return model

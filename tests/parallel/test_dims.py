@@ -90,6 +90,8 @@ def test_every_rank_in_exactly_one_group_per_name():
     (4, dict(capacity_factor=0.0), None, "capacity_factor=0.0 must be > 0"),
     (4, dict(etp=2), dict(expert_hidden_size=9), "expert_hidden_size=9 is not divisible by etp=2"),
     (4, dict(cp=4, dynamic_cp_sizes=[3]), None, "holds 3, which does not divide cp=4"),
+    (4, dict(aux_loss_scope="global"), None, "aux_loss_scope='global' is unknown"),
+    (4, dict(aux_loss_scope="global_batch"), dict(aux_loss_type="seq"), "use aux_loss_type=switch"),
 ])
 def test_validation_errors_name_the_numbers(world, kw, model, needle):
     with pytest.raises(ValueError) as e:

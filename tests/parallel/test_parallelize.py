@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from data_packing.batch import PackedBatch
 from longctx_moe.model import build_model
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
@@ -35,14 +36,31 @@ LAYOUTS = [dict(ep=2), dict(ep=4, dispatcher="allgather"), dict(tp=2), dict(tp=2
            # CP: the acceptance layout (CP4 = hierarchical 2x2, EP2 EDP2), ring x TP, Ulysses x DP
            dict(cp=4, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 2]),
            dict(cp=2, tp=2, ep=4), dict(cp=2, ep=2, cp_backend="ulysses"),
-           dict(cp=4, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 2])]
-AUX = ("seq", "switch")  # layout i runs AUX[i % 2]: the acceptance layout (5 and 8) runs both
+           dict(cp=4, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 2]),
+           # Megatron's global-batch aux loss (switch): statistics over every replica's tokens
+           dict(ep=4, aux_loss_scope="global_batch", aux="switch"),
+           dict(cp=2, ep=2, aux_loss_scope="global_batch", aux="switch")]
+AUX = ("seq", "switch")  # layout i runs AUX[i % 2] unless it names aux: layouts 5 and 8 run both
 COLUMN_SHARDED = ("wo.weight", "w_down.weight")  # row-parallel layers keep input columns
 
 
-def _loss(model, batch):
-    out = model(batch)
-    return out.ce_sum + out.aux_loss + out.z_loss, out.expert_counts
+def _loss(out, n, g):
+    """The trainer's per-micro-batch loss: ce_sum / G + (aux + z) * n / G (trainer.py)."""
+    return out.ce_sum / g + (out.aux_loss + out.z_loss) * (n / g)
+
+
+def _concat(batches):
+    """The DP replicas' micro-batches as one packed row: the global batch of the reference."""
+    cat = lambda name: torch.cat([getattr(b, name) for b in batches])
+
+    def cu(name, end):  # each row's bounds shifted by the rows before it (real or physical)
+        offsets = torch.tensor([0] + [end(b) for b in batches]).cumsum(0).tolist()
+        return torch.cat([getattr(batches[0], name)[:1]] + [
+            getattr(b, name)[1:] + o for b, o in zip(batches, offsets, strict=False)])
+
+    return PackedBatch(tokens=cat("tokens"), labels=cat("labels"), cu_seqlens=cu("cu_seqlens", lambda b: int(b.cu_seqlens[-1])),
+                       cu_seqlens_padded=cu("cu_seqlens_padded", lambda b: b.num_tokens), position_ids=cat("position_ids"),
+                       max_seqlen=max(b.max_seqlen for b in batches))
 
 
 def _model(seed, aux="seq"):
@@ -69,18 +87,24 @@ def _expected_grad(name, p, want, dims):
 
 
 def _check_layout(rank, world, kw, seed, aux="seq"):
-    dims = ParallelDims.from_config(ParallelConfig(**kw), world, tiny_config())
+    dims = ParallelDims.from_config(ParallelConfig(**kw), world, tiny_config(aux_loss_type=aux))
     dims.build_groups(rank)
     gen = torch.Generator().manual_seed(seed)
     # slots padded to 2*CP (zigzag halves) and TP, as the trainer's loader does
     pad = 2 * dims.cp * dims.tp
     batches = [packed_batch(d, 64, pad_multiple=pad, generator=gen) for d in DOCS[:dims.dp]]
+    g = sum(b.num_target_tokens() for b in batches)  # G of the trainer: one micro-batch each
+    # global_batch: the reference is one forward over the whole batch (one balance statistic)
+    ref_batches = [_concat(batches)] if kw.get("aux_loss_scope") == "global_batch" else batches
     ref = _model(seed, aux)
-    ref_out = [_loss(ref, b) for b in batches]
-    ref_loss = sum(loss for loss, _ in ref_out)
+    ref_out = [ref(b) for b in ref_batches]
+    ref_loss = sum(_loss(o, b.num_target_tokens(), g) for o, b in zip(ref_out, ref_batches,
+                                                                       strict=True))
     ref_loss.backward()
     model = parallelize(_model(seed, aux), dims)
-    loss, counts = _loss(model, batches[dims.rank_in("dp")])
+    mine = batches[dims.rank_in("dp")]
+    out = model(mine)
+    loss, counts = _loss(out, mine.num_target_tokens(), g), out.expert_counts
     loss.backward()
     dense, expert = split_params(model)
     assert all(getattr(p, "reduce_axis", "dp_cp") == "edp" for p in expert) and expert
@@ -89,7 +113,7 @@ def _check_layout(rank, world, kw, seed, aux="seq"):
     dist.all_reduce(total, group=dims.group("dp_cp"))  # TP peers hold the same loss
     assert abs(total.item() - ref_loss.item()) < TOL, kw
     # expert-bias load: summed over the data-parallel ranks, it is the whole batch's
-    assert torch.equal(reduce_expert_bias_counts(counts, dims), sum(c for _, c in ref_out)), kw
+    assert torch.equal(reduce_expert_bias_counts(counts, dims), sum(o.expert_counts for o in ref_out)), kw
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         want = _expected_grad(name, p, ref_params[name].grad, dims)
@@ -101,7 +125,8 @@ def _check_layout(rank, world, kw, seed, aux="seq"):
 
 def _check_all(rank, world):
     for seed, kw in enumerate(LAYOUTS):
-        _check_layout(rank, world, kw, seed, AUX[seed % 2])
+        kw = dict(kw)
+        _check_layout(rank, world, kw, seed, kw.pop("aux", AUX[seed % 2]))
     # Under CP only model(batch) shards the batch: a full batch elsewhere is refused, not wrong.
     dims = ParallelDims.from_config(ParallelConfig(cp=2), world, tiny_config())
     dims.build_groups(rank)
