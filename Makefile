@@ -33,6 +33,16 @@ train: data
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# Benchmarks print a table and write JSON under bench/results/ (minutes each; see docs/PERFORMANCE.md).
+bench: install
+	mkdir -p bench/results
+	$(BIN)/pip install -q -e ".[bench]"
+	$(BIN)/python bench/packing.py --out bench/results/packing.json
+	$(BIN)/python bench/cp_attention.py --out bench/results/cp_attention.json
+	$(BIN)/python bench/attention_kernels.py --out bench/results/attention_kernels.json
+	$(BIN)/python bench/moe_dispatch.py --out bench/results/moe_dispatch.json
+	$(BIN)/python bench/train_throughput.py --out bench/results/train_throughput.json
+
 lint: install
 	$(BIN)/ruff check longctx_moe cp_attention data_packing rl_hooks tests bench
 
