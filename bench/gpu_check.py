@@ -69,7 +69,7 @@ def check_attention(device, backend: str) -> dict:
     out, lse = attn_forward(*dev[:3], cu_d, cu_d, mx, mx, True, backend=backend)
     grads = attn_backward(dev[3], *dev[:3], out, lse, cu_d, cu_d, mx, mx, True, backend=backend)
     errs = {"out": _max_err(out, ref_out), "lse": _max_err(lse, ref_lse)}
-    errs.update({n: _max_err(a, b) for n, a, b in zip(("dq", "dk", "dv"), grads, ref_grads)})
+    errs.update({n: _max_err(a, b) for n, a, b in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True)})
     return {"max_abs_err": errs, "ok": all(e < 5e-2 * 4 if n.startswith("d") else e < 5e-2
                                           for n, e in errs.items())}
 
@@ -85,7 +85,7 @@ def check_grouped_gemm(device) -> dict:
     counts[4] += counts[3]
     counts[3] = 0  # an expert with no tokens
     offs = counts.cumsum(0).to(torch.int32)
-    ref = torch.cat([x[s:s + n] @ w[i] for i, (s, n) in enumerate(zip((offs - counts).tolist(), counts.tolist()))])
+    ref = torch.cat([x[s:s + n] @ w[i] for i, (s, n) in enumerate(zip((offs - counts).tolist(), counts.tolist(), strict=True))])
     xb = x.to(device, torch.bfloat16).requires_grad_()
     wb = w.to(device, torch.bfloat16).requires_grad_()
     y = torch._grouped_mm(xb, wb, offs=offs.to(device))
