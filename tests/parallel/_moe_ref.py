@@ -1,4 +1,5 @@
-"""Test helpers: a stand-in experts module and an unsharded, loop-based MoE reference.
+"""Test helpers: a stand-in experts module, an unsharded, loop-based MoE reference, and the
+concatenation of micro-batches into one packed row (the global-batch reference).
 
 Legend: T tokens, D model dim, F expert hidden, E experts, K top-k, L experts held by one rank.
 The stand-in has GroupedExperts' call signature, `experts(x_MD, tokens_per_local_expert_L)`, and
@@ -11,6 +12,8 @@ import math
 
 import torch
 from torch import nn
+
+from data_packing.batch import PackedBatch
 
 
 class LoopExperts(nn.Module):
@@ -61,3 +64,19 @@ def reference_moe(x_TD, idx_TK, weight_TK, w1_EDF, w2_EFD, kept):
                 y = y + weight_TK[t, k] * (torch.nn.functional.silu(x_TD[t] @ w1_EDF[e]) @ w2_EFD[e])
         rows.append(y)
     return torch.stack(rows) if rows else x_TD[:0]
+
+
+def concat_batches(batches: list[PackedBatch]) -> PackedBatch:
+    """The micro-batches as one packed row (documents never attend across rows or documents,
+    so every token's output is unchanged): the reference of one global-batch statistic."""
+    cat = lambda name: torch.cat([getattr(b, name) for b in batches])
+
+    def cu(name, end):  # each row's bounds shifted by the rows before it (real or physical)
+        offsets = torch.tensor([0] + [end(b) for b in batches]).cumsum(0).tolist()
+        return torch.cat([getattr(batches[0], name)[:1]] + [
+            getattr(b, name)[1:] + o for b, o in zip(batches, offsets, strict=False)])
+
+    return PackedBatch(tokens=cat("tokens"), labels=cat("labels"),
+                       cu_seqlens=cu("cu_seqlens", lambda b: int(b.cu_seqlens[-1])),
+                       cu_seqlens_padded=cu("cu_seqlens_padded", lambda b: b.num_tokens),
+                       position_ids=cat("position_ids"), max_seqlen=max(b.max_seqlen for b in batches))

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from data_packing.batch import PackedBatch
 from longctx_moe.model import build_model
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
@@ -27,6 +26,7 @@ from longctx_moe.parallel.grad_reduce import (
 from longctx_moe.parallel.parallelize import parallelize
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch, tiny_config
+from tests.parallel._moe_ref import concat_batches
 
 TOL = 1e-10
 # per DP replica: a length-1 document, one long document spanning every CP rank, short ones
@@ -47,20 +47,6 @@ COLUMN_SHARDED = ("wo.weight", "w_down.weight")  # row-parallel layers keep inpu
 def _loss(out, n, g):
     """The trainer's per-micro-batch loss: ce_sum / G + (aux + z) * n / G (trainer.py)."""
     return out.ce_sum / g + (out.aux_loss + out.z_loss) * (n / g)
-
-
-def _concat(batches):
-    """The DP replicas' micro-batches as one packed row: the global batch of the reference."""
-    cat = lambda name: torch.cat([getattr(b, name) for b in batches])
-
-    def cu(name, end):  # each row's bounds shifted by the rows before it (real or physical)
-        offsets = torch.tensor([0] + [end(b) for b in batches]).cumsum(0).tolist()
-        return torch.cat([getattr(batches[0], name)[:1]] + [
-            getattr(b, name)[1:] + o for b, o in zip(batches, offsets, strict=False)])
-
-    return PackedBatch(tokens=cat("tokens"), labels=cat("labels"), cu_seqlens=cu("cu_seqlens", lambda b: int(b.cu_seqlens[-1])),
-                       cu_seqlens_padded=cu("cu_seqlens_padded", lambda b: b.num_tokens), position_ids=cat("position_ids"),
-                       max_seqlen=max(b.max_seqlen for b in batches))
 
 
 def _model(seed, aux="seq"):
@@ -95,7 +81,7 @@ def _check_layout(rank, world, kw, seed, aux="seq"):
     batches = [packed_batch(d, 64, pad_multiple=pad, generator=gen) for d in DOCS[:dims.dp]]
     g = sum(b.num_target_tokens() for b in batches)  # G of the trainer: one micro-batch each
     # global_batch: the reference is one forward over the whole batch (one balance statistic)
-    ref_batches = [_concat(batches)] if kw.get("aux_loss_scope") == "global_batch" else batches
+    ref_batches = [concat_batches(batches)] if kw.get("aux_loss_scope") == "global_batch" else batches
     ref = _model(seed, aux)
     ref_out = [ref(b) for b in ref_batches]
     ref_loss = sum(_loss(o, b.num_target_tokens(), g) for o, b in zip(ref_out, ref_batches,
