@@ -127,9 +127,20 @@ def build_dims(cfg: Config, ctx: RunContext):
     return dims
 
 
+def check_backends(cfg: Config, device: torch.device) -> None:
+    """A backend that cannot run here fails at start-up with one line, not at the first forward."""
+    from cp_attention.kernels import resolve_backend
+
+    try:
+        resolve_backend(cfg.model.attention_backend, device)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"model.attention_backend={cfg.model.attention_backend!r}: {e}") from None
+
+
 def build_model_for(cfg: Config, dims: Any, device: torch.device) -> torch.nn.Module:
     from longctx_moe.model import build_model
 
+    check_backends(cfg, device)
     torch.manual_seed(cfg.train.seed)  # same init on every rank: replicas start identical
     dtype = {"fp32": torch.float32, "fp64": torch.float64}[cfg.train.param_dtype]
     model = build_model(cfg.model).to(device=device, dtype=dtype)

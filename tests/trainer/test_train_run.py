@@ -70,6 +70,16 @@ def test_bad_data_path_is_one_line(tmp_path, capsys):
     assert err.startswith("error: data.path=") and "make data" in err and "\n" not in err
 
 
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen", "flex", "no_such_kernel"])
+def test_unavailable_attention_backend_fails_at_start_up_in_one_line(tmp_path, corpus, capsys, backend):
+    # On this CPU machine the GPU-only backends cannot run: the run must stop before building
+    # anything else, with one line that names the key, the cause and a fix.
+    assert train_main(args(tmp_path / "run", corpus, 1, f"model.attention_backend={backend}")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"error: model.attention_backend='{backend}'")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_cli_launches_two_local_ranks(tmp_path, corpus):
     run_dir = tmp_path / "run2"
     cmd = [sys.executable, "-m", "longctx_moe.cli", "train", "--nproc", "2", *args(run_dir, corpus, 2)]
