@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=0,
                    help="intra-op threads of both sides (0 = torch's default); 1 is steadier on a shared machine")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override (repeatable; HF reads only the architecture), e.g. model.expert_precision=autocast")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--markdown", help="also write the table as Markdown here")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of our step")
@@ -90,12 +92,12 @@ def step_batches(path: str, rows: int, steps: int) -> list[list]:
     return out
 
 
-def model_config():
+def model_config(overrides=()):
     from longctx_moe.config import load_config
 
     sets = [f"model.{k}={v}" for k, v in MODEL.items()]
     sets += ["optim.warmup_steps=0", "optim.lr=1e-4", "optim.grad_clip=1.0", "train.autocast_dtype=bf16"]
-    return load_config(None, sets)
+    return load_config(None, sets + list(overrides))
 
 
 def rss_mb() -> float:
@@ -159,22 +161,24 @@ def worker(args) -> None:
         torch.set_num_threads(args.threads)
     from longctx_moe.model import build_model
 
-    cfg = model_config()
+    cfg = model_config(args.overrides)
     steps = step_batches(args.data, args.rows, args.warmup + args.steps)
     base = rss_mb()
     torch.manual_seed(0)
     model = build_model(cfg.model)
     run = ours_runner(cfg, model) if args.worker == "ours" else hf_runner(cfg, model)
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for i, batches in enumerate(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         losses.append(run(batches))
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
     if args.profile and args.worker == "ours":
         profile_step(run, steps[-1])
     tokens = [sum(int(mb.cu_seqlens[-1]) for mb in b) for b in steps[args.warmup:]]
-    print("RESULT " + json.dumps({"side": args.worker, "times": times, "tokens": tokens, "losses": losses,
+    print("RESULT " + json.dumps({"side": args.worker, "times": times, "cpu_times": cpu_times, "tokens": tokens,
+                                  "losses": losses,
                                   "peak_mem_mb": peak_rss_mb() - base}), flush=True)
 
 
@@ -192,7 +196,7 @@ def profile_step(run, batches) -> None:
 def run_side(side: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--data", args.data, "--rows", str(args.rows),
            "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads)] + [f"--set={kv}" for kv in args.overrides]
     if args.profile:
         cmd.append("--profile")
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -214,11 +218,15 @@ def summarize(results: dict[str, list[dict]], peak_tflops: float, flops_per_step
         out[side] = {"median_step_s": med, "tokens_per_s": tokens_per_step / med,
                      "mfu": flops_per_step / med / (peak_tflops * 1e12),
                      "peak_mem_mb": max(r["peak_mem_mb"] for r in runs),
-                     "step0_loss": runs[0]["losses"][0], "step_times_s": times}
+                     "step0_loss": runs[0]["losses"][0], "step_times_s": times,
+                     # CPU seconds of the process per step: with --threads 1 this is close to the
+                     # wall time of a quiet machine, and far steadier than wall time on a busy one.
+                     "median_step_cpu_s": statistics.median(t for r in runs for t in r["cpu_times"])}
     ours, hf = out["ours"], out["hf"]
     return {"ours_tokens_per_s": ours["tokens_per_s"], "hf_tokens_per_s": hf["tokens_per_s"],
             "ratio": ours["tokens_per_s"] / hf["tokens_per_s"], "ours_mfu": ours["mfu"], "hf_mfu": hf["mfu"],
             "ours_peak_mem_mb": ours["peak_mem_mb"], "hf_peak_mem_mb": hf["peak_mem_mb"],
+            "ratio_cpu_time": hf["median_step_cpu_s"] / ours["median_step_cpu_s"],
             # Load on a shared machine shifts between rounds: the ratio inside each round (sides
             # run back to back) is the steadier comparison.
             "ratio_per_round": [statistics.median(h["times"]) / statistics.median(o["times"])
@@ -241,6 +249,8 @@ def table(res: dict) -> str:
             ("tokens/s (median)", f"{s['ours']['tokens_per_s']:.0f}", f"{s['hf']['tokens_per_s']:.0f}", f"{res['ratio']:.2f}x"),
             ("median step (s)", f"{s['ours']['median_step_s']:.3f}", f"{s['hf']['median_step_s']:.3f}",
              f"{s['ours']['median_step_s'] / s['hf']['median_step_s']:.2f}"),
+            ("median step CPU time (s)", f"{s['ours']['median_step_cpu_s']:.3f}", f"{s['hf']['median_step_cpu_s']:.3f}",
+             f"{res['ratio_cpu_time']:.2f}x"),
             ("MFU (vs measured bf16 peak)", f"{100 * s['ours']['mfu']:.1f}%", f"{100 * s['hf']['mfu']:.1f}%", ""),
             ("peak memory (MB, RSS delta)", f"{s['ours']['peak_mem_mb']:.0f}", f"{s['hf']['peak_mem_mb']:.0f}",
              f"{s['ours']['peak_mem_mb'] / s['hf']['peak_mem_mb']:.2f}"),
@@ -263,7 +273,7 @@ def main(argv=None) -> int:
     ensure_corpus(args.data, args.seq_len)
     steps = step_batches(args.data, args.rows, args.warmup + args.steps)[args.warmup:]
     lengths = [[n for mb in b for n in mb.doc_lengths()] for b in steps]
-    cfg = model_config()
+    cfg = model_config(args.overrides)
     flops_per_step = statistics.mean(model_flops(cfg.model, ls) for ls in lengths)
     peaks = []
     results: dict[str, list[dict]] = {"ours": [], "hf": []}
