@@ -99,6 +99,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "parallel.cp_backend": ("ring", "ulysses", "hierarchical"),
     "parallel.dispatcher": ("alltoall", "allgather"),
     "parallel.dispatch_dtype": ("none", "bf16", "fp8"),
+    "parallel.aux_loss_scope": ("micro_batch", "global_batch"),
+    "parallel.drop_policy": ("probs", "position"),
 }
 
 # ---------------------------------------------------------------- building from dicts
