@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from cp_attention.plan import plan_cp
 
@@ -45,6 +47,39 @@ def make_cases(seed: int, p: int, n: int, multiple: int | None = None) -> list[d
         max_imb = float(rng.choice([1.0, 1.05, 1.3, 100.0]))
         cases.append(dict(lens=lens, slots=slots, placement=placement, max_imbalance=max_imb,
                           seed=seed * 1000 + i))
+    return cases
+
+
+@st.composite
+def layout_case(draw, p: int, multiple: int, max_docs: int = 40) -> dict:
+    """A hypothesis-drawn pack: 1-40 documents of length 0 (an all-padding slot) to 4 slots'
+    worth, each slot a multiple of `multiple`, some with an extra padding block; both placements
+    and a range of balance limits. Hypothesis favours the boundaries (length 1, exact multiples,
+    one huge document, all documents tiny) that a uniform generator rarely hits."""
+    lens = draw(st.lists(st.integers(0, 4 * multiple), min_size=1, max_size=max_docs))
+    if max(lens) == 0:
+        lens[0] = 1
+    extra = draw(st.lists(st.booleans(), min_size=len(lens), max_size=len(lens)))
+    slots = [max(multiple, math.ceil(n / multiple) * multiple) + (multiple if e else 0)
+             for n, e in zip(lens, extra, strict=True)]
+    return dict(lens=lens, slots=slots, placement=draw(st.sampled_from(["auto", "zigzag"])),
+                max_imbalance=draw(st.sampled_from([1.0, 1.05, 1.3, 100.0])),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def hypothesis_cases(p: int, n: int, multiple: int | None = None) -> list[dict]:
+    """n cases drawn by hypothesis in the parent (derandomized: the same list on every run and
+    every rank), for tests that start their process group once and loop over cases inside it.
+    Shrinking would need a process group per example, so a failure reports the case instead."""
+    cases: list[dict] = []
+
+    @settings(max_examples=n, database=None, derandomize=True, phases=[Phase.generate],
+              deadline=None, suppress_health_check=list(HealthCheck))
+    @given(layout_case(p, multiple or 2 * p))
+    def collect(case):
+        cases.append(case)
+
+    collect()
     return cases
 
 

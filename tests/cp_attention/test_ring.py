@@ -8,11 +8,12 @@ import torch.distributed as dist
 
 from cp_attention.comm import CommStats
 from cp_attention.ring import ring_attention
-from tests.cp_attention.cp_cases import make_cases, plan_case, run_and_check
+from tests.cp_attention.cp_cases import hypothesis_cases, make_cases, plan_case, run_and_check
 from tests.launcher import run_distributed
 
 HEADS = (4, 2, 8)  # Hq, Hkv (GQA), D
-CASES_PER_P = {2: 12, 3: 10, 4: 10}
+CASES_PER_P = {2: 12, 3: 10, 4: 10}  # seeded cases, plus HYPOTHESIS_PER_P drawn by hypothesis
+HYPOTHESIS_PER_P = 6
 
 
 def _expected(plan, rank: int, kind: str, itemsize: int, acc_itemsize: int) -> tuple[int, int]:
@@ -99,8 +100,9 @@ def _check_errors(rank, groups):
 
 
 def test_ring_exact_in_float64_and_within_tolerance_in_float32():
-    f64 = {p: make_cases(100 + p, p, n) for p, n in CASES_PER_P.items()}
+    f64 = {p: make_cases(100 + p, p, n) + hypothesis_cases(p, HYPOTHESIS_PER_P)
+           for p, n in CASES_PER_P.items()}
     f32 = {p: make_cases(200 + p, p, 5) for p in (2, 4)}
     res = run_distributed(_ring_worker, 4, args=(f64, f32), timeout=500)
-    n = {p: CASES_PER_P[p] + (5 if p in f32 else 0) for p in CASES_PER_P}
+    n = {p: len(f64[p]) + (5 if p in f32 else 0) for p in CASES_PER_P}
     assert res == [n[2] + n[3] + n[4], n[2] + n[3] + n[4], n[3] + n[4], n[4]]

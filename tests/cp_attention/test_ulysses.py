@@ -9,7 +9,7 @@ import torch.distributed as dist
 from cp_attention.comm import CommStats
 from cp_attention.ring import ring_attention
 from cp_attention.ulysses import hierarchical_attention, ulysses_attention
-from tests.cp_attention.cp_cases import make_cases, plan_case, run_and_check
+from tests.cp_attention.cp_cases import hypothesis_cases, make_cases, plan_case, run_and_check
 from tests.launcher import run_distributed
 
 D = 8
@@ -125,8 +125,8 @@ def _check_errors(rank, outer, case):
 
 
 def test_ulysses_and_hierarchical_float64_exact():
-    cases2 = make_cases(300, 2, 7)
-    cases4 = make_cases(301, 4, 7)
-    cases_h = make_cases(302, 2, 7, multiple=8)  # slots padded for CP=4 (2*4)
+    cases2 = make_cases(300, 2, 7) + hypothesis_cases(2, 4)
+    cases4 = make_cases(301, 4, 7) + hypothesis_cases(4, 4)
+    cases_h = make_cases(302, 2, 7, multiple=8) + hypothesis_cases(2, 4, multiple=8)  # slots for CP=4 (2*4)
     res = run_distributed(_worker, 4, args=(cases2, cases4, cases_h), timeout=400)
     assert res == [0, 1, 2, 3]
