@@ -118,6 +118,18 @@ def test_low_precision_matches_reference(dtype, tol_out, tol_lse, tol_grad):
             assert g.dtype == dtype
             torch.testing.assert_close(g.double(), r, atol=tol_grad, rtol=0)
 
+def _assert_causal_exact(q, k, v, dout, cu_q, cu_k, mq, mk):
+    """float64 forward (out, lse) and backward (dq, dk, dv) equal the dense reference to 1e-10."""
+    args = (cu_q, cu_k, mq, mk, True)
+    out, lse = attn_forward(q, k, v, *args)
+    ref_out, ref_lse = reference_attention(q, k, v, *args)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+    _assert_lse(lse, ref_lse, 1e-10)
+    grads = attn_backward(dout, q, k, v, out, lse, *args)
+    ref = reference_backward(dout, q, k, v, ref_out, ref_lse, *args)
+    for g, r in zip(grads, ref, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
+
 
 def test_tiled_and_scattered_assembly_are_exact():
     """Rows of unpadded single-document buckets that tile the row are assembled with one cat;
@@ -129,15 +141,7 @@ def test_tiled_and_scattered_assembly_are_exact():
         q, k, v, dout, cu_q, cu_k, mq, mk = _make(lens, lens, 4, 2, 8, pad, torch.float64, 9)
         plan = torch_cpu._plan(cu_q, cu_k, True, q.dtype)
         assert (torch_cpu._tiling(plan, q.shape[0], k.shape[0]) is not None) == tiled
-        args = (cu_q, cu_k, mq, mk, True)
-        out, lse = attn_forward(q, k, v, *args)
-        ref_out, ref_lse = reference_attention(q, k, v, *args)
-        torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
-        _assert_lse(lse, ref_lse, 1e-10)
-        grads = attn_backward(dout, q, k, v, out, lse, *args)
-        ref = reference_backward(dout, q, k, v, ref_out, ref_lse, *args)
-        for g, r in zip(grads, ref, strict=True):
-            torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
+        _assert_causal_exact(q, k, v, dout, cu_q, cu_k, mq, mk)
 
 
 def test_padded_big_block_layout_is_exact(monkeypatch):
@@ -159,15 +163,7 @@ def test_padded_big_block_layout_is_exact(monkeypatch):
         plan = torch_cpu._plan(cu_q, cu_k, True, None)
         assert max(bk.pk for bk in plan) == length > max(lens_k)
         assert (length == 150) == any(bk.q_slice is not None and bk.q_len < bk.pq for bk in plan)
-        args = (cu_q, cu_k, mq, mk, True)
-        out, lse = attn_forward(q, k, v, *args)
-        ref_out, ref_lse = reference_attention(q, k, v, *args)
-        torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
-        _assert_lse(lse, ref_lse, 1e-10)
-        grads = attn_backward(dout, q, k, v, out, lse, *args)
-        ref = reference_backward(dout, q, k, v, ref_out, ref_lse, *args)
-        for g, r in zip(grads, ref, strict=True):
-            torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
+        _assert_causal_exact(q, k, v, dout, cu_q, cu_k, mq, mk)
 
 
 def test_gradcheck_tiny():
