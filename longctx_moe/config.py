@@ -21,9 +21,18 @@ from typing import Any
 
 import yaml
 
+from cp_attention.kernels import BACKENDS as ATTENTION_BACKENDS
 from data_packing.config import DataConfig
+from longctx_moe.model.config import CHOICES as MODEL_CHOICES
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.parallel.config import ParallelConfig
+from longctx_moe.parallel.dims import (
+    AUX_LOSS_SCOPES,
+    CP_BACKENDS,
+    DISPATCH_DTYPES,
+    DISPATCHERS,
+    DROP_POLICIES,
+)
 
 
 class ConfigError(ValueError):
@@ -83,8 +92,8 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-# Closed sets of string values. Keys owned by other packages are listed here so that a bad value
-# fails at load time rather than deep inside a module.
+# Closed sets of string values. Keys owned by other packages are gathered here from their owners
+# (one list each) so that a bad value fails at load time rather than deep inside a module.
 CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "optim.impl": ("auto", "fused", "foreach", "for_loop"),
@@ -92,15 +101,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.param_dtype": ("fp32", "fp64"),
     "train.autocast_dtype": ("bf16", "fp16", "none"),
     "train.nan_policy": ("stop", "skip"),
-    "model.router_score": ("softmax", "sigmoid"),
-    "model.aux_loss_type": ("none", "switch", "seq"),
-    "model.grouped_gemm": ("auto", "grouped_mm", "loop"),
-    "model.attention_backend": ("auto", "torch_cpu", "torch_varlen", "flex", "flash_attn", "reference"),
-    "parallel.cp_backend": ("ring", "ulysses", "hierarchical"),
-    "parallel.dispatcher": ("alltoall", "allgather"),
-    "parallel.dispatch_dtype": ("none", "bf16", "fp8"),
-    "parallel.aux_loss_scope": ("micro_batch", "global_batch"),
-    "parallel.drop_policy": ("probs", "position"),
+    **{f"model.{key}": allowed for key, allowed in MODEL_CHOICES.items()},
+    "model.attention_backend": ("auto", *ATTENTION_BACKENDS),
+    "parallel.cp_backend": CP_BACKENDS,
+    "parallel.dispatcher": DISPATCHERS,
+    "parallel.dispatch_dtype": DISPATCH_DTYPES,
+    "parallel.aux_loss_scope": AUX_LOSS_SCOPES,
+    "parallel.drop_policy": DROP_POLICIES,
 }
 
 # ---------------------------------------------------------------- building from dicts

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_CHOICES = {
+# Allowed values of the string fields (also read by longctx_moe.config at load time).
+CHOICES = {
     "router_score": ("softmax", "sigmoid"),
     "aux_loss_type": ("none", "switch", "seq"),
     "grouped_gemm": ("auto", "grouped_mm", "loop"),
@@ -52,7 +53,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the key, its value and the fix."""
-        for key, allowed in _CHOICES.items():
+        for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"model.{key}={getattr(self, key)!r} is not one of {list(allowed)}")
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
