@@ -80,20 +80,14 @@ def _check_degrees(cfg: ParallelConfig, world_size: int) -> None:
 
 
 def _check_options(cfg: ParallelConfig) -> None:
-    if cfg.cp_backend not in CP_BACKENDS:
-        _fail(f"parallel.cp_backend={cfg.cp_backend!r} is unknown; use one of {CP_BACKENDS}")
-    if cfg.dispatcher not in DISPATCHERS:
-        _fail(f"parallel.dispatcher={cfg.dispatcher!r} is unknown; use one of {DISPATCHERS}")
-    if cfg.dispatch_dtype not in DISPATCH_DTYPES:
-        _fail(f"parallel.dispatch_dtype={cfg.dispatch_dtype!r} is unknown; use one of "
-              f"{DISPATCH_DTYPES}")
+    for name, allowed in (("cp_backend", CP_BACKENDS), ("dispatcher", DISPATCHERS),
+                          ("dispatch_dtype", DISPATCH_DTYPES), ("drop_policy", DROP_POLICIES),
+                          ("aux_loss_scope", AUX_LOSS_SCOPES)):
+        value = getattr(cfg, name)
+        if value not in allowed:
+            _fail(f"parallel.{name}={value!r} is unknown; use one of {allowed}")
     if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:
         _fail(f"parallel.capacity_factor={cfg.capacity_factor} must be > 0, or null for dropless")
-    if cfg.drop_policy not in DROP_POLICIES:
-        _fail(f"parallel.drop_policy={cfg.drop_policy!r} is unknown; use one of {DROP_POLICIES}")
-    if cfg.aux_loss_scope not in AUX_LOSS_SCOPES:
-        _fail(f"parallel.aux_loss_scope={cfg.aux_loss_scope!r} is unknown; use one of "
-              f"{AUX_LOSS_SCOPES}")
 
 
 def _check_hierarchical(cfg: ParallelConfig) -> tuple[int, int]:
