@@ -23,6 +23,7 @@ import yaml
 
 from cp_attention.kernels import BACKENDS as ATTENTION_BACKENDS
 from data_packing.config import DataConfig
+from longctx_moe.host import ALLOCATOR_MODES
 from longctx_moe.model.config import CHOICES as MODEL_CHOICES
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.parallel.config import ParallelConfig
@@ -61,6 +62,10 @@ class TrainConfig:
     autocast_dtype: str = "bf16"  # compute dtype under autocast: bf16 | fp16 | none
     nan_policy: str = "stop"  # stop | skip: what a non-finite loss or grad norm does
     num_threads: int = 0  # intra-op CPU threads per rank; 0 = cores // local ranks
+    # torch.compile each block (longctx_moe.compile): fuses the elementwise ops; the first steps
+    # pay the compilation (cached on disk by inductor for later runs).
+    compile: bool = False
+    host_allocator: str = "tuned"  # tuned (freed heap memory is reused; see longctx_moe.host) | default
     run_dir: str = "runs/default"
 
 
@@ -101,6 +106,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.param_dtype": ("fp32", "fp64"),
     "train.autocast_dtype": ("bf16", "fp16", "none"),
     "train.nan_policy": ("stop", "skip"),
+    "train.host_allocator": ALLOCATOR_MODES,
     **{f"model.{key}": allowed for key, allowed in MODEL_CHOICES.items()},
     "model.attention_backend": ("auto", *ATTENTION_BACKENDS),
     "parallel.cp_backend": CP_BACKENDS,

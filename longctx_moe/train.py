@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from longctx_moe import host
 from longctx_moe.checkpoint import (
     CheckpointError,
     find_resume_dir,
@@ -69,10 +70,8 @@ def pick_device(name: str) -> torch.device:
 
 
 def configure_cpu(cfg: Config, local_world_size: int) -> None:
-    # Denormal fp32 values (AdamW's second moments of tiny gradients) make sqrt/div crawl on x86.
-    torch.set_flush_denormal(True)
     threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // local_world_size)
-    torch.set_num_threads(threads)
+    host.configure_cpu(threads, cfg.train.host_allocator)
 
 
 def make_context(cfg: Config) -> RunContext:
@@ -152,6 +151,10 @@ def build_model_for(cfg: Config, dims: Any, device: torch.device) -> torch.nn.Mo
             model = parallelize(model, dims, cfg.parallel)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if cfg.train.compile:
+        from longctx_moe.compile import apply_compile
+
+        model = apply_compile(model)
     return model
 
 
