@@ -21,7 +21,7 @@ from torch import nn
 
 from longctx_moe.model.attention import DocLayout
 from longctx_moe.model.config import ModelConfig
-from longctx_moe.model.grouped_gemm import grouped_matmul
+from longctx_moe.model.grouped_gemm import grouped_matmul, with_padded_groups
 from longctx_moe.model.layers import SwiGLU, autocast_dtype
 from longctx_moe.model.losses import router_z_loss, sequence_aux_loss, switch_aux_loss
 
@@ -85,10 +85,7 @@ class GroupedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
 
     def compute_dtype(self, x_MD: torch.Tensor) -> torch.dtype:
-        precision = self.precision
-        if precision == "auto":
-            precision = "param" if x_MD.device.type == "cpu" else "autocast"
-        if precision == "param":
+        if self.precision == "param":
             return self.w_gate_up.dtype
         # _grouped_mm is not on autocast's list: we cast by hand, once per forward per weight.
         return autocast_dtype(x_MD)
@@ -96,10 +93,15 @@ class GroupedExperts(nn.Module):
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         cdtype = self.compute_dtype(x_MD)
         x_MD = x_MD.to(cdtype)
-        h_MF2 = grouped_matmul(x_MD, self.w_gate_up.to(cdtype), tokens_per_expert_E, self.impl)
+        # On CPU in bf16, rows are padded per expert so the GEMM shapes repeat (see grouped_gemm).
+        return with_padded_groups(self._swiglu, x_MD, tokens_per_expert_E)
+
+    def _swiglu(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        cdtype = x_MD.dtype
+        h_MF2 = grouped_matmul(x_MD, self.w_gate_up.to(cdtype), counts_E, self.impl)
         gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
         act_MF = F.silu(gate_MF) * up_MF
-        return grouped_matmul(act_MF, self.w_down.to(cdtype), tokens_per_expert_E, self.impl)
+        return grouped_matmul(act_MF, self.w_down.to(cdtype), counts_E, self.impl)
 
 
 class _GatherRows(torch.autograd.Function):

@@ -1,11 +1,18 @@
 """Float64 checks of the building blocks against naive references: RMSNorm, RoPE, attention over
 packed documents (through the cp_attention kernel), grouped GEMM, and the local dispatcher."""
 
+from unittest import mock
+
 import pytest
 import torch
 
 from longctx_moe.model.attention import Attention, doc_layout
-from longctx_moe.model.grouped_gemm import grouped_matmul, grouped_mm_works, resolve_impl
+from longctx_moe.model.grouped_gemm import (
+    grouped_matmul,
+    grouped_mm_works,
+    padded_size,
+    resolve_impl,
+)
 from longctx_moe.model.layers import RMSNorm, apply_rope, rope_cos_sin
 from longctx_moe.model.moe import GroupedExperts, LocalDispatcher
 from tests.model.helpers import dense_attention, packed_batch, tiny_config
@@ -161,5 +168,34 @@ def test_expert_precision_under_autocast():
         for precision in ("autocast", "param", "auto"):
             experts.precision = precision
             dtypes[precision] = experts(x, cnt).dtype
-    # auto picks the parameters' dtype on CPU (no per-step weight casts).
-    assert dtypes == {"autocast": torch.bfloat16, "param": torch.float32, "auto": torch.float32}
+    assert dtypes == {"autocast": torch.bfloat16, "param": torch.float32, "auto": torch.bfloat16}
+
+
+def test_padded_size_grid():
+    assert [padded_size(n) for n in (0, 1, 16, 17, 127, 128, 129, 300, 1000, 4096)] == \
+        [0, 16, 16, 32, 128, 128, 144, 320, 1024, 4096]
+    for n in range(1, 5000):
+        p = padded_size(n)
+        assert 0 <= p - n < max(16, n / 8) and p % 16 == 0  # at most 1/8 (or 15 rows) of padding
+    # few distinct sizes: the point of padding is that GEMM shapes repeat
+    assert len({padded_size(n) for n in range(1, 4097)}) <= 60
+
+
+def test_padded_groups_match_unpadded_in_bf16():
+    """Padding rows per expert (bf16 on CPU) changes neither outputs nor gradients: each row's
+    GEMMs see the same operands, padding rows are zeros and get no gradient."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 32, 16)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    cnt = torch.tensor([0, 37, 5, 22])
+    x = torch.randn(64, 32).bfloat16().requires_grad_()
+    g = torch.randn(64, 32).bfloat16()
+    outs = []
+    for pad in (True, False):
+        with mock.patch("longctx_moe.model.grouped_gemm.wants_padding", return_value=pad):
+            y = experts(x, cnt)
+            grads = torch.autograd.grad(y, [x, *experts.parameters()], g)
+        outs.append((y, *grads))
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
