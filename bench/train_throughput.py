@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=0,
                    help="intra-op threads of both sides (0 = torch's default); 1 is steadier on a shared machine")
+    p.add_argument("--hf-allocator", choices=["default", "tuned"], default="default",
+                   help="HF side's malloc: default (plain transformers + torch) or tuned (ours, longctx_moe.host)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override (repeatable; HF reads only the architecture), e.g. model.expert_precision=autocast")
     p.add_argument("--out", help="write the results as JSON here")
@@ -96,7 +98,8 @@ def model_config(overrides=()):
     from longctx_moe.config import load_config
 
     sets = [f"model.{k}={v}" for k, v in MODEL.items()]
-    sets += ["optim.warmup_steps=0", "optim.lr=1e-4", "optim.grad_clip=1.0", "train.autocast_dtype=bf16"]
+    sets += ["optim.warmup_steps=0", "optim.lr=1e-4", "optim.grad_clip=1.0", "train.autocast_dtype=bf16",
+             "train.compile=true"]
     return load_config(None, sets + list(overrides))
 
 
@@ -115,6 +118,10 @@ def peak_rss_mb() -> float:
 def ours_runner(cfg, model):
     from longctx_moe.trainer import Trainer
 
+    if cfg.train.compile:  # as `longctx-moe train` does (build_model_for)
+        from longctx_moe.compile import apply_compile
+
+        apply_compile(model)
     trainer = Trainer(cfg, model)
     return lambda batches: trainer.train_step(batches).ce_loss
 
@@ -156,10 +163,12 @@ def hf_runner(cfg, ours_model):
 
 def worker(args) -> None:
     """One side in this process: print a JSON line with step times, losses and memory."""
-    torch.set_flush_denormal(True)  # both sides: denormals make AdamW crawl on x86
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from longctx_moe.host import configure_cpu
     from longctx_moe.model import build_model
+
+    # Both sides flush denormals (they make AdamW crawl on x86). The malloc tuning is part of our
+    # trainer (longctx_moe.host, applied by `longctx-moe train`); HF gets it with --hf-allocator tuned.
+    configure_cpu(args.threads, "tuned" if args.worker == "ours" else args.hf_allocator)
 
     cfg = model_config(args.overrides)
     steps = step_batches(args.data, args.rows, args.warmup + args.steps)
@@ -196,7 +205,7 @@ def profile_step(run, batches) -> None:
 def run_side(side: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--data", args.data, "--rows", str(args.rows),
            "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
-           "--threads", str(args.threads)] + [f"--set={kv}" for kv in args.overrides]
+           "--threads", str(args.threads), "--hf-allocator", args.hf_allocator] + [f"--set={kv}" for kv in args.overrides]
     if args.profile:
         cmd.append("--profile")
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -234,6 +243,7 @@ def summarize(results: dict[str, list[dict]], peak_tflops: float, flops_per_step
             "peak_tflops_bf16": peak_tflops, "tokens_per_step": statistics.mean(results["ours"][0]["tokens"]),
             "rows_per_step": args.rows, "seq_len": args.seq_len, "rounds": args.rounds,
             "timed_steps_per_round": args.steps, "threads": torch.get_num_threads(),
+            "hf_allocator": args.hf_allocator,
             "torch": torch.__version__, "transformers": _hf_version(), "model": MODEL, "sides": out}
 
 

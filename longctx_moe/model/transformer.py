@@ -13,7 +13,7 @@ from torch import nn
 from data_packing.batch import PackedBatch
 from longctx_moe.model.attention import Attention, DocLayout, doc_layout
 from longctx_moe.model.config import ModelConfig
-from longctx_moe.model.layers import RMSNorm, SwiGLU
+from longctx_moe.model.layers import RMSNorm, SwiGLU, autocast_dtype
 from longctx_moe.model.losses import chunked_cross_entropy
 from longctx_moe.model.moe import MoE, MoEStats
 
@@ -66,6 +66,8 @@ class Transformer(nn.Module):
     def _run(self, batch: PackedBatch) -> tuple[torch.Tensor, list[MoEStats]]:
         layout = self.layout_fn(batch)
         x_TD = self.embed(batch.tokens)
+        # Fill the RoPE cache before the blocks, so that every block (compiled or not) only reads it.
+        layout.rope_cos_sin(self.cfg.head_dim, self.cfg.rope_theta, autocast_dtype(x_TD))
         stats = []
         for block in self.layers:
             x_TD, s = block(x_TD, layout)
