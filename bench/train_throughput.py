@@ -6,6 +6,10 @@ library, tokenized with a 16384-token BPE). Both sides: fp32 master weights, bf1
 the identical architecture (hidden 512, 4 layers, 16 experts top-2 of hidden 512, 8 query / 4 KV
 heads of 64, vocab 16384) and the identical initial weights (ours converted with hf_interop).
 
+Our side runs as `longctx-moe train` would with `train.compile=true`: blocks compiled
+(longctx_moe.compile), glibc malloc tuned to reuse freed memory (longctx_moe.host; HF gets it too
+with `--hf-allocator tuned`). Both sides flush denormals.
+
 HF gets the same packed row with position_ids restarting at every document: transformers builds a
 block-diagonal causal mask from them for its sdpa attention (masking_utils.find_packed_sequence_
 indices), so no document attends to another on either side. Labels are shifted to HF's convention
@@ -48,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="packed corpus (vocab 16384, seq-len 2048); built with longctx-pack if missing")
     p.add_argument("--rows", type=int, default=2, help="packed rows (micro-batches) per optimizer step")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=4,
+                   help="untimed steps per side: compilation, and oneDNN kernels for new GEMM shapes")
     p.add_argument("--steps", type=int, default=3, help="timed steps per side per round")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=0,
