@@ -1,6 +1,8 @@
 """train.compile and the host allocator: compiled blocks give the eager model's numbers; the
 allocator tuning is applied and a bad value is refused."""
 
+import shutil
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -24,6 +26,8 @@ def _trainer(compiled: bool):
     return Trainer(cfg, model)
 
 
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                    reason="inductor's CPU backend needs a C++ compiler")
 def test_compiled_blocks_match_eager_float64():
     """Two optimizer steps on packed rows with padding (which sends MoE.stats down its masked,
     data-dependent path, kept eager): float64, so inductor's reordering of float ops can only move
