@@ -10,6 +10,7 @@ Shapes: M rows sorted by expert, D in features, F out features, E experts.
 from __future__ import annotations
 
 import functools
+from itertools import accumulate
 
 import torch
 
@@ -101,16 +102,14 @@ def pad_layout(counts_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]
     One host sync to read the counts (the padded total sizes a tensor)."""
     counts = counts_E.tolist()
     padded = [padded_size(c) for c in counts]
-    starts, pstarts, pos, ppos = [], [], 0, 0
-    for c, p in zip(counts, padded, strict=True):
-        starts.append(pos)
-        pstarts.append(ppos)
-        pos, ppos = pos + c, ppos + p
-    shift_E = torch.tensor([p - s for p, s in zip(pstarts, starts, strict=True)], dtype=torch.int64)
-    shift_M = torch.repeat_interleave(shift_E, torch.tensor(counts, dtype=torch.int64), output_size=pos)
-    slot_M = torch.arange(pos, dtype=torch.int64) + shift_M
+    # Expert e's rows move down by the padding of the experts before it.
+    shift_E = torch.tensor(list(accumulate((p - c for p, c in zip(padded, counts, strict=True)), initial=0))[:-1],
+                           dtype=torch.int64)
+    m = sum(counts)
+    shift_M = torch.repeat_interleave(shift_E, torch.tensor(counts, dtype=torch.int64), output_size=m)
+    slot_M = torch.arange(m, dtype=torch.int64) + shift_M
     dev = counts_E.device
-    return slot_M.to(dev), torch.tensor(padded, dtype=counts_E.dtype, device=dev), ppos
+    return slot_M.to(dev), torch.tensor(padded, dtype=counts_E.dtype, device=dev), sum(padded)
 
 
 class _ScatterRows(torch.autograd.Function):

@@ -17,7 +17,7 @@ from tests.model.helpers import packed_batch, tiny_config
 
 def _trainer(compiled: bool):
     cfg = load_config(None, ["train.param_dtype=fp64", "train.autocast_dtype=none", "optim.warmup_steps=0",
-                             "optim.grad_clip=1.0", "model.aux_loss_type=seq", "model.expert_bias=true"])
+                             "optim.grad_clip=1.0"])
     cfg.model = tiny_config(aux_loss_type="seq", expert_bias=True, z_loss_coeff=1e-3)
     torch.manual_seed(0)
     model = build_model(cfg.model).double()
