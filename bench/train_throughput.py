@@ -65,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--markdown", help="also write the table as Markdown here")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of our step")
+    p.add_argument("--breakdown", action="store_true",
+                   help="profile one more step per side and split its time into kernel categories "
+                        "(attention kernel, GEMM, optimizer, casts and copies, other)")
     p.add_argument("--worker", choices=["ours", "hf"], help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -190,9 +193,10 @@ def worker(args) -> None:
             cpu_times.append(time.process_time() - c0)
     if args.profile and args.worker == "ours":
         profile_step(run, steps[-1])
+    breakdown = step_breakdown(run, steps[-1]) if args.breakdown else None
     tokens = [sum(int(mb.cu_seqlens[-1]) for mb in b) for b in steps[args.warmup:]]
     print("RESULT " + json.dumps({"side": args.worker, "times": times, "cpu_times": cpu_times, "tokens": tokens,
-                                  "losses": losses,
+                                  "losses": losses, "breakdown": breakdown,
                                   "peak_mem_mb": peak_rss_mb() - base}), flush=True)
 
 
@@ -204,6 +208,53 @@ def profile_step(run, batches) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), file=sys.stderr)
 
 
+# Kernel categories of --breakdown. The attention kernel is the same aten op on both sides (HF's
+# sdpa reaches it too), and GEMMs run near the machine's measured peak, so these two bound how far
+# ahead either side can get; the rest is what a trainer's own code decides.
+CATEGORIES = ("attention kernel", "GEMM", "optimizer", "casts and copies", "other")
+_GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm"}
+
+
+def _category(op: str) -> str:
+    if "flash_attention" in op or "scaled_dot_product" in op:
+        return "attention kernel"
+    if op in _GEMM_OPS:
+        return "GEMM"
+    if "adam" in op.lower():
+        return "optimizer"
+    if op in ("aten::copy_", "aten::_to_copy", "aten::to"):
+        return "casts and copies"
+    return "other"
+
+
+def step_breakdown(run, batches) -> dict[str, float]:
+    """Self time (s) per category of one profiled step, plus its total."""
+    from torch.profiler import profile
+
+    with profile(record_shapes=False) as prof:
+        run(batches)
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for e in prof.key_averages():
+        out[_category(e.key)] += e.self_cpu_time_total / 1e6
+    out["total"] = sum(out.values())
+    return out
+
+
+def breakdown_table(results: dict[str, list[dict]]) -> str | None:
+    """Medians over rounds of each category, and each side's share of its own step."""
+    if not all(r.get("breakdown") for runs in results.values() for r in runs):
+        return None
+    med = {side: {c: statistics.median(r["breakdown"][c] for r in runs) for c in (*CATEGORIES, "total")}
+           for side, runs in results.items()}
+    lines = ["| category (profiled step, s) | longctx-moe | HF Qwen3-MoE | ours share | HF share |",
+             "|---|---:|---:|---:|---:|"]
+    for c in (*CATEGORIES, "total"):
+        o, h = med["ours"][c], med["hf"][c]
+        lines.append(f"| {c} | {o:.3f} | {h:.3f} | {100 * o / med['ours']['total']:.0f}% | "
+                     f"{100 * h / med['hf']['total']:.0f}% |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------- the driver
 
 
@@ -211,8 +262,7 @@ def run_side(side: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--data", args.data, "--rows", str(args.rows),
            "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--threads", str(args.threads), "--hf-allocator", args.hf_allocator] + [f"--set={kv}" for kv in args.overrides]
-    if args.profile:
-        cmd.append("--profile")
+    cmd += ["--profile"] * args.profile + ["--breakdown"] * args.breakdown
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if args.profile and side == "ours":
         print(proc.stderr[-12000:], file=sys.stderr)
@@ -304,11 +354,15 @@ def main(argv=None) -> int:
           f"bf16 autocast, fused AdamW; measured bf16 peak {res['peak_tflops_bf16']:.2f} TFLOP/s\n")
     print(table(res))
     print("\nours/HF tokens/s inside each round: " + ", ".join(f"{r:.2f}x" for r in res["ratio_per_round"]))
+    parts = breakdown_table(results)
+    if parts:
+        res["breakdown_table"] = parts
+        print("\n" + parts)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))
     if args.markdown:
-        Path(args.markdown).write_text(table(res) + "\n")
+        Path(args.markdown).write_text(table(res) + "\n" + (f"\n{parts}\n" if parts else ""))
     return 0
 
 
