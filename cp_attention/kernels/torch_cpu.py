@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from . import amx_backward
 from ._buckets import Bucket, plan_buckets
 from ._common import default_scale, kernel_lse, lse_dtype
 
@@ -199,11 +200,25 @@ def _scatter_kv(pieces, plan, like):
     return dst
 
 
+def _amx_eligible(tensors, cu_q, cu_k, causal) -> bool:
+    """Causal self-attention in bf16 over shared boundaries: the case amx_backward computes (the
+    packed-row forward of every layer), where it is 1.7-2.7x faster than aten's kernel."""
+    q_THD, k_SHD = tensors[1], tensors[2]
+    return (causal and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+            and q_THD.shape[0] == k_SHD.shape[0] and q_THD.shape[2] % 16 == 0  # oneDNN's packer
+            and cu_q.shape == cu_k.shape and bool(torch.equal(cu_q, cu_k)) and amx_backward.available())
+
+
 def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k, causal,
              scale=None):
     """Gradients of this block for a (possibly larger, merged) (out, lse): (dq_THD, dk_SHD,
     dv_SHD) in the input dtype. The kernel computes rowsum(dout * out) from the out passed."""
     scale = default_scale(scale, q_THD.shape[2])
+    if _amx_eligible((dout_THD, q_THD, k_SHD, v_SHD, out_THD), cu_q, cu_k, causal):
+        grads = amx_backward.try_varlen_causal_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD,
+                                                        kernel_lse(lse_HT), cu_q, scale)
+        if grads is not None:
+            return grads
     plan = _plan(cu_q, cu_k, causal, q_THD.dtype, backward=True)
     tiles = _tiling(plan, q_THD.shape[0], k_SHD.shape[0])
     plan = tiles or plan

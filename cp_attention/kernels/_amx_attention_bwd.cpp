@@ -1,0 +1,222 @@
+// Causal attention backward for one document per head on CPUs with AMX (bf16 in, fp32 accumulate).
+//
+// Why: aten's CPU flash backward accumulates dQ/dK/dV into bf16 outputs tile by tile through
+// generic GEMM calls; on a 2048-token document it costs ~5x its forward. This kernel runs every
+// product through cpublas::brgemm (oneDNN's AMX micro-kernel) with fp32 accumulators, in the
+// transposed ("key-major") form of FlashAttention-2's backward so that every A operand is a
+// row-major tile we already hold and every B operand is packed once per head:
+//
+//   S^T  = K_n Q_m^T          P^T = exp(scale S^T - lse_m), 0 where key > query
+//   dV_n += P^T dO_m          dP^T = V_n dO_m^T
+//   dS^T = P^T (dP^T - delta_m) scale
+//   dK_n += dS^T Q_m          dQ_m^T += K_n^T dS^T
+//
+// Entry point: varlen_causal_backward (at the end), over every document of a packed row.
+// Blocks are B = 64 rows; every (document, KV head) pair is one parallel work item.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::BFloat16;
+using Vec = at::vec::Vectorized<float>;
+namespace cpublas = at::native::cpublas;
+
+// fp32 row -> bf16 row, round to nearest even (AVX512-BF16 where the compiler targets it).
+inline void to_bf16(const float* src, BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512BF16__
+  for (; i + 16 <= n; i += 16) {
+    __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i&>(b));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<BFloat16>(src[i]);
+}
+
+// Pack a row-major [K, N] bf16 block (row stride ld_in) into brgemm's VNNI layout (pairs of K
+// rows interleaved; element (k, n) at ((k / 2) * N + n) * 2 + k % 2). oneDNN's packer refuses
+// blocks past 64 x 64 here, so larger ones are packed in 64 x 64 pieces of the same layout.
+inline void pack_b(const BFloat16* in, BFloat16* out, int64_t K, int64_t N, int64_t ld_in) {
+  for (int64_t k0 = 0; k0 < K; k0 += 64)
+    for (int64_t n0 = 0; n0 < N; n0 += 64)
+      cpublas::pack(std::min<int64_t>(64, K - k0), std::min<int64_t>(64, N - n0), ld_in, N,
+                    at::kBFloat16, at::kBFloat16, in + k0 * ld_in + n0, out + k0 * N + 2 * n0);
+}
+
+// One (document, KV head): the G query heads sharing it, on contiguous copies of the document's
+// rows zero-padded to Lp = a multiple of B (padded queries get lse = +inf, so P = 0 there, and a
+// padded key is later than every real query, so causality hides it).
+struct Doc {
+  int64_t start, len;
+};
+
+struct Views {  // the packed row in the caller's [T, H, D] layouts
+  const BFloat16 *q, *dout, *out, *k, *v;
+  const float* lse;  // [Hq, T]
+  BFloat16 *dq, *dk, *dv;
+  int64_t T, hq, hkv, D, B;
+  float scale;
+};
+
+void gather_rows(const BFloat16* src, int64_t heads, int64_t h, const Doc& doc, int64_t D,
+                 int64_t Lp, BFloat16* dst) {
+  for (int64_t i = 0; i < doc.len; ++i)
+    std::copy_n(src + ((doc.start + i) * heads + h) * D, D, dst + i * D);
+  std::fill(dst + doc.len * D, dst + Lp * D, BFloat16(0.f));
+}
+
+void scatter_rows(const float* src, int64_t heads, int64_t h, const Doc& doc, int64_t D,
+                  BFloat16* dst) {
+  for (int64_t i = 0; i < doc.len; ++i) to_bf16(src + i * D, dst + ((doc.start + i) * heads + h) * D, D);
+}
+
+void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
+  const int64_t D = x.D, B = x.B, L = (doc.len + B - 1) / B * B, nb = L / B, groups = x.hq / x.hkv;
+  const float scale = x.scale;
+  std::vector<BFloat16> k_h(L * D), v_h(L * D), kT(D * L);
+  gather_rows(x.k, x.hkv, hk, doc, D, L, k_h.data());
+  gather_rows(x.v, x.hkv, hk, doc, D, L, v_h.data());
+  // K^T [D, L] row-major: the A operand of dQ^T += K_n^T dS^T.
+  for (int64_t j = 0; j < L; ++j)
+    for (int64_t d = 0; d < D; ++d) kT[d * L + j] = k_h[j * D + d];
+  std::vector<float> dk_acc(L * D, 0.f), dv_acc(L * D, 0.f);
+  // Per query head: Q^T, dO^T blocks packed as B [D, B]; Q, dO blocks packed as B [B, D].
+  std::vector<BFloat16> q_h(L * D), do_h(L * D), o_h(L * D), qT(D * L), doT(D * L);
+  std::vector<BFloat16> qT_pk(D * L), doT_pk(D * L), q_pk(L * D), do_pk(L * D);
+  std::vector<float> lse_h(L), delta(L), dqT_acc(D * L), dq_rows(L * D);
+  std::vector<float> sT(B * B), dpT(B * B);
+  std::vector<BFloat16> pT16(B * B), dsT16(B * B), dsT_pk(B * B);
+
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t h = hk * groups + g;
+    gather_rows(x.q, x.hq, h, doc, D, L, q_h.data());
+    gather_rows(x.dout, x.hq, h, doc, D, L, do_h.data());
+    gather_rows(x.out, x.hq, h, doc, D, L, o_h.data());
+    std::copy_n(x.lse + h * x.T + doc.start, doc.len, lse_h.data());
+    std::fill(lse_h.begin() + doc.len, lse_h.end(), std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < L; ++i) {
+      float acc = 0.f;
+      for (int64_t d = 0; d < D; ++d)
+        acc += static_cast<float>(do_h[i * D + d]) * static_cast<float>(o_h[i * D + d]);
+      delta[i] = acc;
+      for (int64_t d = 0; d < D; ++d) {
+        qT[d * L + i] = q_h[i * D + d];
+        doT[d * L + i] = do_h[i * D + d];
+      }
+    }
+    for (int64_t m = 0; m < nb; ++m) {
+      pack_b(qT.data() + m * B, qT_pk.data() + m * D * B, D, B, L);
+      pack_b(doT.data() + m * B, doT_pk.data() + m * D * B, D, B, L);
+      pack_b(q_h.data() + m * B * D, q_pk.data() + m * B * D, B, D, D);
+      pack_b(do_h.data() + m * B * D, do_pk.data() + m * B * D, B, D, D);
+    }
+    std::fill(dqT_acc.begin(), dqT_acc.end(), 0.f);
+
+    for (int64_t n = 0; n < nb; ++n) {
+      const int64_t n0 = n * B;
+      for (int64_t m = n; m < nb; ++m) {  // causal: query blocks at or after the key block
+        const int64_t m0 = m * B;
+        const float* lse_m = lse_h.data() + m0;
+        const float* delta_m = delta.data() + m0;
+        // S^T = K_n Q_m^T  [B keys, B queries]
+        cpublas::brgemm(B, B, D, D, B, B, false, k_h.data() + n0 * D, qT_pk.data() + m * D * B, sT.data());
+        for (int64_t i = 0; i < B; ++i) {
+          float* row = sT.data() + i * B;
+          // query m0 + j sees key n0 + i iff j >= n0 + i - m0
+          const int64_t j0 = std::min<int64_t>(B, std::max<int64_t>(0, n0 + i - m0));
+          std::fill(row, row + j0, 0.f);
+          int64_t j = j0;
+          for (; j + Vec::size() <= B; j += Vec::size()) {
+            Vec s = Vec::loadu(row + j) * Vec(scale) - Vec::loadu(lse_m + j);
+            s.exp().store(row + j);
+          }
+          for (; j < B; ++j) row[j] = std::exp(row[j] * scale - lse_m[j]);
+          to_bf16(row, pT16.data() + i * B, B);
+        }
+        // dV_n += P^T dO_m
+        cpublas::brgemm(B, D, B, B, D, D, true, pT16.data(), do_pk.data() + m * B * D, dv_acc.data() + n0 * D);
+        // dP^T = V_n dO_m^T
+        cpublas::brgemm(B, B, D, D, B, B, false, v_h.data() + n0 * D, doT_pk.data() + m * D * B, dpT.data());
+        for (int64_t i = 0; i < B; ++i) {
+          float* p = sT.data() + i * B;
+          float* dp = dpT.data() + i * B;
+          int64_t j = 0;
+          for (; j + Vec::size() <= B; j += Vec::size()) {
+            Vec ds = Vec::loadu(p + j) * (Vec::loadu(dp + j) - Vec::loadu(delta_m + j)) * Vec(scale);
+            ds.store(dp + j);
+          }
+          for (; j < B; ++j) dp[j] = p[j] * (dp[j] - delta_m[j]) * scale;
+          to_bf16(dp, dsT16.data() + i * B, B);
+        }
+        // dK_n += dS^T Q_m
+        cpublas::brgemm(B, D, B, B, D, D, true, dsT16.data(), q_pk.data() + m * B * D, dk_acc.data() + n0 * D);
+        // dQ_m^T += K_n^T dS^T  (A = K^T[:, n0:n0+B], lda L; B = dS^T packed [B keys, B queries])
+        pack_b(dsT16.data(), dsT_pk.data(), B, B, B);
+        cpublas::brgemm(D, B, B, L, B, L, true, kT.data() + n0, dsT_pk.data(), dqT_acc.data() + m0);
+      }
+    }
+    for (int64_t i = 0; i < doc.len; ++i)
+      for (int64_t d = 0; d < D; ++d) dq_rows[i * D + d] = dqT_acc[d * L + i];
+    scatter_rows(dq_rows.data(), x.hq, h, doc, D, x.dq);
+  }
+  scatter_rows(dk_acc.data(), x.hkv, hk, doc, D, x.dk);
+  scatter_rows(dv_acc.data(), x.hkv, hk, doc, D, x.dv);
+}
+
+}  // namespace
+
+// Backward of causal self-attention over the documents of a packed row: q, dout, out [T, Hq, D],
+// k, v [T, Hkv, D] (bf16, contiguous), lse [Hq, T] fp32, cu_seqlens [N + 1] int64 (documents are
+// [cu[i], cu[i+1]), each attending to itself only). Returns dq, dk, dv in the input layouts.
+std::vector<at::Tensor> varlen_causal_backward(at::Tensor dout, at::Tensor q, at::Tensor k,
+                                               at::Tensor v, at::Tensor out, at::Tensor lse,
+                                               at::Tensor cu_seqlens, double scale, int64_t block) {
+  for (const auto& t : {dout, q, k, v, out})
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.dim() == 3,
+                "amx attention backward: contiguous bf16 [T, H, D] tensors expected");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous(), "amx attention backward: fp32 lse");
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong, "amx attention backward: int64 cu_seqlens");
+  Views x{q.const_data_ptr<BFloat16>(), dout.const_data_ptr<BFloat16>(), out.const_data_ptr<BFloat16>(),
+          k.const_data_ptr<BFloat16>(), v.const_data_ptr<BFloat16>(), lse.const_data_ptr<float>(),
+          nullptr, nullptr, nullptr, q.size(0), q.size(1), k.size(1), q.size(2), block,
+          static_cast<float>(scale)};
+  TORCH_CHECK(x.D % 16 == 0 && x.hq % x.hkv == 0 && block % 16 == 0 && block <= 64,
+              "amx attention backward: head dim and block must be multiples of 16, block <= 64");
+  auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+  x.dq = dq.data_ptr<BFloat16>();
+  x.dk = dk.data_ptr<BFloat16>();
+  x.dv = dv.data_ptr<BFloat16>();
+  std::vector<Doc> docs;
+  auto cu = cu_seqlens.accessor<int64_t, 1>();
+  for (int64_t i = 0; i + 1 < cu.size(0); ++i)
+    if (cu[i + 1] > cu[i]) docs.push_back({cu[i], cu[i + 1] - cu[i]});
+  // Work items (document, KV head), longest first, taken from a shared counter: a greedy
+  // longest-first schedule, so one long document does not leave the other threads idle at the end
+  // (a static split of sorted items would give one thread all the long ones).
+  std::sort(docs.begin(), docs.end(), [](const Doc& a, const Doc& b) { return a.len > b.len; });
+  const int64_t items = static_cast<int64_t>(docs.size()) * x.hkv;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t w = next++; w < items; w = next++) backward_doc_kv_head(x, docs[w / x.hkv], w % x.hkv);
+    cpublas::brgemm_release();
+  });
+  return {dq, dk, dv};
+}
+
+bool usable() { return cpublas::could_pack(at::kBFloat16); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("varlen_causal_backward", &varlen_causal_backward);
+  m.def("usable", &usable);
+}
