@@ -212,15 +212,15 @@ def profile_step(run, batches) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30), file=sys.stderr)
 
 
-# Kernel categories of --breakdown. The attention kernel is the same aten op on both sides (HF's
-# sdpa reaches it too), and GEMMs run near the machine's measured peak, so these two bound how far
-# ahead either side can get; the rest is what a trainer's own code decides.
+# Kernel categories of --breakdown. "attention kernel" is aten's CPU flash op (HF's sdpa reaches it
+# too) plus our AMX backward (cp_attention.kernels.amx_backward); GEMMs run near the machine's
+# measured peak on both sides; the rest is what a trainer's own code decides.
 CATEGORIES = ("attention kernel", "GEMM", "optimizer", "casts and copies", "other")
 _GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm"}
 
 
 def _category(op: str) -> str:
-    if "flash_attention" in op or "scaled_dot_product" in op:
+    if "flash_attention" in op or "scaled_dot_product" in op or "attention_backward" in op:
         return "attention kernel"
     if op in _GEMM_OPS:
         return "GEMM"

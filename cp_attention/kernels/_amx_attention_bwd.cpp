@@ -12,7 +12,7 @@
 //   dK_n += dS^T Q_m          dQ_m^T += K_n^T dS^T
 //
 // Entry point: varlen_causal_backward (at the end), over every document of a packed row.
-// Blocks are B = 64 rows; every (document, KV head) pair is one parallel work item.
+// Tiles of 128 keys x 64 queries; every (document, KV head) pair is one parallel work item.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -44,14 +44,28 @@ inline void to_bf16(const float* src, BFloat16* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<BFloat16>(src[i]);
 }
 
-// Pack a row-major [K, N] bf16 block (row stride ld_in) into brgemm's VNNI layout (pairs of K
-// rows interleaved; element (k, n) at ((k / 2) * N + n) * 2 + k % 2). oneDNN's packer refuses
-// blocks past 64 x 64 here, so larger ones are packed in 64 x 64 pieces of the same layout.
+// B operands in brgemm's VNNI layout (pairs of K rows interleaved: element (k, n) at
+// ((k / 2) * w + n) * 2 + k % 2 for a panel w columns wide). oneDNN's packer refuses blocks past
+// 64 x 64 here, so a [K, N] block is stored as panels of at most 64 columns (panel p, K x w, at
+// offset p * 64 * K), each packed in pieces of at most 64 rows; gemm() runs one brgemm per panel.
+constexpr int64_t kPanel = 64;
+
 inline void pack_b(const BFloat16* in, BFloat16* out, int64_t K, int64_t N, int64_t ld_in) {
-  for (int64_t k0 = 0; k0 < K; k0 += 64)
-    for (int64_t n0 = 0; n0 < N; n0 += 64)
-      cpublas::pack(std::min<int64_t>(64, K - k0), std::min<int64_t>(64, N - n0), ld_in, N,
-                    at::kBFloat16, at::kBFloat16, in + k0 * ld_in + n0, out + k0 * N + 2 * n0);
+  for (int64_t n0 = 0; n0 < N; n0 += kPanel) {
+    const int64_t w = std::min(kPanel, N - n0);
+    for (int64_t k0 = 0; k0 < K; k0 += kPanel)
+      cpublas::pack(std::min(kPanel, K - k0), w, ld_in, w, at::kBFloat16, at::kBFloat16,
+                    in + k0 * ld_in + n0, out + n0 * K + k0 * w);
+  }
+}
+
+// C[M, N] (+)= A[M, K] (row stride lda) @ B (packed by pack_b with the same K, N).
+inline void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* A, int64_t lda, const BFloat16* B,
+                 float* C, int64_t ldc, bool add) {
+  for (int64_t n0 = 0; n0 < N; n0 += kPanel) {
+    const int64_t w = std::min(kPanel, N - n0);
+    cpublas::brgemm(M, w, K, lda, w, ldc, add, A, B + n0 * K, C + n0);
+  }
 }
 
 // One (document, KV head): the G query heads sharing it, on contiguous copies of the document's
@@ -65,7 +79,7 @@ struct Views {  // the packed row in the caller's [T, H, D] layouts
   const BFloat16 *q, *dout, *out, *k, *v;
   const float* lse;  // [Hq, T]
   BFloat16 *dq, *dk, *dv;
-  int64_t T, hq, hkv, D, B;
+  int64_t T, hq, hkv, D, Bq, Bk;
   float scale;
 };
 
@@ -82,7 +96,10 @@ void scatter_rows(const float* src, int64_t heads, int64_t h, const Doc& doc, in
 }
 
 void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
-  const int64_t D = x.D, B = x.B, L = (doc.len + B - 1) / B * B, nb = L / B, groups = x.hq / x.hkv;
+  // Tiles of Bk keys x Bq queries: B operands are packed per query block, so Bq <= 64 (the
+  // packer's limit); more keys per tile mean fewer, larger micro-kernel calls.
+  const int64_t D = x.D, Bq = x.Bq, Bk = x.Bk, groups = x.hq / x.hkv;
+  const int64_t L = (doc.len + Bk - 1) / Bk * Bk, nq = L / Bq, nk = L / Bk;
   const float scale = x.scale;
   std::vector<BFloat16> k_h(L * D), v_h(L * D), kT(D * L);
   gather_rows(x.k, x.hkv, hk, doc, D, L, k_h.data());
@@ -91,12 +108,12 @@ void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
   for (int64_t j = 0; j < L; ++j)
     for (int64_t d = 0; d < D; ++d) kT[d * L + j] = k_h[j * D + d];
   std::vector<float> dk_acc(L * D, 0.f), dv_acc(L * D, 0.f);
-  // Per query head: Q^T, dO^T blocks packed as B [D, B]; Q, dO blocks packed as B [B, D].
+  // Per query head: Q^T, dO^T blocks packed as B [D, Bq]; Q, dO blocks packed as B [Bq, D].
   std::vector<BFloat16> q_h(L * D), do_h(L * D), o_h(L * D), qT(D * L), doT(D * L);
   std::vector<BFloat16> qT_pk(D * L), doT_pk(D * L), q_pk(L * D), do_pk(L * D);
   std::vector<float> lse_h(L), delta(L), dqT_acc(D * L), dq_rows(L * D);
-  std::vector<float> sT(B * B), dpT(B * B);
-  std::vector<BFloat16> pT16(B * B), dsT16(B * B), dsT_pk(B * B);
+  std::vector<float> sT(Bk * Bq), dpT(Bk * Bq);
+  std::vector<BFloat16> pT16(Bk * Bq), dsT16(Bk * Bq), dsT_pk(Bk * Bq);
 
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t h = hk * groups + g;
@@ -115,55 +132,55 @@ void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
         doT[d * L + i] = do_h[i * D + d];
       }
     }
-    for (int64_t m = 0; m < nb; ++m) {
-      pack_b(qT.data() + m * B, qT_pk.data() + m * D * B, D, B, L);
-      pack_b(doT.data() + m * B, doT_pk.data() + m * D * B, D, B, L);
-      pack_b(q_h.data() + m * B * D, q_pk.data() + m * B * D, B, D, D);
-      pack_b(do_h.data() + m * B * D, do_pk.data() + m * B * D, B, D, D);
+    for (int64_t m = 0; m < nq; ++m) {
+      pack_b(qT.data() + m * Bq, qT_pk.data() + m * D * Bq, D, Bq, L);
+      pack_b(doT.data() + m * Bq, doT_pk.data() + m * D * Bq, D, Bq, L);
+      pack_b(q_h.data() + m * Bq * D, q_pk.data() + m * Bq * D, Bq, D, D);
+      pack_b(do_h.data() + m * Bq * D, do_pk.data() + m * Bq * D, Bq, D, D);
     }
     std::fill(dqT_acc.begin(), dqT_acc.end(), 0.f);
 
-    for (int64_t n = 0; n < nb; ++n) {
-      const int64_t n0 = n * B;
-      for (int64_t m = n; m < nb; ++m) {  // causal: query blocks at or after the key block
-        const int64_t m0 = m * B;
+    for (int64_t n = 0; n < nk; ++n) {
+      const int64_t n0 = n * Bk;
+      for (int64_t m = n0 / Bq; m < nq; ++m) {  // causal: query blocks not wholly before the keys
+        const int64_t m0 = m * Bq;
         const float* lse_m = lse_h.data() + m0;
         const float* delta_m = delta.data() + m0;
-        // S^T = K_n Q_m^T  [B keys, B queries]
-        cpublas::brgemm(B, B, D, D, B, B, false, k_h.data() + n0 * D, qT_pk.data() + m * D * B, sT.data());
-        for (int64_t i = 0; i < B; ++i) {
-          float* row = sT.data() + i * B;
+        // S^T = K_n Q_m^T  [Bk keys, Bq queries]
+        gemm(Bk, Bq, D, k_h.data() + n0 * D, D, qT_pk.data() + m * D * Bq, sT.data(), Bq, false);
+        for (int64_t i = 0; i < Bk; ++i) {
+          float* row = sT.data() + i * Bq;
           // query m0 + j sees key n0 + i iff j >= n0 + i - m0
-          const int64_t j0 = std::min<int64_t>(B, std::max<int64_t>(0, n0 + i - m0));
+          const int64_t j0 = std::min<int64_t>(Bq, std::max<int64_t>(0, n0 + i - m0));
           std::fill(row, row + j0, 0.f);
           int64_t j = j0;
-          for (; j + Vec::size() <= B; j += Vec::size()) {
+          for (; j + Vec::size() <= Bq; j += Vec::size()) {
             Vec s = Vec::loadu(row + j) * Vec(scale) - Vec::loadu(lse_m + j);
             s.exp().store(row + j);
           }
-          for (; j < B; ++j) row[j] = std::exp(row[j] * scale - lse_m[j]);
-          to_bf16(row, pT16.data() + i * B, B);
+          for (; j < Bq; ++j) row[j] = std::exp(row[j] * scale - lse_m[j]);
+          to_bf16(row, pT16.data() + i * Bq, Bq);
         }
         // dV_n += P^T dO_m
-        cpublas::brgemm(B, D, B, B, D, D, true, pT16.data(), do_pk.data() + m * B * D, dv_acc.data() + n0 * D);
+        gemm(Bk, D, Bq, pT16.data(), Bq, do_pk.data() + m * Bq * D, dv_acc.data() + n0 * D, D, true);
         // dP^T = V_n dO_m^T
-        cpublas::brgemm(B, B, D, D, B, B, false, v_h.data() + n0 * D, doT_pk.data() + m * D * B, dpT.data());
-        for (int64_t i = 0; i < B; ++i) {
-          float* p = sT.data() + i * B;
-          float* dp = dpT.data() + i * B;
+        gemm(Bk, Bq, D, v_h.data() + n0 * D, D, doT_pk.data() + m * D * Bq, dpT.data(), Bq, false);
+        for (int64_t i = 0; i < Bk; ++i) {
+          float* p = sT.data() + i * Bq;
+          float* dp = dpT.data() + i * Bq;
           int64_t j = 0;
-          for (; j + Vec::size() <= B; j += Vec::size()) {
+          for (; j + Vec::size() <= Bq; j += Vec::size()) {
             Vec ds = Vec::loadu(p + j) * (Vec::loadu(dp + j) - Vec::loadu(delta_m + j)) * Vec(scale);
             ds.store(dp + j);
           }
-          for (; j < B; ++j) dp[j] = p[j] * (dp[j] - delta_m[j]) * scale;
-          to_bf16(dp, dsT16.data() + i * B, B);
+          for (; j < Bq; ++j) dp[j] = p[j] * (dp[j] - delta_m[j]) * scale;
+          to_bf16(dp, dsT16.data() + i * Bq, Bq);
         }
         // dK_n += dS^T Q_m
-        cpublas::brgemm(B, D, B, B, D, D, true, dsT16.data(), q_pk.data() + m * B * D, dk_acc.data() + n0 * D);
-        // dQ_m^T += K_n^T dS^T  (A = K^T[:, n0:n0+B], lda L; B = dS^T packed [B keys, B queries])
-        pack_b(dsT16.data(), dsT_pk.data(), B, B, B);
-        cpublas::brgemm(D, B, B, L, B, L, true, kT.data() + n0, dsT_pk.data(), dqT_acc.data() + m0);
+        gemm(Bk, D, Bq, dsT16.data(), Bq, q_pk.data() + m * Bq * D, dk_acc.data() + n0 * D, D, true);
+        // dQ_m^T += K_n^T dS^T  (A = K^T[:, n0:n0+Bk], lda L; B = dS^T packed [Bk keys, Bq queries])
+        pack_b(dsT16.data(), dsT_pk.data(), Bk, Bq, Bq);
+        gemm(D, Bq, Bk, kT.data() + n0, L, dsT_pk.data(), dqT_acc.data() + m0, L, true);
       }
     }
     for (int64_t i = 0; i < doc.len; ++i)
@@ -181,7 +198,8 @@ void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
 // [cu[i], cu[i+1]), each attending to itself only). Returns dq, dk, dv in the input layouts.
 std::vector<at::Tensor> varlen_causal_backward(at::Tensor dout, at::Tensor q, at::Tensor k,
                                                at::Tensor v, at::Tensor out, at::Tensor lse,
-                                               at::Tensor cu_seqlens, double scale, int64_t block) {
+                                               at::Tensor cu_seqlens, double scale, int64_t block_q,
+                                               int64_t block_k) {
   for (const auto& t : {dout, q, k, v, out})
     TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.dim() == 3,
                 "amx attention backward: contiguous bf16 [T, H, D] tensors expected");
@@ -189,10 +207,11 @@ std::vector<at::Tensor> varlen_causal_backward(at::Tensor dout, at::Tensor q, at
   TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong, "amx attention backward: int64 cu_seqlens");
   Views x{q.const_data_ptr<BFloat16>(), dout.const_data_ptr<BFloat16>(), out.const_data_ptr<BFloat16>(),
           k.const_data_ptr<BFloat16>(), v.const_data_ptr<BFloat16>(), lse.const_data_ptr<float>(),
-          nullptr, nullptr, nullptr, q.size(0), q.size(1), k.size(1), q.size(2), block,
+          nullptr, nullptr, nullptr, q.size(0), q.size(1), k.size(1), q.size(2), block_q, block_k,
           static_cast<float>(scale)};
-  TORCH_CHECK(x.D % 16 == 0 && x.hq % x.hkv == 0 && block % 16 == 0 && block <= 64,
-              "amx attention backward: head dim and block must be multiples of 16, block <= 64");
+  TORCH_CHECK(x.D % 16 == 0 && x.hq % x.hkv == 0 && block_q % 16 == 0 && block_q <= 64 &&
+              block_k % block_q == 0, "amx attention backward: head dim and query block must be "
+              "multiples of 16, query block <= 64, key block a multiple of it");
   auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
   x.dq = dq.data_ptr<BFloat16>();
   x.dk = dk.data_ptr<BFloat16>();

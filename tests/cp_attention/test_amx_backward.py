@@ -32,9 +32,9 @@ def _row(lens, hq, hkv, d, pad, seed):
 
 
 # Documents straddling the 64-row tiles (63/64/65/129), 1-token documents, tokens after the last
-# document (pad), GQA, and one long document.
+# document (pad), GQA, one long document, and head dims past one 64-column panel (128, 80).
 CASES = [([5, 1, 63, 64, 65, 129, 2], 4, 2, 16, 3), ([700, 20], 8, 4, 64, 0), ([1], 2, 1, 16, 1),
-         ([300, 1, 1, 211], 3, 3, 32, 2)]
+         ([300, 1, 1, 211], 3, 3, 32, 2), ([200, 77], 4, 2, 128, 1), ([90], 2, 2, 80, 0)]
 
 
 @needs_amx
