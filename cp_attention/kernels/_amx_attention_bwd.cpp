@@ -45,18 +45,46 @@ inline void to_bf16(const float* src, BFloat16* dst, int64_t n) {
 }
 
 // B operands in brgemm's VNNI layout (pairs of K rows interleaved: element (k, n) at
-// ((k / 2) * w + n) * 2 + k % 2 for a panel w columns wide). oneDNN's packer refuses blocks past
-// 64 x 64 here, so a [K, N] block is stored as panels of at most 64 columns (panel p, K x w, at
-// offset p * 64 * K), each packed in pieces of at most 64 rows; gemm() runs one brgemm per panel.
+// ((k / 2) * w + n) * 2 + k % 2 for a panel w columns wide; K even). A [K, N] block is stored as
+// panels of at most 64 columns (panel p, K x w, at offset p * 64 * K), the widest B the
+// micro-kernel takes here; gemm() runs one brgemm per panel.
 constexpr int64_t kPanel = 64;
 
 inline void pack_b(const BFloat16* in, BFloat16* out, int64_t K, int64_t N, int64_t ld_in) {
+  // By hand rather than cpublas::pack, which builds a oneDNN transform object on every call.
+  const auto* src = reinterpret_cast<const uint16_t*>(in);
+  auto* dst = reinterpret_cast<uint16_t*>(out);
   for (int64_t n0 = 0; n0 < N; n0 += kPanel) {
     const int64_t w = std::min(kPanel, N - n0);
-    for (int64_t k0 = 0; k0 < K; k0 += kPanel)
-      cpublas::pack(std::min(kPanel, K - k0), w, ld_in, w, at::kBFloat16, at::kBFloat16,
-                    in + k0 * ld_in + n0, out + n0 * K + k0 * w);
+    uint16_t* panel = dst + n0 * K;
+    for (int64_t k = 0; k < K; k += 2) {
+      const uint16_t* r0 = src + k * ld_in + n0;
+      const uint16_t* r1 = r0 + ld_in;
+      uint16_t* o = panel + k * w;
+      for (int64_t n = 0; n < w; ++n) {
+        o[2 * n] = r0[n];
+        o[2 * n + 1] = r1[n];
+      }
+    }
   }
+}
+
+// The VNNI B operand [K, N] of the transpose of a row-major [N, K] block (row stride ld_in, N <= 64):
+// pairs (k, k + 1) are adjacent in a source row, so this is a 32-bit transpose with contiguous reads.
+inline void pack_bt(const BFloat16* in, BFloat16* out, int64_t K, int64_t N, int64_t ld_in) {
+  const auto* src = reinterpret_cast<const uint32_t*>(in);
+  auto* dst = reinterpret_cast<uint32_t*>(out);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t p = 0; p < K / 2; ++p) dst[p * N + n] = src[n * (ld_in / 2) + p];
+}
+
+// dst[c, r] = src[r, c] for a [R, C] block, in 64-row strips so that neither side strides by a
+// whole row of the other (rows here are 4 KiB apart: every column would hit one cache set).
+template <typename S, typename T>
+inline void transpose(const S* src, T* dst, int64_t R, int64_t C, int64_t ld_src, int64_t ld_dst) {
+  for (int64_t r0 = 0; r0 < R; r0 += 64)
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t r = r0; r < std::min(R, r0 + 64); ++r) dst[c * ld_dst + r] = static_cast<T>(src[r * ld_src + c]);
 }
 
 // C[M, N] (+)= A[M, K] (row stride lda) @ B (packed by pack_b with the same K, N).
@@ -104,12 +132,11 @@ void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
   std::vector<BFloat16> k_h(L * D), v_h(L * D), kT(D * L);
   gather_rows(x.k, x.hkv, hk, doc, D, L, k_h.data());
   gather_rows(x.v, x.hkv, hk, doc, D, L, v_h.data());
-  // K^T [D, L] row-major: the A operand of dQ^T += K_n^T dS^T.
-  for (int64_t j = 0; j < L; ++j)
-    for (int64_t d = 0; d < D; ++d) kT[d * L + j] = k_h[j * D + d];
+  transpose(k_h.data(), kT.data(), L, D, D, L);  // K^T [D, L]: the A operand of dQ^T += K_n^T dS^T
   std::vector<float> dk_acc(L * D, 0.f), dv_acc(L * D, 0.f);
   // Per query head: Q^T, dO^T blocks packed as B [D, Bq]; Q, dO blocks packed as B [Bq, D].
-  std::vector<BFloat16> q_h(L * D), do_h(L * D), o_h(L * D), qT(D * L), doT(D * L);
+  static_assert(sizeof(BFloat16) == 2, "VNNI packing moves bf16 pairs as 32-bit words");
+  std::vector<BFloat16> q_h(L * D), do_h(L * D), o_h(L * D);
   std::vector<BFloat16> qT_pk(D * L), doT_pk(D * L), q_pk(L * D), do_pk(L * D);
   std::vector<float> lse_h(L), delta(L), dqT_acc(D * L), dq_rows(L * D);
   std::vector<float> sT(Bk * Bq), dpT(Bk * Bq);
@@ -127,14 +154,10 @@ void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
       for (int64_t d = 0; d < D; ++d)
         acc += static_cast<float>(do_h[i * D + d]) * static_cast<float>(o_h[i * D + d]);
       delta[i] = acc;
-      for (int64_t d = 0; d < D; ++d) {
-        qT[d * L + i] = q_h[i * D + d];
-        doT[d * L + i] = do_h[i * D + d];
-      }
     }
     for (int64_t m = 0; m < nq; ++m) {
-      pack_b(qT.data() + m * Bq, qT_pk.data() + m * D * Bq, D, Bq, L);
-      pack_b(doT.data() + m * Bq, doT_pk.data() + m * D * Bq, D, Bq, L);
+      pack_bt(q_h.data() + m * Bq * D, qT_pk.data() + m * D * Bq, D, Bq, D);
+      pack_bt(do_h.data() + m * Bq * D, doT_pk.data() + m * D * Bq, D, Bq, D);
       pack_b(q_h.data() + m * Bq * D, q_pk.data() + m * Bq * D, Bq, D, D);
       pack_b(do_h.data() + m * Bq * D, do_pk.data() + m * Bq * D, Bq, D, D);
     }
@@ -183,8 +206,7 @@ void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
         gemm(D, Bq, Bk, kT.data() + n0, L, dsT_pk.data(), dqT_acc.data() + m0, L, true);
       }
     }
-    for (int64_t i = 0; i < doc.len; ++i)
-      for (int64_t d = 0; d < D; ++d) dq_rows[i * D + d] = dqT_acc[d * L + i];
+    transpose(dqT_acc.data(), dq_rows.data(), D, L, L, D);
     scatter_rows(dq_rows.data(), x.hq, h, doc, D, x.dq);
   }
   scatter_rows(dk_acc.data(), x.hkv, hk, doc, D, x.dk);
