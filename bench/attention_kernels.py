@@ -2,7 +2,8 @@
 
 One packed 2048-token row of ~6 documents of realistic lengths, bf16, 8 query / 4 KV heads of 64,
 causal. Both sides run forward and forward+backward on the same tensors in the same process;
-the table reports medians and the ratio SDPA / ours (> 1 means ours is faster).
+the table reports medians and the ratio SDPA / ours (> 1 means ours is faster). Where the AMX
+backward runs (cp_attention.kernels.amx_backward), ours is also timed with aten's backward.
 
     python bench/attention_kernels.py [--reps 20] [--lengths 700,500,...] [--out FILE]
 """
@@ -18,6 +19,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -25,7 +27,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from cp_attention.kernels import varlen_attention  # noqa: E402
+from cp_attention.kernels import amx_backward, varlen_attention  # noqa: E402
 from cp_attention.kernels.reference import doc_mask_TS  # noqa: E402
 
 # Lengths drawn once from a log-normal fit of web/code documents packed into a 2048-token row.
@@ -58,10 +60,11 @@ def _inputs(lengths, hq, hkv, d, dtype, seed=0):
     return q, k, v, dout, cu
 
 
-def _ours(q, k, v, dout, cu, max_len, backward):
-    out, _ = varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True)
-    if backward:
-        out.backward(dout)
+def _ours(q, k, v, dout, cu, max_len, backward, amx=True):
+    with contextlib.nullcontext() if amx else amx_backward.disabled():
+        out, _ = varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True)
+        if backward:
+            out.backward(dout)
 
 
 def _sdpa(q, k, v, dout, mask_TT, backward):
@@ -82,10 +85,14 @@ def run(lengths, reps, hq=8, hkv=4, d=64, dtype=torch.bfloat16):
     sdpa = lambda b: _sdpa(q, k, v, dout, mask_TT, b)
     with torch.no_grad():
         fwd = _interleaved_medians({"ours": lambda: ours(False), "sdpa": lambda: sdpa(False)}, reps)
-    both = _interleaved_medians({"ours": lambda: ours(True), "sdpa": lambda: sdpa(True)}, reps)
+    fns = {"ours": lambda: ours(True), "sdpa": lambda: sdpa(True)}
+    if amx_backward.available():  # ours with aten's backward instead of the AMX kernel
+        fns["ours_aten_bwd"] = lambda: _ours(q, k, v, dout, cu, max(lengths), True, amx=False)
+    both = _interleaved_medians(fns, reps)
     res = {f"{n}_fwd_ms": t for n, t in fwd.items()} | {f"{n}_fwd_bwd_ms": t for n, t in both.items()}
     res["ratio_fwd"] = res["sdpa_fwd_ms"] / res["ours_fwd_ms"]
     res["ratio_fwd_bwd"] = res["sdpa_fwd_bwd_ms"] / res["ours_fwd_bwd_ms"]
+    res["amx_backward"] = amx_backward.available()
     res.update(lengths=lengths, tokens=sum(lengths), heads_q=hq, heads_kv=hkv, head_dim=d,
                dtype=str(dtype), reps=reps, threads=torch.get_num_threads(),
                torch=torch.__version__)
@@ -95,6 +102,8 @@ def run(lengths, reps, hq=8, hkv=4, d=64, dtype=torch.bfloat16):
 def _table(r) -> str:
     rows = [("torch_cpu varlen (ours)", r["ours_fwd_ms"], r["ours_fwd_bwd_ms"]),
             ("SDPA + block-diag mask", r["sdpa_fwd_ms"], r["sdpa_fwd_bwd_ms"])]
+    if "ours_aten_bwd_fwd_bwd_ms" in r:
+        rows.insert(1, ("ours, aten's backward", r["ours_fwd_ms"], r["ours_aten_bwd_fwd_bwd_ms"]))
     lines = [f"{r['tokens']} tokens, docs {r['lengths']}, {r['dtype']}, Hq={r['heads_q']} "
              f"Hkv={r['heads_kv']} D={r['head_dim']}, median of {r['reps']}, "
              f"{r['threads']} threads",
