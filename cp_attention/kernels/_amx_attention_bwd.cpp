@@ -7,9 +7,9 @@
 // row-major tile we already hold and every B operand is packed once per head:
 //
 //   S^T  = K_n Q_m^T          P^T = exp(scale S^T - lse_m), 0 where key > query
-//   dV_n += P^T dO_m          dP^T = V_n dO_m^T
-//   dS^T = P^T (dP^T - delta_m) scale
-//   dK_n += dS^T Q_m          dQ_m^T += K_n^T dS^T
+//   dP^T = V_n dO_m^T         dS^T = P^T (dP^T - delta_m) scale
+//   dQ_m^T += K_n^T dS^T      (per tile)
+//   dV_n += P^T dO,  dK_n += dS^T Q   (per key block, over all its query blocks at once)
 //
 // Entry point: varlen_causal_backward (at the end), over every document of a packed row.
 // Tiles of 128 keys x 64 queries; every (document, KV head) pair is one parallel work item.
@@ -87,12 +87,14 @@ inline void transpose(const S* src, T* dst, int64_t R, int64_t C, int64_t ld_src
       for (int64_t r = r0; r < std::min(R, r0 + 64); ++r) dst[c * ld_dst + r] = static_cast<T>(src[r * ld_src + c]);
 }
 
-// C[M, N] (+)= A[M, K] (row stride lda) @ B (packed by pack_b with the same K, N).
+// C[M, N] (+)= A[M, K] (row stride lda) @ rows [k0, k0 + K) of a B packed by pack_b with
+// K_total rows (default: exactly these K).
 inline void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* A, int64_t lda, const BFloat16* B,
-                 float* C, int64_t ldc, bool add) {
+                 float* C, int64_t ldc, bool add, int64_t K_total = -1, int64_t k0 = 0) {
+  if (K_total < 0) K_total = K;
   for (int64_t n0 = 0; n0 < N; n0 += kPanel) {
     const int64_t w = std::min(kPanel, N - n0);
-    cpublas::brgemm(M, w, K, lda, w, ldc, add, A, B + n0 * K, C + n0);
+    cpublas::brgemm(M, w, K, lda, w, ldc, add, A, B + n0 * K_total + k0 * w, C + n0);
   }
 }
 
@@ -134,13 +136,15 @@ void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
   gather_rows(x.v, x.hkv, hk, doc, D, L, v_h.data());
   transpose(k_h.data(), kT.data(), L, D, D, L);  // K^T [D, L]: the A operand of dQ^T += K_n^T dS^T
   std::vector<float> dk_acc(L * D, 0.f), dv_acc(L * D, 0.f);
-  // Per query head: Q^T, dO^T blocks packed as B [D, Bq]; Q, dO blocks packed as B [Bq, D].
+  // Per query head: Q^T, dO^T blocks packed as B [D, Bq]; Q, dO packed whole as B [L, D].
   static_assert(sizeof(BFloat16) == 2, "VNNI packing moves bf16 pairs as 32-bit words");
   std::vector<BFloat16> q_h(L * D), do_h(L * D), o_h(L * D);
   std::vector<BFloat16> qT_pk(D * L), doT_pk(D * L), q_pk(L * D), do_pk(L * D);
   std::vector<float> lse_h(L), delta(L), dqT_acc(D * L), dq_rows(L * D);
   std::vector<float> sT(Bk * Bq), dpT(Bk * Bq);
-  std::vector<BFloat16> pT16(Bk * Bq), dsT16(Bk * Bq), dsT_pk(Bk * Bq);
+  // P^T and dS^T of one key block against every later query block, so that dV_n and dK_n are one
+  // product each over all those queries (one accumulator load/store, not one per tile).
+  std::vector<BFloat16> pT_row(Bk * L), dsT_row(Bk * L), dsT_pk(Bk * Bq);
 
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t h = hk * groups + g;
@@ -158,15 +162,18 @@ void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
     for (int64_t m = 0; m < nq; ++m) {
       pack_bt(q_h.data() + m * Bq * D, qT_pk.data() + m * D * Bq, D, Bq, D);
       pack_bt(do_h.data() + m * Bq * D, doT_pk.data() + m * D * Bq, D, Bq, D);
-      pack_b(q_h.data() + m * Bq * D, q_pk.data() + m * Bq * D, Bq, D, D);
-      pack_b(do_h.data() + m * Bq * D, do_pk.data() + m * Bq * D, Bq, D, D);
     }
+    pack_b(q_h.data(), q_pk.data(), L, D, D);
+    pack_b(do_h.data(), do_pk.data(), L, D, D);
     std::fill(dqT_acc.begin(), dqT_acc.end(), 0.f);
 
     for (int64_t n = 0; n < nk; ++n) {
       const int64_t n0 = n * Bk;
-      for (int64_t m = n0 / Bq; m < nq; ++m) {  // causal: query blocks not wholly before the keys
+      const int64_t q0 = n0 / Bq * Bq, rest = L - q0;  // causal: queries from the key block on
+      for (int64_t m = q0 / Bq; m < nq; ++m) {
         const int64_t m0 = m * Bq;
+        BFloat16* pT16 = pT_row.data() + (m0 - q0);  // this tile's columns, row stride rest
+        BFloat16* dsT16 = dsT_row.data() + (m0 - q0);
         const float* lse_m = lse_h.data() + m0;
         const float* delta_m = delta.data() + m0;
         // S^T = K_n Q_m^T  [Bk keys, Bq queries]
@@ -182,10 +189,8 @@ void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
             s.exp().store(row + j);
           }
           for (; j < Bq; ++j) row[j] = std::exp(row[j] * scale - lse_m[j]);
-          to_bf16(row, pT16.data() + i * Bq, Bq);
+          to_bf16(row, pT16 + i * rest, Bq);
         }
-        // dV_n += P^T dO_m
-        gemm(Bk, D, Bq, pT16.data(), Bq, do_pk.data() + m * Bq * D, dv_acc.data() + n0 * D, D, true);
         // dP^T = V_n dO_m^T
         gemm(Bk, Bq, D, v_h.data() + n0 * D, D, doT_pk.data() + m * D * Bq, dpT.data(), Bq, false);
         for (int64_t i = 0; i < Bk; ++i) {
@@ -197,14 +202,15 @@ void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
             ds.store(dp + j);
           }
           for (; j < Bq; ++j) dp[j] = p[j] * (dp[j] - delta_m[j]) * scale;
-          to_bf16(dp, dsT16.data() + i * Bq, Bq);
+          to_bf16(dp, dsT16 + i * rest, Bq);
         }
-        // dK_n += dS^T Q_m
-        gemm(Bk, D, Bq, dsT16.data(), Bq, q_pk.data() + m * Bq * D, dk_acc.data() + n0 * D, D, true);
         // dQ_m^T += K_n^T dS^T  (A = K^T[:, n0:n0+Bk], lda L; B = dS^T packed [Bk keys, Bq queries])
-        pack_b(dsT16.data(), dsT_pk.data(), Bk, Bq, Bq);
+        pack_b(dsT16, dsT_pk.data(), Bk, Bq, rest);
         gemm(D, Bq, Bk, kT.data() + n0, L, dsT_pk.data(), dqT_acc.data() + m0, L, true);
       }
+      // dV_n += P^T dO[q0:L],  dK_n += dS^T Q[q0:L]
+      gemm(Bk, D, rest, pT_row.data(), rest, do_pk.data(), dv_acc.data() + n0 * D, D, true, L, q0);
+      gemm(Bk, D, rest, dsT_row.data(), rest, q_pk.data(), dk_acc.data() + n0 * D, D, true, L, q0);
     }
     transpose(dqT_acc.data(), dq_rows.data(), D, L, L, D);
     scatter_rows(dq_rows.data(), x.hq, h, doc, D, x.dq);
