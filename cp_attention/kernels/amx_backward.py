@@ -7,10 +7,11 @@ core of the dev VM, and 0.6 ms against 3.9 ms at 128 tokens; it is also more acc
 accumulated in fp32, not rounded to bf16 tile by tile).
 
 It is built with torch.utils.cpp_extension the first time a bf16 causal backward asks for it
-(about 35 s; cached on disk afterwards) and only where it can run: Linux on x86-64 with AMX-bf16,
+(30-40 s; cached on disk afterwards) and only where it can run: Linux on x86-64 with AMX-bf16,
 a C++ compiler and ninja. Anything else, including a failed build or a failed call, leaves
 `available()` False and the caller on aten's kernel, with one warning naming the reason.
-`LONGCTX_AMX_ATTENTION=0` turns it off. Head dims must be multiples of 16 (oneDNN's packer).
+`LONGCTX_AMX_ATTENTION=0` turns it off. Head dims must be multiples of 16 (tested: 16 to 128; a
+head dim of 8 failed inside oneDNN in the kernel's first version).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-BLOCK_Q = 64  # queries per tile: packed B operands, and oneDNN's packer stops at 64 x 64
+BLOCK_Q = 64  # queries per tile: the column count of the per-tile packed B operands (<= 64)
 BLOCK_K = 64  # keys per tile (128 measured no faster on 2048 tokens, slower on short documents)
 _SOURCE = Path(__file__).with_name("_amx_attention_bwd.cpp")
 _state: dict = {}
