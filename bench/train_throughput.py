@@ -22,9 +22,9 @@ sides: the process's peak RSS (ru_maxrss) minus its RSS just before the model is
 our model's FLOP count (longctx_moe.model.flops, attention over real document lengths) over the
 median step time, against a bf16 2048^3 matmul peak measured in this run.
 
-`--breakdown` profiles one more step per side and splits its time into the attention kernel (the
-same aten op on both sides), GEMMs, the optimizer, casts and the rest: where a lead comes from,
-and how much of each step no trainer code can remove.
+`--breakdown` profiles one more step per side and splits its time into the attention kernel (aten's
+CPU flash op, which HF's sdpa also reaches, plus our AMX backward), GEMMs, the optimizer, casts
+and the rest: where a lead comes from.
 
     python bench/train_throughput.py --out bench/results/train_throughput.json
 """

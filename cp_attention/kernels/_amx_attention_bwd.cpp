@@ -12,7 +12,8 @@
 //   dV_n += P^T dO,  dK_n += dS^T Q   (per key block, over all its query blocks at once)
 //
 // Entry point: varlen_causal_backward (at the end), over every document of a packed row.
-// Tiles of 128 keys x 64 queries; every (document, KV head) pair is one parallel work item.
+// Tiles of Bk keys x Bq queries (64 x 64 as amx_backward.py calls it); every (document, KV head)
+// pair is one parallel work item.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -100,7 +101,7 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* A, int64_t lda
 }
 
 // One (document, KV head): the G query heads sharing it, on contiguous copies of the document's
-// rows zero-padded to Lp = a multiple of B (padded queries get lse = +inf, so P = 0 there, and a
+// rows zero-padded to a multiple of Bk (padded queries get lse = +inf, so P = 0 there, and a
 // padded key is later than every real query, so causality hides it).
 struct Doc {
   int64_t start, len;
@@ -127,8 +128,8 @@ void scatter_rows(const float* src, int64_t heads, int64_t h, const Doc& doc, in
 }
 
 void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
-  // Tiles of Bk keys x Bq queries: B operands are packed per query block, so Bq <= 64 (the
-  // packer's limit); more keys per tile mean fewer, larger micro-kernel calls.
+  // Tiles of Bk keys x Bq queries: Q^T and dO^T are packed per query block, one panel each, so
+  // Bq <= 64 (the panel width).
   const int64_t D = x.D, Bq = x.Bq, Bk = x.Bk, groups = x.hq / x.hkv;
   const int64_t L = (doc.len + Bk - 1) / Bk * Bk, nq = L / Bq, nk = L / Bk;
   const float scale = x.scale;

@@ -60,7 +60,8 @@ def _build():
     return mod
 
 
-def _disable(why: str) -> None:
+def _disable(e: Exception) -> None:
+    why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
     warnings.warn(f"AMX attention backward unavailable ({why}); using aten's CPU flash backward. "
                   "A C++ compiler and ninja enable it; LONGCTX_AMX_ATTENTION=0 silences this.", stacklevel=4)
     _state["mod"] = None
@@ -78,7 +79,7 @@ def _module():
             if not mod.usable():
                 mod = None
         except Exception as e:  # no compiler, no ninja, a header change in another torch release
-            _disable(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+            _disable(e)
             return None
     _state["mod"] = mod
     return mod
@@ -117,5 +118,5 @@ def try_varlen_causal_backward(*args):
     try:
         return varlen_causal_backward(*args)
     except RuntimeError as e:
-        _disable(f"RuntimeError: {(str(e).splitlines() or [''])[0][:200]}")
+        _disable(e)
         return None

@@ -205,7 +205,7 @@ def _amx_eligible(tensors, cu_q, cu_k, causal) -> bool:
     packed-row forward of every layer), where it is 1.7-2.7x faster than aten's kernel."""
     q_THD, k_SHD = tensors[1], tensors[2]
     return (causal and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
-            and q_THD.shape[0] == k_SHD.shape[0] and q_THD.shape[2] % 16 == 0  # oneDNN's packer
+            and q_THD.shape[0] == k_SHD.shape[0] and q_THD.shape[2] % 16 == 0  # its tested head dims
             and cu_q.shape == cu_k.shape and bool(torch.equal(cu_q, cu_k)) and amx_backward.available())
 
 
