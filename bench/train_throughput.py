@@ -128,13 +128,15 @@ def peak_rss_mb() -> float:
 
 
 def ours_runner(cfg, model):
+    from longctx_moe.parallel.parallelize import parallelize
     from longctx_moe.trainer import Trainer
 
-    if cfg.train.compile:  # as `longctx-moe train` does (build_model_for)
+    runtime = parallelize(model, None, cfg.parallel)  # as `longctx-moe train` does (build_runtime)
+    if cfg.train.compile:
         from longctx_moe.compile import apply_compile
 
         apply_compile(model)
-    trainer = Trainer(cfg, model)
+    trainer = Trainer(cfg, runtime)
     return lambda batches: trainer.train_step(batches).ce_loss
 
 

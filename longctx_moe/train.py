@@ -136,26 +136,25 @@ def check_backends(cfg: Config, device: torch.device) -> None:
         raise ConfigError(f"model.attention_backend={cfg.model.attention_backend!r}: {e}") from None
 
 
-def build_model_for(cfg: Config, dims: Any, device: torch.device) -> torch.nn.Module:
+def build_runtime(cfg: Config, dims: Any, device: torch.device):
+    """Build the single-device model, apply the parallel layout (also on one rank: the capacity
+    and drop policy of the dispatcher, the global-batch aux loss) and return its runtime."""
     from longctx_moe.model import build_model
+    from longctx_moe.parallel.parallelize import parallelize
 
     check_backends(cfg, device)
     torch.manual_seed(cfg.train.seed)  # same init on every rank: replicas start identical
     dtype = {"fp32": torch.float32, "fp64": torch.float64}[cfg.train.param_dtype]
     model = build_model(cfg.model).to(device=device, dtype=dtype)
-    # Tensor/context/expert parallelism is applied here, to the built single-device model.
-    if (dims.tp, dims.cp, dims.ep) != (1, 1, 1):
-        from longctx_moe.parallel.parallelize import parallelize
-
-        try:
-            model = parallelize(model, dims, cfg.parallel)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    try:
+        runtime = parallelize(model, dims, cfg.parallel)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.train.compile:
         from longctx_moe.compile import apply_compile
 
-        model = apply_compile(model)
-    return model
+        apply_compile(model)
+    return runtime
 
 
 def build_loader(cfg: Config, dims: Any):
@@ -252,9 +251,9 @@ def run(cfg: Config) -> dict:
     ctx = make_context(cfg)
     dims = build_dims(cfg, ctx)
     check_data_against_model(cfg)
-    model = build_model_for(cfg, dims, ctx.device)
+    runtime = build_runtime(cfg, dims, ctx.device)
     loader = build_loader(cfg, dims)
-    trainer = Trainer(cfg, model, dims, ctx.device)
+    trainer = Trainer(cfg, runtime, ctx.device)
     resumed = maybe_resume(trainer, loader, ctx)
     metrics_path = ctx.run_dir / cfg.logging.metrics_file
     if ctx.rank == 0:

@@ -1,6 +1,6 @@
 """The training loop: one optimizer step over a list of micro-batches, metrics, checkpoints.
 
-Loss normalisation (DESIGN.md "Losses"): for the micro-batches of one optimizer step on every
+Loss normalisation (docs/ARCHITECTURE.md, "Losses"): for the micro-batches of one optimizer step on every
 data-parallel rank, G = the global number of target tokens (summed over DP). Each micro-batch
 contributes
 
@@ -10,9 +10,10 @@ so the gradients summed over micro-batches and over DP x CP ranks are exactly th
 batch: the token-mean cross-entropy plus the token-weighted mean of the auxiliary losses. Never a
 mean per micro-batch (that would overweight short micro-batches).
 
-Gradients are all-reduced (SUM) once, after the last micro-batch, by the mesh's own rules
-(`longctx_moe.parallel.grad_reduce`: dense over dp_cp, experts over edp); clipping uses the
-mesh-aware norm that `parallelize` attaches as `model.grad_norm_fn` when the model is sharded.
+The trainer drives the ParallelRuntime that `parallelize` returned: each micro-batch is sharded
+for its CP group and run; gradients are all-reduced (SUM) once, after the last micro-batch, by
+the mesh's own rules (dense over dp_cp, experts over edp); clipping uses the global norm over the
+mesh.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from data_packing.batch import PackedBatch
 from longctx_moe.config import Config
 from longctx_moe.metrics import step_flops
-from longctx_moe.optim import LRSchedule, build_optimizer, clip_grad_norm
+from longctx_moe.optim import LRSchedule, build_optimizer
+from longctx_moe.parallel.runtime import ParallelRuntime
 
 
 class NonFiniteLossError(RuntimeError):
@@ -51,31 +52,21 @@ class StepResult:
     flops: float | None  # model FLOPs (fwd + bwd) of the global batch; None without a FLOP model
 
 
-def _group_size(dims: Any, name: str) -> int:
-    return 1 if dims is None else dims.size(name)
-
-
-def _all_reduce(t: torch.Tensor, dims: Any, name: str) -> torch.Tensor:
-    if _group_size(dims, name) > 1:
-        dist.all_reduce(t, group=dims.group(name))
-    return t
-
-
 class Trainer:
-    """Owns the model's optimizer and schedule and runs optimizer steps.
+    """Owns the model's optimizer and schedule and runs optimizer steps through `runtime`.
 
-    `model(batch: PackedBatch) -> ForwardOutput(ce_sum, num_targets, aux_loss, z_loss,
-    expert_counts [L_moe, E])`. `dims` is a built `ParallelDims` (None: a single process).
+    `runtime`: the ParallelRuntime of `parallelize(model, dims, cfg.parallel)`, whose model
+    follows `model(batch, layout=None) -> ForwardOutput(ce_sum, num_targets, aux_loss, z_loss,
+    expert_counts [L_moe, E])`.
     """
 
-    def __init__(self, cfg: Config, model: torch.nn.Module, dims: Any = None,
-                 device: torch.device | str = "cpu"):
-        self.cfg, self.model, self.dims = cfg, model, dims
+    def __init__(self, cfg: Config, runtime: ParallelRuntime, device: torch.device | str = "cpu"):
+        self.cfg, self.runtime = cfg, runtime
+        self.model, self.dims = runtime.model, runtime.dims
         self.device = torch.device(device)
-        self.optimizer = build_optimizer(model, cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = LRSchedule(self.optimizer, cfg.optim, cfg.train.steps)
         self.step = 0  # optimizer steps completed (including skipped ones)
-        self._params = [p for p in model.parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------ one step
 
@@ -94,7 +85,7 @@ class Trainer:
         lengths = [n for mb in micro_batches for n in mb.doc_lengths()]
         flops = step_flops(self.cfg.model, lengths)
         local = [sum(mb.num_target_tokens() for mb in micro_batches), sum(lengths), flops or 0.0]
-        t = _all_reduce(torch.tensor(local, dtype=torch.float64), self.dims, "dp")
+        t = self.runtime.all_reduce(torch.tensor(local, dtype=torch.float64), "dp")
         return int(t[0]), int(t[1]), (float(t[2]) if flops is not None else None)
 
     def train_step(self, micro_batches: list[PackedBatch]) -> StepResult:
@@ -105,11 +96,11 @@ class Trainer:
             raise ValueError(f"step {self.step + 1}: the global batch has no target tokens (all labels are -100); "
                              "check the data (documents of length >= 2) and data.global_batch_tokens")
         sums, counts = self._accumulate(micro_batches, g)
-        self._reduce_gradients()
-        _all_reduce(sums, self.dims, "dp_cp")
+        self.runtime.reduce_gradients()
+        self.runtime.all_reduce(sums, "dp_cp")
         if counts is not None:
-            _all_reduce(counts, self.dims, "dp_cp")
-        grad_norm = self._clip()
+            self.runtime.all_reduce(counts, "dp_cp")
+        grad_norm = self.runtime.clip_grad_norm(self.cfg.optim.grad_clip)
         loss = float(sums[0])
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if skipped:
@@ -131,10 +122,10 @@ class Trainer:
         sums = torch.zeros(4, dtype=torch.float64)
         counts = None
         for mb in micro_batches:
-            mb = mb.to(self.device)
-            n = mb.num_target_tokens()
+            shard = self.runtime.shard(mb.to(self.device))
+            n = shard.num_targets
             with self.autocast():
-                out = self.model(mb)
+                out = self.runtime.forward(shard)
             ce = out.ce_sum / g
             aux = (out.aux_loss + out.z_loss) * (n / g)
             loss = ce + aux
@@ -147,23 +138,6 @@ class Trainer:
                 c = c.detach().to(torch.float64).cpu()
                 counts = c if counts is None else counts + c
         return sums, counts
-
-    def _reduce_gradients(self) -> None:
-        """Sum gradients over the replicas (dense over dp_cp, experts over edp): see
-        longctx_moe.parallel.grad_reduce, which owns the mesh's reduction rules."""
-        if self.dims is None or self.dims.world_size == 1:
-            return
-        from longctx_moe.parallel.grad_reduce import reduce_gradients, split_params
-
-        reduce_gradients(*split_params(self.model), self.dims)
-
-    def _clip(self) -> float:
-        """Global gradient norm (and clipping): the mesh-aware hook that `parallelize` attaches,
-        or torch's foreach norm when every rank holds whole, identical gradients."""
-        fn = getattr(self.model, "grad_norm_fn", None)
-        if fn is not None:
-            return float(fn(self.cfg.optim.grad_clip))
-        return float(clip_grad_norm(self._params, self.cfg.optim.grad_clip))
 
     def _on_non_finite(self, loss: float, grad_norm: float) -> None:
         what = f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} " \

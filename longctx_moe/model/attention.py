@@ -12,6 +12,7 @@ H query heads, G kv heads, R head dim, D model dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,8 +33,13 @@ class DocLayout:
     doc_id_T: torch.Tensor  # int64 [T]: document index, -1 at padding
     num_docs: int
     real_mask_T: torch.Tensor | None  # bool [T]; None when the micro-batch has no padding
-    batch: PackedBatch  # the source batch (the CP executor reads its cu_seqlens_padded)
     rope: dict = field(default_factory=dict)  # (head_dim, theta, dtype) -> (cos_TR, sin_TR)
+    # How the layers talk to other ranks for this micro-batch; both None on one device. The
+    # parallel runtime sets them per micro-batch (the CP group and plan differ per call).
+    # attend(q_THR, k_TGR, v_TGR, backend) -> out_THR replaces the local varlen kernel;
+    # reduce_stats sums no-grad MoE statistics over the ranks that split these tokens.
+    attend: Callable[..., torch.Tensor] | None = None
+    reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def rope_cos_sin(self, head_dim: int, theta: float, dtype: torch.dtype):
         key = (head_dim, theta, dtype)
@@ -66,26 +72,22 @@ def doc_layout(batch: PackedBatch) -> DocLayout:
         doc_id_T=doc_id_T,
         num_docs=n,
         real_mask_T=(doc_id_T >= 0) if has_padding else None,
-        batch=batch,
     )
 
 
-class LocalAttention:
-    """Single-device varlen attention: the default `Attention.attn_fn`.
+# Kept out of torch.compile: the varlen kernels plan buckets on the host (data-dependent shapes),
+# and the context-parallel executors run collectives.
+@torch.compiler.disable
+def attend(q_THR, k_TGR, v_TGR, layout: DocLayout, backend: str) -> torch.Tensor:
+    """Causal attention inside each document of `layout`: out_THR (input dtype)."""
+    if layout.attend is not None:
+        return layout.attend(q_THR, k_TGR, v_TGR, backend)
+    from cp_attention.kernels import varlen_attention
 
-    Call: (q_THR, k_TGR, v_TGR, layout) -> out_THR. The context-parallel executor replaces it with a
-    callable of the same signature."""
-
-    def __init__(self, backend: str = "auto"):
-        self.backend = backend
-
-    def __call__(self, q_THR, k_TGR, v_TGR, layout: DocLayout) -> torch.Tensor:
-        from cp_attention.kernels import varlen_attention  # lands with the cp_attention package
-
-        cu = layout.cu_attn_S
-        out_THR, _lse_HT = varlen_attention(q_THR, k_TGR, v_TGR, cu, cu, layout.max_attn,
-                                            layout.max_attn, causal=True, backend=self.backend)
-        return out_THR
+    cu = layout.cu_attn_S
+    out_THR, _lse_HT = varlen_attention(q_THR, k_TGR, v_TGR, cu, cu, layout.max_attn,
+                                        layout.max_attn, causal=True, backend=backend)
+    return out_THR
 
 
 class Attention(nn.Module):
@@ -102,7 +104,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.attn_fn = LocalAttention(cfg.attention_backend)
+        self.backend = cfg.attention_backend
 
     def forward(self, x_TD: torch.Tensor, layout: DocLayout) -> torch.Tensor:
         t = x_TD.shape[0]
@@ -114,5 +116,5 @@ class Attention(nn.Module):
             q_THR, k_TGR = self.q_norm(q_THR), self.k_norm(k_TGR)
         cos_TR, sin_TR = layout.rope_cos_sin(self.head_dim, self.rope_theta, q_THR.dtype)
         q_THR, k_TGR = apply_rope(q_THR, cos_TR, sin_TR), apply_rope(k_TGR, cos_TR, sin_TR)
-        out_THR = self.attn_fn(q_THR, k_TGR, v_TGR, layout)
+        out_THR = attend(q_THR, k_TGR, v_TGR, layout, self.backend)
         return self.wo(out_THR.reshape(t, -1))

@@ -53,12 +53,13 @@ def sequence_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, doc_id
     Without `reduce` the kept doc ids must be non-decreasing (true for packed rows): the
     per-document score sums are a segment reduction, ~100x faster on CPU than index_add_.
     `reduce` as in switch_aux_loss (doc ids must then be global to the micro-batch, any order)."""
-    reduce = reduce or _identity
     e = scores_TE.shape[1]
     k = topk_idx_TK.shape[1]
     keep_T = doc_id_T >= 0
     doc_T, scores_TE, idx_TK = doc_id_T[keep_T], scores_TE[keep_T], topk_idx_TK[keep_T]
-    if reduce is not None:
+    if reduce is None:
+        reduce = _identity
+    else:
         # A CP shard lists its zigzag pieces before its whole documents: global ids may go down.
         order_T = torch.argsort(doc_T, stable=True)
         doc_T, scores_TE, idx_TK = doc_T[order_T], scores_TE[order_T], idx_TK[order_T]

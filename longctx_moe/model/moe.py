@@ -164,22 +164,30 @@ class MoE(nn.Module):
                                       cfg.grouped_gemm, cfg.expert_precision)
         hs = cfg.shared_expert_hidden_size
         self.shared = SwiGLU(cfg.hidden_size, hs) if hs > 0 else None
+        # Expert parallelism replaces it with a dispatcher over the EP group (parallel/dispatch.py).
         self.dispatcher = LocalDispatcher()
-        self.reduce_stats = None  # CP sets a sum over the ranks sharing the micro-batch (see stats)
 
     def forward(self, x_TD: torch.Tensor, layout: DocLayout):
         topk_idx_TK, topk_weight_TK, aux = self.router(x_TD)
-        y_TD = self.dispatcher(x_TD, topk_idx_TK, topk_weight_TK, self.experts)
+        y_TD = self.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
         return y_TD, self.stats(topk_idx_TK, aux, layout)
 
+    # Kept out of torch.compile: expert row counts are data dependent (padding, all-to-all splits).
+    @torch.compiler.disable
+    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK) -> torch.Tensor:
+        return self.dispatcher(x_TD, topk_idx_TK, topk_weight_TK, self.experts)
+
+    # Kept out of torch.compile: padding rows are dropped by a boolean mask (data-dependent shapes).
+    @torch.compiler.disable
     def stats(self, topk_idx_TK, aux: RouterAux, layout: DocLayout) -> MoEStats:
         """Balance statistics over the real tokens of this micro-batch (padding skipped).
 
-        `self.reduce_stats` (None on one device) sums no-grad counts over the ranks that split the
-        micro-batch's tokens (CP); each rank's aux/z loss is then its share of the global value."""
-        cfg, scores_TE, logits_TE, red = self.cfg, aux.scores_TE, aux.logits_TE, self.reduce_stats
+        `layout.reduce_stats` (None on one device) sums no-grad counts over the ranks that split
+        the micro-batch's tokens (CP, or the whole data-parallel batch for the global-batch aux
+        loss); each rank's aux/z loss is then its share of the global value."""
+        cfg, scores_TE, logits_TE, red = self.cfg, aux.scores_TE, aux.logits_TE, layout.reduce_stats
         doc_T = layout.doc_id_T
         if layout.real_mask_T is not None:
             keep = layout.real_mask_T

@@ -56,15 +56,19 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # PackedBatch -> DocLayout; CP may swap it for one that carries global document ids.
-        self.layout_fn = doc_layout
 
     def output_weight(self) -> torch.Tensor:
         """[V, D] projection to the vocabulary (the embedding when tied)."""
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def _run(self, batch: PackedBatch) -> tuple[torch.Tensor, list[MoEStats]]:
-        layout = self.layout_fn(batch)
+    def _run(self, batch: PackedBatch, layout: DocLayout | None) -> tuple[torch.Tensor, list[MoEStats]]:
+        # The parallel runtime passes the layout of this rank's shard (global document ids, the
+        # CP executor, the statistics reduction); on one device it is built from the batch.
+        layout = doc_layout(batch) if layout is None else layout
+        if layout.position_ids_T.shape[0] != batch.num_tokens:
+            raise ValueError(f"the layout describes {layout.position_ids_T.shape[0]} tokens but the "
+                             f"batch has {batch.num_tokens}; run the model on the shard the layout "
+                             "was built with (runtime.shard)")
         x_TD = self.embed(batch.tokens)
         # Fill the RoPE cache before the blocks, so that every block (compiled or not) only reads it.
         layout.rope_cos_sin(self.cfg.head_dim, self.cfg.rope_theta, autocast_dtype(x_TD))
@@ -75,16 +79,16 @@ class Transformer(nn.Module):
                 stats.append(s)
         return self.norm(x_TD), stats
 
-    def hidden_states(self, batch: PackedBatch) -> torch.Tensor:
+    def hidden_states(self, batch: PackedBatch, layout: DocLayout | None = None) -> torch.Tensor:
         """x_TD after the final norm (fp32 residual stream under autocast)."""
-        return self._run(batch)[0]
+        return self._run(batch, layout)[0]
 
-    def logits(self, batch: PackedBatch) -> torch.Tensor:
-        """logits_TV over the whole vocabulary (RL log-probs, HF parity); training uses forward()."""
-        return torch.nn.functional.linear(self.hidden_states(batch), self.output_weight())
+    def logits(self, batch: PackedBatch, layout: DocLayout | None = None) -> torch.Tensor:
+        """logits_TV over the whole vocabulary (HF parity tests); training uses forward()."""
+        return torch.nn.functional.linear(self.hidden_states(batch, layout), self.output_weight())
 
-    def forward(self, batch: PackedBatch) -> ForwardOutput:
-        h_TD, stats = self._run(batch)
+    def forward(self, batch: PackedBatch, layout: DocLayout | None = None) -> ForwardOutput:
+        h_TD, stats = self._run(batch, layout)
         ce_sum, n = chunked_cross_entropy(h_TD, self.output_weight(), batch.labels,
                                           batch.loss_weight, self.cfg.loss_chunk_tokens)
         zero = h_TD.new_zeros((), dtype=torch.float32)

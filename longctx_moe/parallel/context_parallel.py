@@ -1,50 +1,55 @@
-"""Context parallelism applied to a built Transformer, through cp_attention's planner and executors.
+"""Context parallelism for one micro-batch: plan it, keep this rank's tokens, build their layout.
 
-Every CP rank of a DP replica receives the same (unsharded) PackedBatch. The model's forward is
-wrapped: it plans the micro-batch (`cp_attention.plan.plan_cp`, pure, identical on every rank),
-keeps this rank's tokens as a local PackedBatch whose "documents" are the plan's local pieces
-(real tokens are a prefix of each piece, so padding stays masked), and runs the unchanged model
-on it. Each attention's `attn_fn` is swapped for the configured executor (ring / ulysses /
-hierarchical), which reads the plan of the current forward. Position ids come from the full
-batch, so RoPE sees true positions; labels too, so the local CE sum is exact and the trainer's
-sum over DP x CP gives the global loss.
+Every rank of a CP group holds the same (unsharded) PackedBatch. `shard_for_cp` plans it
+(`cp_attention.plan.plan_cp`, pure, identical on every rank) and returns this rank's tokens as a
+local PackedBatch whose "documents" are the plan's local pieces (real tokens are a prefix of each
+piece, so padding stays masked), with a DocLayout whose `attend` runs the group's executor (ring /
+Ulysses / hierarchical) over this plan. The unchanged model runs on it. Position ids come from the
+full batch, so RoPE sees true positions; labels too, so the local CE sum is exact and the sum over
+the CP group is the micro-batch's.
 
-Router statistics are exact too: each MoE layer's `reduce_stats` sums its counts over the CP
-group (grad_reduce.stats_reducer), and `model.layout_fn` gives every local token the global id
-of its document in the micro-batch (and the micro-batch's document count), so each rank's
-aux / z loss is its share of the micro-batch's value and the shares sum to it over CP.
+Router statistics stay exact: the layout's document ids are global to the micro-batch (with its
+document count), and its `reduce_stats` sums the no-grad counts over the group, so each rank's
+aux / z loss is its share of the micro-batch's value and the shares sum to it.
+
+The group is an argument (`CPGroup`), not bound at set-up: the same model runs one micro-batch on
+the full CP group and the next on a smaller one.
 Legend: T tokens of the full micro-batch, L this rank's tokens, H heads, R head dim.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
-from torch import nn
 
 from data_packing.batch import PackedBatch
 from longctx_moe.model.attention import DocLayout, doc_layout
-from longctx_moe.parallel.grad_reduce import stats_reducer
 
 
-class _CPState:
-    """The plan of the forward in flight, shared by the wrapped forward and the attn_fns, and
-    this rank's global document ids (int64 [L], -1 at padding) and the micro-batch's doc count."""
+@dataclass(frozen=True)
+class CPGroup:
+    """The ranks that split one micro-batch's tokens, and how their attention talks.
 
-    plan = None
-    doc_id_L: torch.Tensor | None = None
-    num_docs = 0
+    `group` spans them all (ring / Ulysses attention, router statistics); hierarchical attention
+    runs all-to-all over `inner` (size sizes[0], inside a node) and the ring over `outer` (size
+    sizes[1]). size 1: no CP."""
+
+    size: int
+    rank: int
+    backend: str = "ring"  # ring | ulysses | hierarchical
+    group: Any = None
+    inner: Any = None
+    outer: Any = None
+    sizes: tuple[int, int] | None = None  # (inner, outer) for the hierarchical backend
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.backend == "hierarchical"
 
 
-def global_doc_layout(state: _CPState, local: PackedBatch) -> DocLayout:
-    """`Transformer.layout_fn` under CP: the local layout, with document ids and count of the
-    whole micro-batch, so the per-document aux loss sums one document's pieces across CP."""
-    layout = doc_layout(local)
-    if state.doc_id_L is None or state.doc_id_L.shape[0] != local.num_tokens:
-        raise RuntimeError("CP layout got tokens that the current plan does not describe: under "
-                           "CP call model(batch) (it shards the batch)")
-    layout.doc_id_T, layout.num_docs = state.doc_id_L, state.num_docs
-    layout.real_mask_T = state.doc_id_L >= 0
-    return layout
+NO_CP = CPGroup(size=1, rank=0)
 
 
 def shard_batch(batch: PackedBatch, plan, rank: int) -> PackedBatch:
@@ -64,51 +69,46 @@ def shard_batch(batch: PackedBatch, plan, rank: int) -> PackedBatch:
                        loss_weight=loc(batch.loss_weight))
 
 
-class CPAttention:
-    """`Attention.attn_fn` under CP: (q_LHR, k_LGR, v_LGR, layout) -> out_LHR via the executor."""
+class CPAttend:
+    """`DocLayout.attend` under CP: (q_LHR, k_LGR, v_LGR, backend) -> out_LHR through the
+    group's executor, over the plan of this micro-batch."""
 
-    def __init__(self, state: _CPState, dims, backend: str = "auto"):
-        self.state, self.dims, self.backend = state, dims, backend
+    def __init__(self, plan, cp: CPGroup):
+        self.plan, self.cp = plan, cp
 
-    def __call__(self, q_LHR, k_LGR, v_LGR, layout) -> torch.Tensor:
+    def __call__(self, q_LHR, k_LGR, v_LGR, backend: str) -> torch.Tensor:
         from cp_attention.ring import ring_attention
         from cp_attention.ulysses import hierarchical_attention, ulysses_attention
 
-        plan, dims, kw = self.state.plan, self.dims, {"backend": self.backend}
-        if plan is None or q_LHR.shape[0] != plan.local_tokens(dims.rank_in("cp")):
-            raise RuntimeError("CP attention got tokens that the current plan does not describe: "
-                               "under CP call model(batch) (it shards the batch), not "
-                               "model.logits / hidden_states on a full batch")
-        if dims.cp_backend == "ring":
-            out, _ = ring_attention(q_LHR, k_LGR, v_LGR, plan, dims.group("cp"), **kw)
-        elif dims.cp_backend == "ulysses":
-            out, _ = ulysses_attention(q_LHR, k_LGR, v_LGR, plan, dims.group("cp"), **kw)
+        plan, cp = self.plan, self.cp
+        if q_LHR.shape[0] != plan.local_tokens(cp.rank):
+            raise RuntimeError(f"CP attention got {q_LHR.shape[0]} tokens but this rank's plan holds "
+                               f"{plan.local_tokens(cp.rank)}; run the model on the shard the "
+                               "runtime made (runtime.shard), not on the full batch")
+        if cp.backend == "ring":
+            out, _ = ring_attention(q_LHR, k_LGR, v_LGR, plan, cp.group, backend=backend)
+        elif cp.backend == "ulysses":
+            out, _ = ulysses_attention(q_LHR, k_LGR, v_LGR, plan, cp.group, backend=backend)
         else:
-            out, _ = hierarchical_attention(q_LHR, k_LGR, v_LGR, plan, dims.group("cp_inner"),
-                                            dims.group("cp_outer"), **kw)
+            out, _ = hierarchical_attention(q_LHR, k_LGR, v_LGR, plan, cp.inner, cp.outer,
+                                            backend=backend)
         return out
 
 
-def apply_context_parallel(model: nn.Module, dims) -> None:
-    """Swap every attention's attn_fn for the CP executor, wrap model.forward to shard, and make
-    the MoE statistics global to the micro-batch (layout_fn, reduce_stats over cp)."""
+def shard_for_cp(batch: PackedBatch, cp: CPGroup) -> tuple[PackedBatch, DocLayout, Any]:
+    """(this rank's local batch, its layout, the plan) of `batch` split over `cp` (size > 1).
+
+    The layout's document ids and count are the whole micro-batch's, so per-document statistics
+    sum one document's pieces across the group; its `reduce_stats` is left to the caller."""
     from cp_attention.plan import plan_cp
 
-    state = _CPState()
-    for block in model.layers:
-        backend = getattr(block.attn.attn_fn, "backend", "auto")
-        block.attn.attn_fn = CPAttention(state, dims, backend)
-    for layer in model.moe_layers():
-        layer.reduce_stats = stats_reducer(dims)
-    model.layout_fn = lambda local: global_doc_layout(state, local)
-    sizes = [dims.cp_inner, dims.cp_outer] if dims.hierarchical else None
-    cp_rank, full_forward = dims.rank_in("cp"), model.forward
-
-    def forward(batch: PackedBatch):
-        state.plan = plan_cp(batch.cu_seqlens, batch.cu_seqlens_padded, dims.cp,
-                             hierarchical_sizes=sizes, num_tokens=batch.num_tokens)
-        full = doc_layout(batch)
-        state.doc_id_L, state.num_docs = state.plan.shard(full.doc_id_T, cp_rank), full.num_docs
-        return full_forward(shard_batch(batch, state.plan, cp_rank))
-
-    model.forward = forward  # instance attribute: nn.Module.__call__ dispatches to it
+    plan = plan_cp(batch.cu_seqlens, batch.cu_seqlens_padded, cp.size,
+                   hierarchical_sizes=list(cp.sizes) if cp.hierarchical else None,
+                   num_tokens=batch.num_tokens)
+    full = doc_layout(batch)
+    local = shard_batch(batch, plan, cp.rank)
+    layout = doc_layout(local)
+    layout.doc_id_T, layout.num_docs = plan.shard(full.doc_id_T, cp.rank), full.num_docs
+    layout.real_mask_T = layout.doc_id_T >= 0
+    layout.attend = CPAttend(plan, cp)
+    return local, layout, plan

@@ -236,16 +236,20 @@ class AllGatherDispatcher(_EPDispatcher):
 
 
 def build_dispatcher(dims, cfg, num_experts: int):
-    """The dispatcher `cfg` (ParallelConfig) asks for, over `dims`' EP group."""
-    if dims.etp > 1:
-        raise ValueError(f"etp={dims.etp}: tensor-parallel experts are not implemented by the "
-                         "dispatchers yet; use etp=1")
+    """The dispatcher `cfg` (ParallelConfig) asks for, over `dims`' EP group.
+
+    Dropless on one rank without TP there is nothing to route across ranks: the model's own
+    LocalDispatcher (sort by expert, one batched combine) computes the same sum faster."""
     group = dims.group("ep") if dims.ep > 1 else None
     tp_group = dims.group("tp") if dims.tp > 1 else None  # TP peers split their shared tokens
+    if cfg.dispatcher == "allgather" and cfg.dispatch_dtype != "none":
+        raise ValueError(f"dispatch_dtype={cfg.dispatch_dtype!r} compresses the all-to-all "
+                         "only; use dispatcher=alltoall or dispatch_dtype=none")
+    if group is None and tp_group is None and cfg.capacity_factor is None:
+        from longctx_moe.model.moe import LocalDispatcher
+
+        return LocalDispatcher()
     if cfg.dispatcher == "allgather":
-        if cfg.dispatch_dtype != "none":
-            raise ValueError(f"dispatch_dtype={cfg.dispatch_dtype!r} compresses the all-to-all "
-                             "only; use dispatcher=alltoall or dispatch_dtype=none")
         return AllGatherDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,
                                    tp_group)
     return AllToAllDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,

@@ -9,13 +9,13 @@ SUMMED, never averaged:
   the gradient of its own shard for its DP x CP slice of tokens.
 - expert parameters (inside GroupedExperts, duck-typed by `num_local_experts`): the dispatcher
   already summed over the tokens of the EP group; all-reduce over `edp` then covers every rank
-  once. With TP > 1 the dispatchers from `build_dispatcher` split the TP peers' shared tokens
-  (each token reaches its experts once): scale 1. A dispatcher without `tp_group` sends every
-  token once per TP peer; pass `expert_grad_scale=1/tp` to undo exactly that.
-- aux-loss token counts: over `tp_cp` (one whole sequence), or every rank with `global_batch`.
-  Inside the model (MoE.reduce_stats, see stats_reducer) the statistics are summed over `cp`
-  only (or `dp_cp` for the global-batch aux loss): TP peers already hold every token.
-- expert-bias load counts: over `dp_cp`, so every rank applies the same bias update.
+  once. With TP > 1 the dispatchers from `build_dispatcher` split the TP peers' shared tokens,
+  so each token reaches its experts once.
+- router statistics of the aux / z losses (stats_reducer, run inside the model through
+  DocLayout.reduce_stats): over the micro-batch's CP group, or `dp_cp` for the global-batch aux
+  loss; never over TP, whose peers already hold every token.
+- expert-bias load counts: the trainer sums them over `dp_cp`, so every rank applies the same
+  bias update.
 - the gradient norm for clipping: dense once, expert shards summed over `ep` (clip_grad_norm).
 """
 
@@ -42,7 +42,7 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
     return dense, expert
 
 
-def _all_reduce_grads(params: list[nn.Parameter], group, scale: float = 1.0) -> None:
+def _all_reduce_grads(params: list[nn.Parameter], group) -> None:
     """Sum the gradients of `params` over `group`, one flat buffer per dtype."""
     for p in params:
         # Every rank must contribute the same buffers: a parameter without gradient (an expert
@@ -56,8 +56,6 @@ def _all_reduce_grads(params: list[nn.Parameter], group, scale: float = 1.0) -> 
         flat = torch.cat([p.grad.reshape(-1) for p in group_params])
         if group is not None:
             dist.all_reduce(flat, group=group)
-        if scale != 1.0:
-            flat.mul_(scale)
         offset = 0
         for p in group_params:
             n = p.grad.numel()
@@ -65,17 +63,15 @@ def _all_reduce_grads(params: list[nn.Parameter], group, scale: float = 1.0) -> 
             offset += n
 
 
-def reduce_gradients(dense: list[nn.Parameter], expert: list[nn.Parameter], dims, *,
-                     expert_grad_scale: float = 1.0) -> None:
+def reduce_gradients(dense: list[nn.Parameter], expert: list[nn.Parameter], dims) -> None:
     """Sum dense gradients over dp_cp (or the group a parameter's `reduce_axis` names) and expert
-    gradients over edp (times expert_grad_scale: 1/tp when TP peers dispatched the same tokens,
-    see the module docstring)."""
+    gradients over edp."""
     by_axis: dict[str, list[nn.Parameter]] = {}
     for p in dense:
         by_axis.setdefault(getattr(p, "reduce_axis", "dp_cp"), []).append(p)
     for axis, params in by_axis.items():
         _all_reduce_grads(params, _group(dims, axis))
-    _all_reduce_grads(expert, _group(dims, "edp"), expert_grad_scale)
+    _all_reduce_grads(expert, _group(dims, "edp"))
 
 
 def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], dims,
@@ -124,38 +120,13 @@ def _sum_sq_over(params: list[nn.Parameter], dims, axis: str) -> torch.Tensor:
     return local.cpu()
 
 
-def reduce_aux_counts(counts: torch.Tensor, dims, *, global_batch: bool = False) -> torch.Tensor:
-    """Sum aux-loss token counts (any shape, e.g. [E] or [docs, E]) over one sequence (tp_cp),
-    or over every rank with `global_batch`. Returns a new tensor.
+def stats_reducer(group):
+    """`DocLayout.reduce_stats` for the ranks of `group` that split one micro-batch's tokens (or
+    the whole data-parallel batch): sums no-grad statistics (int64 counts, any shape) over them.
+    None when `group` is None (one rank: nothing to reduce).
 
-    With tokens replicated over TP the sum is tp times each distinct count: normalise by a token
-    total reduced over the same group, and fractions come out right.
-    """
-    out = counts.clone()
-    for name in ("tp_cp", "dp") if global_batch else ("tp_cp",):
-        group = _group(dims, name)
-        if group is not None:
-            dist.all_reduce(out, group=group)
-    return out
-
-
-def reduce_expert_bias_counts(counts_E: torch.Tensor, dims) -> torch.Tensor:
-    """Global expert load [E] over the data-parallel ranks (dp_cp): identical on every rank."""
-    out = counts_E.clone()
-    group = _group(dims, "dp_cp")
-    if group is not None:
-        dist.all_reduce(out, group=group)
-    return out
-
-
-def stats_reducer(dims, *, global_batch: bool = False):
-    """`MoE.reduce_stats`: sums no-grad statistics (int64 counts, any shape) over the ranks that
-    split one micro-batch's tokens: `cp`, or `dp_cp` (the whole data-parallel batch) with
-    `global_batch`. None when that group has one rank (nothing to reduce).
-
-    Not over TP: TP peers route the same tokens, and a tp-fold count sum would be normalised by
+    Never over TP: TP peers route the same tokens, and a tp-fold count sum would be normalised by
     a tp-fold token total while each rank's score sums stay local (its share would be 1/tp)."""
-    group = _group(dims, "dp_cp" if global_batch else "cp")
     if group is None:
         return None
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.dispatch import AllGatherDispatcher, AllToAllDispatcher, build_dispatcher
+from longctx_moe.parallel.parallelize import check_supported
 from tests.launcher import run_distributed
 from tests.parallel._moe_ref import LoopExperts, kept_assignments, reference_moe
 
@@ -125,7 +126,7 @@ def test_bad_inputs_get_one_line_errors():
         (lambda: AllToAllDispatcher(E, capacity_factor=0.0), "capacity_factor=0.0 must be > 0"),
         (lambda: AllGatherDispatcher(E, drop_policy="random"), "drop_policy='random' is unknown"),
         (lambda: AllToAllDispatcher(E, dispatch_dtype="int8"), "dispatch_dtype='int8' is unknown"),
-        (lambda: build_dispatcher(ParallelDims.from_config(ParallelConfig(etp=2), 2), ParallelConfig(), E),
+        (lambda: check_supported(ParallelDims.from_config(ParallelConfig(etp=2), 2), ParallelConfig()),
          "etp=2"),
         (lambda: build_dispatcher(ParallelDims.from_config(ParallelConfig(), 1),
                                   ParallelConfig(dispatcher="allgather", dispatch_dtype="fp8"), E),

@@ -1,8 +1,8 @@
 """Gradient / count reductions on 4 gloo ranks in several folded layouts, against one process.
 
 A tiny tokenwise model (dense layer -> softmax router -> EP experts) sees the global batch split
-over DP x CP (TP peers get the same tokens, dispatched either both or split between them via
-tp_group); after reduce_gradients every rank's dense gradients and its expert shard's gradients
+over DP x CP (TP peers get the same tokens and split them between them via tp_group, as the
+production dispatchers do); after reduce_gradients every rank's dense gradients and its expert shard's gradients
 must equal the unsharded float64 ones (1e-10: only the summation order differs).
 """
 
@@ -16,10 +16,9 @@ from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.dispatch import AllToAllDispatcher
 from longctx_moe.parallel.grad_reduce import (
     clip_grad_norm,
-    reduce_aux_counts,
-    reduce_expert_bias_counts,
     reduce_gradients,
     split_params,
+    stats_reducer,
 )
 from tests.launcher import run_distributed
 from tests.parallel._moe_ref import LoopExperts
@@ -62,7 +61,7 @@ def _reference(x, wd, wr, w1, w2, g):
     return model, idx
 
 
-def _check_layout(rank, kw, seed, split_tp):
+def _check_layout(rank, kw, seed):
     dims = ParallelDims.from_config(ParallelConfig(**kw), 4)
     dims.build_groups(rank)
     x, wd, wr, w1, w2, g = _data(seed)
@@ -71,20 +70,19 @@ def _check_layout(rank, kw, seed, split_tp):
     s = slice(chunk * T // (dims.dp * dims.cp), (chunk + 1) * T // (dims.dp * dims.cp))
     L = E // dims.ep
     model = TinyMoE(wd, wr, w1, w2, dims.rank_in("ep") * L, L)
-    tp_group = dims.group("tp") if split_tp else None
+    tp_group = dims.group("tp") if dims.tp > 1 else None
     y, idx = model(x[s], AllToAllDispatcher(E, dims.group("ep"), tp_group=tp_group))
     ((y * g[s]).sum() / T).backward()  # the global token count, as the trainer does
     dense, expert = split_params(model)
     assert [p is model.dense or p is model.router for p in dense] == [True, True] and len(expert) == 2
-    # Without the TP split each TP peer dispatched the same tokens: undo the tp-fold sum.
-    reduce_gradients(dense, expert, dims, expert_grad_scale=1.0 if split_tp else 1.0 / dims.tp)
+    reduce_gradients(dense, expert, dims)
     e = slice(dims.rank_in("ep") * L, dims.rank_in("ep") * L + L)
     pairs = [(model.dense, ref.dense.grad), (model.router, ref.router.grad),
              (model.experts.w1_LDF, ref.experts.w1_LDF.grad[e]),
              (model.experts.w2_LFD, ref.experts.w2_LFD.grad[e])]
     for p, want in pairs:
-        assert (p.grad - want).abs().max().item() < TOL, (kw, split_tp, p.shape)
-    _check_counts(dims, idx, ref_idx, s)
+        assert (p.grad - want).abs().max().item() < TOL, (kw, p.shape)
+    _check_counts(dims, idx, ref_idx)
     # Clipping: the global norm of the full model's gradients, then the same scaled gradients.
     ref_params = [ref.dense, ref.router, ref.experts.w1_LDF, ref.experts.w2_LFD]
     ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, 0.5 * _norm(ref_params))
@@ -99,23 +97,23 @@ def _norm(params):
     return float(torch.cat([p.grad.reshape(-1) for p in params]).norm())
 
 
-def _check_counts(dims, idx, ref_idx, s):
+def _check_counts(dims, idx, ref_idx):
+    """Router statistics: summed over cp they are this DP replica's (TP peers already hold it
+    all), over dp_cp the whole batch's; the input is left unchanged."""
     count = lambda i: torch.bincount(i.flatten(), minlength=E)
-    assert torch.equal(reduce_expert_bias_counts(count(idx), dims), count(ref_idx))
-    # tp_cp: this DP replica's whole sequence, counted once per TP peer holding it.
+    mine = count(idx)
     per_replica = T // dims.dp
     d = dims.rank_in("dp")
-    want_seq = dims.tp * count(ref_idx[d * per_replica:(d + 1) * per_replica])
-    assert torch.equal(reduce_aux_counts(count(idx), dims), want_seq)
-    assert torch.equal(reduce_aux_counts(count(idx), dims, global_batch=True),
-                       dims.tp * count(ref_idx))
+    replica = count(ref_idx[d * per_replica:(d + 1) * per_replica])
+    assert torch.equal(stats_reducer(dims.group("cp"))(mine), replica)
+    assert torch.equal(stats_reducer(dims.group("dp_cp"))(mine), count(ref_idx))
+    assert torch.equal(mine, count(idx)) and stats_reducer(None) is None
 
 
 def _check_all_layouts(rank, world):
     check_groups_on_gloo(rank, world)
     for seed, kw in enumerate(LAYOUTS):
-        for split_tp in (False, True) if kw.get("tp", 1) > 1 else (False,):
-            _check_layout(rank, kw, seed, split_tp)
+        _check_layout(rank, kw, seed)
     return True
 
 

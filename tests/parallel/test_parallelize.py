@@ -17,12 +17,7 @@ import torch.distributed as dist
 from longctx_moe.model import build_model
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
-from longctx_moe.parallel.grad_reduce import (
-    clip_grad_norm,
-    reduce_expert_bias_counts,
-    reduce_gradients,
-    split_params,
-)
+from longctx_moe.parallel.grad_reduce import clip_grad_norm, split_params
 from longctx_moe.parallel.parallelize import parallelize
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch, tiny_config
@@ -87,38 +82,41 @@ def _check_layout(rank, world, kw, seed, aux="seq"):
     ref_loss = sum(_loss(o, b.num_target_tokens(), g) for o, b in zip(ref_out, ref_batches,
                                                                        strict=True))
     ref_loss.backward()
-    model = parallelize(_model(seed, aux), dims)
+    runtime = parallelize(_model(seed, aux), dims)
+    model = runtime.model
     mine = batches[dims.rank_in("dp")]
-    out = model(mine)
-    loss, counts = _loss(out, mine.num_target_tokens(), g), out.expert_counts
+    out = runtime.forward(runtime.shard(mine))
+    loss, counts = _loss(out, mine.num_target_tokens(), g), out.expert_counts.clone()
     loss.backward()
     dense, expert = split_params(model)
-    assert all(getattr(p, "reduce_axis", "dp_cp") == "edp" for p in expert) and expert
-    reduce_gradients(dense, expert, dims)
+    assert expert and not set(map(id, dense)) & set(map(id, expert))
+    runtime.reduce_gradients()
     total = loss.detach().clone()
     dist.all_reduce(total, group=dims.group("dp_cp"))  # TP peers hold the same loss
     assert abs(total.item() - ref_loss.item()) < TOL, kw
     # expert-bias load: summed over the data-parallel ranks, it is the whole batch's
-    assert torch.equal(reduce_expert_bias_counts(counts, dims), sum(o.expert_counts for o in ref_out)), kw
+    dist.all_reduce(counts, group=dims.group("dp_cp"))
+    assert torch.equal(counts, sum(o.expert_counts for o in ref_out)), kw
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         want = _expected_grad(name, p, ref_params[name].grad, dims)
         assert (p.grad - want).abs().max().item() < TOL, (kw, name)
     ref_norm = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), float("inf"))
     assert abs(float(clip_grad_norm(dense, expert, dims, 0.0)) - float(ref_norm)) < TOL, kw
-    assert abs(float(model.grad_norm_fn(0.0)) - float(ref_norm)) < TOL, kw
+    assert abs(runtime.clip_grad_norm(0.0) - float(ref_norm)) < TOL, kw
 
 
 def _check_all(rank, world):
     for seed, kw in enumerate(LAYOUTS):
         kw = dict(kw)
         _check_layout(rank, world, kw, seed, kw.pop("aux", AUX[seed % 2]))
-    # Under CP only model(batch) shards the batch: a full batch elsewhere is refused, not wrong.
+    # A CP layout describes one rank's shard: the full batch with it is refused, not wrong.
     dims = ParallelDims.from_config(ParallelConfig(cp=2), world, tiny_config())
     dims.build_groups(rank)
-    model = parallelize(_model(0), dims)
-    with pytest.raises(RuntimeError, match="under CP call model"):
-        model.logits(packed_batch([8], 64, pad_multiple=4))
+    runtime = parallelize(_model(0), dims)
+    full = packed_batch([8], 64, pad_multiple=4)
+    with pytest.raises(ValueError, match="run the model on the shard"):
+        runtime.model.logits(full, runtime.shard(full).layout)
     return True
 
 

@@ -9,6 +9,8 @@ statistic over them, as the parallel run computes).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from longctx_moe.config import load_config
@@ -38,6 +40,13 @@ WORLD4 = [["parallel.cp=4", "parallel.ep=2", "parallel.cp_backend=hierarchical",
            "parallel.hierarchical_sizes=[2, 2]", "model.aux_loss_type=seq"],
           ["parallel.cp=2", "parallel.ep=4", "parallel.aux_loss_scope=global_batch",
            "model.aux_loss_type=switch"]]
+# world 2, pure DP and DP x EP: the capacity factor, the drop policy and the global-batch aux
+# loss act as on one rank (capacity is per source rank and micro-batch, which is what the
+# reference's sequential micro-batches see).
+WORLD2 = [["parallel.capacity_factor=0.5", "parallel.drop_policy=position",
+           "model.aux_loss_type=switch"],
+          ["parallel.ep=2", "parallel.capacity_factor=0.75", "model.aux_loss_type=seq"],
+          ["parallel.aux_loss_scope=global_batch", "model.aux_loss_type=switch"]]
 WORLD8 = [["parallel.tp=2", "parallel.cp=2", "parallel.ep=4", "model.aux_loss_type=seq"],
           ["parallel.tp=2", "parallel.cp=2", "parallel.ep=4", "model.aux_loss_type=switch"]]
 
@@ -53,9 +62,11 @@ def _train(sets, dims, steps):
     cfg = load_config(None, SETS + sets)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model).to(torch.float64)
-    if dims is not None:
-        model = parallelize(model, dims, cfg.parallel)
-    trainer = Trainer(cfg, model, dims)
+    parallel = cfg.parallel
+    if dims is None:  # the single-process reference: the same settings on one rank
+        parallel = dataclasses.replace(parallel, tp=1, cp=1, ep=1, cp_backend="ring",
+                                       hierarchical_sizes=None)
+    trainer = Trainer(cfg, parallelize(model, dims, parallel))
     return [(r.loss, r.grad_norm) for r in (trainer.train_step(mbs) for mbs in steps)]
 
 
@@ -89,6 +100,10 @@ def _check(world, layouts, dps, pad):
                                                                             strict=True)):
                 assert abs(loss - ref_loss) <= TOL, (sets, step, loss, ref_loss)
                 assert abs(norm - ref_norm) <= TOL * max(1.0, ref_norm), (sets, step)
+
+
+def test_twenty_steps_world2_dp_capacity_and_global_aux_track_single_process_float64():
+    _check(2, WORLD2, dps=[2, 2, 2], pad=1)
 
 
 def test_twenty_steps_world4_track_single_process_float64():

@@ -7,6 +7,7 @@ import torch
 
 from longctx_moe.checkpoint import CheckpointError, find_resume_dir, load_rank_state
 from longctx_moe.config import load_config
+from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.train import RunContext, maybe_resume, save
 from longctx_moe.trainer import Trainer, iterate_steps
 from tests.trainer.toy import ToyMoE, ToyStepLoader
@@ -21,7 +22,7 @@ def make(tmp: Path, dtype: str, resume: str = "auto", experts: int = 4):
     torch.manual_seed(0)
     model = ToyMoE(experts=experts).to({"fp32": torch.float32, "fp64": torch.float64}[dtype])
     ctx = RunContext(0, 1, 1, torch.device("cpu"), tmp, tmp / "ckpt")
-    return Trainer(cfg, model), ToyStepLoader(), ctx
+    return Trainer(cfg, parallelize(model)), ToyStepLoader(), ctx
 
 
 def train(trainer, loader, until):

@@ -11,6 +11,7 @@ from longctx_moe.compile import apply_compile
 from longctx_moe.config import ConfigError, load_config
 from longctx_moe.host import configure_cpu, tune_host_allocator
 from longctx_moe.model import build_model
+from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.trainer import Trainer
 from tests.model.helpers import packed_batch, tiny_config
 
@@ -20,10 +21,10 @@ def _trainer(compiled: bool):
                              "optim.grad_clip=1.0"])
     cfg.model = tiny_config(aux_loss_type="seq", expert_bias=True, z_loss_coeff=1e-3)
     torch.manual_seed(0)
-    model = build_model(cfg.model).double()
+    runtime = parallelize(build_model(cfg.model).double(), None, cfg.parallel)
     if compiled:
-        apply_compile(model)
-    return Trainer(cfg, model)
+        apply_compile(runtime.model)
+    return Trainer(cfg, runtime)
 
 
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),

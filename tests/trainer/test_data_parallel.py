@@ -5,6 +5,7 @@ import torch
 from longctx_moe.config import load_config
 from longctx_moe.model import build_model
 from longctx_moe.parallel.dims import ParallelDims
+from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.trainer import Trainer
 from tests.launcher import run_distributed
 from tests.trainer.toy import make_batch
@@ -29,7 +30,7 @@ def train(dims, steps_batches):
     cfg = load_config(None, SETS)
     torch.manual_seed(0)
     model = build_model(cfg.model).to(torch.float64)
-    trainer = Trainer(cfg, model, dims)
+    trainer = Trainer(cfg, parallelize(model, dims, cfg.parallel))
     losses = [trainer.train_step(b).loss for b in steps_batches]
     # numpy, not tensors: torch's queue shares tensor storage through a file descriptor that is
     # gone once the worker process exits.

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from longctx_moe.config import load_config
+from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.trainer import NonFiniteLossError, Trainer
 from tests.trainer.toy import ToyMoE, make_batch
 
@@ -37,8 +38,8 @@ def test_accumulated_micro_batches_equal_one_big_batch_float64():
     big = make_batch([n for d in docs for n in d], 64, gen_big)
     assert torch.equal(big.tokens, big_tokens)  # the same documents, one packed row
     cfg = fp64_config()
-    g_micro, s_micro = grads_after(Trainer(cfg, toy_model()), micro)
-    g_big, s_big = grads_after(Trainer(cfg, toy_model()), [big])
+    g_micro, s_micro = grads_after(Trainer(cfg, parallelize(toy_model())), micro)
+    g_big, s_big = grads_after(Trainer(cfg, parallelize(toy_model())), [big])
     # float64, only summation order differs: agreement to ~1e-13 relative.
     assert torch.allclose(s_micro, s_big, rtol=1e-12, atol=1e-14)
     for a, b in zip(g_micro, g_big, strict=True):
@@ -55,7 +56,7 @@ def test_train_step_reports_normalised_losses_and_updates():
     cfg = fp64_config(**{"model.expert_bias": "true"})
     model = toy_model()
     before = [p.detach().clone() for p in model.parameters()]
-    trainer = Trainer(cfg, model)
+    trainer = Trainer(cfg, parallelize(model))
     res = trainer.train_step(batches)
     with torch.no_grad():
         outs = [toy_model()(b) for b in batches]
@@ -76,7 +77,7 @@ def test_non_finite_loss_is_detected_with_its_step(policy):
     gen = torch.Generator().manual_seed(3)
     batches = [make_batch([5, 5], 64, gen)]
     model = toy_model()
-    trainer = Trainer(fp64_config(**{"train.nan_policy": policy}), model)
+    trainer = Trainer(fp64_config(**{"train.nan_policy": policy}), parallelize(model))
     trainer.train_step(batches)  # step 1 is fine
     with torch.no_grad():
         model.head.weight[0, 0] = float("nan")
@@ -96,4 +97,4 @@ def test_all_padding_step_is_an_error():
     gen = torch.Generator().manual_seed(4)
     batch = make_batch([1, 1], 64, gen)  # documents of length 1 have no targets
     with pytest.raises(ValueError, match="no target tokens"):
-        Trainer(fp64_config(), toy_model()).train_step([batch])
+        Trainer(fp64_config(), parallelize(toy_model())).train_step([batch])

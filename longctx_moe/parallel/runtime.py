@@ -1,0 +1,143 @@
+"""ParallelRuntime: the object `parallelize` returns and the trainer drives.
+
+One optimizer step, as the trainer runs it (every rank, same calls in the same order):
+
+    for mb in micro_batches:                       # this DP replica's PackedBatches
+        shard = runtime.shard(mb, cp)              # cp: the CPGroup of this micro-batch
+        out = runtime.forward(shard)               # the single-device model on this rank's tokens
+        loss(out).backward()
+    runtime.reduce_gradients()                     # dense over dp_cp, experts over edp
+    norm = runtime.clip_grad_norm(max_norm)        # global norm over the folded mesh
+
+The model is never patched: what differs per micro-batch (the CP group and plan, the executor,
+the document ids global to the micro-batch, the reduction of router statistics) travels in the
+DocLayout passed to `model(batch, layout)`. What is fixed for the run is applied once by
+`parallelize` (TP shards and hooks, EP expert slices and dispatcher). `cp` defaults to the
+static CP group of the mesh; Dynamic-CP passes a smaller one per micro-batch.
+
+Loss bookkeeping stays with the trainer (trainer.py): each rank's CE sum covers its own tokens,
+so sums over dp_cp give the global batch's. With `parallel.aux_loss_scope=global_batch` the
+router statistics are summed over every data-parallel rank (Megatron's global-batch aux loss),
+and `forward` rescales the aux / z losses so the trainer's weighting stays exact (see
+`_global_batch_scale`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from data_packing.batch import PackedBatch
+from longctx_moe.model.attention import DocLayout, doc_layout
+from longctx_moe.parallel.config import ParallelConfig
+from longctx_moe.parallel.context_parallel import NO_CP, CPGroup, shard_for_cp
+from longctx_moe.parallel.grad_reduce import (
+    clip_grad_norm,
+    reduce_gradients,
+    split_params,
+    stats_reducer,
+)
+
+
+@dataclass
+class Shard:
+    """One micro-batch as this rank runs it."""
+
+    batch: PackedBatch  # this rank's tokens (the whole micro-batch without CP)
+    layout: DocLayout | None  # None: the model builds the plain single-device layout
+    num_targets: int  # target tokens of the whole micro-batch (before CP)
+    cp: CPGroup
+    plan: Any = None  # the CP plan (cp_attention.plan.CPPlan) when cp.size > 1
+
+
+class ParallelRuntime:
+    """Runs micro-batches of a parallelized model and reduces its gradients over the mesh.
+
+    `model(batch, layout=None) -> ForwardOutput` (longctx_moe.model.Transformer, or any module
+    with that contract); `dims` a ParallelDims whose groups are built."""
+
+    def __init__(self, model: nn.Module, dims, cfg: ParallelConfig):
+        self.model, self.dims, self.cfg = model, dims, cfg
+        self.dense, self.expert = split_params(model)
+        self.global_batch_aux = cfg.aux_loss_scope == "global_batch"
+        self.static_cp = static_cp_group(dims)
+
+    # ------------------------------------------------------------------ per micro-batch
+
+    def shard(self, batch: PackedBatch, cp: CPGroup | None = None) -> Shard:
+        """This rank's part of `batch` on the CP group `cp` (default: the mesh's static CP)."""
+        cp = self.static_cp if cp is None else cp
+        n = batch.num_target_tokens()
+        if cp.size > 1:
+            local, layout, plan = shard_for_cp(batch, cp)
+            layout.reduce_stats = self._stats_reducer(cp)
+            return Shard(local, layout, n, cp, plan)
+        reducer = self._stats_reducer(cp)
+        layout = None
+        if reducer is not None:
+            layout = doc_layout(batch)
+            layout.reduce_stats = reducer
+        return Shard(batch, layout, n, cp)
+
+    def forward(self, shard: Shard):
+        """The model's ForwardOutput on this rank's tokens (aux / z rescaled for the global-batch
+        aux loss)."""
+        out = self.model(shard.batch) if shard.layout is None else self.model(shard.batch, shard.layout)
+        if self.global_batch_aux:
+            scale = self._global_batch_scale(shard.num_targets, shard.batch.tokens.device)
+            out.aux_loss, out.z_loss = out.aux_loss * scale, out.z_loss * scale
+        return out
+
+    def _stats_reducer(self, cp: CPGroup):
+        """Sum of router statistics over the ranks that share them: every data-parallel rank for
+        the global-batch aux loss, else the micro-batch's CP group (None: nothing to sum)."""
+        if self.global_batch_aux:
+            return stats_reducer(self.dims.group("dp_cp") if self.dims.size("dp_cp") > 1 else None)
+        return stats_reducer(cp.group if cp.size > 1 else None)
+
+    def _global_batch_scale(self, n: int, device: torch.device) -> float:
+        """The global value of micro-batch i weighs N_i / G (N_i: targets of the i-th micro-batches
+        summed over DP), while the trainer weighs this rank's share by n / G: scale by N_i / n.
+        A replica micro-batch without targets (n = 0) gets weight 0 there, so its share of the
+        statistic is lost (documented approximation)."""
+        total = torch.tensor(n, dtype=torch.int64, device=device)
+        self.all_reduce(total, "dp")
+        return int(total) / n if n else 1.0
+
+    # ------------------------------------------------------------------ per optimizer step
+
+    def reduce_gradients(self) -> None:
+        """Sum gradients over their replicas (dense over dp_cp, experts over edp)."""
+        if self.dims.world_size > 1:
+            reduce_gradients(self.dense, self.expert, self.dims)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global gradient norm over the folded mesh, clipped to `max_norm` when > 0."""
+        if self.dims.world_size == 1:
+            from longctx_moe.optim import clip_grad_norm as local_clip
+
+            return float(local_clip(self.dense + self.expert, max_norm))
+        return float(clip_grad_norm(self.dense, self.expert, self.dims, max_norm))
+
+    def all_reduce(self, t: torch.Tensor, axis: str) -> torch.Tensor:
+        """Sum `t` in place over this rank's `axis` group; a no-op when that group has one rank."""
+        if self.dims.size(axis) > 1:
+            dist.all_reduce(t, group=self.dims.group(axis))
+        return t
+
+
+def static_cp_group(dims) -> CPGroup:
+    """The mesh's CP axis as a CPGroup (NO_CP when cp == 1)."""
+    if dims.cp == 1:
+        return NO_CP
+    if dims.hierarchical:
+        return CPGroup(size=dims.cp, rank=dims.rank_in("cp"), backend="hierarchical",
+                       group=dims.group("cp"), inner=dims.group("cp_inner"),
+                       outer=dims.group("cp_outer"),
+                       sizes=(dims.cp_inner, dims.cp_outer))
+    return CPGroup(size=dims.cp, rank=dims.rank_in("cp"), backend=dims.cp_backend,
+                   group=dims.group("cp"))
