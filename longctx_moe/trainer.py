@@ -21,20 +21,60 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from data_packing.batch import PackedBatch
 from longctx_moe.config import Config
 from longctx_moe.metrics import step_flops
 from longctx_moe.optim import LRSchedule, build_optimizer
-from longctx_moe.parallel.runtime import ParallelRuntime
+from longctx_moe.parallel.runtime import ParallelRuntime, Shard
 
 
 class NonFiniteLossError(RuntimeError):
     """train.nan_policy=stop and a step produced a NaN/inf loss or gradient norm."""
+
+
+@dataclass
+class MicroLoss:
+    """An objective's loss on one micro-batch."""
+
+    loss: torch.Tensor  # scalar to backward through
+    reported: torch.Tensor  # this rank's share of the step loss: sums over dp_cp give the total
+    # Detached scalars summed over micro-batches and dp_cp ranks; keys ending in "_max" / "_min"
+    # reduce by max / min instead.
+    metrics: dict[str, torch.Tensor]
+
+
+class Objective(Protocol):
+    """What a training step minimises (the loss seam: supervised CE and RL losses both plug in).
+
+    `head` is passed to the model (None: the fused cross-entropy; a LogProbHead: per-token
+    log-probs); `replay(i)` gives router-replay routes for micro-batch i (or None); `micro_loss`
+    turns the model's output on micro-batch i into its share of the step's loss, given G, the
+    step's global target-token count."""
+
+    head: Any
+
+    def replay(self, i: int) -> torch.Tensor | None: ...
+
+    def micro_loss(self, i: int, out: Any, shard: Shard, g: int) -> MicroLoss: ...
+
+
+class CrossEntropy:
+    """The supervised objective: token-mean cross-entropy over the global batch (ce_sum / G)."""
+
+    head = None
+
+    def replay(self, i: int) -> None:
+        return None
+
+    def micro_loss(self, i: int, out: Any, shard: Shard, g: int) -> MicroLoss:
+        ce = out.ce_sum / g
+        return MicroLoss(ce, ce.detach(), {})
 
 
 @dataclass
@@ -50,6 +90,7 @@ class StepResult:
     skipped: bool
     expert_counts: torch.Tensor | None  # [L_moe, E] global token counts of this step
     flops: float | None  # model FLOPs (fwd + bwd) of the global batch; None without a FLOP model
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's, reduced globally
 
 
 class Trainer:
@@ -88,18 +129,22 @@ class Trainer:
         t = self.runtime.all_reduce(torch.tensor(local, dtype=torch.float64), "dp")
         return int(t[0]), int(t[1]), (float(t[2]) if flops is not None else None)
 
-    def train_step(self, micro_batches: list[PackedBatch]) -> StepResult:
-        """Forward/backward over every micro-batch, reduce, clip, and (unless non-finite) update."""
-        lr = self.schedule.apply()
+    def train_step(self, micro_batches: list[PackedBatch], objective: Objective | None = None,
+                   lr: float | None = None) -> StepResult:
+        """Forward/backward over every micro-batch, reduce, clip, and (unless non-finite) update.
+        `objective` defaults to the supervised cross-entropy; `lr` overrides the schedule's
+        learning rate for this step (RL frameworks set it per call)."""
+        lr = self.schedule.apply() if lr is None else self._set_lr(lr)
         g, num_tokens, flops = self.step_totals(micro_batches)
         if g == 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no target tokens (all labels are -100); "
                              "check the data (documents of length >= 2) and data.global_batch_tokens")
-        sums, counts = self._accumulate(micro_batches, g)
+        sums, counts, metrics = self._accumulate(micro_batches, g, objective or CrossEntropy())
         self.runtime.reduce_gradients()
         self.runtime.all_reduce(sums, "dp_cp")
         if counts is not None:
             self.runtime.all_reduce(counts, "dp_cp")
+        metrics = self._reduce_metrics(metrics)
         grad_norm = self.runtime.clip_grad_norm(self.cfg.optim.grad_clip)
         loss = float(sums[0])
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
@@ -114,30 +159,47 @@ class Trainer:
         self.step += 1
         return StepResult(loss=loss, ce_loss=float(sums[1]), aux_loss=float(sums[2]), z_loss=float(sums[3]),
                           grad_norm=grad_norm, lr=lr, num_targets=g, num_tokens=num_tokens, skipped=skipped,
-                          expert_counts=counts, flops=flops)
+                          expert_counts=counts, flops=flops, metrics=metrics)
 
-    def _accumulate(self, micro_batches: list[PackedBatch], g: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Backward every micro-batch; return sums [loss, ce, aux, z] (fp64) and the summed
-        expert counts [L_moe, E] (fp64) of this rank."""
+    def _set_lr(self, lr: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _accumulate(self, micro_batches: list[PackedBatch], g: int, objective: Objective):
+        """Backward every micro-batch; return sums [loss, main, aux, z] (fp64), the summed expert
+        counts [L_moe, E] (fp64) of this rank, and the objective's metrics summed over them."""
         sums = torch.zeros(4, dtype=torch.float64)
-        counts = None
-        for mb in micro_batches:
-            shard = self.runtime.shard(mb.to(self.device))
+        counts, metrics = None, {}
+        for i, mb in enumerate(micro_batches):
+            shard = self.runtime.shard(mb.to(self.device), replay_TLK=objective.replay(i))
             n = shard.num_targets
             with self.autocast():
-                out = self.runtime.forward(shard)
-            ce = out.ce_sum / g
+                out = self.runtime.forward(shard, objective.head)
+            main = objective.micro_loss(i, out, shard, g)
             aux = (out.aux_loss + out.z_loss) * (n / g)
-            loss = ce + aux
-            loss.backward()
+            (main.loss + aux).backward()
             parts = torch.stack([torch.as_tensor(v, dtype=torch.float64).detach().cpu().reshape(())
-                                 for v in (loss, ce, out.aux_loss * (n / g), out.z_loss * (n / g))])
+                                 for v in (main.reported + aux, main.reported,
+                                           out.aux_loss * (n / g), out.z_loss * (n / g))])
             sums += parts
             c = getattr(out, "expert_counts", None)
             if c is not None:
                 c = c.detach().to(torch.float64).cpu()
                 counts = c if counts is None else counts + c
-        return sums, counts
+            _merge_metrics(metrics, {**main.metrics, **_replay_metrics(out)})
+        return sums, counts, metrics
+
+    def _reduce_metrics(self, metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Sums over dp_cp ("_max" / "_min" keys by max / min); the same keys on every rank."""
+        out = {}
+        for key in sorted(metrics):
+            t = metrics[key].detach().to(torch.float64).cpu().reshape(1)
+            op = {"_max": dist.ReduceOp.MAX, "_min": dist.ReduceOp.MIN}.get(key[-4:], dist.ReduceOp.SUM)
+            if self.dims.size("dp_cp") > 1:
+                dist.all_reduce(t, op=op, group=self.dims.group("dp_cp"))
+            out[key] = float(t)
+        return out
 
     def _on_non_finite(self, loss: float, grad_norm: float) -> None:
         what = f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} " \
@@ -158,6 +220,29 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.step = int(state["step"])
+
+
+def _merge_metrics(acc: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+    for key, value in new.items():
+        value = torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(())
+        if key not in acc:
+            acc[key] = value
+        elif key.endswith("_max"):
+            acc[key] = torch.maximum(acc[key], value)
+        elif key.endswith("_min"):
+            acc[key] = torch.minimum(acc[key], value)
+        else:
+            acc[key] = acc[key] + value
+
+
+def _replay_metrics(out: Any) -> dict[str, torch.Tensor]:
+    """Router replay's token counts (real tokens of this rank whose routes were given, and of
+    those the ones live routing agreed with); empty without replay."""
+    replay = getattr(out, "replay", None) or {}
+    if not replay.get("known"):
+        return {}
+    return {"route_known": torch.tensor(float(replay["known"])),
+            "route_agree": torch.tensor(float(replay["agree"]))}
 
 
 def iterate_steps(loader: Iterable[list[PackedBatch]], start_step: int, total_steps: int) -> Iterator[list[PackedBatch]]:

@@ -1,1 +1,24 @@
-"""rl_hooks: the API that RL frameworks call to compute logprobs, update the policy, export weights."""
+"""rl_hooks: the API that RL frameworks call to compute log-probs and update the policy.
+
+    batch.py        RolloutBatch: the jagged rollout contract and its validation
+    advantages.py   group-normalised advantages (GRPO, Dr.GRPO, RLOO) from per-sequence rewards
+    losses.py       PPO / GSPO / CISPO / policy-gradient losses, aggregations, KL, corrections
+    microbatch.py   a RolloutBatch split into balanced micro-batches per data-parallel rank
+    api.py          PolicyTrainer: compute_logprobs, train_step, save / load, info
+"""
+
+from rl_hooks.batch import RolloutBatch, RolloutBatchError
+from rl_hooks.losses import LossInputs, LossOutput, Normalizers, PolicyLossConfig, make_loss
+
+__all__ = ["LossInputs", "LossOutput", "Normalizers", "PolicyLossConfig", "PolicyTrainer",
+           "RolloutBatch", "RolloutBatchError", "make_loss"]
+
+
+def __getattr__(name: str):
+    # PolicyTrainer pulls in the whole trainer; importing the batch contract or the losses alone
+    # (e.g. in a rollout worker) should not.
+    if name == "PolicyTrainer":
+        from rl_hooks.api import PolicyTrainer
+
+        return PolicyTrainer
+    raise AttributeError(f"module 'rl_hooks' has no attribute {name!r}")

@@ -40,6 +40,8 @@ class DocLayout:
     # reduce_stats sums no-grad MoE statistics over the ranks that split these tokens.
     attend: Callable[..., torch.Tensor] | None = None
     reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Router replay: int [T, L_moe, K] experts to force per token and MoE layer (-1: route live).
+    replay_TLK: torch.Tensor | None = None
 
     def rope_cos_sin(self, head_dim: int, theta: float, dtype: torch.dtype):
         key = (head_dim, theta, dtype)

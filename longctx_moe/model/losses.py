@@ -170,3 +170,85 @@ def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torc
     cdtype = autocast_dtype(h_TD)
     ce_sum = _LinearCrossEntropy.apply(h_TD, w_VD, idx_N, labels_N, weight_N, chunk_tokens, cdtype)
     return ce_sum, int(idx_N.numel())
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    """(logp_N, entropy_N) of the rows idx_N of h @ W^T / temperature, chunk by chunk.
+
+    Unlike _LinearCrossEntropy the upstream gradient is per token (an RL loss weighs each token
+    by its own advantage and ratio), so the logits' gradient cannot be formed in the forward: the
+    backward recomputes each chunk's logits from h and W (one more [C, D] x [D, V] product per
+    chunk) and never holds more than one chunk of [C, V]."""
+
+    @staticmethod
+    def forward(ctx, h_TD, w_VD, idx_N, labels_N, chunk, cdtype, temperature, want_entropy):
+        acc = torch.float64 if cdtype == torch.float64 else torch.float32
+        w_c = w_VD.to(cdtype)
+        n = idx_N.numel()
+        logp_N = torch.empty(n, dtype=acc, device=h_TD.device)
+        ent_N = torch.zeros(n if want_entropy else 0, dtype=acc, device=h_TD.device)
+        for s in range(0, n, chunk):
+            logp_CV = _chunk_log_softmax(h_TD, w_c, idx_N[s:s + chunk], cdtype, acc, temperature)
+            logp_N[s:s + chunk] = logp_CV.gather(1, labels_N[s:s + chunk, None]).squeeze(1)
+            if want_entropy:
+                ent_N[s:s + chunk] = -(logp_CV.exp() * logp_CV).sum(-1)
+        ctx.save_for_backward(h_TD, w_VD, idx_N, labels_N)
+        ctx.meta = (chunk, cdtype, acc, temperature)
+        return logp_N, ent_N
+
+    @staticmethod
+    def backward(ctx, g_logp_N, g_ent_N):
+        h_TD, w_VD, idx_N, labels_N = ctx.saved_tensors
+        chunk, cdtype, acc, temperature = ctx.meta
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w_c = w_VD.to(cdtype)
+        grad_h = torch.zeros_like(h_TD) if need_h else None
+        grad_w = torch.zeros(w_VD.shape, dtype=acc, device=w_VD.device) if need_w else None
+        with_ent = g_ent_N is not None and g_ent_N.numel() > 0
+        for s in range(0, idx_N.numel(), chunk):
+            rows = idx_N[s:s + chunk]
+            logp_CV = _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature)
+            p_CV = logp_CV.exp()
+            # d logp_y / d z = (onehot_y - p) / temperature
+            g_CV = p_CV * -g_logp_N[s:s + chunk, None].to(acc)
+            g_CV.scatter_add_(1, labels_N[s:s + chunk, None], g_logp_N[s:s + chunk, None].to(acc))
+            if with_ent:
+                # H = -sum p log p;  d H / d z_j = -p_j (log p_j + H) / temperature
+                ent_C1 = -(p_CV * logp_CV).sum(-1, keepdim=True)
+                g_CV -= g_ent_N[s:s + chunk, None].to(acc) * p_CV * (logp_CV + ent_C1)
+            g_CV = (g_CV / temperature).to(cdtype)
+            if need_h:
+                grad_h.index_add_(0, rows, (g_CV @ w_c).to(h_TD.dtype))
+            if need_w:
+                grad_w += (g_CV.t() @ h_TD.index_select(0, rows).to(cdtype)).to(acc)
+        return (grad_h, None if grad_w is None else grad_w.to(w_VD.dtype),
+                None, None, None, None, None, None)
+
+
+def _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature):
+    """log_softmax(h[rows] @ W^T / temperature) in the accumulation dtype: [C, V]."""
+    z_CV = h_TD.index_select(0, rows).to(cdtype) @ w_c.t()
+    if temperature != 1.0:
+        return torch.log_softmax(z_CV.to(acc) / temperature, -1)
+    return torch.log_softmax(z_CV, -1, dtype=acc)
+
+
+def chunked_token_logprobs(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor,
+                           chunk_tokens: int = 1024, temperature: float = 1.0,
+                           entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log p(labels_T[t]) under softmax(h_t @ W^T / temperature): logp_T [T] fp32
+    (float64 for float64), 0 where labels_T == -100, differentiable; and the entropy of each
+    row's distribution (entropy_T, same layout) when `entropy`. [T, V] is never materialised."""
+    if chunk_tokens < 1:
+        raise ValueError(f"model.loss_chunk_tokens={chunk_tokens} must be >= 1")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    idx_N = (labels_T != IGNORE_INDEX).nonzero().squeeze(1)
+    labels_N = labels_T.index_select(0, idx_N)
+    cdtype = autocast_dtype(h_TD)
+    logp_N, ent_N = _LinearLogProbs.apply(h_TD, w_VD, idx_N, labels_N, chunk_tokens, cdtype,
+                                          float(temperature), entropy)
+    t = labels_T.shape[0]
+    logp_T = logp_N.new_zeros(t).index_put((idx_N,), logp_N)
+    ent_T = ent_N.new_zeros(t).index_put((idx_N,), ent_N) if entropy else None
+    return logp_T, ent_T

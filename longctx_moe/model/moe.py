@@ -30,6 +30,8 @@ from longctx_moe.model.losses import router_z_loss, sequence_aux_loss, switch_au
 class RouterAux:
     logits_TE: torch.Tensor  # fp32 (float64 for a float64 model) router logits
     scores_TE: torch.Tensor  # softmax or sigmoid of the logits (no bias)
+    replay_known_T: torch.Tensor | None = None  # bool [T]: routes were given (router replay)
+    replay_agree_T: torch.Tensor | None = None  # bool [T]: ... and live routing picked the same
 
 
 @dataclass
@@ -37,6 +39,10 @@ class MoEStats:
     aux_loss: torch.Tensor  # scalar, times cfg.aux_loss_coeff
     z_loss: torch.Tensor  # scalar, times cfg.z_loss_coeff
     counts_E: torch.Tensor  # int64 [E]: real tokens routed to each expert (after top-k)
+    topk_idx_TK: torch.Tensor  # int64 [T, K]: the experts each token was sent to
+    # Router replay: tokens whose experts were given, and those where live routing agrees.
+    replay_known: int = 0
+    replay_agree: int = 0
 
 
 class Router(nn.Module):
@@ -51,17 +57,34 @@ class Router(nn.Module):
         # Aux-loss-free balancing bias (DeepSeek-V3): selection only, updated by update_bias.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
 
-    def forward(self, x_TD: torch.Tensor):
+    def forward(self, x_TD: torch.Tensor, replay_TK: torch.Tensor | None = None):
+        """(topk_idx_TK, topk_weight_TK, RouterAux). `replay_TK` (int [T, K], -1 = unknown) forces
+        the experts of every token whose K entries are all known (router replay, R3); their
+        weights still come from the current scores, so the router keeps learning."""
         dtype = torch.float64 if x_TD.dtype == torch.float64 else torch.float32
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
         scores_TE = logits_TE.softmax(-1) if self.score == "softmax" else logits_TE.sigmoid()
         select_TE = scores_TE + self.expert_bias.to(dtype) if self.use_bias else scores_TE
         topk_idx_TK = torch.topk(select_TE, self.top_k, dim=-1).indices
+        aux = RouterAux(logits_TE, scores_TE)
+        if replay_TK is not None:
+            topk_idx_TK = self._replay(topk_idx_TK, replay_TK.to(topk_idx_TK.device).long(), aux)
         topk_weight_TK = scores_TE.gather(1, topk_idx_TK)
         if self.renormalize:
             topk_weight_TK = topk_weight_TK / topk_weight_TK.sum(-1, keepdim=True).clamp_min(1e-20)
-        return topk_idx_TK, topk_weight_TK, RouterAux(logits_TE, scores_TE)
+        return topk_idx_TK, topk_weight_TK, aux
+
+    def _replay(self, live_TK: torch.Tensor, given_TK: torch.Tensor, aux: RouterAux) -> torch.Tensor:
+        """The given experts where all K are known, live ones elsewhere; records agreement (the
+        same set of experts, in any order) on `aux` for the route-agreement metric."""
+        if given_TK.shape != live_TK.shape:
+            raise ValueError(f"replayed routes have shape {tuple(given_TK.shape)}, expected "
+                             f"{tuple(live_TK.shape)} (tokens, top_k)")
+        known_T = (given_TK >= 0).all(-1)
+        same_T = (live_TK.sort(-1).values == given_TK.sort(-1).values).all(-1)
+        aux.replay_known_T, aux.replay_agree_T = known_T, known_T & same_T
+        return torch.where(known_T[:, None], given_TK, live_TK)
 
     @torch.no_grad()
     def update_bias(self, counts_E: torch.Tensor) -> None:
@@ -167,8 +190,8 @@ class MoE(nn.Module):
         # Expert parallelism replaces it with a dispatcher over the EP group (parallel/dispatch.py).
         self.dispatcher = LocalDispatcher()
 
-    def forward(self, x_TD: torch.Tensor, layout: DocLayout):
-        topk_idx_TK, topk_weight_TK, aux = self.router(x_TD)
+    def forward(self, x_TD: torch.Tensor, layout: DocLayout, replay_TK: torch.Tensor | None = None):
+        topk_idx_TK, topk_weight_TK, aux = self.router(x_TD, replay_TK)
         y_TD = self.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
@@ -188,7 +211,8 @@ class MoE(nn.Module):
         the micro-batch's tokens (CP, or the whole data-parallel batch for the global-batch aux
         loss); each rank's aux/z loss is then its share of the global value."""
         cfg, scores_TE, logits_TE, red = self.cfg, aux.scores_TE, aux.logits_TE, layout.reduce_stats
-        doc_T = layout.doc_id_T
+        doc_T, all_idx_TK = layout.doc_id_T, topk_idx_TK
+        known, agree = _replay_counts(aux, layout.real_mask_T)
         if layout.real_mask_T is not None:
             keep = layout.real_mask_T
             topk_idx_TK, scores_TE, logits_TE, doc_T = topk_idx_TK[keep], scores_TE[keep], logits_TE[keep], doc_T[keep]
@@ -204,4 +228,15 @@ class MoE(nn.Module):
         else:
             aux_loss = zero
         z_loss = cfg.z_loss_coeff * router_z_loss(logits_TE, red) if cfg.z_loss_coeff else zero
-        return MoEStats(aux_loss=aux_loss, z_loss=z_loss, counts_E=counts_E)
+        return MoEStats(aux_loss=aux_loss, z_loss=z_loss, counts_E=counts_E, topk_idx_TK=all_idx_TK,
+                        replay_known=known, replay_agree=agree)
+
+
+def _replay_counts(aux: RouterAux, real_T: torch.Tensor | None) -> tuple[int, int]:
+    """(real tokens with replayed routes, of which live routing agreed); (0, 0) without replay."""
+    if aux.replay_known_T is None:
+        return 0, 0
+    known_T, agree_T = aux.replay_known_T, aux.replay_agree_T
+    if real_T is not None:
+        known_T, agree_T = known_T & real_T, agree_T & real_T
+    return int(known_T.sum()), int(agree_T.sum())

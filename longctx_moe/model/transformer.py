@@ -1,11 +1,18 @@
 """The MoE transformer on packed documents, and the API the trainer calls.
 
-Shapes: T physical tokens, D model dim, V vocabulary, L MoE layers, E experts.
+`model(batch, layout=None, head=None) -> ForwardOutput`. Without `head` the output carries the
+fused cross-entropy sum (supervised training: logits' gradients are formed chunk by chunk in the
+forward). With `head=LogProbHead(...)` it carries per-token log-probs (and entropies) with
+gradients, for losses that weigh every token on its own (RL); ce_sum is then -sum(logp) so both
+heads serve the same trainer. Routes taken by every token are always returned (router replay
+records them); `layout.replay_TLK` replays given ones.
+
+Shapes: T physical tokens, D model dim, V vocabulary, L MoE layers, E experts, K top-k.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -14,7 +21,7 @@ from data_packing.batch import PackedBatch
 from longctx_moe.model.attention import Attention, DocLayout, doc_layout
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.layers import RMSNorm, SwiGLU, autocast_dtype
-from longctx_moe.model.losses import chunked_cross_entropy
+from longctx_moe.model.losses import chunked_cross_entropy, chunked_token_logprobs
 from longctx_moe.model.moe import MoE, MoEStats
 
 
@@ -25,6 +32,18 @@ class ForwardOutput:
     aux_loss: torch.Tensor  # scalar, already times aux_loss_coeff, summed over MoE layers
     z_loss: torch.Tensor  # scalar, already times z_loss_coeff, summed over MoE layers
     expert_counts: torch.Tensor  # int64 [L, E]: real tokens routed per expert after top-k
+    routes_TLK: torch.Tensor | None = None  # int64 [T, L, K]: experts of every token and layer
+    logprobs_T: torch.Tensor | None = None  # LogProbHead: log p(label_t), 0 where label is -100
+    entropy_T: torch.Tensor | None = None  # LogProbHead(entropy=True): entropy at each target
+    replay: dict = field(default_factory=dict)  # router replay: {"known": n, "agree": n} tokens
+
+
+@dataclass(frozen=True)
+class LogProbHead:
+    """Ask the model for per-token log-probs (at temperature) and optionally entropies."""
+
+    temperature: float = 1.0
+    entropy: bool = False
 
 
 class Block(nn.Module):
@@ -38,10 +57,11 @@ class Block(nn.Module):
         self.is_moe = layer_idx >= cfg.first_k_dense
         self.ffn = MoE(cfg) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.dense_hidden_size)
 
-    def forward(self, x_TD: torch.Tensor, layout: DocLayout) -> tuple[torch.Tensor, MoEStats | None]:
+    def forward(self, x_TD: torch.Tensor, layout: DocLayout,
+                replay_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats | None]:
         x_TD = x_TD + self.attn(self.attn_norm(x_TD), layout)
         if self.is_moe:
-            h_TD, stats = self.ffn(self.ffn_norm(x_TD), layout)
+            h_TD, stats = self.ffn(self.ffn_norm(x_TD), layout, replay_TK)
         else:
             h_TD, stats = self.ffn(self.ffn_norm(x_TD)), None
         return x_TD + h_TD, stats
@@ -73,8 +93,10 @@ class Transformer(nn.Module):
         # Fill the RoPE cache before the blocks, so that every block (compiled or not) only reads it.
         layout.rope_cos_sin(self.cfg.head_dim, self.cfg.rope_theta, autocast_dtype(x_TD))
         stats = []
+        replay_TLK = layout.replay_TLK
         for block in self.layers:
-            x_TD, s = block(x_TD, layout)
+            replay_TK = None if replay_TLK is None or not block.is_moe else replay_TLK[:, len(stats)]
+            x_TD, s = block(x_TD, layout, replay_TK)
             if s is not None:
                 stats.append(s)
         return self.norm(x_TD), stats
@@ -87,19 +109,32 @@ class Transformer(nn.Module):
         """logits_TV over the whole vocabulary (HF parity tests); training uses forward()."""
         return torch.nn.functional.linear(self.hidden_states(batch, layout), self.output_weight())
 
-    def forward(self, batch: PackedBatch, layout: DocLayout | None = None) -> ForwardOutput:
+    def forward(self, batch: PackedBatch, layout: DocLayout | None = None,
+                head: LogProbHead | None = None) -> ForwardOutput:
         h_TD, stats = self._run(batch, layout)
-        ce_sum, n = chunked_cross_entropy(h_TD, self.output_weight(), batch.labels,
-                                          batch.loss_weight, self.cfg.loss_chunk_tokens)
+        logp_T = ent_T = None
+        if head is None:
+            ce_sum, n = chunked_cross_entropy(h_TD, self.output_weight(), batch.labels,
+                                              batch.loss_weight, self.cfg.loss_chunk_tokens)
+        else:
+            logp_T, ent_T = chunked_token_logprobs(h_TD, self.output_weight(), batch.labels,
+                                                   self.cfg.loss_chunk_tokens, head.temperature,
+                                                   head.entropy)
+            w_T = logp_T if batch.loss_weight is None else logp_T * batch.loss_weight
+            ce_sum, n = -w_T.sum(), batch.num_target_tokens()
         zero = h_TD.new_zeros((), dtype=torch.float32)
-        e = self.cfg.num_experts
+        e, t = self.cfg.num_experts, batch.num_tokens
         counts = (torch.stack([s.counts_E for s in stats]) if stats
                   else torch.zeros(0, e, dtype=torch.int64, device=h_TD.device))
+        routes = (torch.stack([s.topk_idx_TK for s in stats], 1) if stats
+                  else torch.zeros(t, 0, self.cfg.top_k, dtype=torch.int64, device=h_TD.device))
         return ForwardOutput(
             ce_sum=ce_sum, num_targets=n,
             aux_loss=sum((s.aux_loss for s in stats), zero),
             z_loss=sum((s.z_loss for s in stats), zero),
-            expert_counts=counts,
+            expert_counts=counts, routes_TLK=routes, logprobs_T=logp_T, entropy_T=ent_T,
+            replay={"known": sum(s.replay_known for s in stats),
+                    "agree": sum(s.replay_agree for s in stats)},
         )
 
     def moe_layers(self) -> list[MoE]:
@@ -146,4 +181,4 @@ def build_model(cfg: ModelConfig) -> Transformer:
     return model
 
 
-__all__ = ["Block", "ForwardOutput", "Transformer", "build_model"]
+__all__ = ["Block", "ForwardOutput", "LogProbHead", "Transformer", "build_model"]

@@ -33,6 +33,7 @@ from torch import nn
 
 from data_packing.batch import PackedBatch
 from longctx_moe.model.attention import DocLayout, doc_layout
+from longctx_moe.parallel.comm import all_gather_rows
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.context_parallel import NO_CP, CPGroup, shard_for_cp
 from longctx_moe.parallel.grad_reduce import (
@@ -68,29 +69,49 @@ class ParallelRuntime:
 
     # ------------------------------------------------------------------ per micro-batch
 
-    def shard(self, batch: PackedBatch, cp: CPGroup | None = None) -> Shard:
-        """This rank's part of `batch` on the CP group `cp` (default: the mesh's static CP)."""
+    def shard(self, batch: PackedBatch, cp: CPGroup | None = None,
+              replay_TLK: torch.Tensor | None = None) -> Shard:
+        """This rank's part of `batch` on the CP group `cp` (default: the mesh's static CP).
+        `replay_TLK` (int [T, L_moe, K], -1 = route live) forces the experts of each token."""
         cp = self.static_cp if cp is None else cp
         n = batch.num_target_tokens()
         if cp.size > 1:
             local, layout, plan = shard_for_cp(batch, cp)
             layout.reduce_stats = self._stats_reducer(cp)
+            if replay_TLK is not None:
+                layout.replay_TLK = plan.shard(replay_TLK.to(batch.tokens.device), cp.rank)
             return Shard(local, layout, n, cp, plan)
         reducer = self._stats_reducer(cp)
         layout = None
-        if reducer is not None:
+        if reducer is not None or replay_TLK is not None:
             layout = doc_layout(batch)
             layout.reduce_stats = reducer
+            layout.replay_TLK = None if replay_TLK is None else replay_TLK.to(batch.tokens.device)
         return Shard(batch, layout, n, cp)
 
-    def forward(self, shard: Shard):
+    def forward(self, shard: Shard, head=None):
         """The model's ForwardOutput on this rank's tokens (aux / z rescaled for the global-batch
-        aux loss)."""
-        out = self.model(shard.batch) if shard.layout is None else self.model(shard.batch, shard.layout)
+        aux loss). `head`: a model.LogProbHead for per-token log-probs instead of the fused CE."""
+        kwargs = {} if head is None else {"head": head}
+        if shard.layout is not None:
+            kwargs["layout"] = shard.layout
+        out = self.model(shard.batch, **kwargs)
         if self.global_batch_aux:
             scale = self._global_batch_scale(shard.num_targets, shard.batch.tokens.device)
             out.aux_loss, out.z_loss = out.aux_loss * scale, out.z_loss * scale
         return out
+
+    def gather_tokens(self, shard: Shard, x_L: torch.Tensor) -> torch.Tensor:
+        """A per-token tensor of this rank's shard [L, ...] -> the whole micro-batch's [T, ...] in
+        physical order, on every rank of the CP group (identity without CP).
+
+        Differentiable: the backward keeps this rank's own positions of the gradient. That is
+        exact when every rank of the group computes the same function of the gathered tensor (a
+        loss over whole sequences): each then holds the full gradient and needs only its slice,
+        so no collective runs in the backward."""
+        if shard.cp.size == 1:
+            return x_L
+        return _GatherFromCP.apply(x_L, shard.plan, shard.cp)
 
     def _stats_reducer(self, cp: CPGroup):
         """Sum of router statistics over the ranks that share them: every data-parallel rank for
@@ -141,3 +162,18 @@ def static_cp_group(dims) -> CPGroup:
                        sizes=(dims.cp_inner, dims.cp_outer))
     return CPGroup(size=dims.cp, rank=dims.rank_in("cp"), backend=dims.cp_backend,
                    group=dims.group("cp"))
+
+
+class _GatherFromCP(torch.autograd.Function):
+    """All-gather of every CP rank's local tokens, unsharded to the micro-batch's order."""
+
+    @staticmethod
+    def forward(ctx, x_L, plan, cp: CPGroup):
+        sizes = [plan.local_tokens(r) for r in range(cp.size)]
+        rows = all_gather_rows(x_L.contiguous(), sizes, cp.group)  # no graph inside forward
+        ctx.plan, ctx.rank = plan, cp.rank
+        return plan.unshard(list(rows.split(sizes)))
+
+    @staticmethod
+    def backward(ctx, grad_T):
+        return ctx.plan.shard(grad_T, ctx.rank), None, None

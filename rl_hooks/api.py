@@ -1,0 +1,310 @@
+"""PolicyTrainer: the calls an RL framework makes on the trainer (log-probs, policy updates).
+
+One iteration of PPO / GRPO, on every trainer rank (each call is collective; every rank passes
+the same RolloutBatch, the trainer splits it over its data-parallel ranks):
+
+    policy = PolicyTrainer(load_config("configs/tiny_cpu.yaml"))
+    out = policy.compute_logprobs(batch, record_routes=True)     # old log-probs, routes (R3)
+    batch = dataclasses.replace(batch, old_logprobs=out.logprobs, routed_experts=out.routes)
+    metrics = policy.train_step(batch, make_loss(PolicyLossConfig(kind="ppo")), mini_batches=2)
+
+Exactness: the loss of a mini-batch is normalised by global counts (its loss tokens and
+sequences over every DP rank, rl_hooks/losses.py), so the gradient does not depend on how the
+sequences were split into micro-batches or ranks. Under context parallelism each rank's
+per-token log-probs are gathered back to whole sequences before the loss (sequence-level losses
+such as GSPO need them whole): every CP rank computes the same loss, and the gather's backward
+keeps each rank's own tokens (ParallelRuntime.gather_tokens).
+
+On-policy ratio: `compute_logprobs` packs sequences exactly as the training pass does for the
+same `mini_batches` (the plan depends on lengths only, and both passes score every token), so
+the first mini-batch's ratio is exactly 1 in any precision. train_step computes the old
+log-probs this way itself when the batch carries none.
+
+Legend: T rollout tokens, P physical tokens of a micro-batch, N loss tokens, L MoE layers,
+K top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from longctx_moe.config import Config, ConfigError
+from longctx_moe.model.transformer import LogProbHead
+from longctx_moe.trainer import MicroLoss, Trainer
+from rl_hooks.advantages import compute_advantages, token_advantages
+from rl_hooks.batch import RolloutBatch
+from rl_hooks.losses import LossFn, LossInputs, Normalizers
+from rl_hooks.microbatch import MicroBatch, build_micro_batch, plan_micro_batches, replay_routes
+
+
+@dataclass
+class LogProbs:
+    """Per-token outputs of `compute_logprobs`, in the caller's token order."""
+
+    # float32 [T] (float64 for a float64 model); 0 at each sequence's first token
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None  # same dtype [T] when asked for
+    routes: torch.Tensor | None  # int16 [T, L, K] experts of every token when asked for
+
+
+class PolicyTrainer:
+    """The policy side of RL, built from the same Config as `longctx-moe train` (model, parallel
+    layout, optimizer). Runs under torchrun like the trainer (or on one process).
+
+    `micro_batch_tokens`: the token budget of one micro-batch per rank (default
+    data.micro_batch_tokens); `advantage_estimator`: grpo | drgrpo | rloo, used when a batch
+    brings rewards instead of advantages."""
+
+    def __init__(self, cfg: Config, *, micro_batch_tokens: int | None = None,
+                 advantage_estimator: str = "grpo"):
+        from longctx_moe.train import build_dims, build_runtime, make_context, pad_multiple
+
+        self.cfg = cfg
+        self.ctx = make_context(cfg)
+        self.dims = build_dims(cfg, self.ctx)
+        self.runtime = build_runtime(cfg, self.dims, self.ctx.device)
+        self.trainer = Trainer(cfg, self.runtime, self.ctx.device)
+        self.pad_multiple = pad_multiple(cfg)
+        self.budget = micro_batch_tokens or cfg.data.micro_batch_tokens
+        self.estimator = advantage_estimator
+        if self.budget < self.pad_multiple:
+            raise ConfigError(f"micro_batch_tokens={self.budget} is below the padding multiple "
+                              f"{self.pad_multiple} of this layout; raise it")
+
+    # ------------------------------------------------------------------ info
+
+    def info(self) -> dict[str, Any]:
+        """Vocabulary, layout, world size and model FLOPs per token (for MFU)."""
+        from longctx_moe.model.flops import active_matmul_params
+
+        m, d = self.cfg.model, self.dims
+        return {"vocab_size": m.vocab_size, "num_moe_layers": m.num_moe_layers, "top_k": m.top_k,
+                "num_experts": m.num_experts, "world_size": d.world_size,
+                "layout": {"tp": d.tp, "cp": d.cp, "dp": d.dp, "ep": d.ep, "etp": d.etp,
+                           "edp": d.edp, "cp_backend": d.cp_backend},
+                # fwd + bwd matmul FLOPs per token; attention adds 12 * H * R * L per causal pair
+                "flops_per_token": 6.0 * active_matmul_params(m),
+                "micro_batch_tokens": self.budget, "step": self.trainer.step}
+
+    def validate(self, batch: RolloutBatch) -> None:
+        """The batch's contract against this model (one-line RolloutBatchError); no state changes."""
+        m = self.cfg.model
+        batch.validate(m.vocab_size, m.num_moe_layers, m.top_k, m.num_experts)
+
+    # ------------------------------------------------------------------ log-probs
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch, temperature: float = 1.0,
+                         return_entropy: bool = False, record_routes: bool = False,
+                         mini_batches: int = 1) -> LogProbs:
+        """log p(token t | its prefix) for every token (0 at first tokens) in the caller's order,
+        float32 (float64 for a float64 model). Give the `mini_batches` that train_step will use
+        for bitwise-equal old log-probs."""
+        self.validate(batch)
+        t = batch.num_tokens
+        logp = torch.zeros(t, dtype=torch.float64)
+        ent = torch.zeros(t, dtype=torch.float64) if return_entropy else None
+        routes, dtype = None, torch.float32
+        head = LogProbHead(temperature, return_entropy)
+        for seqs in _split(batch.num_seqs, mini_batches):
+            for mb in self._my_micro_batches(batch, seqs, score_all=True):
+                shard = self.runtime.shard(mb.packed.to(self.ctx.device))
+                with self.trainer.autocast():
+                    out = self.runtime.forward(shard, head)
+                dtype = out.logprobs_T.dtype
+                _scatter(logp, mb.target_src_P, self.runtime.gather_tokens(shard, out.logprobs_T))
+                if ent is not None:
+                    _scatter(ent, mb.target_src_P, self.runtime.gather_tokens(shard, out.entropy_T))
+                if record_routes:
+                    routes = self._record(routes, mb, shard, out, t)
+        for x in (logp, ent, routes):
+            if x is not None:
+                self.runtime.all_reduce(x, "dp")  # each token was scored by one DP replica
+        return LogProbs(logp.to(dtype), None if ent is None else ent.to(dtype),
+                        None if routes is None else (routes - 1).to(torch.int16))
+
+    def _record(self, routes, mb: MicroBatch, shard, out, t: int) -> torch.Tensor:
+        """Accumulate routes + 1 (so that a sum over DP replicas keeps them) at owned tokens."""
+        r_PLK = self.runtime.gather_tokens(shard, out.routes_TLK.to(torch.float64)).long().cpu()
+        if routes is None:
+            routes = torch.zeros(t, *r_PLK.shape[1:], dtype=torch.int64)
+        src = mb.token_src_P
+        keep = src >= 0
+        routes[src[keep]] = r_PLK[keep] + 1
+        return routes
+
+    # ------------------------------------------------------------------ policy update
+
+    def train_step(self, batch: RolloutBatch, loss: LossFn, mini_batches: int = 1, epochs: int = 1,
+                   lr: float | None = None, temperature: float = 1.0) -> dict[str, Any]:
+        """Optimizer steps over `batch`: `epochs` passes of `mini_batches` mini-batches (one step
+        each). Returns the metrics of every step ("steps") and their means."""
+        self.validate(batch)
+        batch = self._with_advantages(batch)
+        if batch.old_logprobs is None:
+            old = self.compute_logprobs(batch, temperature, mini_batches=mini_batches).logprobs
+            batch = dataclasses.replace(batch, old_logprobs=old)
+        entropy = _wants_entropy(loss)
+        steps = []
+        for _ in range(epochs):
+            for seqs in _split(batch.num_seqs, mini_batches):
+                steps.append(self._optimizer_step(batch, seqs, loss, lr, temperature, entropy))
+        return _summarise(steps)
+
+    def _optimizer_step(self, batch, seqs, loss, lr, temperature, entropy) -> dict[str, float]:
+        plan = self._plan(batch, seqs)
+        mine = [build_micro_batch(batch, s, self.pad_multiple, score_all=True)
+                for s in plan[self.dims.rank_in("dp")]]
+        norm = _normalizers(batch, seqs)
+        objective = _PolicyObjective(batch, mine, loss, norm, LogProbHead(temperature, entropy),
+                                     self.runtime)
+        res = self.trainer.train_step([mb.packed for mb in mine], objective, lr=lr)
+        m = dict(res.metrics)
+        out = {"loss": res.loss, "policy_loss": res.ce_loss, "aux_loss": res.aux_loss,
+               "z_loss": res.z_loss, "grad_norm": res.grad_norm, "lr": res.lr,
+               "skipped": float(res.skipped), "loss_tokens": float(norm.num_tokens),
+               "sequences": float(norm.num_seqs)}
+        n = max(norm.num_tokens, 1)
+        for key, value in m.items():
+            if key.startswith("route_"):
+                continue
+            out[key] = value if key.endswith(("_max", "_min")) else value / n
+        if m.get("route_known"):
+            out["route_agreement"] = m["route_agree"] / m["route_known"]
+        tokens = [sum(batch.seq_lengths()[i] for mb in rank for i in mb) for rank in plan]
+        out["tokens_per_dp_rank_max"], out["tokens_per_dp_rank_min"] = max(tokens), min(tokens)
+        return out
+
+    def _with_advantages(self, batch: RolloutBatch) -> RolloutBatch:
+        if batch.advantages is not None:
+            return batch
+        adv_S = compute_advantages(batch.rewards, batch.group_ids, self.estimator)
+        return dataclasses.replace(batch, advantages=token_advantages(batch, adv_S), rewards=None,
+                                   group_ids=None)
+
+    # ------------------------------------------------------------------ plans
+
+    def _plan(self, batch: RolloutBatch, seqs: list[int]) -> list[list[list[int]]]:
+        lengths = batch.seq_lengths()
+        data = self.cfg.data
+        local = plan_micro_batches([lengths[i] for i in seqs], self.dims.dp, self.budget,
+                                   self.pad_multiple, data.cost_per_token,
+                                   data.cost_per_token_pair)
+        return [[[seqs[i] for i in mb] for mb in rank] for rank in local]
+
+    def _my_micro_batches(self, batch, seqs, score_all: bool) -> list[MicroBatch]:
+        plan = self._plan(batch, seqs)
+        return [build_micro_batch(batch, s, self.pad_multiple, score_all)
+                for s in plan[self.dims.rank_in("dp")]]
+
+    # ------------------------------------------------------------------ state
+
+    def set_lr(self, lr: float) -> None:
+        """Learning rate for the following steps (until the next call or a per-call `lr`)."""
+        self.trainer._set_lr(lr)
+
+    def save(self, path: str) -> str:
+        """A checkpoint of model, optimizer and schedule (the project's format) under `path`."""
+        from longctx_moe.checkpoint import rng_state, save_checkpoint
+
+        state = self.trainer.state_dict()
+        state["loader"], state["rng"] = None, rng_state()
+        expect = {"model": dataclasses.asdict(self.cfg.model),
+                  "parallel": dataclasses.asdict(self.cfg.parallel)}
+        return str(save_checkpoint(_path(path), self.trainer.step, state, expect, self.ctx.rank,
+                                   self.ctx.world_size, keep_last=0))
+
+    def load(self, path: str) -> None:
+        """Load the newest checkpoint under `path` (or the step directory `path`)."""
+        from longctx_moe.checkpoint import find_resume_dir, load_rank_state, set_rng_state
+
+        step_dir = find_resume_dir(_path(path), "auto") or _path(path)
+        expect = {"model": dataclasses.asdict(self.cfg.model),
+                  "parallel": dataclasses.asdict(self.cfg.parallel)}
+        _, state = load_rank_state(step_dir, self.ctx.rank, self.ctx.world_size, expect)
+        self.trainer.load_state_dict(state, str(step_dir))
+        set_rng_state(state["rng"])
+
+
+class _PolicyObjective:
+    """The trainer's Objective for one mini-batch of a RolloutBatch (see longctx_moe.trainer)."""
+
+    def __init__(self, batch: RolloutBatch, micro: list[MicroBatch], loss: LossFn,
+                 norm: Normalizers, head: LogProbHead, runtime):
+        self.batch, self.micro, self.loss_fn, self.norm = batch, micro, loss, norm
+        self.head, self.runtime = head, runtime
+
+    def replay(self, i: int) -> torch.Tensor | None:
+        return replay_routes(self.batch, self.micro[i])
+
+    def micro_loss(self, i: int, out, shard, g: int) -> MicroLoss:
+        mb = self.micro[i]
+        logp_P = self.runtime.gather_tokens(shard, out.logprobs_T)
+        ent_P = None if out.entropy_T is None else self.runtime.gather_tokens(shard, out.entropy_T)
+        src = mb.target_src_P.to(logp_P.device)
+        pos_N = torch.nonzero((src >= 0) & self.batch.loss_mask[src.clamp_min(0).cpu()].to(src.device)).squeeze(1)
+        tok_N = src[pos_N].cpu()
+        inp = _loss_inputs(self.batch, tok_N, logp_P[pos_N], None if ent_P is None else ent_P[pos_N])
+        res = self.loss_fn(inp, self.norm)
+        # Every CP rank of the group computed this same loss: its share of the step total is
+        # 1/cp (the gradient is not scaled: gather_tokens' backward keeps only own tokens).
+        share = 1.0 / shard.cp.size
+        metrics = {k: (v if k.endswith(("_max", "_min")) else v * share) for k, v in res.metrics.items()}
+        return MicroLoss(res.loss, res.loss.detach() * share, metrics)
+
+
+def _loss_inputs(batch: RolloutBatch, tok_N: torch.Tensor, logp_N, ent_N) -> LossInputs:
+    dev, dtype = logp_N.device, logp_N.dtype
+    pick = lambda x: None if x is None else x[tok_N].to(dev, dtype)
+    seq_N = batch.seq_of_token()[tok_N]
+    _, seq_index = torch.unique_consecutive(seq_N, return_inverse=True)
+    return LossInputs(logprobs=logp_N, old_logprobs=pick(batch.old_logprobs),
+                      advantages=pick(batch.advantages), seq_index=seq_index.to(dev),
+                      num_seqs_local=int(seq_N.unique().numel()),
+                      ref_logprobs=pick(batch.ref_logprobs),
+                      rollout_logprobs=pick(batch.rollout_logprobs), entropy=ent_N)
+
+
+def _normalizers(batch: RolloutBatch, seqs: list[int]) -> Normalizers:
+    """Global counts of one mini-batch: every rank holds the whole batch, so no collective."""
+    mask, cu = batch.loss_mask, batch.cu_seqlens.tolist()
+    per_seq = [int(mask[cu[s]:cu[s + 1]].sum()) for s in seqs]
+    longest = max((cu[s + 1] - cu[s] for s in seqs), default=1)
+    return Normalizers(num_tokens=sum(per_seq), num_seqs=sum(1 for n in per_seq if n),
+                       constant=float(longest))
+
+
+def _split(num_seqs: int, parts: int) -> list[list[int]]:
+    """`parts` contiguous, near-equal groups of sequence indices (the mini-batches)."""
+    if not 1 <= parts <= num_seqs:
+        raise ValueError(f"mini_batches={parts} must be in [1, number of sequences={num_seqs}]")
+    bounds = [num_seqs * i // parts for i in range(parts + 1)]
+    return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _scatter(dst_T: torch.Tensor, src_P: torch.Tensor, val_P: torch.Tensor) -> None:
+    keep = src_P >= 0
+    dst_T[src_P[keep]] = val_P.detach().cpu()[keep].to(dst_T.dtype)
+
+
+def _wants_entropy(loss: LossFn) -> bool:
+    """Entropies cost a second pass over each vocabulary chunk: computed only for a loss that asks
+    (make_loss with entropy_coef > 0, or a callable with `needs_entropy = True`)."""
+    if hasattr(loss, "needs_entropy"):
+        return bool(loss.needs_entropy)
+    cfg = getattr(loss, "keywords", {}).get("cfg")
+    return bool(cfg is not None and getattr(cfg, "entropy_coef", 0.0) > 0)
+
+
+def _summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
+    keys = steps[0].keys() if steps else ()
+    return {"steps": steps, **{k: sum(s[k] for s in steps) / len(steps) for k in keys}}
+
+
+def _path(p: str) -> Path:
+    return Path(p)

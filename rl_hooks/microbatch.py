@@ -1,0 +1,113 @@
+"""From a RolloutBatch to the micro-batches each data-parallel rank runs.
+
+Every rank holds the same RolloutBatch and makes the same plan (pure, deterministic): sequences
+are assigned whole to DP ranks x M micro-batches of at most `budget` padded tokens, balanced by
+an attention-aware cost (data_packing's balancer), M the same on every rank. A micro-batch
+without sequences becomes a one-token batch without targets, so every rank runs the same number
+of forwards (the expert all-to-alls and CP collectives line up).
+
+Alignment (rl_hooks/batch.py): the value at rollout token t is scored by the model's output at
+the position holding token t-1. A micro-batch is a PackedBatch whose label at the physical
+position p of token t-1 is token t, for every t that is not the first of its sequence, so the
+forward computes exactly the log-probs of the rollout tokens, and `target_src` maps each physical
+position p to the rollout token it scores (-1: none). `token_src` maps p to the rollout token
+that sits there (router replay routes are per input token).
+
+Legend: T rollout tokens, P physical tokens of a micro-batch, S sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from data_packing.balance import balance_step, doc_cost
+from data_packing.batch import IGNORE_INDEX, PackedBatch, position_ids_from_cu
+from rl_hooks.batch import RolloutBatch
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of a RolloutBatch as one DP rank runs it."""
+
+    packed: PackedBatch
+    seqs: list[int]  # rollout sequence indices, in packed order
+    target_src_P: torch.Tensor  # int64 [P]: rollout token scored at position p, -1 where none
+    token_src_P: torch.Tensor  # int64 [P]: rollout token at position p, -1 at padding
+
+
+def plan_micro_batches(lengths: list[int], dp_size: int, budget: int, pad_multiple: int,
+                       cost_per_token: float, cost_per_token_pair: float) -> list[list[list[int]]]:
+    """plan[r][m] = the sequence indices (ascending) of DP rank r's m-th micro-batch; every rank
+    gets the same number of micro-batches, some possibly empty."""
+    sizes = np.asarray([_padded(n, pad_multiple) for n in lengths], dtype=np.int64)
+    if sizes.size and sizes.max() > budget:
+        longest = int(np.argmax(sizes))
+        raise ValueError(f"sequence {longest} has {lengths[longest]} tokens (padded "
+                         f"{int(sizes[longest])}) > the micro-batch token budget {budget}; raise "
+                         "micro_batch_tokens (or use more CP ranks: each holds a 1/cp share)")
+    costs = doc_cost(sizes, cost_per_token, cost_per_token_pair)
+    # The balancer wants at least one sequence per micro-batch: hand it zero-size stand-ins for
+    # the micro-batches that would be empty, then drop them.
+    n_real, pad_docs = len(lengths), 0
+    while True:
+        try:
+            step = balance_step(np.concatenate([sizes, np.zeros(pad_docs, np.int64)]),
+                                np.concatenate([costs, np.zeros(pad_docs)]), dp_size, budget)
+            break
+        except ValueError as e:
+            if "would be empty" not in str(e):
+                raise
+            pad_docs += dp_size
+    return [[[i for i in micro if i < n_real] for micro in rank] for rank in step.micro]
+
+
+def _padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def build_micro_batch(batch: RolloutBatch, seqs: list[int], pad_multiple: int,
+                      score_all: bool) -> MicroBatch:
+    """Pack `seqs` of `batch` into one PackedBatch (each sequence padded to `pad_multiple`).
+
+    Labels: the next token wherever it is scored: every token but the first of its sequence when
+    `score_all` (log-prob passes), else only loss tokens. An empty `seqs` gives one padding token
+    without targets."""
+    cu = batch.cu_seqlens.tolist()
+    tokens, target_src, token_src, lens, slots = [], [], [], [], []
+    for s in seqs:
+        a, b = cu[s], cu[s + 1]
+        n, slot = b - a, _padded(b - a, pad_multiple)
+        scored = range(a + 1, b) if score_all else [t for t in range(a + 1, b) if batch.loss_mask[t]]
+        src = torch.full((slot,), -1, dtype=torch.int64)
+        src[torch.tensor([t - 1 - a for t in scored], dtype=torch.int64)] = torch.tensor(list(scored), dtype=torch.int64)
+        tok = torch.full((slot,), -1, dtype=torch.int64)
+        tok[:n] = torch.arange(a, b)
+        tokens.append(torch.cat([batch.tokens[a:b], batch.tokens.new_zeros(slot - n)]))
+        target_src.append(src)
+        token_src.append(tok)
+        lens.append(n)
+        slots.append(slot)
+    if not seqs:  # a stand-in micro-batch: one padding token, nothing scored
+        tokens, target_src, token_src = [batch.tokens.new_zeros(1)], [torch.tensor([-1])], [torch.tensor([-1])]
+    tokens_P, target_src_P, token_src_P = torch.cat(tokens), torch.cat(target_src), torch.cat(token_src)
+    labels_P = torch.where(target_src_P >= 0, batch.tokens[target_src_P.clamp_min(0)],
+                           torch.full_like(target_src_P, IGNORE_INDEX))
+    cu_real = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(torch.int32)
+    cu_pad = torch.tensor([0, *slots], dtype=torch.int64).cumsum(0).to(torch.int32)
+    packed = PackedBatch(tokens=tokens_P, labels=labels_P, cu_seqlens=cu_real,
+                         cu_seqlens_padded=cu_pad,
+                         position_ids=position_ids_from_cu(cu_real, cu_pad, tokens_P.numel()),
+                         max_seqlen=max(lens, default=0))
+    return MicroBatch(packed, list(seqs), target_src_P, token_src_P)
+
+
+def replay_routes(batch: RolloutBatch, mb: MicroBatch) -> torch.Tensor | None:
+    """int64 [P, L, K] routes to replay at each position (-1 at padding), or None."""
+    if batch.routed_experts is None:
+        return None
+    src = mb.token_src_P
+    routes = batch.routed_experts[src.clamp_min(0)].long()
+    return torch.where((src >= 0)[:, None, None], routes, torch.full_like(routes, -1))
