@@ -130,9 +130,9 @@ def bench_end_to_end(texts: list[str], tok_path: str, tok, seq_len: int, tmp: st
             "pack_stats": res["stats"], "out_dir": out_dir}
 
 
-def bench_balance(out_dir: str, seq_len: int, dp: int, micro: int, cost_b: float) -> dict:
+def bench_balance(out_dir: str, seq_len: int, dp: int, micro: int, per_pair: float) -> dict:
     cfg = DataConfig(path=out_dir, global_batch_tokens=dp * micro * seq_len, micro_batch_tokens=seq_len,
-                     cost_a=1.0, cost_b=cost_b, seed=0)
+                     cost_per_token=1.0, cost_per_token_pair=per_pair, seed=0)
     loaders = [StepLoader(cfg, r, dp) for r in range(dp)]
     ranks, micros, counts = [], [], []
     for _ in range(loaders[0].steps_per_epoch):
@@ -173,8 +173,9 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--max-docs", type=int, default=None, help="stdlib files (default: all)")
     p.add_argument("--dp", type=int, default=4)
-    p.add_argument("--cost-b", type=float, default=1 / 4096,
-                   help="attention cost per L^2 relative to 1 per token (~1/(6*d_model))")
+    p.add_argument("--cost-per-token-pair", type=float, default=DataConfig.cost_per_token_pair,
+                   help="attention cost per causal token pair relative to 1 per token "
+                        "(default: DataConfig's, derived for the default model)")
     p.add_argument("--micro-per-rank", type=int, default=8,
                    help="global batch = dp * this * seq_len tokens in the balance measurement")
     p.add_argument("--repeats", type=int, default=5)
@@ -209,14 +210,14 @@ def main(argv=None) -> int:
         tok.save(tok_path)
         e2e = bench_end_to_end(texts, tok_path, tok, max(a.seq_lens), tmp, a.max_docs, 2)
         balance = bench_balance(e2e["out_dir"], max(a.seq_lens), a.dp,
-                                a.micro_per_rank, a.cost_b)
+                                a.micro_per_rank, a.cost_per_token_pair)
     print(f"\nend to end at {max(a.seq_lens)}: longctx-pack {e2e['pack_tokens_per_s']:,.0f} tok/s "
           f"({e2e['pack_seconds']:.1f}s, read+tokenize+pack+write) vs raw encode_batch_fast "
           f"{e2e['raw_encode_tokens_per_s']:,.0f} tok/s: ratio {e2e['pack_over_raw']:.3f} wall, "
           f"{e2e['pack_over_raw_cpu']:.3f} CPU-time (walls {e2e['pack_seconds_all']} vs "
           f"{[round(x, 1) for x in e2e['raw_seconds_all']]})")
     print(f"balance over {a.dp} DP ranks x {a.micro_per_rank} micro-batches at {max(a.seq_lens)} "
-          f"(cost L + {a.cost_b:g} L^2), "
+          f"(cost L + {a.cost_per_token_pair:g} L(L+1)/2), "
           f"{balance['steps']} steps: max/mean mean {balance['rank_max_over_mean_mean']:.4f}, "
           f"median {balance['rank_max_over_mean_p50']:.4f}, worst {balance['rank_max_over_mean_worst']:.4f}")
     _report(a, rows, e2e, balance)

@@ -2,7 +2,8 @@
 
 One optimizer step's documents (sizes = physical, padded lengths) are split into
 dp_size x M micro-batches, M the same on every rank and as small as the token budget allows.
-Cost of a document of padded length L: cost_a * L + cost_b * L**2 (the L**2 is attention).
+Cost of a document of padded length L: per_token * L + per_token_pair * L * (L + 1) / 2, the
+second term counting the causal query-key pairs of its attention (DataConfig explains the units).
 
 Longest-processing-time first with a capacity constraint: documents, most expensive first, go to
 the micro-batch with the lowest cost that still has room; then whole micro-batches go, most
@@ -35,10 +36,10 @@ class StepAssignment:
         return float(self.micro_cost.max() / self.micro_cost.mean()) if self.micro_cost.mean() else 1.0
 
 
-def doc_cost(padded_len: np.ndarray, cost_a: float, cost_b: float) -> np.ndarray:
-    """float64 [N]: cost_a * L + cost_b * L**2."""
+def doc_cost(padded_len: np.ndarray, per_token: float, per_token_pair: float) -> np.ndarray:
+    """float64 [N]: per_token * L + per_token_pair * L * (L + 1) / 2 (causal pairs)."""
     length = np.asarray(padded_len, dtype=np.float64)
-    return cost_a * length + cost_b * length * length
+    return per_token * length + per_token_pair * length * (length + 1) / 2
 
 
 def _fill_bins(sizes: np.ndarray, costs: np.ndarray, n_bins: int, budget: int):

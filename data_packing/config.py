@@ -1,4 +1,4 @@
-"""DataConfig: what the trainer's loader reads (owned by data_packing)."""
+"""DataConfig: what the trainer's loader reads (owned by data_packing), and its validation."""
 
 from __future__ import annotations
 
@@ -10,10 +10,35 @@ class DataConfig:
     path: str = "data/stdlib_tiny"  # a directory written by `longctx-pack`
     global_batch_tokens: int = 8192  # real tokens per optimizer step, summed over DP ranks
     micro_batch_tokens: int = 2048  # token budget of one micro-batch on one rank
-    # Estimated cost of a document of length L: cost_a * L + cost_b * L**2 (attention is the L**2).
-    cost_a: float = 1.0
-    cost_b: float = 0.0
+    # Estimated training cost of a document of padded length L, used to balance the DP ranks:
+    #     cost_per_token * L + cost_per_token_pair * L * (L + 1) / 2   (causal query-key pairs)
+    # in units of one token's dense work. Per token the dense layers cost 6 * N FLOPs (fwd + bwd,
+    # N active matmul parameters); per causal pair attention costs 12 * H * D * layers (QK^T and
+    # PV, 2 FLOPs per head dim each, the backward twice the forward; longctx_moe.model.flops).
+    # The pair cost is their ratio, 2 * H * D * layers / N: for the default model (H=4, D=32,
+    # 2 layers, N = 821,248 with the lm head) 512 / 821,248 = 6.2e-4: attention adds a third to the
+    # dense cost of a 1024-token document and 2.6 times it at 8192 tokens. Recompute it for
+    # another model.
+    cost_per_token: float = 1.0
+    cost_per_token_pair: float = 6.2e-4
     shuffle: bool = True
     seed: int = 0
-    # Each document is padded to a multiple of this (lcm(2*CP, TP)); set by the trainer.
+    # Each document is padded to a multiple of this (data_packing.batch.pad_multiple); set by the
+    # trainer from the parallel layout.
     pad_multiple: int = 1
+
+    def validate(self) -> None:
+        """Raise ValueError naming the `data.<key>`, its value and the fix."""
+        checks = [
+            (self.micro_batch_tokens >= 1, f"data.micro_batch_tokens={self.micro_batch_tokens} must be >= 1"),
+            (self.global_batch_tokens >= self.micro_batch_tokens,
+             f"data.global_batch_tokens={self.global_batch_tokens} must be >= data.micro_batch_tokens="
+             f"{self.micro_batch_tokens}; raise it or lower micro_batch_tokens"),
+            (self.pad_multiple >= 1, f"data.pad_multiple={self.pad_multiple} must be >= 1"),
+            (self.cost_per_token >= 0 and self.cost_per_token_pair >= 0,
+             f"data.cost_per_token={self.cost_per_token} and data.cost_per_token_pair="
+             f"{self.cost_per_token_pair} must be >= 0"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)

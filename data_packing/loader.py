@@ -131,25 +131,14 @@ def build_micro_batch(ds: PackedDataset, docs: list[int], pad_multiple: int) -> 
     )
 
 
-def _validate(cfg: DataConfig, dp_rank: int, dp_size: int) -> None:
-    checks = [
-        (dp_size >= 1 and 0 <= dp_rank < dp_size, f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})"),
-        (cfg.micro_batch_tokens >= 1, f"data.micro_batch_tokens must be >= 1, got {cfg.micro_batch_tokens}"),
-        (cfg.global_batch_tokens >= 1, f"data.global_batch_tokens must be >= 1, got {cfg.global_batch_tokens}"),
-        (cfg.pad_multiple >= 1, f"data.pad_multiple must be >= 1, got {cfg.pad_multiple}"),
-        (cfg.cost_a >= 0 and cfg.cost_b >= 0, "data.cost_a and data.cost_b must be >= 0"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(msg)
-
-
 class StepLoader:
     """Endless iterator over optimizer steps; each step is this rank's list[PackedBatch]."""
 
     def __init__(self, cfg: DataConfig, dp_rank: int, dp_size: int,
                  dataset: PackedDataset | None = None):
-        _validate(cfg, dp_rank, dp_size)
+        cfg.validate()
+        if not (dp_size >= 1 and 0 <= dp_rank < dp_size):
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
         self.ds = dataset if dataset is not None else PackedDataset(cfg.path)
         self.padded = pad_to(self.ds.doc_lengths, cfg.pad_multiple)
@@ -161,7 +150,7 @@ class StepLoader:
             raise ValueError(f"{cfg.path} holds a document of {longest} tokens (padded to "
                              f"{cfg.pad_multiple}) > data.micro_batch_tokens={cfg.micro_batch_tokens}; "
                              f"raise data.micro_batch_tokens or repack with --seq-len <= {cfg.micro_batch_tokens}")
-        self.costs = doc_cost(self.padded, cfg.cost_a, cfg.cost_b)
+        self.costs = doc_cost(self.padded, cfg.cost_per_token, cfg.cost_per_token_pair)
         self.epoch, self.step_in_epoch = 0, 0
         self._plan_epoch, self._plan = -1, []
         self.last_assignment: StepAssignment | None = None

@@ -23,17 +23,10 @@ import yaml
 
 from cp_attention.kernels import BACKENDS as ATTENTION_BACKENDS
 from data_packing.config import DataConfig
+from longctx_moe.choices import check_choice
 from longctx_moe.host import ALLOCATOR_MODES
-from longctx_moe.model.config import CHOICES as MODEL_CHOICES
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.parallel.config import ParallelConfig
-from longctx_moe.parallel.dims import (
-    AUX_LOSS_SCOPES,
-    CP_BACKENDS,
-    DISPATCH_DTYPES,
-    DISPATCHERS,
-    DROP_POLICIES,
-)
 
 
 class ConfigError(ValueError):
@@ -97,8 +90,9 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-# Closed sets of string values. Keys owned by other packages are gathered here from their owners
-# (one list each) so that a bad value fails at load time rather than deep inside a module.
+# Closed sets of string values of the sections defined here. The model, data and parallel
+# sections check their own (their `validate()`), except model.attention_backend: its values are
+# the kernel registry's, which the model package does not read.
 CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "optim.impl": ("auto", "fused", "foreach", "for_loop"),
@@ -107,13 +101,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.autocast_dtype": ("bf16", "fp16", "none"),
     "train.nan_policy": ("stop", "skip"),
     "train.host_allocator": ALLOCATOR_MODES,
-    **{f"model.{key}": allowed for key, allowed in MODEL_CHOICES.items()},
     "model.attention_backend": ("auto", *ATTENTION_BACKENDS),
-    "parallel.cp_backend": CP_BACKENDS,
-    "parallel.dispatcher": DISPATCHERS,
-    "parallel.dispatch_dtype": DISPATCH_DTYPES,
-    "parallel.aux_loss_scope": AUX_LOSS_SCOPES,
-    "parallel.drop_policy": DROP_POLICIES,
 }
 
 # ---------------------------------------------------------------- building from dicts
@@ -302,31 +290,15 @@ def write_config(cfg: Config, path: str | Path) -> Path:
 def _check_choices(cfg: Config) -> None:
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
-        obj = getattr(cfg, section)
-        if not hasattr(obj, name):
-            continue  # a teammate renamed or removed the field; nothing to check
-        value = getattr(obj, name)
-        if value not in allowed:
-            close = difflib.get_close_matches(str(value), allowed, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(allowed)}{hint}")
+        try:
+            check_choice(key, getattr(getattr(cfg, section), name), allowed)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
-
-
-def _check_model(m: ModelConfig) -> None:
-    _require(m.top_k >= 1 and m.top_k <= m.num_experts,
-             f"model.top_k={m.top_k} must be in [1, model.num_experts={m.num_experts}]; lower top_k or raise num_experts")
-    _require(m.num_kv_heads >= 1 and m.num_heads % m.num_kv_heads == 0,
-             f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
-    for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "num_experts",
-                "expert_hidden_size", "loss_chunk_tokens"):
-        _require(getattr(m, key) >= 1, f"model.{key}={getattr(m, key)} must be >= 1")
-    _require(0 <= m.first_k_dense <= m.num_layers,
-             f"model.first_k_dense={m.first_k_dense} must be in [0, model.num_layers={m.num_layers}]")
 
 
 def _check_trainer(cfg: Config) -> None:
@@ -348,27 +320,18 @@ def _check_trainer(cfg: Config) -> None:
     _require(cfg.logging.peak_tflops >= 0, "logging.peak_tflops must be >= 0 (0 = measure)")
 
 
-def _check_data(d: DataConfig) -> None:
-    _require(d.micro_batch_tokens >= 1, f"data.micro_batch_tokens={d.micro_batch_tokens} must be >= 1")
-    _require(d.global_batch_tokens >= d.micro_batch_tokens,
-             f"data.global_batch_tokens={d.global_batch_tokens} must be >= data.micro_batch_tokens={d.micro_batch_tokens}")
-
-
-def _run_component_validators(cfg: Config) -> None:
-    # Components may define their own `validate()`; their ValueErrors become ConfigErrors.
-    for section in ("model", "data", "parallel"):
-        check = getattr(getattr(cfg, section), "validate", None)
-        if callable(check):
-            try:
-                check()
-            except ValueError as e:
-                raise ConfigError(f"{section}: {e}") from None
+def _check_components(cfg: Config) -> None:
+    # Each component owns the checks of its section; their one-line ValueErrors already name the
+    # `<section>.<key>`, so they pass through unchanged as ConfigErrors.
+    for section in (cfg.model, cfg.data, cfg.parallel):
+        try:
+            section.validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def validate(cfg: Config) -> None:
     """Raise ConfigError (one line) for the first invalid value."""
     _check_choices(cfg)
-    _check_model(cfg.model)
-    _check_data(cfg.data)
+    _check_components(cfg)
     _check_trainer(cfg)
-    _run_component_validators(cfg)

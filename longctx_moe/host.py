@@ -18,6 +18,8 @@ import functools
 
 import torch
 
+from longctx_moe.choices import check_choice
+
 # glibc <malloc.h> parameter numbers
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
@@ -53,8 +55,7 @@ def tune_host_allocator() -> bool:
 
 def configure_cpu(threads: int, allocator: str = "tuned") -> None:
     """Flush denormals, set the intra-op thread count, and (allocator='tuned') tune malloc."""
-    if allocator not in ALLOCATOR_MODES:
-        raise ValueError(f"train.host_allocator={allocator!r} is not one of {list(ALLOCATOR_MODES)}")
+    check_choice("train.host_allocator", allocator, ALLOCATOR_MODES)
     # Denormal fp32 values (AdamW's second moments of tiny gradients) make sqrt/div crawl on x86.
     torch.set_flush_denormal(True)
     if threads > 0:

@@ -27,6 +27,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from longctx_moe.choices import check_choice
+from longctx_moe.parallel.config import DISPATCH_DTYPES
+
 FP8_MAX = 448.0  # largest finite torch.float8_e4m3fn
 FP8_REL_BOUND = 2.0**-4  # half a unit in the last place of a 3-bit mantissa
 FP8_ABS_BOUND = 2.0**-10  # half the subnormal step 2^-9, times the row scale
@@ -86,10 +89,8 @@ class FP8Codec(Codec):
 
 def make_codec(name: str) -> Codec:
     """'none' | 'bf16' | 'fp8' -> codec."""
-    codecs = {"none": Codec, "bf16": BF16Codec, "fp8": FP8Codec}
-    if name not in codecs:
-        raise ValueError(f"dispatch_dtype={name!r} is unknown; use one of {tuple(codecs)}")
-    return codecs[name]()
+    check_choice("parallel.dispatch_dtype", name, DISPATCH_DTYPES)
+    return {"none": Codec, "bf16": BF16Codec, "fp8": FP8Codec}[name]()
 
 
 def _a2a_raw(x_ND, send_splits, recv_splits, group, codec):

@@ -1,8 +1,29 @@
-"""ParallelConfig: parallel degrees and strategies (owned by the parallel package)."""
+"""ParallelConfig: parallel degrees and strategies (owned by the parallel package).
+
+`validate()` checks what needs no world size (closed sets, the capacity factor); the degrees are
+checked against the world by `ParallelDims.from_config`, which also calls `validate()`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from longctx_moe.choices import check_choice
+
+CP_BACKENDS = ("ring", "ulysses", "hierarchical")
+DISPATCHERS = ("alltoall", "allgather")
+DISPATCH_DTYPES = ("none", "bf16", "fp8")
+DROP_POLICIES = ("probs", "position")
+AUX_LOSS_SCOPES = ("micro_batch", "global_batch")
+
+# Allowed values of the string fields.
+CHOICES = {
+    "cp_backend": CP_BACKENDS,
+    "dispatcher": DISPATCHERS,
+    "dispatch_dtype": DISPATCH_DTYPES,
+    "drop_policy": DROP_POLICIES,
+    "aux_loss_scope": AUX_LOSS_SCOPES,
+}
 
 
 @dataclass
@@ -25,3 +46,15 @@ class ParallelConfig:
     # Balance statistics of the aux / z losses: over each micro-batch (TP x CP share it), or over
     # the whole data-parallel batch (Megatron's global-batch aux loss; needs aux_loss_type=switch).
     aux_loss_scope: str = "micro_batch"  # micro_batch | global_batch
+
+    def validate(self) -> None:
+        """Raise ValueError naming the `parallel.<key>`, its value and the fix."""
+        for key, allowed in CHOICES.items():
+            check_choice(f"parallel.{key}", getattr(self, key), allowed)
+        check_capacity_factor(self.capacity_factor)
+
+
+def check_capacity_factor(value: float | None) -> None:
+    """None (dropless) or a positive factor; shared with the dispatchers' own argument check."""
+    if value is not None and not value > 0:
+        raise ValueError(f"parallel.capacity_factor={value} must be > 0, or null for dropless")

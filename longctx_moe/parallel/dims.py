@@ -25,6 +25,7 @@ touched), so layouts can be planned and tested on one process (`longctx-moe plan
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -32,28 +33,48 @@ import torch.distributed as dist
 
 from longctx_moe.parallel.config import ParallelConfig
 
-CP_BACKENDS = ("ring", "ulysses", "hierarchical")
-DISPATCHERS = ("alltoall", "allgather")
-DISPATCH_DTYPES = ("none", "bf16", "fp8")
-DROP_POLICIES = ("probs", "position")
-AUX_LOSS_SCOPES = ("micro_batch", "global_batch")
+
+class Axis(str, Enum):
+    """Group names. A str Enum: `Axis.CP == "cp"`, so plain strings are accepted everywhere."""
+
+    TP = "tp"
+    CP = "cp"
+    DP = "dp"
+    DP_CP = "dp_cp"
+    TP_CP = "tp_cp"
+    WORLD = "world"
+    EP = "ep"
+    ETP = "etp"
+    EDP = "edp"
+    CP_INNER = "cp_inner"
+    CP_OUTER = "cp_outer"
+
+    # The value, not "Axis.CP", in messages and f-strings (Python 3.10 to 3.13 differ otherwise).
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
 
 # (group name, grid, axes spanned). Grids are the rank orderings above, slowest axis first.
-_ATTN_AXES = ("dp", "cp", "tp")
-_ATTN_HIER_AXES = ("dp", "cp_outer", "cp_inner", "tp")
-_MOE_AXES = ("edp", "ep", "etp")
-_GROUP_SPECS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("tp", "attn", ("tp",)),
-    ("cp", "attn", ("cp",)),
-    ("dp", "attn", ("dp",)),
-    ("dp_cp", "attn", ("dp", "cp")),
-    ("tp_cp", "attn", ("cp", "tp")),
-    ("world", "attn", ("dp", "cp", "tp")),
-    ("ep", "moe", ("ep",)),
-    ("etp", "moe", ("etp",)),
-    ("edp", "moe", ("edp",)),
+_ATTN_AXES = (Axis.DP, Axis.CP, Axis.TP)
+_ATTN_HIER_AXES = (Axis.DP, Axis.CP_OUTER, Axis.CP_INNER, Axis.TP)
+_MOE_AXES = (Axis.EDP, Axis.EP, Axis.ETP)
+_GROUP_SPECS: tuple[tuple[Axis, str, tuple[Axis, ...]], ...] = (
+    (Axis.TP, "attn", (Axis.TP,)),
+    (Axis.CP, "attn", (Axis.CP,)),
+    (Axis.DP, "attn", (Axis.DP,)),
+    (Axis.DP_CP, "attn", (Axis.DP, Axis.CP)),
+    (Axis.TP_CP, "attn", (Axis.CP, Axis.TP)),
+    (Axis.WORLD, "attn", (Axis.DP, Axis.CP, Axis.TP)),
+    (Axis.EP, "moe", (Axis.EP,)),
+    (Axis.ETP, "moe", (Axis.ETP,)),
+    (Axis.EDP, "moe", (Axis.EDP,)),
 )
-_HIER_SPECS = (("cp_inner", "hier", ("cp_inner",)), ("cp_outer", "hier", ("cp_outer",)))
+_HIER_SPECS = ((Axis.CP_INNER, "hier", (Axis.CP_INNER,)), (Axis.CP_OUTER, "hier", (Axis.CP_OUTER,)))
+# The fields the group table is computed from: fixed once a ParallelDims exists.
+_LAYOUT_FIELDS = frozenset({"world_size", "tp", "cp", "dp", "ep", "etp", "edp", "cp_backend",
+                            "cp_inner", "cp_outer", "dynamic_cp_sizes"})
 
 
 def _fail(msg: str) -> None:
@@ -77,17 +98,6 @@ def _check_degrees(cfg: ParallelConfig, world_size: int) -> None:
     if world_size % (cfg.etp * cfg.ep):
         _fail(f"world_size={world_size} is not divisible by etp*ep={cfg.etp}*{cfg.ep}="
               f"{cfg.etp * cfg.ep}; choose etp and ep whose product divides the world")
-
-
-def _check_options(cfg: ParallelConfig) -> None:
-    for name, allowed in (("cp_backend", CP_BACKENDS), ("dispatcher", DISPATCHERS),
-                          ("dispatch_dtype", DISPATCH_DTYPES), ("drop_policy", DROP_POLICIES),
-                          ("aux_loss_scope", AUX_LOSS_SCOPES)):
-        value = getattr(cfg, name)
-        if value not in allowed:
-            _fail(f"parallel.{name}={value!r} is unknown; use one of {allowed}")
-    if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:
-        _fail(f"parallel.capacity_factor={cfg.capacity_factor} must be > 0, or null for dropless")
 
 
 def _check_hierarchical(cfg: ParallelConfig) -> tuple[int, int]:
@@ -155,7 +165,12 @@ def _groups_along(grid: np.ndarray, axes: tuple[str, ...], keep: tuple[str, ...]
 
 @dataclass
 class ParallelDims:
-    """Validated degrees and, after `build_groups`, this rank's process group of every name."""
+    """Validated degrees and, after `build_groups`, this rank's process group of every name.
+
+    The degree fields are fixed after construction: the group table is computed from them once,
+    in __post_init__, because `size`, `ranks`, `rank_in` and `group` run on every attention call
+    under CP. Assigning one of them afterwards raises; build a new ParallelDims instead.
+    """
 
     world_size: int
     tp: int
@@ -171,12 +186,25 @@ class ParallelDims:
     config: ParallelConfig | None = field(default=None, repr=False)  # what it was built from
     rank: int | None = None
     _groups: dict[str, Any] = field(default_factory=dict, repr=False)
+    _table: dict[str, list[list[int]]] = field(init=False, repr=False, compare=False)
+    _group_of: dict[str, dict[int, list[int]]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        table = self._compute_table()
+        self._group_of = {name: {r: g for g in groups for r in g} for name, groups in table.items()}
+        self._table = table  # set last: from here on the layout fields are frozen
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _LAYOUT_FIELDS and "_table" in self.__dict__:
+            raise AttributeError(f"ParallelDims.{name} is fixed after construction (the group table "
+                                 "is computed from it); build a new ParallelDims instead")
+        object.__setattr__(self, name, value)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int, model_cfg: Any = None) -> ParallelDims:
         """Validate `cfg` for `world_size` ranks (and the model, when given); derive dp and edp."""
         _check_degrees(cfg, world_size)
-        _check_options(cfg)
+        cfg.validate()
         inner, outer = _check_hierarchical(cfg)
         dyn = _check_dynamic_cp(cfg)
         cp_a2a = {"ulysses": cfg.cp, "hierarchical": inner}.get(cfg.cp_backend, 1)
@@ -193,12 +221,15 @@ class ParallelDims:
 
     def names(self) -> list[str]:
         """Every group name, in the order `build_groups` creates them."""
-        extra = [n for n, _, _ in _HIER_SPECS] if self.hierarchical else []
-        dynamic = [f"cp_sub{s}" for s in self.dynamic_cp_sizes]
-        return [n for n, _, _ in _GROUP_SPECS] + extra + dynamic
+        return list(self._table)
 
     def table(self) -> dict[str, list[list[int]]]:
-        """name -> every group's ranks (ascending), computed from the rank orderings; pure."""
+        """name -> every group's ranks (ascending), computed from the rank orderings; pure.
+
+        A copy: callers may not change the cached table."""
+        return {name: [list(g) for g in groups] for name, groups in self._table.items()}
+
+    def _compute_table(self) -> dict[str, list[list[int]]]:
         w = np.arange(self.world_size)
         grids = {
             "attn": (w.reshape(self.dp, self.cp, self.tp), _ATTN_AXES),
@@ -206,24 +237,25 @@ class ParallelDims:
             "moe": (w.reshape(self.edp, self.ep, self.etp), _MOE_AXES),
         }
         specs = _GROUP_SPECS + (_HIER_SPECS if self.hierarchical else ())
-        table = {name: _groups_along(*grids[g], keep) for name, g, keep in specs}
+        table = {name.value: _groups_along(*grids[g], keep) for name, g, keep in specs}
         for s in self.dynamic_cp_sizes:
-            table[f"cp_sub{s}"] = [g[i:i + s] for g in table["cp"] for i in range(0, self.cp, s)]
+            table[f"cp_sub{s}"] = [g[i:i + s] for g in table[Axis.CP] for i in range(0, self.cp, s)]
         return table
 
     def size(self, name: str) -> int:
-        """Number of ranks in each group called `name`."""
+        """Number of ranks in each group called `name` (an Axis or its string)."""
         return len(self._table_for(name)[0])
 
     def ranks(self, name: str, rank: int | None = None) -> list[int]:
         """The ranks of the `name` group that contains `rank` (default: this rank)."""
-        rank = self._rank(rank)
-        return next(g for g in self._table_for(name) if rank in g)
+        self._table_for(name)
+        return list(self._group_of[name][self._rank(rank)])
 
     def rank_in(self, name: str, rank: int | None = None) -> int:
         """Position of `rank` (default: this rank) inside its `name` group."""
         rank = self._rank(rank)
-        return self.ranks(name, rank).index(rank)
+        self._table_for(name)
+        return self._group_of[name][rank].index(rank)
 
     def group(self, name: str):
         """This rank's `name` process group; None when world_size == 1 (no communication)."""
@@ -234,6 +266,11 @@ class ParallelDims:
             raise RuntimeError(f"group {name!r} does not exist yet; call dims.build_groups(rank) "
                                "on every rank after init_process_group")
         return self._groups[name]
+
+    def group_or_none(self, name: str):
+        """This rank's `name` group, or None when that group has one rank: the collectives and
+        kernels that take a group treat None as "nothing to communicate"."""
+        return self.group(name) if self.size(name) > 1 else None
 
     def build_groups(self, rank: int) -> None:
         """Create every group with `dist.new_group`; every rank must call this (same order)."""
@@ -246,23 +283,23 @@ class ParallelDims:
             got = dist.get_world_size() if dist.is_initialized() else "not initialised"
             raise RuntimeError(f"ParallelDims is for world_size={self.world_size} but the default "
                                f"process group is {got}; init_process_group with that many ranks")
-        table = self.table()
-        for name in self.names():
-            for ranks in table[name]:
+        for name, groups in self._table.items():
+            for ranks in groups:
                 # new_group is collective over the world even for ranks outside `ranks`.
                 g = dist.new_group(ranks=ranks)
                 if rank in ranks:
                     self._groups[name] = g
 
     def _table_for(self, name: str) -> list[list[int]]:
-        table = self.table()
-        if name not in table:
-            raise KeyError(f"unknown group {name!r}; known: {', '.join(table)}")
-        return table[name]
+        if name not in self._table:
+            raise KeyError(f"unknown group {str(name)!r}; known: {', '.join(self._table)}")
+        return self._table[name]
 
     def _rank(self, rank: int | None) -> int:
         if rank is None:
             if self.rank is None:
                 raise RuntimeError("this rank is unknown; pass rank= or call build_groups(rank)")
             return self.rank
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is outside world_size={self.world_size}")
         return rank

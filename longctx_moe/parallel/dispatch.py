@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from longctx_moe.choices import check_choice
 from longctx_moe.parallel.comm import (
     all_gather_rows,
     all_to_all_rows,
@@ -37,7 +38,8 @@ from longctx_moe.parallel.comm import (
     make_codec,
     split_replicated,
 )
-from longctx_moe.parallel.dims import DROP_POLICIES
+from longctx_moe.parallel.config import DROP_POLICIES, check_capacity_factor
+from longctx_moe.parallel.dims import Axis
 
 
 @dataclass
@@ -124,10 +126,8 @@ class _EPDispatcher:
         if num_experts % self.ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size "
                              f"{self.ep_size}; choose ep dividing the number of experts")
-        if drop_policy not in DROP_POLICIES:
-            raise ValueError(f"drop_policy={drop_policy!r} is unknown; use one of {DROP_POLICIES}")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"capacity_factor={capacity_factor} must be > 0, or None for dropless")
+        check_choice("parallel.drop_policy", drop_policy, DROP_POLICIES)
+        check_capacity_factor(capacity_factor)
         self.num_experts, self.local_experts = num_experts, num_experts // self.ep_size
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.wire_bytes = 0  # payload bytes this rank sent to other ranks in the last forward
@@ -240,8 +240,8 @@ def build_dispatcher(dims, cfg, num_experts: int):
 
     Dropless on one rank without TP there is nothing to route across ranks: the model's own
     LocalDispatcher (sort by expert, one batched combine) computes the same sum faster."""
-    group = dims.group("ep") if dims.ep > 1 else None
-    tp_group = dims.group("tp") if dims.tp > 1 else None  # TP peers split their shared tokens
+    group = dims.group_or_none(Axis.EP)
+    tp_group = dims.group_or_none(Axis.TP)  # TP peers split their shared tokens
     if cfg.dispatcher == "allgather" and cfg.dispatch_dtype != "none":
         raise ValueError(f"dispatch_dtype={cfg.dispatch_dtype!r} compresses the all-to-all "
                          "only; use dispatcher=alltoall or dispatch_dtype=none")

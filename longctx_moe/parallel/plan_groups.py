@@ -12,8 +12,8 @@ import json
 import sys
 from types import SimpleNamespace
 
-from longctx_moe.parallel.config import ParallelConfig
-from longctx_moe.parallel.dims import CP_BACKENDS, ParallelDims
+from longctx_moe.parallel.config import CP_BACKENDS, ParallelConfig
+from longctx_moe.parallel.dims import ParallelDims
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,8 +18,8 @@ from tests.launcher import run_distributed
 
 
 def _cfg(path, **kw):
-    base = dict(path=path, global_batch_tokens=2048, micro_batch_tokens=512, cost_a=1.0,
-                cost_b=0.01, pad_multiple=4, seed=7)
+    base = dict(path=path, global_batch_tokens=2048, micro_batch_tokens=512, cost_per_token=1.0,
+                cost_per_token_pair=0.02, pad_multiple=4, seed=7)
     return DataConfig(**{**base, **kw})
 
 
@@ -142,9 +142,9 @@ def test_balance_on_many_documents(ids_dataset):
 
 @given(st.lists(st.integers(1, 64), min_size=1, max_size=80), st.integers(1, 4),
        st.sampled_from([64, 100]), st.sampled_from([0.0, 0.05]))
-def test_balance_step_properties(sizes, dp, budget, cost_b):
+def test_balance_step_properties(sizes, dp, budget, per_pair):
     sizes = np.asarray(sizes)
-    costs = doc_cost(sizes, 1.0, cost_b)
+    costs = doc_cost(sizes, 1.0, per_pair)
     try:
         a = balance_step(sizes, costs, dp, budget)
     except ValueError as e:  # only when there are fewer documents than micro-batches
@@ -191,6 +191,8 @@ def test_loader_errors(ids_dataset, tmp_path):
         StepLoader(_cfg(path), 0, 10_000)
     with pytest.raises(ValueError, match="dp_rank"):
         StepLoader(_cfg(path), 2, 2)
+    with pytest.raises(ValueError, match=r"data.cost_per_token=1.0 and data.cost_per_token_pair=-0.1"):
+        StepLoader(_cfg(path, cost_per_token_pair=-0.1), 0, 1)
     with pytest.raises(ValueError, match="no packed dataset"):
         StepLoader(_cfg(str(tmp_path / "nothing")), 0, 1)
     with pytest.raises(ValueError, match="micro-batch would be empty"):
@@ -218,3 +220,16 @@ def test_ranks_in_separate_processes_agree(ids_dataset):
     ds = PackedDataset(path)
     got = collections.Counter(tuple(t) for r in per_rank for t in r)
     assert got == collections.Counter(tuple(ds.doc_tokens(d).tolist()) for d in range(ds.num_docs))
+
+
+def test_pair_cost_balances_attention_not_tokens():
+    # One 4096-token document and 64 of 128 tokens over 2 ranks: by tokens alone the long one's
+    # rank also takes 16 short ones; with the default pair cost (long: 4096 + 5202, short:
+    # 128 + 5) the long one's attention outweighs all 64 short ones, so it stays alone.
+    sizes = np.asarray([4096] + [128] * 64)
+    cfg = DataConfig()
+    by_tokens = balance_step(sizes, doc_cost(sizes, 1.0, 0.0), 2, 8192)
+    by_cost = balance_step(sizes, doc_cost(sizes, cfg.cost_per_token, cfg.cost_per_token_pair), 2, 8192)
+    long_rank = lambda a: next(r for r, mbs in enumerate(a.micro) if any(0 in mb for mb in mbs))
+    tokens_with_long = lambda a: int(sum(sizes[mb].sum() for mb in a.micro[long_rank(a)]))
+    assert tokens_with_long(by_tokens) > 4096 and tokens_with_long(by_cost) == 4096

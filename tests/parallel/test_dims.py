@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from longctx_moe.parallel.config import ParallelConfig
-from longctx_moe.parallel.dims import ParallelDims
+from longctx_moe.parallel.dims import Axis, ParallelDims
 from longctx_moe.parallel.plan_groups import main as plan_groups_main
 
 
@@ -86,11 +86,11 @@ def test_every_rank_in_exactly_one_group_per_name():
     (4, dict(cp=4, cp_backend="hierarchical"), None, "needs hierarchical_sizes"),
     (4, dict(cp=4, hierarchical_sizes=[2, 2]), None, "cp_backend='ring'"),
     (4, dict(cp=4, cp_backend="ulysses"), dict(num_heads=6), "num_heads/tp=6 is not divisible by 4"),
-    (4, dict(dispatch_dtype="fp16"), None, "dispatch_dtype='fp16' is unknown"),
+    (4, dict(dispatch_dtype="fp16"), None, "parallel.dispatch_dtype='fp16' is not allowed"),
     (4, dict(capacity_factor=0.0), None, "capacity_factor=0.0 must be > 0"),
     (4, dict(etp=2), dict(expert_hidden_size=9), "expert_hidden_size=9 is not divisible by etp=2"),
     (4, dict(cp=4, dynamic_cp_sizes=[3]), None, "holds 3, which does not divide cp=4"),
-    (4, dict(aux_loss_scope="global"), None, "aux_loss_scope='global' is unknown"),
+    (4, dict(aux_loss_scope="global"), None, "parallel.aux_loss_scope='global' is not allowed"),
     (4, dict(aux_loss_scope="global_batch"), dict(aux_loss_type="seq"), "use aux_loss_type=switch"),
 ])
 def test_validation_errors_name_the_numbers(world, kw, model, needle):
@@ -118,6 +118,33 @@ def test_world_size_one_has_no_groups():
     assert d.group("ep") is None and d.size("dp_cp") == 1 and d.rank_in("tp") == 0
 
 
+def test_axis_names_are_plain_strings():
+    d = _dims(8, tp=2, cp=2, ep=4)
+    assert Axis.CP == "cp" and f"{Axis.DP_CP}" == "dp_cp"
+    assert d.size(Axis.CP) == d.size("cp") == 2 and d.ranks(Axis.TP, 5) == d.ranks("tp", 5) == [4, 5]
+    assert set(d.names()) == {a.value for a in Axis} - {"cp_inner", "cp_outer"}
+
+
+def test_table_is_computed_once_and_the_layout_is_fixed(monkeypatch):
+    d = _dims(8, tp=2, cp=2, ep=4)
+    monkeypatch.setattr(ParallelDims, "_compute_table", lambda self: pytest.fail("table rebuilt"))
+    assert d.size("cp") == 2 and d.rank_in("dp_cp", 6) == 3 and d.ranks("ep", 6) == [4, 5, 6, 7]
+    d.table()["cp"][0][0] = 99  # callers get a copy
+    assert d.ranks("cp", 0) == [0, 2]
+    with pytest.raises(AttributeError, match="ParallelDims.cp is fixed after construction"):
+        d.cp = 4
+    d.rank = 3  # this rank is set by build_groups, not part of the layout
+    assert d.rank_in("tp") == 1
+
+
+def test_group_or_none_is_none_for_a_one_rank_group():
+    d = _dims(1)
+    d.build_groups(0)
+    assert d.group_or_none(Axis.EP) is None and d.group_or_none("dp_cp") is None
+    with pytest.raises(KeyError, match="unknown group 'pp'"):
+        d.group_or_none("pp")
+
+
 def check_groups_on_gloo(rank, world):
     """Real groups on gloo (called from test_grad_reduce's 4-rank worker: one spawn fewer)."""
     d = _dims(world, cp=2, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 1],
@@ -131,3 +158,4 @@ def check_groups_on_gloo(rank, world):
         dist.all_reduce(t, group=g)
         assert t.item() == sum(d.ranks(name)), name
         assert dist.get_rank(g) == d.rank_in(name) and dist.get_world_size(g) == d.size(name)
+        assert d.group_or_none(name) is (g if d.size(name) > 1 else None), name

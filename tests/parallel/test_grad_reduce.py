@@ -70,7 +70,7 @@ def _check_layout(rank, kw, seed):
     s = slice(chunk * T // (dims.dp * dims.cp), (chunk + 1) * T // (dims.dp * dims.cp))
     L = E // dims.ep
     model = TinyMoE(wd, wr, w1, w2, dims.rank_in("ep") * L, L)
-    tp_group = dims.group("tp") if dims.tp > 1 else None
+    tp_group = dims.group_or_none("tp")
     y, idx = model(x[s], AllToAllDispatcher(E, dims.group("ep"), tp_group=tp_group))
     ((y * g[s]).sum() / T).backward()  # the global token count, as the trainer does
     dense, expert = split_params(model)
