@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_attention.plan import CostModel, RingLayout, causal_area
+from cp_attention.layout import CostModel, RingLayout, causal_area
 from cp_attention.schedule import Piece
 
 PLACEMENTS = ("auto", "zigzag")

@@ -2,8 +2,9 @@
 communication, runs on one process).
 
 API
-    plan = plan_cp(cu_seqlens, cu_seqlens_padded, cp_size, cost_model=CostModel(a, b),
-                   placement="auto", max_imbalance=1.03, hierarchical_sizes=None) -> CPPlan
+    plan = plan_cp(cu_seqlens, cu_seqlens_padded, cp_size,
+                   cost_model=CostModel(per_token_pair, per_token), placement="auto",
+                   max_imbalance=1.03, hierarchical_sizes=None) -> CPPlan
     plan.shard(x_T..., rank) -> x_L...          rank's local tokens, in its local order
     plan.unshard([x_L... per rank]) -> x_T...   inverse (positions owned by no rank are zero)
     plan.local_cu_seqlens[rank]                 int32 [n+1], piece boundaries of the local layout
@@ -26,6 +27,8 @@ Local layout of ring rank r: its zigzag pieces (doc order, 2C tokens each: chunk
 real tokens of every piece form a prefix of the piece. The zigzag prefix has the same length Z on
 every rank: that prefix is the KV block that circulates (as two halves, see cp_attention/ring.py).
 
+The cost model and RingLayout live in cp_attention/layout.py, shared with placement.py.
+
 Legend: T physical tokens, N documents, P ring size, C = slot/(2P) chunk length, Z ring tokens
 per rank, L local tokens of a rank.
 """
@@ -36,84 +39,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cp_attention.schedule import (
-    Piece,
-    StepSpec,
-    chunk_rows,
-    diagonal_step,
-    full_sequence_step,
-    ring_step,
-)
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Planned cost of a piece: a * causal attention area (query-key pairs) + b * physical tokens."""
-
-    a: float = 1.0
-    b: float = 0.0
-
-    def cost(self, area: float, tokens: int) -> float:
-        return self.a * area + self.b * tokens
-
-
-def causal_area(lo: int, hi: int, length: int) -> int:
-    """Query-key pairs of queries at positions [lo, hi) of a causal doc with `length` real tokens."""
-    hi = min(hi, length)
-    if hi <= lo:
-        return 0
-    return (hi * (hi + 1) - lo * (lo + 1)) // 2
-
-
-@dataclass
-class RingLayout:
-    """Placement over a ring of `size` ranks and its schedule.
-
-    index[r]: int64 [L_r] physical positions held by ring rank r, in local order.
-    pieces[r]: the contiguous pieces of that layout. zigzag_tokens: Z (same on every rank).
-    """
-
-    size: int
-    index: list[torch.Tensor]
-    pieces: list[list[Piece]]
-    zigzag_tokens: int
-    _steps: dict = field(default_factory=dict, repr=False)
-
-    def step(self, rank: int, t: int, device: torch.device | str = "cpu"
-             ) -> tuple[StepSpec, StepSpec | None]:
-        """Kernel calls of ring step t on `rank` (causal). The ring runs towards lower ranks: at
-        step t the rank holds the block of rank s = (rank + t) % size. t == 0: (local queries x
-        local keys, None). t > 0: (queries x half A of block s, queries x half B or None).
-        Cached per device, so a GPU run copies each cu_seqlens to the device once."""
-        key = (rank, t, str(device))
-        if key not in self._steps:
-            src = (rank + t) % self.size
-            if t == 0:
-                specs = (diagonal_step(self.pieces[rank], True), None)
-            else:
-                specs = ring_step(self.pieces[rank], self.pieces[src], rank, src)
-            self._steps[key] = tuple(s.to(device) if s is not None else None for s in specs)
-        return self._steps[key]
-
-    def chunk_rows(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """int64 [Z/2] local rows of half A (first chunks) and half B (second chunks)."""
-        return chunk_rows(self.pieces[rank])
-
-    def traffic(self, rank: int, kv_heads: int, head_dim: int, itemsize: int,
-                acc_itemsize: int) -> dict[str, tuple[int, int]]:
-        """(bytes, messages) ring rank `rank` sends per layer, by kind. Every message carries one
-        half block [2, Z/2, Hkv, D]. Half A goes round the whole ring (P-1 messages per pass);
-        half B only travels to the ranks below its owner: forward and backward KV, P - rank
-        messages (none from rank 0); dK/dV accumulators of B, P - 1 - rank messages."""
-        p, z = self.size, self.zigzag_tokens
-        if p == 1 or z == 0:
-            return {k: (0, 0) for k in ("ring_fwd_kv", "ring_bwd_kv", "ring_bwd_dkv")}
-        half = z // 2 * 2 * kv_heads * head_dim
-        kv_msgs = (p - 1) + (p - rank if rank >= 1 else 0)
-        dkv_msgs = (p - 1) + (p - 1 - rank)
-        return {"ring_fwd_kv": (kv_msgs * half * itemsize, kv_msgs),
-                "ring_bwd_kv": (kv_msgs * half * itemsize, kv_msgs),
-                "ring_bwd_dkv": (dkv_msgs * half * acc_itemsize, dkv_msgs)}
+from cp_attention.layout import CostModel, RingLayout
+from cp_attention.placement import place_documents
+from cp_attention.schedule import Piece, StepSpec, full_sequence_step
 
 
 @dataclass
@@ -181,8 +109,6 @@ def plan_cp(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: 
             num_tokens: int | None = None) -> CPPlan:
     """Plan one micro-batch. cu_seqlens / cu_seqlens_padded: int [N+1] (PackedBatch); num_tokens:
     physical length T (default cu_seqlens_padded[-1]; positions past the last slot are unowned)."""
-    from cp_attention.placement import place_documents  # local: placement imports this module
-
     cost_model = cost_model or CostModel()
     cu, cu_pad = _check_cu(cu_seqlens, cu_seqlens_padded)
     inner, outer = _check_sizes(cp_size, hierarchical_sizes)

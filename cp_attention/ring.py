@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from cp_attention.comm import CommStats, post_p2p, wait_all
 from cp_attention.kernels import attn_backward, attn_forward
+from cp_attention.layout import RingLayout
 from cp_attention.merge import acc_dtype, merge_, new_accumulators
-from cp_attention.plan import CPPlan, RingLayout
+from cp_attention.plan import CPPlan
 
 KV_TAG, DKV_TAG = 0, 2  # KV halves A, B: 0, 1; dK/dV A, B, B home: 2, 3, 4
 
