@@ -1,0 +1,84 @@
+"""PolicyTrainer on 4 gloo ranks against one process, float64: log-probs, entropies and routes
+under CP2 x EP2 (ring and hierarchical), TP2 x DP2 and EP4; one optimizer step's parameter
+updates (which reveal the gradients, see helpers.py) equal the single-process ones, for a token
+loss and a sequence-level one (GSPO), with routes replayed.
+
+Every rank passes the same RolloutBatch; the trainer splits it over its DP ranks, so DP 1 (the
+reference), 2 and 4 are compared on the same sequences. Tolerance 1e-10: float64, only the
+summation order differs (sums over ranks and micro-batches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from rl_hooks import PolicyLossConfig, PolicyTrainer, make_loss
+from tests.launcher import run_distributed
+from tests.rl_hooks.helpers import EPS, config, params, rollout_batch, updates
+
+TOL = 1e-10
+LAYOUTS = [
+    ["parallel.cp=2", "parallel.ep=2"],
+    ["parallel.cp=2", "parallel.ep=2", "parallel.cp_backend=hierarchical",
+     "parallel.hierarchical_sizes=[2, 1]"],
+    ["parallel.tp=2"],
+    ["parallel.ep=4"],
+]
+LOSSES = [PolicyLossConfig(kind="ppo", agg="token-mean", kl_coef=0.1),
+          PolicyLossConfig(kind="gspo", agg="seq-mean-token-mean", eps_low=0.01, eps_high=0.01)]
+COLUMN_SHARDED = ("wo.weight", "w_down.weight")  # TP's row-parallel layers keep input columns
+
+
+def _run(sets, rank_info=False):
+    """compute_logprobs, then one step per loss; the updates of this rank's parameters."""
+    batch = rollout_batch()
+    policy = PolicyTrainer(config(*sets), micro_batch_tokens=24)
+    out = policy.compute_logprobs(batch, return_entropy=True, record_routes=True)
+    steps = []
+    for cfg in LOSSES:
+        perturbed = out.logprobs + 0.05 * torch.cos(torch.arange(out.logprobs.numel()))
+        rollouts = dataclasses.replace(batch, old_logprobs=perturbed, routed_experts=out.routes)
+        before = params(policy)
+        policy.train_step(rollouts, make_loss(cfg), lr=EPS)
+        steps.append({n: u for n, u in updates(policy, before).items()})
+        # undo the step so each loss starts from the same weights
+        with torch.no_grad():
+            for n, p in policy.runtime.model.named_parameters():
+                p.copy_(before[n])
+    dims = policy.dims
+    where = {"tp": dims.rank_in("tp"), "ep": dims.rank_in("ep")} if rank_info else None
+    return out, steps, where
+
+
+def _rank(rank, world):
+    return [_run(sets, rank_info=True) for sets in LAYOUTS]
+
+
+def _slice(name, got, want, where):
+    """This rank's piece of the reference tensor `want` for a parameter shaped like `got`."""
+    if got.shape == want.shape:
+        return want
+    if name.endswith(COLUMN_SHARDED) and got.shape[1] != want.shape[1]:
+        n = got.shape[1]
+        return want[:, where["tp"] * n:(where["tp"] + 1) * n]
+    n = got.shape[0]
+    # TP shards q/k/v and gate/up rows by tp rank; EP slices experts by ep rank
+    part = where["ep"] if "experts" in name else where["tp"]
+    return want[part * n:(part + 1) * n]
+
+
+def test_policy_calls_match_single_process_under_cp_tp_ep_float64():
+    ref_out, ref_steps, _ = _run([])
+    results = run_distributed(_rank, world_size=4, timeout=600)
+    for rank_results in results:
+        for sets, (out, steps, where) in zip(LAYOUTS, rank_results, strict=True):
+            assert (out.logprobs - ref_out.logprobs).abs().max() < TOL, sets
+            assert (out.entropy - ref_out.entropy).abs().max() < TOL, sets
+            assert torch.equal(out.routes, ref_out.routes), sets
+            for cfg, got, want in zip(LOSSES, steps, ref_steps, strict=True):
+                assert any(v.abs().max() > 0 for v in want.values())
+                for name, g in got.items():
+                    w = _slice(name, g, want[name], where)
+                    assert (g - w).abs().max() < TOL, (sets, cfg.kind, name)
