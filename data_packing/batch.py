@@ -11,11 +11,19 @@ Shapes: T physical tokens, N documents.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
 
 IGNORE_INDEX = -100
+
+
+def pad_multiple(cp: int, tp: int) -> int:
+    """What every document's slot is padded to: lcm(2*CP, TP). The CP load-balanced (zigzag)
+    split cuts a document into 2*CP equal chunks, and sequence-parallel TP splits it TP ways;
+    CP=1 needs no chunks, so only TP counts there."""
+    return math.lcm(2 * cp if cp > 1 else 1, tp)
 
 
 @dataclass
@@ -59,7 +67,9 @@ class PackedBatch:
         return PackedBatch(**moved)
 
     def validate(self) -> None:
-        """Raise ValueError naming the broken invariant (used by loaders and rl_hooks)."""
+        """Raise ValueError naming the broken invariant. Loaders call it on the host tensors they
+        build (18 us for a 4096-token micro-batch of ~4 documents, beside 79 us to build it); on
+        device tensors each check would be a host sync, so call it before `.to(device)`."""
         t = self.num_tokens
         for name in ("labels", "position_ids"):
             if getattr(self, name).shape != (t,):

@@ -122,13 +122,15 @@ def build_micro_batch(ds: PackedDataset, docs: list[int], pad_multiple: int) -> 
     positions = np.zeros(total, dtype=np.int64)
     positions[phys] = in_doc
     labels_t = torch.from_numpy(labels)
-    return PackedBatch(
+    batch = PackedBatch(
         tokens=torch.from_numpy(tokens), labels=labels_t,
         cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
         cu_seqlens_padded=torch.from_numpy(cu_p.astype(np.int32)),
         position_ids=torch.from_numpy(positions), max_seqlen=int(lens.max()),
         loss_weight=(labels_t != IGNORE_INDEX).to(torch.float32) if ds.has_loss_mask else None,
     )
+    batch.validate()  # host tensors, so cheap: a layout bug fails here by name, not in a kernel
+    return batch
 
 
 class StepLoader:

@@ -8,7 +8,6 @@ matches and writes metadata.json once every shard exists.
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import sys
@@ -18,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from data_packing import storage
+from data_packing.batch import pad_multiple
 from data_packing.documents import DROP_REASONS, tokenize_records, training_texts
 from data_packing.packing import ALGORITHMS, OVERFLOW_MODES, pad_to, plan_rows
 from data_packing.sources import STDLIB, open_corpus
@@ -66,8 +66,7 @@ class PackArgs:
 
     @property
     def pad_multiple(self) -> int:
-        """Each document is padded to lcm(2*CP, TP) (CP=1 needs no load-balancing halves)."""
-        return math.lcm(2 * self.cp_size if self.cp_size > 1 else 1, self.tp_size)
+        return pad_multiple(self.cp_size, self.tp_size)
 
 
 def validate(a: PackArgs) -> None:

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from data_packing.batch import pad_multiple
 from data_packing.packing import (
     _FirstSetTree,
     best_fit_decreasing,
@@ -148,3 +149,9 @@ def test_bad_arguments(kwargs, match):
 def test_empty_documents_rejected():
     with pytest.raises(ValueError, match="at least one token"):
         plan_rows(np.asarray([3, 0]), 8)
+
+
+@pytest.mark.parametrize("cp, tp, multiple", [(1, 1, 1), (1, 4, 4), (2, 1, 4), (2, 2, 4), (3, 4, 12),
+                                              (4, 2, 8)])
+def test_pad_multiple_is_lcm_of_2cp_and_tp(cp, tp, multiple):
+    assert pad_multiple(cp, tp) == multiple
