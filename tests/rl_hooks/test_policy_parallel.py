@@ -1,5 +1,5 @@
 """PolicyTrainer on 4 gloo ranks against one process, float64: log-probs, entropies and routes
-under CP2 x EP2 (ring and hierarchical), TP2 x DP2 and EP4; one optimizer step's parameter
+under CP2 x EP2 (ring, hierarchical, Ulysses), TP2 x DP2 and EP4; one optimizer step's parameter
 updates (which reveal the gradients, see helpers.py) equal the single-process ones, for a token
 loss and a sequence-level one (GSPO), with routes replayed.
 
@@ -23,6 +23,7 @@ LAYOUTS = [
     ["parallel.cp=2", "parallel.ep=2"],
     ["parallel.cp=2", "parallel.ep=2", "parallel.cp_backend=hierarchical",
      "parallel.hierarchical_sizes=[2, 1]"],
+    ["parallel.cp=2", "parallel.ep=2", "parallel.cp_backend=ulysses"],
     ["parallel.tp=2"],
     ["parallel.ep=4"],
 ]
