@@ -8,23 +8,20 @@ yet carry lse = -inf and out = 0; when both sides are -inf the difference is tak
 stays (0, -inf) without producing NaN, and a single -inf side gives the other side exactly.
 
 Shapes: out_THD [T, H, D], lse_HT [H, T]. The accumulators are float32 for 16/32-bit inputs and
-float64 for float64 inputs (`acc_dtype`).
+float64 for float64 inputs (`accumulate_dtype`).
 """
 
 from __future__ import annotations
 
 import torch
 
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulator dtype: at least float32, float64 for float64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
+from cp_attention.kernels import accumulate_dtype
 
 
 def new_accumulators(q_THD: torch.Tensor, head_dim_v: int | None = None):
-    """Empty (out_THD zeros, lse_HT -inf) accumulators in acc_dtype(q.dtype)."""
+    """Empty (out_THD zeros, lse_HT -inf) accumulators in accumulate_dtype(q.dtype)."""
     t, h, d = q_THD.shape
-    dt = acc_dtype(q_THD.dtype)
+    dt = accumulate_dtype(q_THD.dtype)
     out = torch.zeros(t, h, head_dim_v or d, dtype=dt, device=q_THD.device)
     lse = torch.full((h, t), float("-inf"), dtype=dt, device=q_THD.device)
     return out, lse

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from cp_attention.comm import CommStats, post_p2p, wait_all
-from cp_attention.kernels import attn_backward, attn_forward
+from cp_attention.kernels import accumulate_dtype, attn_backward, attn_forward
 from cp_attention.layout import RingLayout
-from cp_attention.merge import acc_dtype, merge_, new_accumulators
+from cp_attention.merge import merge_, new_accumulators
 from cp_attention.plan import CPPlan
 
 KV_TAG, DKV_TAG = 0, 2  # KV halves A, B: 0, 1; dK/dV A, B, B home: 2, 3, 4
@@ -204,9 +204,9 @@ class _Travel:
 
 def ring_backward(dout, q, k, v, out, lse, layout: RingLayout, rank: int, group, scale, backend,
                   stats: CommStats | None):
-    """-> (dq, dk, dv) in the input dtypes, accumulated in acc_dtype."""
+    """-> (dq, dk, dv) in the input dtypes, accumulated in accumulate_dtype."""
     p, z = layout.size, layout.zigzag_tokens
-    adt = acc_dtype(q.dtype)
+    adt = accumulate_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=adt, device=q.device)
     dk = torch.zeros(k.shape, dtype=adt, device=k.device)
     dv = torch.zeros(v.shape, dtype=adt, device=v.device)

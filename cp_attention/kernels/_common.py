@@ -15,8 +15,10 @@ import torch
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 for float64 inputs, float32 for every 16/32-bit input."""
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of sums, logsumexps and softmax statistics over `dtype` inputs: float64 for float64
+    inputs (the exactness tests), float32 for every 16/32-bit input (bf16/fp16 sums lose digits).
+    The one rule for cp_attention and longctx_moe (the router, the losses) alike."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

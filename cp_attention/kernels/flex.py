@@ -21,7 +21,7 @@ import inspect
 
 import torch
 
-from ._common import default_scale, external_lse_grads, lse_dtype
+from ._common import accumulate_dtype, default_scale, external_lse_grads
 
 
 def _flex():
@@ -93,7 +93,7 @@ def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None):
     scale = default_scale(scale, q_THD.shape[-1])
     mask = block_mask(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal, q_THD.device)
     out, lse = _local(q_THD, k_SHD, v_SHD, mask, scale)
-    lse = torch.where(torch.isfinite(lse), lse, float("-inf")).to(lse_dtype(q_THD.dtype))
+    lse = torch.where(torch.isfinite(lse), lse, float("-inf")).to(accumulate_dtype(q_THD.dtype))
     return out.masked_fill((lse == float("-inf")).t()[..., None], 0), lse
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import default_scale, lse_dtype
+from ._common import accumulate_dtype, default_scale
 
 
 def doc_mask_TS(cu_q, cu_k, total_q: int, total_k: int, causal: bool) -> torch.Tensor:
@@ -52,7 +52,7 @@ def reference_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, sca
     g = q_THD.shape[1] // k_SHD.shape[1]
     v = v_SHD.double().repeat_interleave(g, dim=1)
     out_THD = torch.einsum("hts,shd->thd", p_HTS, v)
-    return out_THD.to(q_THD.dtype), lse_HT.to(lse_dtype(q_THD.dtype))
+    return out_THD.to(q_THD.dtype), lse_HT.to(accumulate_dtype(q_THD.dtype))
 
 
 def reference_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k,

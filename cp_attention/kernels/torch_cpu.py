@@ -16,7 +16,7 @@ import torch
 
 from . import amx_backward
 from ._buckets import Bucket, plan_buckets
-from ._common import default_scale, kernel_lse, lse_dtype
+from ._common import accumulate_dtype, default_scale, kernel_lse
 
 _fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -149,7 +149,7 @@ def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None):
                 torch.cat([r[1][:, :bk.q_len] for r, bk in zip(res, plan, strict=True)], dim=1))
     out_THD = _assemble([r[0] for r in res], plan, (t, hq, d), q_THD, 0.0)
     lse_HT = _assemble([r[1] for r in res], plan, (hq, t), q_THD, float("-inf"), dim=1,
-                       dtype=lse_dtype(q_THD.dtype))
+                       dtype=accumulate_dtype(q_THD.dtype))
     return out_THD, lse_HT
 
 
@@ -229,7 +229,7 @@ def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, 
         ct = _backward_dtype(q_THD.dtype, bk)
         if ct not in inputs:
             inputs[ct] = (*(x.to(ct) for x in (dout_THD, q_THD, k_SHD, v_SHD, out_THD)),
-                          klse_HT.to(lse_dtype(ct)))
+                          klse_HT.to(accumulate_dtype(ct)))
         res.append(_backward_bucket(inputs[ct], bk, scale))
     if tiles:
         lens = [(bk.q_len, bk.k_len, bk.k_len) for bk in plan]

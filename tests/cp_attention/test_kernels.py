@@ -345,3 +345,11 @@ def test_flash_attn_arguments_bind_by_name_across_releases():
         fa._call_by_name(lambda q, unknown_arg: None, vals)
     with pytest.raises(ValueError, match="float16/bfloat16"):
         fa._common_args(q.float(), q, q, _cu([2]), _cu([2]), 2, 2, True, None)
+
+
+def test_accumulate_dtype_is_float64_only_for_float64():
+    from cp_attention.kernels import accumulate_dtype
+
+    assert accumulate_dtype(torch.float64) == torch.float64
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        assert accumulate_dtype(dt) == torch.float32
