@@ -36,9 +36,13 @@ class ParallelConfig:
     etp: int = 1
     cp_backend: str = "ring"  # ring | ulysses | hierarchical
     hierarchical_sizes: list[int] | None = None  # [inner (a2a), outer (p2p)] for cp_backend=hierarchical
-    # Dynamic-CP: also build CP subgroups of these sizes (each divides cp), for micro-batches
-    # that run on fewer CP ranks; named cp_sub<size>.
-    dynamic_cp_sizes: list[int] | None = None
+    # Dynamic-CP: each step's sequences are scheduled on power-of-two sub-groups of every
+    # DP x CP block (cp_attention.dynamic), each sequence on the smallest CP size whose share
+    # fits max_tokens_per_rank, with the ranks' work balanced. `cp` still sets the DP degree of
+    # the loader (dp = world / (tp * cp)); the sub-groups span the whole DP x CP block.
+    dynamic_cp: bool = False
+    max_cp: int = 0  # the largest sub-group (a power of two <= dp * cp); 0: cp
+    max_tokens_per_rank: int = 0  # tokens one rank holds in one slot; 0: data.micro_batch_tokens
     dispatcher: str = "alltoall"  # alltoall | allgather
     dispatch_dtype: str = "none"  # none | bf16 | fp8: payload compression of the expert all-to-all
     capacity_factor: float | None = None  # None: dropless

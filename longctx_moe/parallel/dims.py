@@ -15,8 +15,9 @@ Group names (each rank belongs to exactly one group of each name):
     world               every rank (gradients of replicated weights that TP leaves partial)
     ep, etp, edp        the MoE axes; edp reduces expert gradients
     cp_inner, cp_outer  only with cp_backend = "hierarchical"
-    cp_sub<s>           Dynamic-CP: consecutive runs of s ranks of each CP group, for each s in
-                        parallel.dynamic_cp_sizes
+    dcp<s>              Dynamic-CP: consecutive runs of s ranks of each dp_cp group, for every
+                        power of two 1 < s < dp*cp up to parallel.max_cp (s = dp*cp is dp_cp
+                        itself; s = 1 needs no group)
 
 This is the ONLY module that creates process groups. `table()` is pure (no process group is
 touched), so layouts can be planned and tested on one process (`longctx-moe plan-groups`).
@@ -117,13 +118,29 @@ def _check_hierarchical(cfg: ParallelConfig) -> tuple[int, int]:
     return int(sizes[0]), int(sizes[1])
 
 
-def _check_dynamic_cp(cfg: ParallelConfig) -> tuple[int, ...]:
-    sizes = tuple(sorted(set(cfg.dynamic_cp_sizes or ())))
-    for size in sizes:
-        if size < 1 or cfg.cp % size:
-            _fail(f"parallel.dynamic_cp_sizes holds {size}, which does not divide cp={cfg.cp}; "
-                  "use divisors of cp")
-    return sizes
+def _check_dynamic_cp(cfg: ParallelConfig, block: int) -> tuple[int, ...]:
+    """The Dynamic-CP sub-group sizes that need groups of their own (powers of two 1 < s <
+    block = dp*cp, up to max_cp); () without Dynamic-CP."""
+    if not cfg.dynamic_cp:
+        for key in ("max_cp", "max_tokens_per_rank"):
+            if getattr(cfg, key):
+                _fail(f"parallel.{key} is set but parallel.dynamic_cp is false; set "
+                      "parallel.dynamic_cp=true or remove the key")
+        return ()
+    max_cp = cfg.max_cp or cfg.cp
+    if max_cp < 1 or max_cp & (max_cp - 1) or max_cp > block:
+        _fail(f"parallel.max_cp={max_cp} must be a power of two <= dp*cp={block} (the DP x CP "
+              "block the sub-groups are cut from); choose one, or 0 for cp")
+    if block & (block - 1):
+        _fail(f"Dynamic-CP cuts the DP x CP block into power-of-two runs, but dp*cp={block}; "
+              "choose tp, cp and the world size so that world / tp is a power of two")
+    if cfg.cp_backend == "hierarchical":
+        _fail("parallel.dynamic_cp=true runs ring or Ulysses attention on each sub-group; "
+              "set parallel.cp_backend=ring or ulysses")
+    if cfg.max_tokens_per_rank < 0:
+        _fail(f"parallel.max_tokens_per_rank={cfg.max_tokens_per_rank} must be >= 0 (0: "
+              "data.micro_batch_tokens)")
+    return tuple(s for s in (2 ** i for i in range(1, max_cp.bit_length())) if s < block)
 
 
 def _check_model(cfg: ParallelConfig, model_cfg: Any, cp_a2a: int) -> None:
@@ -206,8 +223,8 @@ class ParallelDims:
         _check_degrees(cfg, world_size)
         cfg.validate()
         inner, outer = _check_hierarchical(cfg)
-        dyn = _check_dynamic_cp(cfg)
-        cp_a2a = {"ulysses": cfg.cp, "hierarchical": inner}.get(cfg.cp_backend, 1)
+        dyn = _check_dynamic_cp(cfg, world_size // cfg.tp)
+        cp_a2a = {"ulysses": max(cfg.cp, cfg.max_cp), "hierarchical": inner}.get(cfg.cp_backend, 1)
         if model_cfg is not None:
             _check_model(cfg, model_cfg, cp_a2a)
         return cls(world_size=world_size, tp=cfg.tp, cp=cfg.cp, dp=world_size // (cfg.tp * cfg.cp),
@@ -238,9 +255,18 @@ class ParallelDims:
         }
         specs = _GROUP_SPECS + (_HIER_SPECS if self.hierarchical else ())
         table = {name.value: _groups_along(*grids[g], keep) for name, g, keep in specs}
+        block = self.dp * self.cp
         for s in self.dynamic_cp_sizes:
-            table[f"cp_sub{s}"] = [g[i:i + s] for g in table[Axis.CP] for i in range(0, self.cp, s)]
+            table[f"dcp{s}"] = [g[i:i + s] for g in table[Axis.DP_CP] for i in range(0, block, s)]
         return table
+
+    def dynamic_group(self, size: int) -> tuple[Any, int]:
+        """(process group, this rank's position in it) of this rank's Dynamic-CP run of `size`
+        consecutive ranks of its dp_cp group: dp_cp itself for the whole block, (None, 0) for 1."""
+        if size == 1:
+            return None, 0
+        name = Axis.DP_CP if size == self.dp * self.cp else f"dcp{size}"
+        return self.group(name), self.rank_in(name)
 
     def size(self, name: str) -> int:
         """Number of ranks in each group called `name` (an Axis or its string)."""

@@ -49,9 +49,9 @@ def check_supported(dims, cfg: ParallelConfig) -> None:
     if dims.etp > 1:
         raise ValueError(f"parallel.etp={dims.etp}: tensor-parallel experts are not implemented; "
                          "set parallel.etp=1 (experts are split over ep instead)")
-    if cfg.dynamic_cp_sizes:
-        raise ValueError("parallel.dynamic_cp_sizes: per-micro-batch CP sizes are not run by the "
-                         "trainer yet; remove the key (static CP over parallel.cp is used)")
+    if cfg.dynamic_cp:
+        raise ValueError("parallel.dynamic_cp=true: per-step CP sizes are not run by the trainer "
+                         "yet; set parallel.dynamic_cp=false (static CP over parallel.cp is used)")
 
 
 def apply_expert_parallel(model: nn.Module, dims, cfg: ParallelConfig) -> None:

@@ -24,8 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=-1, help="-1: world // (tp*cp)")
     p.add_argument("--cp-backend", default="ring", choices=CP_BACKENDS)
     p.add_argument("--hierarchical-sizes", type=int, nargs=2, metavar=("INNER", "OUTER"))
-    p.add_argument("--dynamic-cp-sizes", type=int, nargs="+", metavar="SIZE",
-                   help="also plan Dynamic-CP subgroups of these sizes")
+    p.add_argument("--dynamic-cp", action="store_true",
+                   help="also plan the Dynamic-CP sub-groups (dcp<s>) of each DP x CP block")
+    p.add_argument("--max-cp", type=int, default=0, help="largest Dynamic-CP size (0: cp)")
     p.add_argument("--num-experts", type=int)
     p.add_argument("--num-heads", type=int)
     p.add_argument("--num-kv-heads", type=int)
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = ParallelConfig(tp=args.tp, cp=args.cp, dp=args.dp, ep=args.ep, etp=args.etp,
                          cp_backend=args.cp_backend, hierarchical_sizes=args.hierarchical_sizes,
-                         dynamic_cp_sizes=args.dynamic_cp_sizes)
+                         dynamic_cp=args.dynamic_cp, max_cp=args.max_cp)
     model = {k: v for k, v in (("num_experts", args.num_experts), ("num_heads", args.num_heads),
                                ("num_kv_heads", args.num_kv_heads)) if v is not None}
     try:

@@ -58,14 +58,21 @@ def test_hierarchical_cp_world4_and_16():
 
 
 def test_dynamic_cp_subgroups():
-    t = _dims(8, tp=2, cp=4, dynamic_cp_sizes=[2, 1]).table()
-    assert t["cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert t["cp_sub2"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
-    assert t["cp_sub1"] == [[0], [2], [4], [6], [1], [3], [5], [7]]
+    # world 16, TP2: each dp_cp block has 8 ranks (CP4 x DP2); max_cp 8 = the whole block
+    d = _dims(16, tp=2, cp=4, dynamic_cp=True, max_cp=8)
+    t = d.table()
+    assert t["dp_cp"] == [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]
+    assert t["dcp2"][:4] == [[0, 2], [4, 6], [8, 10], [12, 14]]
+    assert t["dcp4"] == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
+    assert "dcp8" not in t and "dcp1" not in t  # the block is dp_cp; one rank needs no group
+    assert d.dynamic_cp_sizes == (2, 4)
+    # max_cp defaults to cp; sub-groups may cross CP groups (runs of the DP x CP block)
+    assert _dims(8, cp=2, dynamic_cp=True).dynamic_cp_sizes == (2,)
+    assert _dims(8, cp=2, dynamic_cp=True, max_cp=4).table()["dcp4"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_every_rank_in_exactly_one_group_per_name():
-    d = _dims(16, tp=2, cp=4, ep=4, dynamic_cp_sizes=[2])
+    d = _dims(16, tp=2, cp=4, ep=4, dynamic_cp=True, max_cp=4)
     for name, groups in d.table().items():
         flat = sorted(r for g in groups for r in g)
         assert flat == list(range(16)), name
@@ -89,7 +96,14 @@ def test_every_rank_in_exactly_one_group_per_name():
     (4, dict(dispatch_dtype="fp16"), None, "parallel.dispatch_dtype='fp16' is not allowed"),
     (4, dict(capacity_factor=0.0), None, "capacity_factor=0.0 must be > 0"),
     (4, dict(etp=2), dict(expert_hidden_size=9), "expert_hidden_size=9 is not divisible by etp=2"),
-    (4, dict(cp=4, dynamic_cp_sizes=[3]), None, "holds 3, which does not divide cp=4"),
+    (4, dict(cp=4, dynamic_cp=True, max_cp=3), None, "parallel.max_cp=3 must be a power of two"),
+    (4, dict(cp=2, dynamic_cp=True, max_cp=8), None, "must be a power of two <= dp*cp=4"),
+    (6, dict(cp=2, dynamic_cp=True), None, "dp*cp=6"),
+    (4, dict(cp=2, max_cp=2), None, "parallel.max_cp is set but parallel.dynamic_cp is false"),
+    (4, dict(cp=4, dynamic_cp=True, cp_backend="hierarchical", hierarchical_sizes=[2, 2]), None,
+     "set parallel.cp_backend=ring or ulysses"),
+    (4, dict(cp=2, dynamic_cp=True, max_cp=4, cp_backend="ulysses"), dict(num_heads=2),
+     "num_heads/tp=2 is not divisible by 4"),
     (4, dict(aux_loss_scope="global"), None, "parallel.aux_loss_scope='global' is not allowed"),
     (4, dict(aux_loss_scope="global_batch"), dict(aux_loss_type="seq"), "use aux_loss_type=switch"),
 ])
@@ -147,9 +161,8 @@ def test_group_or_none_is_none_for_a_one_rank_group():
 
 def check_groups_on_gloo(rank, world):
     """Real groups on gloo (called from test_grad_reduce's 4-rank worker: one spawn fewer)."""
-    d = _dims(world, cp=2, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 1],
-              dynamic_cp_sizes=[1])
-    assert "cp_sub1" in d.names()
+    d = _dims(world, cp=2, ep=2, dynamic_cp=True, max_cp=4)
+    assert "dcp2" in d.names() and world == 4
     d.build_groups(rank)
     for name in d.names():
         g = d.group(name)

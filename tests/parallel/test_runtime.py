@@ -54,7 +54,7 @@ def test_one_rank_capacity_and_drop_policy_take_effect():
 
 @pytest.mark.parametrize("sets, needle", [
     (["parallel.etp=2", "parallel.ep=1"], "parallel.etp=2"),
-    (["parallel.cp=2", "parallel.dynamic_cp_sizes=[1]"], "parallel.dynamic_cp_sizes"),
+    (["parallel.cp=2", "parallel.dynamic_cp=true"], "parallel.dynamic_cp"),
 ])
 def test_unsupported_layouts_are_refused_at_start_up_in_one_line(sets, needle):
     from longctx_moe.train import build_runtime
