@@ -65,7 +65,7 @@ def attn_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, ma
 
 
 def reference_attention(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
-                        scale: float | None = None, backend: str = "reference"):
+                        scale: float | None = None):
     """Dense masked float64 attention: same contract as attn_forward (out in the input dtype)."""
     _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k)
     return _reference.reference_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale)
