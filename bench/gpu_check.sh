@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The one prepared device check (see README "A GPU, sometimes"): installs nothing, checks every GPU
-# backend against the CPU float64 reference, times the kernels and a training step, and writes
-# everything under $OUT. Run it in ONE device call, then give the machine back.
+# The one prepared device check (listed in README under Documentation): installs nothing, checks
+# every GPU backend against the CPU float64 reference, times the kernels and a training step, and
+# writes everything under $OUT. Run it in ONE device call, then give the machine back.
 set -u
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"

@@ -29,7 +29,7 @@ def _impl_kwargs(impl: str, params: list[torch.Tensor]) -> dict:
     """Pick torch AdamW's implementation: fused (one kernel over all tensors) where available.
 
     Fused AdamW runs on CPU since torch 2.4 and on CUDA; when a dtype/device is unsupported the
-    constructor raises and we fall back to foreach.
+    constructor raises and build_optimizer falls back to foreach.
     """
     if impl == "fused":
         return {"fused": True}
@@ -98,9 +98,9 @@ class LRSchedule:
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Global L2 norm of the gradients (fp32 scalar tensor); scale them down to `max_norm` if
-    `max_norm > 0`. Gradients must already be reduced across data-parallel ranks, so every rank
-    computes the same norm (model-parallel shards would need their partial norms summed: the
-    parallel teammate's `parallelize` can supply a `grad_norm` hook for that)."""
+    `max_norm > 0`. The one-rank form (ParallelRuntime.clip_grad_norm on a world of 1): it sums no
+    partial norms of sharded parameters, which longctx_moe.parallel.grad_reduce.clip_grad_norm
+    does on a larger mesh."""
     grads = [p for p in params if p.grad is not None]
     limit = max_norm if max_norm > 0 else float("inf")
     return torch.nn.utils.clip_grad_norm_(grads, limit, foreach=True)

@@ -47,9 +47,9 @@ inline void to_bf16(const float* src, BFloat16* dst, int64_t n) {
 
 // B operands in brgemm's VNNI layout (pairs of K rows interleaved: element (k, n) at
 // ((k / 2) * w + n) * 2 + k % 2 for a panel w columns wide; K even). A [K, N] block is stored as
-// panels of at most 64 columns (panel p, K x w, at offset p * 64 * K): oneDNN's packer refused
-// wider ones in this kernel's first version, and this hand packer keeps that layout; gemm() runs
-// one brgemm per panel.
+// panels of at most 64 columns (panel p, K x w, at offset p * 64 * K); gemm() runs one brgemm per
+// panel. 64 is the widest panel oneDNN's own packer accepted when tried; pack_b replaces that
+// packer but keeps its layout, so wider panels are untested.
 constexpr int64_t kPanel = 64;
 
 inline void pack_b(const BFloat16* in, BFloat16* out, int64_t K, int64_t N, int64_t ld_in) {

@@ -10,8 +10,8 @@ It is built with torch.utils.cpp_extension the first time a bf16 causal backward
 (30-40 s; cached on disk afterwards) and only where it can run: Linux on x86-64 with AMX-bf16,
 a C++ compiler and ninja. Anything else, including a failed build or a failed call, leaves
 `available()` False and the caller on aten's kernel, with one warning naming the reason.
-`LONGCTX_AMX_ATTENTION=0` turns it off. Head dims must be multiples of 16 (tested: 16 to 128; a
-head dim of 8 failed inside oneDNN in the kernel's first version).
+`LONGCTX_AMX_ATTENTION=0` turns it off. Head dims must be multiples of 16: 16 to 128 are tested,
+and a head dim of 8 failed inside oneDNN when tried.
 """
 
 from __future__ import annotations
