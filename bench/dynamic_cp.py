@@ -1,0 +1,283 @@
+"""Benchmark: Dynamic-CP scheduling (cp_attention.dynamic.schedule) against static CP = 8 under
+the same packing rules, on simulated DP x CP blocks of 8, 64 and 512 ranks (tp = 1).
+
+    .venv/bin/python bench/dynamic_cp.py [--calibrate] [--out FILE]
+
+Steps. Every step holds 65,536 tokens per rank (a global batch of 64K x ranks tokens: sequences
+are drawn, seeded, until that total is reached); a rank holds at most 16,384 tokens per slot
+(micro-batch), so a 128K sequence needs the largest CP size, 8.
+Corpora:
+  stdlib  the running Python's standard-library .py files (data_packing.sources.stdlib_files),
+          length = file bytes / 3.5 (a tokenize-free proxy: byte-level BPE tokenizers average
+          3-4 bytes per token on code), clipped to [1, 131072], drawn with replacement;
+  rl      RL-rollout-like lengths, lognormal with median 4,096 tokens (mu = ln 4096) and
+          sigma = 1.2 (mean ~8.4K, ~4% over 32K), clipped to [16, 131072].
+Constants (DynamicCPCost, all for a Qwen3-30B-A3B-shaped MoE, overlap 0.5):
+  h100      DynamicCPCost.h100(): 400 TFLOP/s achieved, 200 GB/s NVLink (runs of <= 8 ranks
+            stay in one node);
+  h100_ib   the same with 25 GB/s, as when CP runs cross nodes over InfiniBand;
+  measured  (--calibrate) GEMM (2048^3 matmul) and causal-attention (SDPA forward + backward)
+            FLOP/s, the faster of float32 and bfloat16 each, and the bandwidth of gloo send/recv
+            between 2 local processes, measured on this machine; same model shape.
+Columns: plans per (corpus, ranks, constants): dynamic (raise_cp=True), static (static_cp=8),
+"min" (dynamic with every sequence on its smallest size, raise_cp=False). imb = max/mean
+per-rank cost; GB = ring bytes received by all ranks; bytes = static / dynamic GB; step =
+modeled step time in seconds (sum over slots of the slowest run: the MoE all-to-alls sync every
+slot); speedup = static / dynamic step; bound = static step / a lower bound on any plan's step
+(max of total work at the smallest sizes / ranks and the costliest single sequence), i.e. the
+most any scheduler could gain under this model.
+plan_seconds_10k: wall time of schedule() for 10,000 rl sequences on 512 ranks (median of 5).
+
+JSON (--out): for rl at 64 ranks with h100 constants, modeled_speedup (static / dynamic step),
+cp_bytes_ratio (static / dynamic bytes), imbalance_dynamic, imbalance_static, speedup_bound;
+plan_seconds_10k; calibration (measured figures and the fitted constants, or null); settings;
+rows (every comparison).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+# bench/cp_attention.py would shadow the cp_attention package: keep bench/ off the import path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from cp_attention.dynamic import DynamicCPCost, padded_length, schedule  # noqa: E402
+
+MAX_CP, CAPACITY, TOKENS_PER_RANK = 8, 16384, 65536
+WORLDS = (8, 64, 512)
+RL_MU, RL_SIGMA, RL_CLIP = math.log(4096), 1.2, (16, 131072)
+BYTES_PER_TOKEN = 3.5
+# The model every constant set describes: Qwen3-30B-A3B's shape (DynamicCPCost.h100).
+MODEL = dict(num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+             active_params_per_token=3.3e9)
+
+
+def stdlib_lengths() -> np.ndarray:
+    from data_packing.sources import stdlib_files
+
+    sizes = np.asarray([os.path.getsize(p) for p in stdlib_files()], dtype=np.float64)
+    return np.clip(np.round(sizes / BYTES_PER_TOKEN), 1, 131072).astype(np.int64)
+
+
+def draw_step(corpus: str, world: int, seed: int, pool: np.ndarray | None) -> list[int]:
+    """Sequences of one step: drawn until world * TOKENS_PER_RANK tokens (the last overshoots)."""
+    rng = np.random.default_rng(seed)
+    target, out, total = world * TOKENS_PER_RANK, [], 0
+    while total < target:
+        if corpus == "rl":
+            batch = np.clip(rng.lognormal(RL_MU, RL_SIGMA, 1024), *RL_CLIP).astype(np.int64)
+        else:
+            batch = rng.choice(pool, 1024)
+        for n in batch.tolist():
+            out.append(n)
+            total += n
+            if total >= target:
+                break
+    return out
+
+
+def lower_bound(lengths: list[int], world: int, cost: DynamicCPCost) -> float:
+    """No plan beats max(work at the smallest sizes / ranks, the costliest sequence): raising a
+    sequence never lowers its rank-seconds (compute is divided, ring time is added)."""
+    work = worst = 0.0
+    for n in lengths:
+        s = next(s for s in (1, 2, 4, 8) if padded_length(n, s) // s <= CAPACITY)
+        pad = padded_length(n, s)
+        work += s * cost.seconds(pad, s)
+        worst = max(worst, min(cost.seconds(padded_length(n, t), t) for t in (1, 2, 4, 8)
+                               if t >= s))
+    return max(work / world, worst)
+
+
+def summary(plan) -> dict:
+    return {"step_s": plan.modeled_step_time, "slots": plan.num_slots,
+            "imbalance": plan.imbalance, "cp_bytes": plan.cp_bytes,
+            "cp_sizes_used": {str(k): v for k, v in plan.cp_sizes_used.items()}}
+
+
+def compare(corpus: str, world: int, lengths: list[int], name: str, cost: DynamicCPCost) -> dict:
+    dyn = schedule(lengths, world, MAX_CP, CAPACITY, cost)
+    static = schedule(lengths, world, MAX_CP, CAPACITY, cost, static_cp=MAX_CP)
+    small = schedule(lengths, world, MAX_CP, CAPACITY, cost, raise_cp=False)
+    bound = lower_bound(lengths, world, cost)
+    return {"corpus": corpus, "ranks": world, "constants": name, "sequences": len(lengths),
+            "tokens": int(sum(lengths)), "dynamic": summary(dyn), "static": summary(static),
+            "min_size": summary(small), "lower_bound_s": bound,
+            "speedup": static.modeled_step_time / dyn.modeled_step_time,
+            "bytes_ratio": static.cp_bytes / max(dyn.cp_bytes, 1.0),
+            "speedup_bound": static.modeled_step_time / bound}
+
+
+def plan_seconds_10k(cost: DynamicCPCost, repeats: int = 5) -> float:
+    rng = np.random.default_rng(10_000)
+    lengths = np.clip(rng.lognormal(RL_MU, RL_SIGMA, 10_000), *RL_CLIP).astype(np.int64)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        schedule(lengths.tolist(), 512, MAX_CP, CAPACITY, cost)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: first-call kernel selection and allocation
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm_flops(dtype, n: int = 2048, repeats: int = 5) -> float:
+    import torch
+
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return 2 * n**3 / _median_seconds(lambda: torch.matmul(a, b), repeats)
+
+
+def attention_flops(dtype, lengths=(1024, 2048, 4096), heads: int = 8, head_dim: int = 128,
+                    repeats: int = 3) -> dict:
+    """Causal SDPA forward + backward at a few lengths; the least-squares fit t = t0 + k * n^2
+    gives the FLOP/s of the n^2 term (3 x 4 x heads x head_dim FLOPs per causal pair, the
+    count DynamicCPCost.from_model uses), free of the per-call overhead t0."""
+    import torch
+    import torch.nn.functional as F
+
+    times = []
+    for n in lengths:
+        q, k, v = (torch.randn(1, heads, n, head_dim, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+
+        def step(q=q, k=k, v=v):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        times.append(_median_seconds(step, repeats))
+    n2 = np.asarray(lengths, dtype=np.float64) ** 2
+    slope, _ = np.polyfit(n2, np.asarray(times), 1)
+    per_pair = 3 * 4 * heads * head_dim
+    return {"lengths": list(lengths), "seconds": times,
+            "flops_per_s": per_pair / 2 / slope if slope > 0 else float("nan")}
+
+
+def _p2p_worker(rank: int, world: int, nbytes: int, rounds: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.zeros(nbytes // 4, dtype=torch.float32)
+    rtts = []
+    for i in range(rounds + 2):  # the first two rounds set up the connection, untimed
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        if i >= 2:
+            rtts.append(time.perf_counter() - t0)
+    return rtts
+
+
+def p2p_bandwidth(nbytes: int = 8 << 20, rounds: int = 15) -> float:
+    """Bytes/s of one gloo send between 2 local processes: 2 * bytes / median round trip."""
+    from tests.launcher import run_distributed
+
+    rtts = run_distributed(_p2p_worker, 2, args=(nbytes, rounds), timeout=300)[0]
+    return 2 * nbytes / statistics.median(rtts)
+
+
+def calibrate() -> dict:
+    import torch
+
+    gemm = {str(d).split(".")[1]: gemm_flops(d) for d in (torch.float32, torch.bfloat16)}
+    attn = {str(d).split(".")[1]: attention_flops(d) for d in (torch.float32, torch.bfloat16)}
+    bw = p2p_bandwidth()
+    # The faster dtype of each is what a run here would use (bf16 autocast where AMX exists).
+    best_gemm = max(gemm.values())
+    best_attn = max(a["flops_per_s"] for a in attn.values())
+    cost = DynamicCPCost.from_model(**MODEL, flops_per_s=best_gemm,
+                                    attention_flops_per_s=best_attn, bandwidth=bw)
+    return {"gemm_flops_per_s": gemm, "attention": attn, "p2p_bytes_per_s": bw,
+            "threads": torch.get_num_threads(),
+            "constants": {"a": cost.a, "b": cost.b, "kv_bytes_per_token": cost.kv_bytes_per_token,
+                          "bandwidth": cost.bandwidth, "overlap": cost.overlap}}
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'corpus':<7}{'ranks':>6} {'constants':<9}{'seqs':>6} {'slots d/s':>9} "
+          f"{'imb dyn':>8}{'imb sta':>8}{'GB dyn':>9}{'GB sta':>9}{'bytes':>7} "
+          f"{'step dyn':>9}{'step sta':>9}{'step min':>9}{'speedup':>8}{'bound':>7}")
+    for r in rows:
+        d, s, m = r["dynamic"], r["static"], r["min_size"]
+        print(f"{r['corpus']:<7}{r['ranks']:>6} {r['constants']:<9}{r['sequences']:>6} "
+              f"{d['slots']:>4}/{s['slots']:<4} {d['imbalance']:>8.3f}{s['imbalance']:>8.3f}"
+              f"{d['cp_bytes'] / 1e9:>9.1f}{s['cp_bytes'] / 1e9:>9.1f}{r['bytes_ratio']:>6.2f}x "
+              f"{d['step_s']:>9.3g}{s['step_s']:>9.3g}{m['step_s']:>9.3g}"
+              f"{r['speedup']:>7.3f}x{r['speedup_bound']:>6.2f}x")
+
+
+def print_calibration(cal: dict) -> None:
+    gemm = ", ".join(f"{k} {v / 1e12:.3f}" for k, v in cal["gemm_flops_per_s"].items())
+    attn = ", ".join(f"{k} {v['flops_per_s'] / 1e12:.3f}" for k, v in cal["attention"].items())
+    c = cal["constants"]
+    print(f"measured ({cal['threads']} threads): GEMM {gemm} TFLOP/s; causal attention fwd+bwd "
+          f"{attn} TFLOP/s; gloo p2p {cal['p2p_bytes_per_s'] / 1e9:.2f} GB/s -> a = {c['a']:.3g} "
+          f"s/token, b = {c['b']:.3g} s/token^2, {c['kv_bytes_per_token'] / 1e3:.0f} KB/token")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calibrate", action="store_true",
+                    help="measure GEMM, attention and gloo bandwidth here; add 'measured' rows")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="write the results as JSON")
+    args = ap.parse_args(argv)
+    calibration = calibrate() if args.calibrate else None
+    constants = {"h100": DynamicCPCost.h100(), "h100_ib": DynamicCPCost.h100(bandwidth=25e9)}
+    if calibration:
+        constants["measured"] = DynamicCPCost(**calibration["constants"])
+    pool = stdlib_lengths()
+    rows = []
+    for corpus in ("stdlib", "rl"):
+        for world in WORLDS:
+            lengths = draw_step(corpus, world, args.seed + world, pool)
+            rows += [compare(corpus, world, lengths, name, cost) for name, cost in constants.items()]
+    plan_10k = plan_seconds_10k(constants["h100"])
+    print(f"max CP {MAX_CP}, {CAPACITY} tokens per rank per slot, {TOKENS_PER_RANK} tokens per "
+          f"rank per step; step times in modeled seconds")
+    print_table(rows)
+    print(f"plan 10,000 rl sequences on 512 ranks: {plan_10k:.3f} s (median of 5)")
+    if calibration:
+        print_calibration(calibration)
+    head = next(r for r in rows if (r["corpus"], r["ranks"], r["constants"]) == ("rl", 64, "h100"))
+    result = {"modeled_speedup": head["speedup"], "cp_bytes_ratio": head["bytes_ratio"],
+              "imbalance_dynamic": head["dynamic"]["imbalance"],
+              "imbalance_static": head["static"]["imbalance"], "plan_seconds_10k": plan_10k,
+              "speedup_bound": head["speedup_bound"], "calibration": calibration,
+              "settings": {"max_cp": MAX_CP, "capacity_tokens": CAPACITY,
+                           "tokens_per_rank_per_step": TOKENS_PER_RANK, "rl_mu": RL_MU,
+                           "rl_sigma": RL_SIGMA, "rl_clip": RL_CLIP,
+                           "stdlib_bytes_per_token": BYTES_PER_TOKEN, "model": MODEL,
+                           "seed": args.seed},
+              "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,584 @@
+"""Dynamic-CP scheduler: give each sequence of one step the smallest context-parallel sub-group it
+fits in, and place the sequences on the ranks of a DP x CP block, micro-batch slot by slot (pure
+Python, deterministic, no communication; the runtime all-gathers the lengths and every rank runs
+the same call).
+
+API
+    cost = DynamicCPCost(a, b, kv_bytes_per_token, bandwidth, overlap)
+    cost = DynamicCPCost.h100()   or   DynamicCPCost.from_model(num_layers=..., ...)
+    plan = schedule(lengths, block_size, max_cp, capacity_tokens, cost, static_cp=None,
+                    tp=1, raise_cp=True) -> DynamicPlan
+    plan.slots[m]             list of Run(size, first_rank, seq_indices), ordered by first_rank:
+                              a partition of ranks 0..block_size-1 (an idle rank is Run(1, r, ()))
+    plan.assignment(rank)     [(run, seq_indices)] over the slots: what `rank` runs in each slot
+    plan.num_slots, plan.rank_cost, plan.imbalance, plan.cp_bytes, plan.modeled_step_time,
+    plan.cp_sizes_used
+    padded_length(n, size, tp)    physical length of a sequence sharded over `size` ranks
+
+Layout. The block holds B = dp * cp ranks. For every power of two s <= max_cp the ranks are cut
+into aligned runs [j*s, (j+1)*s). A slot is one micro-batch index: in a slot every rank belongs to
+exactly one run, and each run holds a packed list of sequences, each sharded (zigzag) over the
+run's s ranks, its length padded to a multiple of lcm(2s, tp). Every rank runs num_slots slots.
+
+Cost model (DynamicCPCost). A sequence of padded length n on s ranks costs every one of them
+    (a*n + b*n^2) / s  +  (1 - overlap) * ring_bytes(n, s) / bandwidth  seconds,
+ring_bytes(n, s) = (s-1)/s * n * kv_bytes_per_token: each rank receives the K, V of the tokens it
+does not hold. Padding is computed and sent like real tokens, so costs use the padded length.
+
+Step-time model. The MoE all-to-alls make every rank of the block wait for the others inside
+every slot, so a step takes sum over slots of (max over the slot's runs of the run's cost), and
+a run's cost is the sum of its sequences' costs. `imbalance` is max/mean of the per-rank cost.
+
+Algorithm. (1) Each sequence gets the smallest power-of-two s <= max_cp whose per-rank share fits
+capacity_tokens. (2) Sequences go, densest first (seconds per token held; ties by index), to the
+option that raises the step time least: a new run on free ranks of an open slot, an existing run
+with room (tokens) in any open slot, or (raise_cp) an existing larger run, where the sequence is
+sharded over more ranks than it needs. Ties prefer the smallest size, then the earliest slot,
+then the lowest resulting run cost (LPT), then the lowest rank; a new slot opens only when every
+other option raises the step time more. With raise_cp: (3) in a slot with idle ranks, the run that sets
+the slot's time is doubled onto free ranks while that lowers its cost (one long sequence on a
+small block then spreads over max_cp ranks); a slot that ends no faster is left as it was.
+(4) Each slot's sequences are packed again with every size floor 2, 4, ..., max_cp; a packing
+that fits the one slot and is at least _MIN_GAIN (1%) faster replaces it. Three candidate plans are
+made: (2)-(4) without, then with, the larger existing runs of (2) (a raise lowers the slot's time
+now but takes room later sequences need; neither wins on every mix), then the static plan on
+max_cp; a later one replaces an earlier one only if it is at least _MIN_GAIN faster, so the plan
+is never slower than static CP at max_cp by more than that. (5) Runs below their slot's time are
+halved while their sequences fit the halves without passing it: same step time, fewer bytes.
+static_cp replaces (1) and (3)-(5): every sequence on a run of exactly static_cp ranks.
+
+Legend: B block ranks, N sequences, M slots, s run size, n padded length, C capacity_tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# A packing on larger runs (step 4, and the later candidate plans) is adopted only if it is at
+# least this much faster: the cost model charges larger runs their ring bytes but not their
+# smaller attention tiles, extra ring steps and contention with the MoE all-to-all, so a gain
+# smaller than the model's error is not worth the traffic.
+_MIN_GAIN = 0.01
+_EPS = 1e-9  # relative float noise of summed costs
+
+
+def padded_length(n: int, size: int, tp: int = 1) -> int:
+    """Length of a sequence of n tokens sharded zigzag over `size` ranks (2*size chunks) with
+    TP sequence sharding inside each rank: the next multiple of lcm(2*size, tp)."""
+    multiple = math.lcm(2 * size, tp)
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class DynamicCPCost:
+    """Seconds one sequence costs each rank of its run (module docstring: cost model).
+
+    a: seconds per token computed (GEMMs: attention projections, router, active experts, LM
+       head; forward + backward). b: seconds per n^2 of one sequence's attention, causal half and
+       forward + backward folded in. kv_bytes_per_token: ring bytes per token of one sequence, all
+       layers, forward K,V + backward K,V + dK,dV, i.e. 3 * 2 * kv_heads * head_dim * itemsize *
+       layers. bandwidth: bytes/s one rank receives on the ring. overlap: fraction of the ring
+       time hidden behind compute (0: none, 1: all).
+    """
+
+    a: float
+    b: float
+    kv_bytes_per_token: float = 0.0
+    bandwidth: float = math.inf
+    overlap: float = 0.0
+
+    def __post_init__(self):
+        if min(self.a, self.b, self.kv_bytes_per_token) < 0 or not self.bandwidth > 0 \
+                or not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"DynamicCPCost: need a, b, kv_bytes_per_token >= 0, bandwidth > 0 "
+                             f"and 0 <= overlap <= 1; got {self}")
+
+    def compute_seconds(self, n: int, size: int) -> float:
+        return (self.a * n + self.b * n * n) / size
+
+    def ring_bytes(self, n: int, size: int) -> float:
+        """Bytes each of the `size` ranks receives for one sequence of padded length n."""
+        return (size - 1) / size * n * self.kv_bytes_per_token
+
+    def seconds(self, n: int, size: int) -> float:
+        comm = self.ring_bytes(n, size) / self.bandwidth if size > 1 else 0.0
+        return self.compute_seconds(n, size) + (1.0 - self.overlap) * comm
+
+    @classmethod
+    def from_model(cls, *, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                   active_params_per_token: float, flops_per_s: float, bandwidth: float,
+                   attention_flops_per_s: float | None = None, itemsize: int = 2,
+                   overlap: float = 0.5) -> DynamicCPCost:
+        """Constants from a model description and achieved (not peak) throughputs.
+
+        a = 6 * active matmul params / flops_per_s (2 FLOPs per multiply-add, backward twice the
+        forward). b: attention does 4 * heads * head_dim FLOPs per query-key pair and layer
+        forward (QK^T and PV), times 3 with the backward, over n^2/2 causal pairs, at
+        attention_flops_per_s (default flops_per_s). The hidden size does not enter: it is inside
+        active_params_per_token and, for attention, heads * head_dim.
+        """
+        attn = attention_flops_per_s or flops_per_s
+        return cls(a=6.0 * active_params_per_token / flops_per_s,
+                   b=3.0 * 4 * num_heads * head_dim * num_layers / 2 / attn,
+                   kv_bytes_per_token=3.0 * 2 * num_kv_heads * head_dim * itemsize * num_layers,
+                   bandwidth=bandwidth, overlap=overlap)
+
+    @classmethod
+    def h100(cls, bandwidth: float = 200e9, overlap: float = 0.5) -> DynamicCPCost:
+        """H100/H200-class planning constants for a Qwen3-30B-A3B-shaped MoE (48 layers, 32 query
+        / 4 KV heads of 128, 3.3B active params per token, bf16).
+
+        400 TFLOP/s achieved: 989 TFLOP/s dense bf16 peak (H100 SXM datasheet) at ~40% MFU, what
+        large MoE runs report; used for attention too (FlashAttention-3 reaches more on long
+        tiles, less on short varlen ones). 200 GB/s: NVLink 4 is 450 GB/s per direction per GPU,
+        NCCL send/recv reaches about half; a run of <= 8 aligned ranks stays inside one 8-GPU
+        node when ranks are numbered node-major. For runs that cross nodes pass the InfiniBand
+        figure, ~25-50 GB/s per GPU (NDR 400 Gb/s). overlap 0.5: the ring hides a transfer behind
+        the attention of the block before it, almost fully for long sequences, barely for short.
+        """
+        return cls.from_model(num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+                              active_params_per_token=3.3e9, flops_per_s=400e12,
+                              bandwidth=bandwidth, overlap=overlap)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Ranks [first_rank, first_rank + size) of one slot and the sequences they share."""
+
+    size: int
+    first_rank: int
+    seq_indices: tuple[int, ...]
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.size)
+
+
+@dataclass
+class DynamicPlan:
+    """One step's placement (module docstring). rank_cost: float64 [B] seconds per rank over all
+    slots; slot_seconds[m]: cost of slot m's slowest run; cp_bytes: ring bytes received by all
+    ranks together; cp_sizes_used: run size -> number of sequences, ascending sizes."""
+
+    slots: list[list[Run]]
+    rank_cost: np.ndarray
+    slot_seconds: list[float]
+    cp_bytes: float
+    cp_sizes_used: dict[int, int]
+    _by_rank: list[list[Run]] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    @property
+    def modeled_step_time(self) -> float:
+        return float(sum(self.slot_seconds))
+
+    @property
+    def imbalance(self) -> float:
+        mean = float(self.rank_cost.mean()) if self.rank_cost.size else 0.0
+        return float(self.rank_cost.max()) / mean if mean > 0 else 1.0
+
+    def assignment(self, rank: int) -> list[tuple[Run, tuple[int, ...]]]:
+        """For every slot, the run that `rank` belongs to and the sequences it runs there."""
+        if not 0 <= rank < len(self.rank_cost):
+            raise ValueError(f"assignment: rank {rank} is outside the block of "
+                             f"{len(self.rank_cost)} ranks")
+        if not self._by_rank:
+            self._by_rank = [[] for _ in self.rank_cost]
+            for runs in self.slots:
+                for run in runs:
+                    for r in run.ranks:
+                        self._by_rank[r].append(run)
+        return [(run, run.seq_indices) for run in self._by_rank[rank]]
+
+
+@dataclass
+class _OpenRun:
+    """A run being filled: tokens and load (seconds) per rank; version tags its heap entries."""
+
+    first: int
+    size: int
+    seqs: list[int] = field(default_factory=list)
+    tokens: int = 0
+    load: float = 0.0
+    version: int = 0
+
+
+class _Slot:
+    """One slot under construction: its runs, a buddy allocator of free aligned rank blocks
+    (sizes 1..top), and per run size a heap of (load, first, version, run) entries plus the
+    runs parked for want of room (see lightest)."""
+
+    def __init__(self, block_size: int, sizes: list[int]):
+        self.sizes, self.top = sizes, sizes[-1]
+        self.free: dict[int, set[int]] = {s: set() for s in sizes}
+        self.free[self.top] = set(range(0, block_size, self.top))
+        self.free_top = self.top  # largest size with a free block, 0 when none
+        self.runs: list[_OpenRun] = []
+        self.heaps: dict[int, list] = {s: [] for s in sizes}
+        self.parked: dict[int, list] = {s: [] for s in sizes}  # (-room, first, version, run)
+        self.ceiling = 0.0
+
+    def _refresh_free_top(self) -> None:
+        self.free_top = max((s for s in self.sizes if self.free[s]), default=0)
+
+    def take(self, size: int) -> int:
+        """First rank of a free block of `size`: the lowest of the smallest free size that fits,
+        split down (its upper halves stay free)."""
+        t = min(s for s in self.sizes if s >= size and self.free[s])
+        first = min(self.free[t])
+        self.free[t].remove(first)
+        while t > size:
+            t //= 2
+            self.free[t].add(first + t)
+        self._refresh_free_top()
+        return first
+
+    def give(self, first: int, size: int) -> None:
+        """Free a block, merging it with free buddies."""
+        while size < self.top and first ^ size in self.free[size]:
+            self.free[size].remove(first ^ size)
+            first, size = min(first, first ^ size), 2 * size
+        self.free[size].add(first)
+        self._refresh_free_top()
+
+    def open_run(self, size: int) -> _OpenRun:
+        run = _OpenRun(self.take(size), size)
+        self.runs.append(run)
+        return run
+
+    def add(self, run: _OpenRun, seq: int, tokens: int, seconds: float) -> None:
+        run.seqs.append(seq)
+        run.tokens += tokens
+        run.load += seconds
+        run.version += 1
+        heapq.heappush(self.heaps[run.size], (run.load, run.first, run.version, run))
+        self.ceiling = max(self.ceiling, run.load)
+
+    def lightest(self, size: int, room_needed: int, capacity: int, min_room: int):
+        """Least-loaded run of `size` with capacity - tokens >= room_needed, or None.
+
+        Runs without room for the current request are parked, ordered by room, and come back
+        when a request fits them: sequences arrive roughly longest first, so requests shrink and
+        each run is parked about once (a lookup skipping full runs would make placement O(N^2)).
+        Stale entries and runs that no sequence fits any more (room < min_room) are dropped."""
+        heap, parked = self.heaps[size], self.parked[size]
+        while parked and -parked[0][0] >= room_needed:
+            _, _, version, run = heapq.heappop(parked)
+            if version == run.version:
+                heapq.heappush(heap, (run.load, run.first, run.version, run))
+        while heap:
+            _, first, version, run = heap[0]
+            room = capacity - run.tokens
+            if version != run.version or room < min_room:
+                heapq.heappop(heap)
+            elif room < room_needed:
+                heapq.heappop(heap)
+                heapq.heappush(parked, (-room, first, version, run))
+            else:
+                return run
+        return None
+
+
+@dataclass
+class _Problem:
+    """Per-sequence tables of one schedule() call: options[i] = [(size, tokens per rank,
+    seconds)] for the sizes sequence i may use, smallest first."""
+
+    lengths: list[int]
+    options: list[list[tuple[int, int, float]]]
+    block_size: int
+    sizes: list[int]  # run sizes the slots are cut into: 1, 2, ..., top
+    capacity: int
+    tp: int
+    cost: DynamicCPCost
+
+    min_room: dict[int, int] = field(init=False)  # size -> fewest tokens per rank of a sequence
+
+    def __post_init__(self):
+        self.min_room = {s: math.lcm(2 * s, self.tp) // s for s in self.sizes}
+
+
+def schedule(lengths: Sequence[int], block_size: int, max_cp: int, capacity_tokens: int,
+             cost: DynamicCPCost, static_cp: int | None = None, *, tp: int = 1,
+             raise_cp: bool = True) -> DynamicPlan:
+    """Place one step's sequences on a block of `block_size` ranks (module docstring).
+
+    lengths: tokens per sequence (>= 1); max_cp: largest run size, a power of two dividing
+    block_size; capacity_tokens: most (padded) tokens one rank holds in one slot; static_cp: the
+    classic-CP baseline, every sequence on exactly static_cp ranks; tp: tensor-parallel size
+    (padding multiple); raise_cp: allow sequences on larger runs than they need (steps 2-4).
+    """
+    lengths = [int(n) for n in lengths]
+    _check_layout(block_size, max_cp, capacity_tokens, tp, static_cp)
+    prob = _problem(lengths, block_size, static_cp or max_cp, capacity_tokens, tp, cost,
+                    static_cp, raise_cp and static_cp is None)
+    order = _order(prob)
+    if not raise_cp or static_cp is not None:
+        return _finish(_place(prob, order), prob)
+    best = None
+    for raise_in_place in (False, True, None):
+        slots = _candidate(prob, order, raise_in_place)
+        seconds = sum(slot.ceiling for slot in slots)
+        if best is None or seconds < (1 - _MIN_GAIN) * best[0]:
+            best = seconds, slots
+    for slot in best[1]:
+        _shrink(slot, prob)
+    return _finish(best[1], prob)
+
+
+def _candidate(prob: _Problem, order: list[int], raise_in_place: bool | None) -> list[_Slot]:
+    """Steps (2)-(4) with or without raising into existing larger runs; None: the static plan,
+    every sequence on top-size runs."""
+    if raise_in_place is None:  # exactly schedule(..., static_cp=top)
+        static = _problem(prob.lengths, prob.block_size, prob.sizes[-1], prob.capacity, prob.tp,
+                          prob.cost, prob.sizes[-1], False)
+        return _place(static, _order(static))
+    slots = _place(prob, order, raise_in_place=raise_in_place)
+    for k, slot in enumerate(slots):
+        _spread_idle(slot, prob)
+        slots[k] = _repack(slot, prob, order, raise_in_place)
+    return slots
+
+
+def _check_layout(block_size: int, max_cp: int, capacity: int, tp: int,
+                  static_cp: int | None) -> None:
+    for name, s in (("max_cp", max_cp), ("static_cp", static_cp)):
+        if s is None:
+            continue
+        if s < 1 or s & (s - 1) or block_size < 1 or block_size % s:
+            raise ValueError(f"schedule: {name}={s} must be a power of two that divides the "
+                             f"DP x CP block of {block_size} ranks; choose 1, 2, 4, ... <= the "
+                             "block's CP size")
+    if capacity < 1 or tp < 1:
+        raise ValueError(f"schedule: capacity_tokens={capacity} and tp={tp} must be >= 1; set "
+                         "parallel.max_tokens_per_rank to the tokens one rank may hold")
+
+
+def _problem(lengths: list[int], block_size: int, top: int, capacity: int, tp: int,
+             cost: DynamicCPCost, static_cp: int | None, raise_cp: bool) -> _Problem:
+    """Options per sequence: exactly static_cp; else the smallest fitting size, and with
+    raise_cp every larger size up to top as well (a size that fits makes every larger one fit)."""
+    sizes = [1 << k for k in range(top.bit_length())]
+    n = np.asarray(lengths, dtype=np.int64)
+    if n.size and n.min() < 1:
+        i = int(np.argmax(n < 1))
+        raise ValueError(f"schedule: sequence {i} has length {lengths[i]}; drop empty sequences "
+                         "before scheduling")
+    usable = [static_cp] if static_cp is not None else sizes
+    table = []  # per usable size: (size, fits [N], tokens per rank [N], seconds [N])
+    for s in usable:
+        multiple = math.lcm(2 * s, tp)
+        pad = -(-n // multiple) * multiple
+        table.append((s, pad // s <= capacity, (pad // s).tolist(),
+                      cost.seconds(pad.astype(np.float64), s).tolist()))
+    if n.size and not table[-1][1].all():
+        i = int(np.argmin(table[-1][1]))
+        s = usable[-1]
+        raise ValueError(
+            f"schedule: sequence {i} of {lengths[i]} tokens needs "
+            f"{padded_length(lengths[i], s, tp) // s} tokens per rank on {s} ranks, over "
+            f"capacity_tokens={capacity}; raise {'static_cp' if static_cp else 'max_cp'} or "
+            "parallel.max_tokens_per_rank, or truncate the sequence")
+    first = np.zeros(n.size, dtype=np.int64)  # index into table of the smallest fitting size
+    for k in range(len(table) - 1, -1, -1):
+        first[table[k][1]] = k
+    last = len(table) if raise_cp else None
+    options = [[(table[k][0], table[k][2][i], table[k][3][i])
+                for k in range(f, last or f + 1)] for i, f in enumerate(first.tolist())]
+    return _Problem(lengths, options, block_size, sizes, capacity, tp, cost)
+
+
+def _order(prob: _Problem) -> list[int]:
+    """Placement order: densest first (seconds per token held, at the smallest size), ties by
+    index. Slots sync, and a full slot costs its tokens times their density, so each slot should
+    hold sequences of like density; per-rank cost order would put a 17K-token sequence on 2 ranks
+    (8.5K each) behind a 16K one on 1 rank although its attention is denser."""
+    return sorted(range(len(prob.lengths)),
+                  key=lambda i: (-prob.options[i][0][2] / prob.options[i][0][1], i))
+
+
+def _place(prob: _Problem, seqs: list[int], floor: int = 1, max_slots: int | None = None,
+           raise_in_place: bool = True) -> list[_Slot] | None:
+    """Step (2): greedy placement of seqs, in that order (module docstring). floor: smallest run
+    size a sequence may use; max_slots: return None rather than open more slots;
+    raise_in_place: consider existing larger runs."""
+    slots: list[_Slot] = []
+    for i in seqs:
+        options = prob.options[i]
+        if floor > options[0][0]:
+            options = [o for o in options if o[0] >= floor] or options[-1:]
+        best = _best_option(slots, options[:1], prob)
+        if raise_in_place and len(options) > 1 and (best is None or best[0] > 0):
+            raised = _best_option(slots, options[1:], prob)
+            if raised is not None and (best is None or raised[:5] < best[:5]):
+                best = raised
+        size, tokens, seconds = options[0]
+        if best is None or best[0] > seconds * (1 + _EPS):  # a new slot is the cheapest place
+            if max_slots is not None and len(slots) == max_slots:
+                return None
+            slots.append(_Slot(prob.block_size, prob.sizes))
+            best = (seconds, size, len(slots) - 1, seconds, -1, None, tokens, seconds)
+        _, size, m, _, _, run, tokens, seconds = best
+        run = run or slots[m].open_run(size)
+        slots[m].add(run, i, tokens, seconds)
+    return slots
+
+
+def _repack(slot: _Slot, prob: _Problem, order: list[int], raise_in_place: bool) -> _Slot:
+    """Step (4): the slot's sequences packed again with every run size floor 2, 4, ..., top; the
+    fastest packing that fits one slot wins, the smallest floor on ties. Small runs pack coarsely
+    (a sequence fills more than half of a run it needs), so a slot of like-density sequences can
+    be faster on larger runs, at the price of ring bytes."""
+    members = {i for r in slot.runs for i in r.seqs}
+    least_work = sum(prob.options[i][0][0] * prob.options[i][0][2] for i in members)
+    if least_work / prob.block_size >= (1 - _MIN_GAIN) * slot.ceiling:
+        return slot  # balanced already: larger runs never lower a sequence's rank-seconds
+    seqs = [i for i in order if i in members]
+    best = slot
+    for floor in prob.sizes[1:]:
+        trial = _place(prob, seqs, floor, max_slots=1, raise_in_place=raise_in_place)
+        if trial is None:
+            continue
+        _spread_idle(trial[0], prob)
+        if trial[0].ceiling < best.ceiling and trial[0].ceiling < (1 - _MIN_GAIN) * slot.ceiling:
+            best = trial[0]
+    return best
+
+
+def _best_option(slots: list[_Slot], options: list[tuple[int, int, float]], prob: _Problem):
+    """Cheapest placement among existing slots: (increase of the slot's time, size, slot,
+    resulting run cost, first rank (-1: a new run), run or None, tokens per rank, seconds), or
+    None; the first five fields order the options. Slots are scanned in order, so the scan stops
+    at the first slot that takes the sequence at its first size without raising the step time."""
+    best = None
+    for m, slot in enumerate(slots):
+        for size, tokens, seconds in options:
+            if slot.free_top >= size:
+                key = (_increase(seconds, slot.ceiling), size, m, seconds, -1, None, tokens,
+                       seconds)
+                best = key if best is None or key[:5] < best[:5] else best
+            run = None
+            if slot.heaps[size] or slot.parked[size]:
+                run = slot.lightest(size, tokens, prob.capacity, prob.min_room[size])
+            if run is not None:
+                load = run.load + seconds
+                key = (_increase(load, slot.ceiling), size, m, load, run.first, run, tokens,
+                       seconds)
+                best = key if best is None or key[:5] < best[:5] else best
+        if best is not None and best[0] == 0 and best[1] == options[0][0]:
+            return best
+    return best
+
+
+def _increase(load: float, ceiling: float) -> float:
+    """How much a run reaching `load` raises its slot's time; float noise of a sum that exactly
+    meets the ceiling counts as zero, so equal sequences tie exactly."""
+    return max(0.0, load - ceiling) if load > ceiling * (1 + _EPS) else 0.0
+
+
+def _run_seconds(prob: _Problem, seqs: list[int], size: int) -> tuple[int, float]:
+    """(tokens per rank, seconds) of `seqs` packed on a run of `size` ranks."""
+    pads = [padded_length(prob.lengths[i], size, prob.tp) for i in seqs]
+    return sum(pads) // size, sum(prob.cost.seconds(n, size) for n in pads)
+
+
+def _spread_idle(slot: _Slot, prob: _Problem) -> None:
+    """Step (3): while the slot has free ranks, double the run that sets its time onto free
+    ranks (its buddy block, or any free block of twice its size) if that lowers its cost."""
+    if slot.free_top == 0 or not slot.runs:
+        return
+    before = (slot.ceiling, [(r.first, r.size, r.tokens, r.load) for r in slot.runs],
+              {s: set(f) for s, f in slot.free.items()})
+    while slot.free_top:
+        run = max(slot.runs, key=lambda r: (r.load, -r.first))
+        if 2 * run.size > slot.top:
+            break
+        tokens, seconds = _run_seconds(prob, run.seqs, 2 * run.size)
+        buddy = run.first ^ run.size
+        if seconds >= run.load or tokens > prob.capacity:
+            break
+        if slot.free_top >= 2 * run.size:
+            first = slot.take(2 * run.size)
+            slot.give(run.first, run.size)
+        elif buddy in slot.free[run.size]:
+            slot.free[run.size].remove(buddy)
+            slot._refresh_free_top()
+            first = min(run.first, buddy)
+        else:
+            break
+        run.first, run.size, run.tokens, run.load = first, 2 * run.size, tokens, seconds
+    ceiling = max(r.load for r in slot.runs)
+    if ceiling >= before[0]:  # no faster: keep the sequences on their smaller runs
+        for r, (first, size, tokens, load) in zip(slot.runs, before[1], strict=True):
+            r.first, r.size, r.tokens, r.load = first, size, tokens, load
+        slot.free = before[2]
+        slot._refresh_free_top()
+    slot.ceiling = max(r.load for r in slot.runs)
+
+
+def _shrink(slot: _Slot, prob: _Problem) -> None:
+    """Step (5): halve runs below the slot's time: a run's sequences are split (LPT, by cost on
+    half the ranks) over its two halves while neither half then exceeds the slot's time or the
+    capacity; the step time stays, the ring bytes drop."""
+    todo, done = list(slot.runs), []
+    while todo:
+        run = todo.pop()
+        halves = _halve(run, prob, slot.ceiling)
+        if halves is None:
+            done.append(run)
+            continue
+        for part in halves:
+            if part.seqs:
+                todo.append(part)
+            else:
+                slot.give(part.first, part.size)  # idle ranks
+    slot.runs = sorted(done, key=lambda r: r.first)
+
+
+def _halve(run: _OpenRun, prob: _Problem, ceiling: float) -> list[_OpenRun] | None:
+    """The run's sequences on its two halves (costliest first, each to the lighter half with
+    room), or None if a half would be too slow or too full."""
+    half = run.size // 2
+    if half < 1 or any(prob.options[i][0][0] > half for i in run.seqs):
+        return None
+    parts = [_OpenRun(run.first, half), _OpenRun(run.first + half, half)]
+    costs = {i: _run_seconds(prob, [i], half) for i in run.seqs}
+    for i in sorted(run.seqs, key=lambda i: (-costs[i][1], i)):
+        tokens, seconds = costs[i]
+        room = [p for p in parts if p.tokens + tokens <= prob.capacity]
+        if not room:
+            return None
+        p = min(room, key=lambda p: (p.load, p.first))
+        p.seqs.append(i)
+        p.tokens += tokens
+        p.load += seconds
+    return parts if max(p.load for p in parts) <= ceiling * (1 + _EPS) else None
+
+
+def _finish(slots: list[_Slot], prob: _Problem) -> DynamicPlan:
+    """Frozen runs (idle ranks as empty runs of one), costs recomputed at the final run sizes."""
+    rank_cost = np.zeros(prob.block_size)
+    out, slot_seconds, cp_bytes, used = [], [], 0.0, {}
+    for slot in slots:
+        runs, worst = [], 0.0
+        for r in slot.runs:
+            seqs = tuple(sorted(r.seqs))
+            pads = [padded_length(prob.lengths[i], r.size, prob.tp) for i in seqs]
+            seconds = sum(prob.cost.seconds(n, r.size) for n in pads)
+            rank_cost[r.first:r.first + r.size] += seconds
+            worst = max(worst, seconds)
+            cp_bytes += sum(r.size * prob.cost.ring_bytes(n, r.size) for n in pads)
+            used[r.size] = used.get(r.size, 0) + len(seqs)
+            runs.append(Run(r.size, r.first, seqs))
+        runs += [Run(1, f + k, ()) for s, free in slot.free.items() for f in free for k in range(s)]
+        out.append(sorted(runs, key=lambda run: run.first_rank))
+        slot_seconds.append(worst)
+    return DynamicPlan(out, rank_cost, slot_seconds, cp_bytes, dict(sorted(used.items())))
