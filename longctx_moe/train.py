@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from data_packing.batch import pad_multiple
 from longctx_moe import host
 from longctx_moe.checkpoint import (
     CheckpointError,
@@ -106,15 +107,6 @@ def check_data_against_model(cfg: Config) -> dict:
     return meta
 
 
-def pad_multiple(cfg: Config) -> int:
-    """Each document is padded to lcm(2*CP, TP): the CP load-balanced split halves it 2*CP ways,
-    sequence-parallel TP splits it TP ways."""
-    import math
-
-    cp, tp = cfg.parallel.cp, cfg.parallel.tp
-    return math.lcm(2 * cp if cp > 1 else 1, tp)
-
-
 def build_dims(cfg: Config, ctx: RunContext):
     from longctx_moe.parallel.dims import ParallelDims
 
@@ -147,7 +139,7 @@ def build_runtime(cfg: Config, dims: Any, device: torch.device):
     dtype = {"fp32": torch.float32, "fp64": torch.float64}[cfg.train.param_dtype]
     model = build_model(cfg.model).to(device=device, dtype=dtype)
     try:
-        runtime = parallelize(model, dims, cfg.parallel)
+        runtime = parallelize(model, dims, cfg.parallel, cfg.data.micro_batch_tokens)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.train.compile:
@@ -160,7 +152,7 @@ def build_runtime(cfg: Config, dims: Any, device: torch.device):
 def build_loader(cfg: Config, dims: Any):
     from data_packing.loader import build_step_loader
 
-    cfg.data.pad_multiple = pad_multiple(cfg)
+    cfg.data.pad_multiple = pad_multiple(cfg.parallel.cp, cfg.parallel.tp)
     try:
         return build_step_loader(cfg.data, dims.rank_in("dp", dims.rank or 0), dims.size("dp"))
     except ValueError as e:  # the loader's messages name the data.* key and the fix
@@ -219,6 +211,8 @@ def step_record(res: StepResult, seconds: float, peak: float, world: int, step: 
               "skipped": res.skipped, "epoch": epoch}
     if res.expert_counts is not None:
         record.update(expert_load_stats(res.expert_counts))
+    if res.cp_sizes is not None:  # Dynamic-CP: how many documents ran at each CP size
+        record["cp_sizes"] = {str(size): n for size, n in sorted(res.cp_sizes.items())}
     return record
 
 

@@ -91,6 +91,7 @@ class StepResult:
     expert_counts: torch.Tensor | None  # [L_moe, E] global token counts of this step
     flops: float | None  # model FLOPs (fwd + bwd) of the global batch; None without a FLOP model
     metrics: dict[str, float] = field(default_factory=dict)  # the objective's, reduced globally
+    cp_sizes: dict[int, int] | None = None  # Dynamic-CP: documents run at each CP size this step
 
 
 class Trainer:
@@ -139,7 +140,8 @@ class Trainer:
         if g == 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no target tokens (all labels are -100); "
                              "check the data (documents of length >= 2) and data.global_batch_tokens")
-        sums, counts, metrics = self._accumulate(micro_batches, g, objective or CrossEntropy())
+        work, cp_sizes = self._work(micro_batches, objective)
+        sums, counts, metrics = self._accumulate(work, g, objective or CrossEntropy())
         self.runtime.reduce_gradients()
         self.runtime.all_reduce(sums, "dp_cp")
         if counts is not None:
@@ -159,20 +161,31 @@ class Trainer:
         self.step += 1
         return StepResult(loss=loss, ce_loss=float(sums[1]), aux_loss=float(sums[2]), z_loss=float(sums[3]),
                           grad_norm=grad_norm, lr=lr, num_targets=g, num_tokens=num_tokens, skipped=skipped,
-                          expert_counts=counts, flops=flops, metrics=metrics)
+                          expert_counts=counts, flops=flops, metrics=metrics, cp_sizes=cp_sizes)
 
     def _set_lr(self, lr: float) -> float:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
 
-    def _accumulate(self, micro_batches: list[PackedBatch], g: int, objective: Objective):
-        """Backward every micro-batch; return sums [loss, main, aux, z] (fp64), the summed expert
-        counts [L_moe, E] (fp64) of this rank, and the objective's metrics summed over them."""
+    def _work(self, micro_batches: list[PackedBatch], objective: Objective | None):
+        """(micro-batch, CP group) pairs this rank runs, and Dynamic-CP's size histogram: the
+        loader's micro-batches on the static CP group, or the Dynamic-CP slots."""
+        if self.runtime.dynamic is None:
+            return [(mb, None) for mb in micro_batches], None
+        if objective is not None and not isinstance(objective, CrossEntropy):
+            raise ValueError("parallel.dynamic_cp=true reschedules documents across ranks, which "
+                             "only the supervised objective supports; set parallel.dynamic_cp=false")
+        slots, sizes = self.runtime.dynamic.reschedule(micro_batches)
+        return [(s.batch, s.cp) for s in slots], sizes
+
+    def _accumulate(self, work: list, g: int, objective: Objective):
+        """Backward every (micro-batch, CP group); return sums [loss, main, aux, z] (fp64), the
+        summed expert counts [L_moe, E] (fp64) of this rank, and the objective's metrics."""
         sums = torch.zeros(4, dtype=torch.float64)
         counts, metrics = None, {}
-        for i, mb in enumerate(micro_batches):
-            shard = self.runtime.shard(mb.to(self.device), replay_TLK=objective.replay(i))
+        for i, (mb, cp) in enumerate(work):
+            shard = self.runtime.shard(mb.to(self.device), cp, replay_TLK=objective.replay(i))
             n = shard.num_targets
             with self.autocast():
                 out = self.runtime.forward(shard, objective.head)

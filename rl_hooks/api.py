@@ -62,16 +62,20 @@ class PolicyTrainer:
 
     def __init__(self, cfg: Config, *, micro_batch_tokens: int | None = None,
                  advantage_estimator: str = "grpo"):
-        from longctx_moe.train import build_dims, build_runtime, make_context, pad_multiple
+        from data_packing.batch import pad_multiple
+        from longctx_moe.train import build_dims, build_runtime, make_context
 
         self.cfg = cfg
         self.ctx = make_context(cfg)
         self.dims = build_dims(cfg, self.ctx)
         self.runtime = build_runtime(cfg, self.dims, self.ctx.device)
         self.trainer = Trainer(cfg, self.runtime, self.ctx.device)
-        self.pad_multiple = pad_multiple(cfg)
+        self.pad_multiple = pad_multiple(cfg.parallel.cp, cfg.parallel.tp)
         self.budget = micro_batch_tokens or cfg.data.micro_batch_tokens
         self.estimator = advantage_estimator
+        if cfg.parallel.dynamic_cp:
+            raise ConfigError("parallel.dynamic_cp=true is for supervised training; the policy "
+                              "trainer packs rollouts itself: set parallel.dynamic_cp=false")
         if self.budget < self.pad_multiple:
             raise ConfigError(f"micro_batch_tokens={self.budget} is below the padding multiple "
                               f"{self.pad_multiple} of this layout; raise it")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from longctx_moe.choices import check_choice
+
 # Allowed values of the string fields (also read by longctx_moe.config at load time).
 CHOICES = {
     "router_score": ("softmax", "sigmoid"),
@@ -54,8 +56,7 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise ValueError naming the key, its value and the fix."""
         for key, allowed in CHOICES.items():
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"model.{key}={getattr(self, key)!r} is not one of {list(allowed)}")
+            check_choice(f"model.{key}", getattr(self, key), allowed)
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                     "head_dim", "num_experts", "top_k", "expert_hidden_size", "loss_chunk_tokens"):
             if getattr(self, key) < 1:
@@ -66,7 +67,8 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         if self.top_k > self.num_experts:
-            raise ValueError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}")
+            raise ValueError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}; "
+                             "lower top_k or raise num_experts")
         if not 0 <= self.first_k_dense <= self.num_layers:
             raise ValueError(f"model.first_k_dense={self.first_k_dense} must lie in "
                              f"[0, model.num_layers={self.num_layers}]")

@@ -14,6 +14,8 @@ from itertools import accumulate
 
 import torch
 
+from longctx_moe.choices import check_choice
+
 IMPLS = ("auto", "grouped_mm", "loop")
 
 
@@ -52,8 +54,7 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 
 def resolve_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor) -> str:
     """The implementation `grouped_matmul` will use for these operands (raises for a bad request)."""
-    if impl not in IMPLS:
-        raise ValueError(f"model.grouped_gemm={impl!r} is not one of {list(IMPLS)}")
+    check_choice("model.grouped_gemm", impl, IMPLS)
     usable = grouped_mm_works(x_MD.device.type, x_MD.dtype) and _aligned(x_MD, w_EDF)
     if impl == "grouped_mm" and not usable:
         raise ValueError(f"model.grouped_gemm='grouped_mm' cannot run {x_MD.dtype} on {x_MD.device.type} "

@@ -11,9 +11,10 @@ from collections.abc import Callable
 
 import torch
 
+from cp_attention.kernels import accumulate_dtype
+from data_packing.batch import IGNORE_INDEX
 from longctx_moe.model.layers import autocast_dtype
 
-IGNORE_INDEX = -100
 # Sums a no-grad statistic (int64 counts) over the ranks that share one micro-batch's tokens.
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -66,7 +67,9 @@ def sequence_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, doc_id
     flat = (doc_T[:, None] * e + idx_TK).flatten()
     counts_NE = torch.bincount(flat, minlength=num_docs * e).view(num_docs, e)
     len_N = torch.bincount(doc_T, minlength=num_docs)
-    psum_NE = torch.segment_reduce(_normalised(scores_TE), "sum", lengths=len_N)
+    # An idle rank's stand-in batch has no document (and segment_reduce no empty input).
+    psum_NE = (torch.segment_reduce(_normalised(scores_TE), "sum", lengths=len_N) if num_docs
+               else scores_TE.new_zeros(0, e))
     counts_NE, len_all_N = reduce(counts_NE).to(scores_TE.dtype), reduce(len_N).to(scores_TE.dtype)
     return (counts_NE * psum_NE).sum(-1) * e / (k * len_all_N.square().clamp_min(1))
 
@@ -123,7 +126,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_TD, w_VD, idx_N, labels_N, weight_N, chunk, cdtype):
-        acc = torch.float64 if cdtype == torch.float64 else torch.float32
+        acc = accumulate_dtype(cdtype)
         w_c = w_VD.to(cdtype)  # one cast per forward, not one per chunk
         total = torch.zeros((), dtype=acc, device=h_TD.device)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -182,7 +185,7 @@ class _LinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_TD, w_VD, idx_N, labels_N, chunk, cdtype, temperature, want_entropy):
-        acc = torch.float64 if cdtype == torch.float64 else torch.float32
+        acc = accumulate_dtype(cdtype)
         w_c = w_VD.to(cdtype)
         n = idx_N.numel()
         logp_N = torch.empty(n, dtype=acc, device=h_TD.device)

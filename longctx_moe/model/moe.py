@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cp_attention.kernels import accumulate_dtype
 from longctx_moe.model.attention import DocLayout
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.grouped_gemm import grouped_matmul, with_padded_groups
@@ -61,7 +62,7 @@ class Router(nn.Module):
         """(topk_idx_TK, topk_weight_TK, RouterAux). `replay_TK` (int [T, K], -1 = unknown) forces
         the experts of every token whose K entries are all known (router replay, R3); their
         weights still come from the current scores, so the router keeps learning."""
-        dtype = torch.float64 if x_TD.dtype == torch.float64 else torch.float32
+        dtype = accumulate_dtype(x_TD.dtype)
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
         scores_TE = logits_TE.softmax(-1) if self.score == "softmax" else logits_TE.sigmoid()

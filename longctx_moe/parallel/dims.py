@@ -122,7 +122,7 @@ def _check_dynamic_cp(cfg: ParallelConfig, block: int) -> tuple[int, ...]:
     """The Dynamic-CP sub-group sizes that need groups of their own (powers of two 1 < s <
     block = dp*cp, up to max_cp); () without Dynamic-CP."""
     if not cfg.dynamic_cp:
-        for key in ("max_cp", "max_tokens_per_rank"):
+        for key in ("max_cp", "max_tokens_per_rank"):  # dcp_* have defaults: harmless
             if getattr(cfg, key):
                 _fail(f"parallel.{key} is set but parallel.dynamic_cp is false; set "
                       "parallel.dynamic_cp=true or remove the key")
@@ -137,6 +137,11 @@ def _check_dynamic_cp(cfg: ParallelConfig, block: int) -> tuple[int, ...]:
     if cfg.cp_backend == "hierarchical":
         _fail("parallel.dynamic_cp=true runs ring or Ulysses attention on each sub-group; "
               "set parallel.cp_backend=ring or ulysses")
+    if cfg.aux_loss_scope == "global_batch":
+        _fail("parallel.dynamic_cp=true with aux_loss_scope=global_batch is not supported (slots "
+              "mix runs of different sizes); use aux_loss_scope=micro_batch")
+    if not (cfg.dcp_tflops > 0 and cfg.dcp_bandwidth_gbps > 0):
+        _fail("parallel.dcp_tflops and parallel.dcp_bandwidth_gbps must be > 0")
     if cfg.max_tokens_per_rank < 0:
         _fail(f"parallel.max_tokens_per_rank={cfg.max_tokens_per_rank} must be >= 0 (0: "
               "data.micro_batch_tokens)")

@@ -70,8 +70,8 @@ def reduce_gradients(dense: list[nn.Parameter], expert: list[nn.Parameter], dims
     for p in dense:
         by_axis.setdefault(getattr(p, "reduce_axis", "dp_cp"), []).append(p)
     for axis, params in by_axis.items():
-        _all_reduce_grads(params, _group(dims, axis))
-    _all_reduce_grads(expert, _group(dims, "edp"))
+        _all_reduce_grads(params, dims.group_or_none(axis))
+    _all_reduce_grads(expert, dims.group_or_none("edp"))
 
 
 def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], dims,
@@ -111,7 +111,7 @@ def _sum_sq(params: list[nn.Parameter]) -> torch.Tensor:
 def _sum_sq_over(params: list[nn.Parameter], dims, axis: str) -> torch.Tensor:
     """`_sum_sq` of shards summed over the `axis` group (collective on the gradients' device)."""
     local = _sum_sq(params)
-    group = _group(dims, axis)
+    group = dims.group_or_none(axis)
     if group is None:
         return local
     device = params[0].device if params else torch.device("cpu")
@@ -136,8 +136,3 @@ def stats_reducer(group):
         return out
 
     return reduce
-
-
-def _group(dims, name: str):
-    """None when the group has one rank: nothing to reduce."""
-    return dims.group(name) if dims.size(name) > 1 else None

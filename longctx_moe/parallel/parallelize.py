@@ -26,10 +26,12 @@ from longctx_moe.parallel.runtime import ParallelRuntime
 from longctx_moe.parallel.tensor_parallel import apply_tensor_parallel
 
 
-def parallelize(model: nn.Module, dims=None, cfg: ParallelConfig | None = None) -> ParallelRuntime:
+def parallelize(model: nn.Module, dims=None, cfg: ParallelConfig | None = None,
+                capacity_tokens: int = 0) -> ParallelRuntime:
     """Apply TP and EP of `dims` (a ParallelDims with built groups; None: one process) to `model`
-    in place and return the runtime that trains it. Raises ValueError (one line) for a layout
-    this code cannot run."""
+    in place and return the runtime that trains it. `capacity_tokens`: Dynamic-CP's per-rank
+    token capacity when parallel.max_tokens_per_rank is 0. Raises ValueError (one line) for a
+    layout this code cannot run."""
     if dims is None:
         from longctx_moe.parallel.dims import ParallelDims
 
@@ -41,7 +43,27 @@ def parallelize(model: nn.Module, dims=None, cfg: ParallelConfig | None = None) 
         apply_tensor_parallel(model, dims)
     if hasattr(model, "moe_layers"):
         apply_expert_parallel(model, dims, cfg)
-    return ParallelRuntime(model, dims, cfg)
+    return ParallelRuntime(model, dims, cfg, _dynamic_cp(model, dims, cfg, capacity_tokens))
+
+
+def _dynamic_cp(model: nn.Module, dims, cfg: ParallelConfig, capacity_tokens: int):
+    """The Dynamic-CP scheduler of this layout, or None without parallel.dynamic_cp."""
+    if not cfg.dynamic_cp:
+        return None
+    from cp_attention.dynamic import DynamicCPCost
+    from longctx_moe.model.flops import active_matmul_params
+    from longctx_moe.parallel.dynamic_cp import DynamicCP
+
+    capacity = cfg.max_tokens_per_rank or capacity_tokens
+    if capacity < 1:
+        raise ValueError("parallel.dynamic_cp=true needs parallel.max_tokens_per_rank (or "
+                         "data.micro_batch_tokens) >= 1")
+    m = model.cfg
+    cost = DynamicCPCost.from_model(
+        num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim, active_params_per_token=active_matmul_params(m),
+        flops_per_s=cfg.dcp_tflops * 1e12, bandwidth=cfg.dcp_bandwidth_gbps * 1e9)
+    return DynamicCP(dims, capacity, cost, cfg.max_cp or cfg.cp, cfg.cp_backend)
 
 
 def check_supported(dims, cfg: ParallelConfig) -> None:
@@ -49,9 +71,6 @@ def check_supported(dims, cfg: ParallelConfig) -> None:
     if dims.etp > 1:
         raise ValueError(f"parallel.etp={dims.etp}: tensor-parallel experts are not implemented; "
                          "set parallel.etp=1 (experts are split over ep instead)")
-    if cfg.dynamic_cp:
-        raise ValueError("parallel.dynamic_cp=true: per-step CP sizes are not run by the trainer "
-                         "yet; set parallel.dynamic_cp=false (static CP over parallel.cp is used)")
 
 
 def apply_expert_parallel(model: nn.Module, dims, cfg: ParallelConfig) -> None:

@@ -13,7 +13,8 @@ The model is never patched: what differs per micro-batch (the CP group and plan,
 the document ids global to the micro-batch, the reduction of router statistics) travels in the
 DocLayout passed to `model(batch, layout)`. What is fixed for the run is applied once by
 `parallelize` (TP shards and hooks, EP expert slices and dispatcher). `cp` defaults to the
-static CP group of the mesh; Dynamic-CP passes a smaller one per micro-batch.
+static CP group of the mesh; with parallel.dynamic_cp the trainer first calls
+`runtime.dynamic.reschedule(micro_batches)`, which gives each slot its own group.
 
 Loss bookkeeping stays with the trainer (trainer.py): each rank's CE sum covers its own tokens,
 so sums over dp_cp give the global batch's. With `parallel.aux_loss_scope=global_batch` the
@@ -36,6 +37,7 @@ from longctx_moe.model.attention import DocLayout, doc_layout
 from longctx_moe.parallel.comm import all_gather_rows
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.context_parallel import NO_CP, CPGroup, shard_for_cp
+from longctx_moe.parallel.dims import Axis
 from longctx_moe.parallel.grad_reduce import (
     clip_grad_norm,
     reduce_gradients,
@@ -61,8 +63,10 @@ class ParallelRuntime:
     `model(batch, layout=None) -> ForwardOutput` (longctx_moe.model.Transformer, or any module
     with that contract); `dims` a ParallelDims whose groups are built."""
 
-    def __init__(self, model: nn.Module, dims, cfg: ParallelConfig):
+    def __init__(self, model: nn.Module, dims, cfg: ParallelConfig, dynamic=None):
         self.model, self.dims, self.cfg = model, dims, cfg
+        # parallel.dynamic_cp: reschedules each step's documents onto CP sub-groups (dynamic_cp.py)
+        self.dynamic = dynamic
         self.dense, self.expert = split_params(model)
         self.global_batch_aux = cfg.aux_loss_scope == "global_batch"
         self.static_cp = static_cp_group(dims)
@@ -117,7 +121,7 @@ class ParallelRuntime:
         """Sum of router statistics over the ranks that share them: every data-parallel rank for
         the global-batch aux loss, else the micro-batch's CP group (None: nothing to sum)."""
         if self.global_batch_aux:
-            return stats_reducer(self.dims.group("dp_cp") if self.dims.size("dp_cp") > 1 else None)
+            return stats_reducer(self.dims.group_or_none(Axis.DP_CP))
         return stats_reducer(cp.group if cp.size > 1 else None)
 
     def _global_batch_scale(self, n: int, device: torch.device) -> float:

@@ -114,7 +114,7 @@ def test_loop_fallback_float64_and_bad_impl():
     torch.testing.assert_close(grouped_matmul(x, w, cnt), x @ w[1], atol=TOL64, rtol=0)
     with pytest.raises(ValueError, match="grouped_gemm='auto'"):
         grouped_matmul(x, w, cnt, "grouped_mm")
-    with pytest.raises(ValueError, match="not one of"):
+    with pytest.raises(ValueError, match="is not allowed; choose one of"):
         grouped_matmul(x, w, cnt, "cutlass")
 
 

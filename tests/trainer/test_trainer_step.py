@@ -7,7 +7,7 @@ import torch
 
 from longctx_moe.config import load_config
 from longctx_moe.parallel.parallelize import parallelize
-from longctx_moe.trainer import NonFiniteLossError, Trainer
+from longctx_moe.trainer import CrossEntropy, NonFiniteLossError, Trainer
 from tests.trainer.toy import ToyMoE, make_batch
 
 
@@ -25,7 +25,7 @@ def toy_model(seed=0, dtype=torch.float64):
 def grads_after(trainer, batches):
     """Run forward/backward like train_step but keep the gradients (no optimizer update)."""
     g, _, _ = trainer.step_totals(batches)
-    sums, _ = trainer._accumulate(batches, g)
+    sums, _, _ = trainer._accumulate([(mb, None) for mb in batches], g, CrossEntropy())
     return [p.grad.clone() for p in trainer.model.parameters()], sums
 
 

@@ -1,0 +1,170 @@
+"""Dynamic-CP on gloo against one process, float64.
+
+Each step's documents (every DP replica's micro-batches) are rescheduled onto power-of-two CP
+sub-groups of the DP x CP block. Two references:
+
+- the single-process model on the plan's own micro-batches (one per run of ranks), with the
+  seq aux loss, the z-loss and the expert bias on: router statistics are per micro-batch by
+  definition, so this is the reference whose micro-batches are the ones Dynamic-CP runs;
+- static CP and the single-process model on the loader's micro-batches, with the balance losses
+  off: then the objective is a token mean that does not depend on how documents are grouped,
+  and the three runs must agree.
+
+Tolerances: 1e-10 for one step (float64; only the summation order differs); 20 steps track the
+reference within 1e-6 (the bound of test_train_parallel: a top-k tie flipped by rounding is the
+only way to diverge).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from cp_attention.dynamic import schedule
+from longctx_moe.config import load_config
+from longctx_moe.model import build_model
+from longctx_moe.parallel.dims import ParallelDims
+from longctx_moe.parallel.dynamic_cp import documents, pack_documents
+from longctx_moe.parallel.parallelize import parallelize
+from longctx_moe.trainer import Trainer
+from tests.launcher import run_distributed
+from tests.model.helpers import packed_batch
+
+STEPS = 20
+TOL_STEP, TOL_RUN = 1e-10, 1e-6
+CAPACITY = 12  # tokens per rank and slot: a 40-token document needs CP 4, a 13-token one CP 2
+# per DP replica, two micro-batches: 1-token documents, short ones, long ones that need CP
+DOCS = [[[1, 40, 3], [7, 2]], [[13, 1], [25, 5, 1]]]
+BASE = ["train.param_dtype=fp64", "train.autocast_dtype=none", f"train.steps={STEPS}",
+        "optim.warmup_steps=2", "optim.lr=1e-2", "optim.grad_clip=0.5", "model.vocab_size=64",
+        "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+        "model.head_dim=8", "model.num_experts=4", "model.top_k=2", "model.expert_hidden_size=16",
+        "model.first_k_dense=1", "model.dense_hidden_size=32", "model.shared_expert_hidden_size=16",
+        "model.expert_bias_update_rate=0.01", "model.loss_chunk_tokens=16"]
+AUX_ON = ["model.aux_loss_type=seq", "model.aux_loss_coeff=0.1", "model.z_loss_coeff=0.01",
+          "model.expert_bias=true"]
+AUX_OFF = ["model.aux_loss_coeff=0", "model.z_loss_coeff=0"]
+DYNAMIC = ["parallel.dynamic_cp=true", "parallel.max_cp=4", f"parallel.max_tokens_per_rank={CAPACITY}"]
+# world 4: DP2 x CP2 attention, EP2 experts (ring and Ulysses); world 8: DP2 x CP4 / EP4
+WORLD4 = [["parallel.cp=2", "parallel.ep=2"], ["parallel.cp=2", "parallel.ep=2",
+                                               "parallel.cp_backend=ulysses"]]
+WORLD8 = [["parallel.cp=4", "parallel.ep=4", "parallel.max_cp=8"]]
+
+
+def _steps(pad: int = 8):
+    """STEPS x DP replicas x micro-batches of random documents, slots padded to `pad` (2 * CP
+    of every layout here; one padding for all runs, since the random tokens depend on it)."""
+    gen = torch.Generator().manual_seed(5)
+    return [[[packed_batch(d, 64, pad_multiple=pad, generator=gen) for d in replica]
+             for replica in DOCS] for _ in range(STEPS)]
+
+
+def _trainer(sets, dims):
+    cfg = load_config(None, BASE + sets)
+    torch.manual_seed(cfg.train.seed)
+    parallel = cfg.parallel
+    if dims is None:  # one process: the same settings without the layout
+        parallel = dataclasses.replace(parallel, cp=1, ep=1, dynamic_cp=False, max_cp=0,
+                                       max_tokens_per_rank=0, cp_backend="ring")
+    return Trainer(cfg, parallelize(build_model(cfg.model).double(), dims, parallel))
+
+
+def _grads(trainer):
+    """This rank's gradients of the first step, after its reduction and clipping (the trainer
+    zeroes them after the update: read them just before it)."""
+    out = {}
+    step = trainer.optimizer.step
+
+    def capture():
+        if not out:
+            out.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
+                        if p.grad is not None})
+        step()
+
+    trainer.optimizer.step = capture
+    return out
+
+
+def _plan_micro_batches(replicas, block, max_cp):
+    """The single-process equivalent of one Dynamic-CP step: one micro-batch per run."""
+    docs = [d for replica in replicas for d in documents(replica)]
+    plan = schedule([d.tokens.numel() for d in docs], block, max_cp, CAPACITY, _cost(), tp=1)
+    runs = [run for slot in plan.slots for run in slot if run.seq_indices]
+    return [pack_documents([docs[i] for i in run.seq_indices], 1) for run in runs], plan
+
+
+def _cost():
+    from longctx_moe.parallel.parallelize import _dynamic_cp
+
+    cfg = load_config(None, BASE)
+    fake = dataclasses.replace(cfg.parallel, dynamic_cp=True)
+    return _dynamic_cp(build_model(cfg.model), ParallelDims.from_config(cfg.parallel, 1), fake, 1).cost
+
+
+def _rank(rank, world, layouts):
+    out = []
+    for sets in layouts:
+        row = []
+        for extra in (AUX_ON + DYNAMIC, AUX_OFF + DYNAMIC, AUX_OFF):
+            cfg = load_config(None, BASE + sets + extra)
+            dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+            dims.build_groups(rank)
+            trainer = _trainer(sets + extra, dims)
+            mine = [replica[dims.rank_in("dp")] for replica in _steps()]
+            grads = _grads(trainer)
+            steps = mine if extra[0] == AUX_ON[0] else mine[:1]  # 20 steps once per layout
+            results = [trainer.train_step(mbs) for mbs in steps]
+            row.append(([(r.loss, r.grad_norm) for r in results], grads, results[0].cp_sizes,
+                        dims.rank_in("ep"), dims.ep))
+        out.append(row)
+    return out
+
+
+def _reference(extra, per_step):
+    trainer = _trainer(extra, None)
+    grads = _grads(trainer)
+    results = [trainer.train_step(mbs) for mbs in per_step]
+    return [(r.loss, r.grad_norm) for r in results], grads
+
+
+def _close_grads(got, want, ep_rank, ep, tol):
+    for name, g in got.items():
+        w = want[name]
+        if g.shape != w.shape:  # an expert weight: this rank's slice
+            n = g.shape[0]
+            w = w[ep_rank * n:(ep_rank + 1) * n]
+        assert (g - w).abs().max() < tol, name
+
+
+def _check(world, layouts, block):
+    got = run_distributed(_rank, world, args=(layouts,), timeout=600)
+    steps = _steps()
+    for i, sets in enumerate(layouts):
+        max_cp = 8 if "parallel.max_cp=8" in sets else 4
+        planned = [_plan_micro_batches(step, block, max_cp) for step in steps]
+        assert any(1 in p.cp_sizes_used and max(p.cp_sizes_used) > 1 for _, p in planned)
+        ref_aux, ref_aux_grads = _reference(AUX_ON, [mbs for mbs, _ in planned])
+        ref_off, ref_off_grads = _reference(AUX_OFF, [[mb for replica in steps[0] for mb in replica]])
+        assert planned[0][1].num_slots > 1 and len(planned[0][0]) > 2  # slots, runs per slot
+        assert len({ref_aux[0][0], ref_aux[-1][0]}) == 2  # the run trains
+        for rank_out in got:
+            (dyn_aux, g_aux, sizes, ep_rank, ep), (dyn_off, g_off, _, _, _), (static, g_st, _, _, _) = rank_out[i]
+            assert sizes == planned[0][1].cp_sizes_used, (sets, sizes)
+            # aux on: Dynamic-CP equals one process on the plan's micro-batches, for 20 steps
+            assert abs(dyn_aux[0][0] - ref_aux[0][0]) < TOL_STEP, sets
+            _close_grads(g_aux, ref_aux_grads, ep_rank, ep, TOL_STEP)
+            for (loss, norm), (ref_loss, ref_norm) in zip(dyn_aux, ref_aux, strict=True):
+                assert abs(loss - ref_loss) < TOL_RUN and abs(norm - ref_norm) < TOL_RUN, sets
+            # aux off: Dynamic-CP = static CP = one process on the loader's micro-batches
+            for run, grads in ((dyn_off, g_off), (static, g_st)):
+                assert abs(run[0][0] - ref_off[0][0]) < TOL_STEP, sets
+                _close_grads(grads, ref_off_grads, ep_rank, ep, TOL_STEP)
+
+
+def test_dynamic_cp_world4_matches_one_process_and_static_cp_float64():
+    _check(4, WORLD4, block=4)
+
+
+def test_dynamic_cp_world8_dp2_cp4_ep4_matches_one_process_float64():
+    _check(8, WORLD8, block=8)
