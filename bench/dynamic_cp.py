@@ -27,6 +27,9 @@ slot); speedup = static / dynamic step; bound = static step / a lower bound on a
 (max of total work at the smallest sizes / ranks and the costliest single sequence), i.e. the
 most any scheduler could gain under this model.
 plan_seconds_10k: wall time of schedule() for 10,000 rl sequences on 512 ranks (median of 5).
+--measure: the real trainer on 4 gloo ranks here (tiny config, the stdlib corpus packed at 8192
+tokens), static CP=4 against Dynamic-CP (max CP 4, 2048 tokens per rank), alternating per round;
+a 2-core machine running 4 ranks says little about GPUs: reported as measured.
 
 JSON (--out): for rl at 64 ranks with h100 constants, modeled_speedup (static / dynamic step),
 cp_bytes_ratio (static / dynamic bytes), imbalance_dynamic, imbalance_static, speedup_bound;
@@ -216,6 +219,69 @@ def calibrate() -> dict:
                           "bandwidth": cost.bandwidth, "overlap": cost.overlap}}
 
 
+# ---------------------------------------------------------------------- measured on 4 gloo ranks
+
+
+def _pack_long_corpus(root: Path, out: Path) -> None:
+    """The stdlib corpus packed at 8192 tokens per row (documents up to 8192: a mix that needs
+    CP 1 to 4 at 2048 tokens per rank), with the tokenizer of `make data`."""
+    import subprocess
+
+    if (out / "metadata.json").is_file():
+        return
+    tok = root / "data" / "stdlib_tiny" / "tokenizer.json"
+    if not tok.is_file():
+        raise SystemExit("--measure needs the bundled corpus: run `make data` first")
+    subprocess.run([sys.executable, "-m", "data_packing.cli", "--source", "stdlib",
+                    "--tokenizer", str(tok), "--seq-len", "8192", "--max-docs", "400", "--seed",
+                    "0", "--output", str(out)], check=True, cwd=root, stdout=subprocess.DEVNULL)
+
+
+def _train_steps(root: Path, data: Path, run_dir: Path, sets: list[str], steps: int) -> list[dict]:
+    import subprocess
+
+    argv = [sys.executable, "-m", "longctx_moe.cli", "train", "--config", "configs/tiny_cpu.yaml",
+            "--nproc", "4", "--set", f"data.path={data}", "--set", f"train.run_dir={run_dir}",
+            "--set", f"train.steps={steps}", "--set", "data.global_batch_tokens=16384",
+            "--set", "data.micro_batch_tokens=8192", "--set", "logging.progress_bar=false",
+            "--set", "checkpoint.save_final=false", "--set", "checkpoint.every_steps=0",
+            "--set", "parallel.cp=4"] + [x for s in sets for x in ("--set", s)]
+    subprocess.run(argv, check=True, cwd=root, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def measure_wallclock(rounds: int = 2, steps: int = 8, warmup: int = 2) -> dict:
+    """Static CP=4 vs Dynamic-CP (max CP 4, 2048 tokens per rank) training the tiny config on 4
+    gloo ranks here, alternating the two per round; median step time over the steps after
+    `warmup` of every round, and the spread of the per-round medians."""
+    import tempfile
+
+    root = _HERE.parent
+    tmp = Path(tempfile.mkdtemp(prefix="dcp_measure_"))
+    data = tmp / "stdlib_8k"
+    _pack_long_corpus(root, data)
+    sides = {"static": [], "dynamic": ["parallel.dynamic_cp=true",
+                                       "parallel.max_tokens_per_rank=2048"]}
+    per_round: dict[str, list[float]] = {k: [] for k in sides}
+    sizes: dict[str, int] = {}
+    for r in range(rounds):
+        for name, sets in sides.items():
+            recs = _train_steps(root, data, tmp / f"{name}{r}", sets, steps)[warmup:]
+            per_round[name].append(statistics.median(x["step_time_s"] for x in recs))
+            for x in recs:
+                for size, n in (x.get("cp_sizes") or {}).items():
+                    sizes[size] = sizes.get(size, 0) + n
+    med = {k: statistics.median(v) for k, v in per_round.items()}
+    return {"static_step_s": med["static"], "dynamic_step_s": med["dynamic"],
+            "speedup": med["static"] / med["dynamic"], "rounds": per_round,
+            "dynamic_cp_sizes": sizes, "steps_per_round": steps, "warmup_steps": warmup,
+            "setting": "tiny_cpu config, 4 gloo ranks on this machine, 16384 tokens per step, "
+                       "stdlib packed at 8192 tokens, static cp=4 vs dynamic max_cp=4 with "
+                       "2048 tokens per rank"}
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'corpus':<7}{'ranks':>6} {'constants':<9}{'seqs':>6} {'slots d/s':>9} "
           f"{'imb dyn':>8}{'imb sta':>8}{'GB dyn':>9}{'GB sta':>9}{'bytes':>7} "
@@ -242,6 +308,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calibrate", action="store_true",
                     help="measure GEMM, attention and gloo bandwidth here; add 'measured' rows")
+    ap.add_argument("--measure", action="store_true",
+                    help="also train static CP=4 vs Dynamic-CP on 4 gloo ranks here (minutes)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="write the results as JSON")
     args = ap.parse_args(argv)
@@ -262,11 +330,18 @@ def main(argv=None) -> dict:
     print(f"plan 10,000 rl sequences on 512 ranks: {plan_10k:.3f} s (median of 5)")
     if calibration:
         print_calibration(calibration)
+    measured = measure_wallclock() if args.measure else None
+    if measured:
+        print(f"measured, 4 gloo ranks ({measured['setting']}): static {measured['static_step_s']:.3f}"
+              f" s/step, dynamic {measured['dynamic_step_s']:.3f} s/step -> "
+              f"{measured['speedup']:.2f}x; per-round medians {measured['rounds']}; dynamic CP "
+              f"sizes used (documents) {measured['dynamic_cp_sizes']}")
     head = next(r for r in rows if (r["corpus"], r["ranks"], r["constants"]) == ("rl", 64, "h100"))
     result = {"modeled_speedup": head["speedup"], "cp_bytes_ratio": head["bytes_ratio"],
               "imbalance_dynamic": head["dynamic"]["imbalance"],
               "imbalance_static": head["static"]["imbalance"], "plan_seconds_10k": plan_10k,
               "speedup_bound": head["speedup_bound"], "calibration": calibration,
+              "measured_4_ranks": measured,
               "settings": {"max_cp": MAX_CP, "capacity_tokens": CAPACITY,
                            "tokens_per_rank_per_step": TOKENS_PER_RANK, "rl_mu": RL_MU,
                            "rl_sigma": RL_SIGMA, "rl_clip": RL_CLIP,

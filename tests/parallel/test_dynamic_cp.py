@@ -45,11 +45,12 @@ BASE = ["train.param_dtype=fp64", "train.autocast_dtype=none", f"train.steps={ST
 AUX_ON = ["model.aux_loss_type=seq", "model.aux_loss_coeff=0.1", "model.z_loss_coeff=0.01",
           "model.expert_bias=true"]
 AUX_OFF = ["model.aux_loss_coeff=0", "model.z_loss_coeff=0"]
-DYNAMIC = ["parallel.dynamic_cp=true", "parallel.max_cp=4", f"parallel.max_tokens_per_rank={CAPACITY}"]
-# world 4: DP2 x CP2 attention, EP2 experts (ring and Ulysses); world 8: DP2 x CP4 / EP4
-WORLD4 = [["parallel.cp=2", "parallel.ep=2"], ["parallel.cp=2", "parallel.ep=2",
-                                               "parallel.cp_backend=ulysses"]]
-WORLD8 = [["parallel.cp=4", "parallel.ep=4", "parallel.max_cp=8"]]
+DYNAMIC = ["parallel.dynamic_cp=true", f"parallel.max_tokens_per_rank={CAPACITY}"]
+# (layout, max_cp). world 4: DP2 x CP2 attention, EP2 experts (ring and Ulysses), sub-groups up
+# to the whole block; world 8: DP2 x CP4 / EP4, sub-groups up to 8 ranks (the block)
+WORLD4 = [(["parallel.cp=2", "parallel.ep=2"], 4),
+          (["parallel.cp=2", "parallel.ep=2", "parallel.cp_backend=ulysses"], 4)]
+WORLD8 = [(["parallel.cp=4", "parallel.ep=4"], 8)]
 
 
 def _steps(pad: int = 8):
@@ -104,9 +105,10 @@ def _cost():
 
 def _rank(rank, world, layouts):
     out = []
-    for sets in layouts:
+    for sets, max_cp in layouts:
         row = []
-        for extra in (AUX_ON + DYNAMIC, AUX_OFF + DYNAMIC, AUX_OFF):
+        dynamic = DYNAMIC + [f"parallel.max_cp={max_cp}"]
+        for extra in (AUX_ON + dynamic, AUX_OFF + dynamic, AUX_OFF):
             cfg = load_config(None, BASE + sets + extra)
             dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
             dims.build_groups(rank)
@@ -140,8 +142,7 @@ def _close_grads(got, want, ep_rank, ep, tol):
 def _check(world, layouts, block):
     got = run_distributed(_rank, world, args=(layouts,), timeout=600)
     steps = _steps()
-    for i, sets in enumerate(layouts):
-        max_cp = 8 if "parallel.max_cp=8" in sets else 4
+    for i, (sets, max_cp) in enumerate(layouts):
         planned = [_plan_micro_batches(step, block, max_cp) for step in steps]
         assert any(1 in p.cp_sizes_used and max(p.cp_sizes_used) > 1 for _, p in planned)
         ref_aux, ref_aux_grads = _reference(AUX_ON, [mbs for mbs, _ in planned])
