@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -75,7 +76,10 @@ def _worker(fn, rank, world_size, port, args, kwargs, result_q, backend, threads
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args, **kwargs)
-        result_q.put((rank, "ok", out))
+        # Plain pickle copies tensors into the message: the queue's own pickler would share
+        # their storage by file descriptor, which dies with this process before the parent
+        # reads it ("No such file or directory" in the parent).
+        result_q.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         result_q.put((rank, "error", traceback.format_exc()))
     finally:
@@ -132,7 +136,10 @@ def run_distributed(
                 for r in dead:
                     errors[r] = f"process exited with code {procs[r].exitcode} before reporting"
                 continue
-            (results if status == "ok" else errors)[rank] = payload
+            if status == "ok":
+                results[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
             if errors:
                 # One rank failed: its peers are likely blocked in a collective; give them a
                 # moment to report their own error, then stop waiting.
