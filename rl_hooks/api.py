@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from cp_attention.kernels import batch_invariant
 from longctx_moe.config import Config, ConfigError
 from longctx_moe.model.transformer import LogProbHead
 from longctx_moe.trainer import MicroLoss, Trainer
@@ -58,10 +59,12 @@ class PolicyTrainer:
 
     `micro_batch_tokens`: the token budget of one micro-batch per rank (default
     data.micro_batch_tokens); `advantage_estimator`: grpo | drgrpo | rloo, used when a batch
-    brings rewards instead of advantages."""
+    brings rewards instead of advantages; `batch_invariant` (default on): attention runs each
+    sequence in a kernel call of its own, so a sequence's log-probs are bitwise the same whatever
+    it is packed with (cp_attention.kernels.batch_invariant; one call per sequence)."""
 
     def __init__(self, cfg: Config, *, micro_batch_tokens: int | None = None,
-                 advantage_estimator: str = "grpo"):
+                 advantage_estimator: str = "grpo", batch_invariant: bool = True):
         from data_packing.batch import pad_multiple
         from longctx_moe.train import build_dims, build_runtime, make_context
 
@@ -73,6 +76,7 @@ class PolicyTrainer:
         self.pad_multiple = pad_multiple(cfg.parallel.cp, cfg.parallel.tp)
         self.budget = micro_batch_tokens or cfg.data.micro_batch_tokens
         self.estimator = advantage_estimator
+        self.batch_invariant = batch_invariant
         if cfg.parallel.dynamic_cp:
             raise ConfigError("parallel.dynamic_cp=true is for supervised training; the policy "
                               "trainer packs rollouts itself: set parallel.dynamic_cp=false")
@@ -102,7 +106,6 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------------ log-probs
 
-    @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch, temperature: float = 1.0,
                          return_entropy: bool = False, record_routes: bool = False,
                          mini_batches: int = 1) -> LogProbs:
@@ -110,6 +113,10 @@ class PolicyTrainer:
         float32 (float64 for a float64 model). Give the `mini_batches` that train_step will use
         for bitwise-equal old log-probs."""
         self.validate(batch)
+        with torch.no_grad(), batch_invariant(self.batch_invariant):
+            return self._logprobs(batch, temperature, return_entropy, record_routes, mini_batches)
+
+    def _logprobs(self, batch, temperature, return_entropy, record_routes, mini_batches) -> LogProbs:
         t = batch.num_tokens
         logp = torch.zeros(t, dtype=torch.float64)
         ent = torch.zeros(t, dtype=torch.float64) if return_entropy else None
@@ -167,7 +174,8 @@ class PolicyTrainer:
         norm = _normalizers(batch, seqs)
         objective = _PolicyObjective(batch, mine, loss, norm, LogProbHead(temperature, entropy),
                                      self.runtime)
-        res = self.trainer.train_step([mb.packed for mb in mine], objective, lr=lr)
+        with batch_invariant(self.batch_invariant):
+            res = self.trainer.train_step([mb.packed for mb in mine], objective, lr=lr)
         m = dict(res.metrics)
         out = {"loss": res.loss, "policy_loss": res.ce_loss, "aux_loss": res.aux_loss,
                "z_loss": res.z_loss, "grad_norm": res.grad_norm, "lr": res.lr,

@@ -19,6 +19,8 @@ Shape legend: B documents in a bucket, Pq / Pk padded query / key slots.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -33,6 +35,32 @@ CALL_OVERHEAD = 8192
 # the CPU kernel switches to 4x larger, far cheaper query blocks from 768 rows on).
 PAD_WINDOW = 168
 _DP_LIMIT = 160  # beyond this many documents, bucket greedily instead of the O(N^2) DP
+
+
+_INVARIANT: ContextVar[bool] = ContextVar("batch_invariant_attention", default=False)
+
+
+@contextmanager
+def batch_invariant(enabled: bool = True):
+    """Inside it, every document's attention runs in a bucket of its own, so its output does not
+    depend on the documents packed beside it.
+
+    Why: aten's CPU flash kernel gives a row a result that depends on the padded length P of its
+    bucket (different block splits of the same reduction): a 300-token document in a bucket
+    padded to 320 differs by up to 1e-3 in bf16 from the same document alone, and a log-prob by
+    up to 7e-2 (bench/batch_invariance.py). Per-document buckets make P a function of the
+    document's own length. The cost is one kernel call per document (~0.3 ms each on a CPU core),
+    negligible beside long sequences; RL log-prob and training passes use it so that the same
+    sequence gets bitwise the same log-probs whatever its neighbours."""
+    token = _INVARIANT.set(enabled)
+    try:
+        yield
+    finally:
+        _INVARIANT.reset(token)
+
+
+def invariant_enabled() -> bool:
+    return _INVARIANT.get()
 
 
 @dataclass
@@ -170,9 +198,9 @@ def _mark_in_place(b: Bucket, sq: int, lq: int, sk: int, lk: int, ends) -> None:
 
 @lru_cache(maxsize=64)
 def plan_buckets(bounds_q: tuple, bounds_k: tuple, causal: bool,
-                 pad_to: int = 0) -> tuple[Bucket, ...]:
+                 pad_to: int = 0, invariant: bool = False) -> tuple[Bucket, ...]:
     """Buckets covering every document with at least one query and one key (see build_bucket
-    for pad_to)."""
+    for pad_to). `invariant`: one bucket per document (see batch_invariant)."""
     starts_q, starts_k = bounds_q[:-1], bounds_k[:-1]
     lens_q = [b - a for a, b in zip(bounds_q[:-1], bounds_q[1:], strict=False)]
     lens_k = [b - a for a, b in zip(bounds_k[:-1], bounds_k[1:], strict=False)]
@@ -183,7 +211,8 @@ def plan_buckets(bounds_q: tuple, bounds_k: tuple, causal: bool,
     buckets = []
     for layout, docs in by_layout.items():
         docs.sort(key=lambda d: (d[2], d[1]), reverse=True)
-        for run in _partition(docs, layout):
+        runs = [[j] for j in range(len(docs))] if invariant else _partition(docs, layout)
+        for run in runs:
             members = [docs[j][0] for j in run]
             buckets.append(build_bucket(layout, causal, members, starts_q, lens_q, starts_k, lens_k,
                                         pad_to, (bounds_q[-1], bounds_k[-1])))

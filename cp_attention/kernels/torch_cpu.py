@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import amx_backward
-from ._buckets import Bucket, plan_buckets
+from ._buckets import Bucket, invariant_enabled, plan_buckets
 from ._common import accumulate_dtype, default_scale, kernel_lse
 
 _fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -44,7 +44,8 @@ _REDUCED = (torch.bfloat16, torch.float16)
 
 def _plan(cu_q, cu_k, causal, dtype, backward: bool = False):
     pad_to = BIG_BLOCK_LEN if backward and dtype in _REDUCED else 0
-    return plan_buckets(tuple(cu_q.tolist()), tuple(cu_k.tolist()), bool(causal), pad_to)
+    return plan_buckets(tuple(cu_q.tolist()), tuple(cu_k.tolist()), bool(causal), pad_to,
+                        invariant_enabled())
 
 
 def _backward_dtype(dtype, bk: Bucket):
