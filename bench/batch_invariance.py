@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override, e.g. train.compile=true")
     p.add_argument("--no-probe", action="store_true", help="skip the per-layer and kernel probes")
+    p.add_argument("--batch-invariant", choices=("off", "on"), default="off",
+                   help="PolicyTrainer's batch_invariant mode (its default is on; off measures "
+                        "the kernels as they are)")
     p.add_argument("--out", help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -111,13 +114,13 @@ def target_logprobs(policy, seqs, names) -> torch.Tensor:
     return logp[a + 1:b]
 
 
-def trainers(cfg, budgets):
+def trainers(cfg, budgets, invariant: bool):
     """One PolicyTrainer per budget, all holding the first one's weights."""
     from rl_hooks.api import PolicyTrainer
 
     out = {}
     for b in sorted(set(budgets)):
-        out[b] = PolicyTrainer(cfg, micro_batch_tokens=b)
+        out[b] = PolicyTrainer(cfg, micro_batch_tokens=b, batch_invariant=invariant)
         first = next(iter(out.values()))
         out[b].runtime.model.load_state_dict(first.runtime.model.state_dict())
     return out
@@ -135,7 +138,7 @@ def run_cases(args, seqs) -> dict[str, dict]:
     for prec in PRECISIONS:
         cfg = precision_config(args, prec)
         cs = cases(args, seqs)
-        policies = trainers(cfg, [b for _, _, b in cs])
+        policies = trainers(cfg, [b for _, _, b in cs], args.batch_invariant == "on")
         ref = None
         table[prec] = {}
         for name, names, budget in cs:
@@ -305,7 +308,8 @@ def run_probes(args, seqs) -> dict[str, dict[str, float]]:
     out = {}
     for prec in PRECISIONS:
         # Eager: the probes hook modules, which compiled blocks would trace through.
-        policy = PolicyTrainer(precision_config(args, prec, "train.compile=false"))
+        policy = PolicyTrainer(precision_config(args, prec, "train.compile=false"),
+                               batch_invariant=args.batch_invariant == "on")
         out[prec] = {**probe_layers(policy, seqs, args), **probe_kernels(args, kernel_dtype[prec])}
     return out
 
@@ -322,7 +326,7 @@ def main(argv=None) -> int:
            "fp32_max_abs_diff": max(table["fp32"][c]["max_abs_diff"] for c in varying),
            "fp64_max_abs_diff": max(table["fp64"][c]["max_abs_diff"] for c in varying),
            "cases": table, "target_len": args.target_len, "neighbour_len": args.neighbour_len,
-           "crowd": args.crowd, "model": MODEL, "overrides": args.overrides, "machine": machine(args.threads)}
+           "crowd": args.crowd, "batch_invariant": args.batch_invariant, "model": MODEL, "overrides": args.overrides, "machine": machine(args.threads)}
     print(f"\ntarget {args.target_len} tokens, neighbour {args.neighbour_len}, crowd {args.crowd}; "
           f"|log-prob - alone| over the target's {args.target_len - 1} scored tokens\n")
     print(cases_table(table))

@@ -27,10 +27,11 @@ import torch
 
 from . import reference as _reference
 from ._buckets import batch_invariant
+from ._buckets import invariant_enabled as batch_invariant_enabled
 from ._common import accumulate_dtype, check_inputs, default_scale, doc_lengths
 from ._registry import BACKENDS, load_backend, resolve_backend
 
-__all__ = ["BACKENDS", "accumulate_dtype", "batch_invariant", "attn_backward", "attn_forward", "reference_attention", "resolve_backend",
+__all__ = ["BACKENDS", "accumulate_dtype", "batch_invariant", "batch_invariant_enabled", "attn_backward", "attn_forward", "reference_attention", "resolve_backend",
            "varlen_attention"]
 
 

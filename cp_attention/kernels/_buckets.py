@@ -51,7 +51,8 @@ def batch_invariant(enabled: bool = True):
     up to 7e-2 (bench/batch_invariance.py). Per-document buckets make P a function of the
     document's own length. The cost is one kernel call per document (~0.3 ms each on a CPU core),
     negligible beside long sequences; RL log-prob and training passes use it so that the same
-    sequence gets bitwise the same log-probs whatever its neighbours."""
+    sequence gets bitwise the same log-probs whatever its neighbours. The expert GEMMs read the
+    same switch (longctx_moe.model.grouped_gemm.wants_padding)."""
     token = _INVARIANT.set(enabled)
     try:
         yield

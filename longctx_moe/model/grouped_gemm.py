@@ -14,6 +14,7 @@ from itertools import accumulate
 
 import torch
 
+from cp_attention.kernels import batch_invariant_enabled
 from longctx_moe.choices import check_choice
 
 IMPLS = ("auto", "grouped_mm", "loop")
@@ -143,8 +144,13 @@ class _GatherSlots(torch.autograd.Function):
 
 
 def wants_padding(x_MD: torch.Tensor) -> bool:
-    """Pad groups where oneDNN builds a kernel per shape: bf16/fp16 GEMMs on CPU."""
-    return x_MD.device.type == "cpu" and x_MD.dtype in (torch.bfloat16, torch.float16)
+    """Pad groups where oneDNN builds a kernel per shape: bf16/fp16 GEMMs on CPU; and fp32 ones
+    in batch-invariant mode, since MKL's fp32 GEMM takes another path for 1-3 rows, so an
+    expert's rows would differ with how many tokens its group holds (padded groups hold >= 16)."""
+    if x_MD.device.type != "cpu":
+        return False
+    return x_MD.dtype in (torch.bfloat16, torch.float16) or (
+        x_MD.dtype == torch.float32 and batch_invariant_enabled())
 
 
 def with_padded_groups(fn, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
