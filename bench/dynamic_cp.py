@@ -1,5 +1,6 @@
-"""Benchmark: Dynamic-CP scheduling (cp_attention.dynamic.schedule) against static CP = 8 under
-the same packing rules, on simulated DP x CP blocks of 8, 64 and 512 ranks (tp = 1).
+"""Benchmark: Dynamic-CP scheduling (cp_attention.dynamic.schedule) against two static CP = 8
+baselines, an idealised one and the one our trainer runs, on simulated DP x CP blocks of 8, 64
+and 512 ranks (tp = 1).
 
     .venv/bin/python bench/dynamic_cp.py [--calibrate] [--out FILE]
 
@@ -19,20 +20,51 @@ Constants (DynamicCPCost, all for a Qwen3-30B-A3B-shaped MoE, overlap 0.5):
   measured  (--calibrate) GEMM (2048^3 matmul) and causal-attention (SDPA forward + backward)
             FLOP/s, the faster of float32 and bfloat16 each, and the bandwidth of gloo send/recv
             between 2 local processes, measured on this machine; same model shape.
-Columns: plans per (corpus, ranks, constants): dynamic (raise_cp=True), static (static_cp=8),
-"min" (dynamic with every sequence on its smallest size, raise_cp=False). imb = max/mean
-per-rank cost; GB = ring bytes received by all ranks; bytes = static / dynamic GB; step =
-modeled step time in seconds (sum over slots of the slowest run: the MoE all-to-alls sync every
-slot); speedup = static / dynamic step; bound = static step / a lower bound on any plan's step
-(max of total work at the smallest sizes / ranks and the costliest single sequence), i.e. the
-most any scheduler could gain under this model.
+Plans per (corpus, ranks, constants), all under the same cost model and step-time model (sum
+over micro-batch slots of the slowest run: the MoE all-to-alls sync every slot), every sequence
+padded with padded_length(n, s) for the size s it runs on:
+  dynamic  schedule(raise_cp=True): each sequence on its own power-of-two CP size <= 8;
+  static   idealised static CP, schedule(static_cp=8): the block's aligned 8-rank runs are the
+           replicas, every sequence runs on one of them, and the sequences go, densest first,
+           wherever they raise the modeled step time least (a run with room in any open slot,
+           or a new slot only when that is cheapest), i.e. balanced directly on the slot-
+           synchronous step model, with no fixed slot count: a stronger baseline than the
+           trainer's, not what it runs;
+  loader   static CP as the trainer runs it (data_packing.loader.StepLoader, parallel.cp=8):
+           dp = ranks / 8 replicas; balance.balance_step(sizes = lengths padded to 16, costs,
+           dp, budget = 16,384 x 8 = 131,072 tokens per micro-batch, the same tokens per rank)
+           gives every replica M micro-batches, M the fewest the budget allows; a micro-batch is
+           split zigzag over its replica's 8 ranks, and micro-batch m of every replica runs at
+           the same time, so step = sum over m of max over replicas of the micro-batch's cost
+           (sum of DynamicCPCost.seconds(n, 8) over its sequences), in the order balance_step
+           hands them out. Balancer costs: balance.doc_cost with the cost keys that make it
+           equal DynamicCPCost.seconds(n, 8) exactly (loader_cost_keys), i.e. a trainer whose
+           data.cost_per_token / data.cost_per_token_pair are set for this model; the defaults
+           describe the tiny default model (attention pair / token ratio 6.2e-4 against this
+           model's ~1.2e-4, no ring term), so the balancer would even out a different cost from
+           the one the step is charged, and the gap would mix a mis-set key into the baseline.
+           A step with fewer documents than dp x M micro-batches makes balance_step raise
+           (the loader then merges it with the next step); here every plan gets the same step,
+           so the missing micro-batches are left empty (zero-token, zero-cost placeholders:
+           that replica idles through the slot's all-to-alls) and counted in the row's
+           empty_micro_batches (0 in every row of the default run);
+  min      schedule(raise_cp=False): every sequence on its smallest fitting size.
+Columns: slots = slots (micro-batches per rank) of dynamic / static / loader; imb = max/mean
+per-rank cost; GB = ring bytes received by all ranks (loader = static by construction: the same
+sequences on 8 ranks with the same padding); bytes = static / dynamic GB; step = modeled step
+time in seconds; speedup = static / dynamic step; vs ldr = loader / dynamic step; bound = static
+step / a lower bound on any plan's step (max of total work at the smallest sizes / ranks and the
+costliest single sequence), i.e. the most any scheduler could gain over the idealised static
+plan under this model.
 plan_seconds_10k: wall time of schedule() for 10,000 rl sequences on 512 ranks (median of 5).
 --measure: the real trainer on 4 gloo ranks here (tiny config, the stdlib corpus packed at 8192
 tokens), static CP=4 against Dynamic-CP (max CP 4, 2048 tokens per rank), alternating per round;
 a 2-core machine running 4 ranks says little about GPUs: reported as measured.
 
-JSON (--out): for rl at 64 ranks with h100 constants, modeled_speedup (static / dynamic step),
-cp_bytes_ratio (static / dynamic bytes), imbalance_dynamic, imbalance_static, speedup_bound;
+JSON (--out): for rl at 64 ranks with h100 constants, against the idealised static plan:
+modeled_speedup (static / dynamic step), cp_bytes_ratio (static / dynamic bytes),
+imbalance_dynamic, imbalance_static, speedup_bound; against the loader plan:
+modeled_speedup_vs_loader, cp_bytes_ratio_vs_loader, imbalance_static_loader;
 plan_seconds_10k; calibration (measured figures and the fitted constants, or null); settings;
 rows (every comparison).
 """
@@ -57,6 +89,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from cp_attention.dynamic import DynamicCPCost, padded_length, schedule  # noqa: E402
+from data_packing.balance import balance_step, doc_cost  # noqa: E402
 
 MAX_CP, CAPACITY, TOKENS_PER_RANK = 8, 16384, 65536
 WORLDS = (8, 64, 512)
@@ -110,16 +143,63 @@ def summary(plan) -> dict:
             "cp_sizes_used": {str(k): v for k, v in plan.cp_sizes_used.items()}}
 
 
+def loader_cost_keys(cost: DynamicCPCost) -> tuple[float, float]:
+    """(data.cost_per_token, data.cost_per_token_pair) for which balance.doc_cost(L) equals
+    cost.seconds(L, MAX_CP): seconds = (a*L + b*L^2) / s + ring*L and doc_cost = per_token*L +
+    pair*L*(L+1)/2, so pair = 2b/s and per_token = a/s + ring - b/s (ring: unhidden seconds of
+    ring traffic per token)."""
+    s = MAX_CP
+    ring = (1.0 - cost.overlap) * cost.ring_bytes(1, s) / cost.bandwidth
+    return cost.a / s + ring - cost.b / s, 2.0 * cost.b / s
+
+
+def loader_micro_batches(sizes: np.ndarray, costs: np.ndarray, dp: int,
+                         budget: int) -> list[list[list[int]]]:
+    """balance_step's micro[replica][m] (positions into sizes), with as many zero-token,
+    zero-cost placeholders appended as a step could need, then dropped again. Where
+    balance_step succeeds they change nothing (they sort after every real document, seed no
+    micro-batch and add no tokens or cost); where it would raise for want of documents they
+    fill the micro-batches that stay empty (module docstring, loader)."""
+    n = len(sizes)
+    # balance_step starts at M0 = ceil(tokens / (dp * budget)) micro-batches per replica and adds
+    # one while its fill fails, which it cannot once every document seeds its own micro-batch:
+    # it never needs more than max(dp * M0, n + dp), so dp * (M0 + 1) placeholders suffice.
+    extra = dp * (math.ceil(int(sizes.sum()) / (dp * budget)) + 1)
+    assign = balance_step(np.concatenate([sizes, np.zeros(extra, np.int64)]),
+                          np.concatenate([costs, np.zeros(extra)]), dp, budget)
+    return [[[i for i in mb if i < n] for mb in replica] for replica in assign.micro]
+
+
+def loader_plan(lengths: list[int], world: int, cost: DynamicCPCost) -> dict:
+    """The trainer's static CP = MAX_CP (module docstring, loader): step time, per-rank
+    imbalance and ring bytes under the same cost model as the schedule() plans."""
+    dp, budget = world // MAX_CP, CAPACITY * MAX_CP
+    sizes = np.asarray([padded_length(n, MAX_CP) for n in lengths], dtype=np.int64)
+    micro = loader_micro_batches(sizes, doc_cost(sizes, *loader_cost_keys(cost)), dp, budget)
+    seconds = cost.seconds(sizes.astype(np.float64), MAX_CP)  # every rank of the replica pays it
+    mb_s = np.asarray([[seconds[mb].sum() for mb in replica] for replica in micro])  # [dp, M]
+    rank_cost = mb_s.sum(axis=1)  # per replica = per rank: its MAX_CP ranks carry the same
+    return {"step_s": float(mb_s.max(axis=0).sum()), "slots": mb_s.shape[1],
+            "imbalance": float(rank_cost.max() / rank_cost.mean()),
+            "cp_bytes": float(MAX_CP * cost.ring_bytes(sizes.astype(np.float64), MAX_CP).sum()),
+            "cp_sizes_used": {str(MAX_CP): len(lengths)}, "dp_replicas": dp,
+            "budget_tokens": budget,
+            "empty_micro_batches": sum(not mb for replica in micro for mb in replica)}
+
+
 def compare(corpus: str, world: int, lengths: list[int], name: str, cost: DynamicCPCost) -> dict:
     dyn = schedule(lengths, world, MAX_CP, CAPACITY, cost)
     static = schedule(lengths, world, MAX_CP, CAPACITY, cost, static_cp=MAX_CP)
     small = schedule(lengths, world, MAX_CP, CAPACITY, cost, raise_cp=False)
+    loader = loader_plan(lengths, world, cost)
     bound = lower_bound(lengths, world, cost)
     return {"corpus": corpus, "ranks": world, "constants": name, "sequences": len(lengths),
             "tokens": int(sum(lengths)), "dynamic": summary(dyn), "static": summary(static),
-            "min_size": summary(small), "lower_bound_s": bound,
+            "static_loader": loader, "min_size": summary(small), "lower_bound_s": bound,
             "speedup": static.modeled_step_time / dyn.modeled_step_time,
             "bytes_ratio": static.cp_bytes / max(dyn.cp_bytes, 1.0),
+            "speedup_vs_loader": loader["step_s"] / dyn.modeled_step_time,
+            "bytes_ratio_vs_loader": loader["cp_bytes"] / max(dyn.cp_bytes, 1.0),
             "speedup_bound": static.modeled_step_time / bound}
 
 
@@ -283,16 +363,23 @@ def measure_wallclock(rounds: int = 2, steps: int = 8, warmup: int = 2) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'corpus':<7}{'ranks':>6} {'constants':<9}{'seqs':>6} {'slots d/s':>9} "
-          f"{'imb dyn':>8}{'imb sta':>8}{'GB dyn':>9}{'GB sta':>9}{'bytes':>7} "
-          f"{'step dyn':>9}{'step sta':>9}{'step min':>9}{'speedup':>8}{'bound':>7}")
+    print(f"{'corpus':<7}{'ranks':>6} {'constants':<9}{'seqs':>6} {'slots d/s/l':>11} "
+          f"{'imb dyn':>8}{'imb sta':>8}{'imb ldr':>8}{'GB dyn':>8}{'GB sta':>8}{'GB ldr':>8}"
+          f"{'bytes':>7} {'step dyn':>9}{'step sta':>9}{'step ldr':>9}{'step min':>9}"
+          f"{'speedup':>8}{'vs ldr':>8}{'bound':>7}")
     for r in rows:
-        d, s, m = r["dynamic"], r["static"], r["min_size"]
+        d, s, ld, m = r["dynamic"], r["static"], r["static_loader"], r["min_size"]
+        slots = f"{d['slots']}/{s['slots']}/{ld['slots']}"
         print(f"{r['corpus']:<7}{r['ranks']:>6} {r['constants']:<9}{r['sequences']:>6} "
-              f"{d['slots']:>4}/{s['slots']:<4} {d['imbalance']:>8.3f}{s['imbalance']:>8.3f}"
-              f"{d['cp_bytes'] / 1e9:>9.1f}{s['cp_bytes'] / 1e9:>9.1f}{r['bytes_ratio']:>6.2f}x "
-              f"{d['step_s']:>9.3g}{s['step_s']:>9.3g}{m['step_s']:>9.3g}"
-              f"{r['speedup']:>7.3f}x{r['speedup_bound']:>6.2f}x")
+              f"{slots:>11} {d['imbalance']:>8.3f}{s['imbalance']:>8.3f}{ld['imbalance']:>8.3f}"
+              f"{d['cp_bytes'] / 1e9:>8.1f}{s['cp_bytes'] / 1e9:>8.1f}{ld['cp_bytes'] / 1e9:>8.1f}"
+              f"{r['bytes_ratio']:>6.2f}x {d['step_s']:>9.3g}{s['step_s']:>9.3g}"
+              f"{ld['step_s']:>9.3g}{m['step_s']:>9.3g}{r['speedup']:>7.3f}x"
+              f"{r['speedup_vs_loader']:>7.3f}x{r['speedup_bound']:>6.2f}x")
+    empty = [(r["corpus"], r["ranks"], r["constants"], r["static_loader"]["empty_micro_batches"])
+             for r in rows if r["static_loader"]["empty_micro_batches"]]
+    if empty:
+        print(f"loader plans with empty micro-batches (too few documents): {empty}")
 
 
 def print_calibration(cal: dict) -> None:
@@ -339,7 +426,11 @@ def main(argv=None) -> dict:
     head = next(r for r in rows if (r["corpus"], r["ranks"], r["constants"]) == ("rl", 64, "h100"))
     result = {"modeled_speedup": head["speedup"], "cp_bytes_ratio": head["bytes_ratio"],
               "imbalance_dynamic": head["dynamic"]["imbalance"],
-              "imbalance_static": head["static"]["imbalance"], "plan_seconds_10k": plan_10k,
+              "imbalance_static": head["static"]["imbalance"],
+              "modeled_speedup_vs_loader": head["speedup_vs_loader"],
+              "cp_bytes_ratio_vs_loader": head["bytes_ratio_vs_loader"],
+              "imbalance_static_loader": head["static_loader"]["imbalance"],
+              "plan_seconds_10k": plan_10k,
               "speedup_bound": head["speedup_bound"], "calibration": calibration,
               "measured_4_ranks": measured,
               "settings": {"max_cp": MAX_CP, "capacity_tokens": CAPACITY,
