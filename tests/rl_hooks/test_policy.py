@@ -190,3 +190,22 @@ def test_bf16_logprobs_do_not_depend_on_the_neighbours(invariant):
     a = policy.compute_logprobs(alone).logprobs
     b = policy.compute_logprobs(packed).logprobs[-300:]
     assert torch.equal(a, b) == invariant, (a - b).abs().max()
+
+
+def test_save_then_load_restores_weights_optimizer_and_step(tmp_path):
+    batch = rollout_batch()
+    policy = PolicyTrainer(config(), micro_batch_tokens=24)
+    policy.train_step(batch, make_loss(PolicyLossConfig()))
+    where = policy.save(str(tmp_path))
+    want = policy.compute_logprobs(batch).logprobs
+    fresh = PolicyTrainer(config(), micro_batch_tokens=24)
+    assert not torch.equal(fresh.compute_logprobs(batch).logprobs, want)
+    fresh.load(str(tmp_path))
+    assert fresh.trainer.step == policy.trainer.step == 1 and where.endswith("step_00000001")
+    assert torch.equal(fresh.compute_logprobs(batch).logprobs, want)
+    state_a, state_b = policy.trainer.optimizer.state_dict(), fresh.trainer.optimizer.state_dict()
+    for k, s in state_a["state"].items():
+        assert all(torch.equal(v, state_b["state"][k][n]) for n, v in s.items() if torch.is_tensor(v))
+    info = fresh.info()
+    assert (info["vocab_size"], info["world_size"], info["step"]) == (50, 1, 1)
+    assert info["layout"]["cp"] == 1 and info["flops_per_token"] > 0

@@ -1,7 +1,7 @@
 """PolicyTrainer on 4 gloo ranks against one process, float64: log-probs, entropies and routes
 under CP2 x EP2 (ring, hierarchical, Ulysses), TP2 x DP2 and EP4; one optimizer step's parameter
-updates (which reveal the gradients, see helpers.py) equal the single-process ones, for a token
-loss and a sequence-level one (GSPO), with routes replayed.
+updates (which reveal the gradients, see helpers.py) equal the single-process ones for every loss
+kind and aggregation, with routes replayed.
 
 Every rank passes the same RolloutBatch; the trainer splits it over its DP ranks, so DP 1 (the
 reference), 2 and 4 are compared on the same sequences. Tolerance 1e-10: float64, only the
@@ -15,6 +15,7 @@ import dataclasses
 import torch
 
 from rl_hooks import PolicyLossConfig, PolicyTrainer, make_loss
+from rl_hooks.losses import AGGS, KINDS
 from tests.launcher import run_distributed
 from tests.rl_hooks.helpers import EPS, config, params, rollout_batch, updates
 
@@ -27,8 +28,11 @@ LAYOUTS = [
     ["parallel.tp=2"],
     ["parallel.ep=4"],
 ]
-LOSSES = [PolicyLossConfig(kind="ppo", agg="token-mean", kl_coef=0.1),
-          PolicyLossConfig(kind="gspo", agg="seq-mean-token-mean", eps_low=0.01, eps_high=0.01)]
+# Every loss kind with every aggregation (KL and the train-inference corrections on the PPO ones)
+LOSSES = [PolicyLossConfig(kind=k, agg=a, kl_coef=0.1 if k == "ppo" else 0.0,
+                           tis_cap=2.0 if k == "ppo" else None,
+                           eps_low=0.01 if k == "gspo" else 0.2, eps_high=0.01 if k == "gspo" else 0.2)
+          for k in KINDS for a in AGGS]
 COLUMN_SHARDED = ("wo.weight", "w_down.weight")  # TP's row-parallel layers keep input columns
 
 
