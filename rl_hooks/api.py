@@ -214,6 +214,28 @@ class PolicyTrainer:
         return [build_micro_batch(batch, s, self.pad_multiple, score_all)
                 for s in plan[self.dims.rank_in("dp")]]
 
+    # ------------------------------------------------------------------ weights out
+
+    def weights_spec(self, dtype: torch.dtype = torch.bfloat16):
+        """Names (Hugging Face Qwen3-MoE, per expert), global shapes and dtypes of the export."""
+        from rl_hooks.export import weights_spec
+
+        return weights_spec(self.runtime.model, dtype)
+
+    def export_weights(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype = torch.bfloat16):
+        """Buckets of (HF name, tensor) of at most `bucket_bytes`, gathered over TP and EP;
+        collective: every rank iterates it to the end (see rl_hooks/export.py)."""
+        from rl_hooks.export import export_weights
+
+        return export_weights(self.runtime.model, self.dims, bucket_bytes, dtype)
+
+    def push_weights(self, sink, bucket_bytes: int = 512 << 20,
+                     dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+        """Stream the export to `sink(bucket)`, e.g. a rollout engine's weight loader."""
+        from rl_hooks.export import push_weights
+
+        return push_weights(self.runtime.model, self.dims, sink, bucket_bytes, dtype)
+
     # ------------------------------------------------------------------ state
 
     def set_lr(self, lr: float) -> None:

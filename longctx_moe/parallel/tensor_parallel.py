@@ -55,6 +55,7 @@ def _keep(linear: nn.Linear, dim: int, start: int, stop: int) -> None:
     w = linear.weight.narrow(dim, start, stop - start).clone()
     linear.weight = nn.Parameter(w, requires_grad=linear.weight.requires_grad)
     linear.weight.tp_sharded = True
+    linear.weight.tp_dim = dim  # the dimension to all-gather along for a whole weight (export)
     if dim == 0:
         linear.out_features = stop - start
     else:
