@@ -12,7 +12,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def pytest_sessionstart(session):
     # Build (or load) the AMX attention backward once, here, before any test runs: the first build
     # takes ~30 s, which would otherwise land inside one test, or inside a distributed test's
-    # timeout with every rank waiting on the same build lock. Without AMX this does nothing.
-    from cp_attention.kernels import amx_backward
+    # timeout with every rank waiting on the same build lock. Without AMX this does nothing; the
+    # brgemm forward likewise needs AVX512-BF16.
+    from cp_attention.kernels import amx_backward, brgemm_forward
 
     amx_backward.available()
+    brgemm_forward.available()

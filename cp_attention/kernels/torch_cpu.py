@@ -6,6 +6,10 @@ Built on aten._scaled_dot_product_flash_attention_for_cpu and its _backward, whi
 documents costs a few kernel calls rather than one per document, and no score is computed across
 documents (unlike a dense block-diagonal mask over the whole row).
 
+The bf16 causal self-attention of every layer (cu_q == cu_k) runs on our own C++ kernels where
+the CPU has them: brgemm_forward (AVX512-BF16 or AMX) for the forward, amx_backward (AMX) for the
+backward; each falls back to aten's kernel alone, so either can pair with aten's other half.
+
 Shape legend: T query tokens, S key tokens, Hq / Hkv heads, G = Hq // Hkv, D head dim,
 B documents in a bucket, Pq / Pk padded slots.
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import amx_backward
+from . import amx_backward, brgemm_forward
 from ._buckets import Bucket, invariant_enabled, plan_buckets
 from ._common import accumulate_dtype, default_scale, kernel_lse
 
@@ -141,6 +145,13 @@ def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None):
     """-> (out_THD in the input dtype, lse_HT float32, or float64 for float64 inputs)."""
     t, hq, d = q_THD.shape
     scale = default_scale(scale, d)
+    # brgemm_forward: 2.7-3.9x aten's kernel on 2048-8192-token rows (see its module docstring);
+    # per document by construction, so batch_invariant() needs nothing more from it.
+    if (_causal_self_bf16((q_THD, k_SHD, v_SHD), cu_q, cu_k, causal) and d <= 256
+            and brgemm_forward.available()):
+        res = brgemm_forward.try_varlen_causal_forward(q_THD, k_SHD, v_SHD, cu_q, scale)
+        if res is not None:
+            return res
     plan = _plan(cu_q, cu_k, causal, q_THD.dtype)
     tiles = _tiling(plan, t, k_SHD.shape[0])
     plan = tiles or plan
@@ -201,13 +212,18 @@ def _scatter_kv(pieces, plan, like):
     return dst
 
 
-def _amx_eligible(tensors, cu_q, cu_k, causal) -> bool:
-    """Causal self-attention in bf16 over shared boundaries: the case amx_backward computes (the
-    packed-row forward of every layer), where it is 1.7-2.7x faster than aten's kernel."""
-    q_THD, k_SHD = tensors[1], tensors[2]
+def _causal_self_bf16(tensors, cu_q, cu_k, causal) -> bool:
+    """Causal self-attention in bf16 over shared boundaries, head dim a multiple of 16: the
+    packed-row attention of every layer, the case our C++ kernels compute (tensors: q, k first)."""
+    q_THD, k_SHD = tensors[0], tensors[1]
     return (causal and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
-            and q_THD.shape[0] == k_SHD.shape[0] and q_THD.shape[2] % 16 == 0  # its tested head dims
-            and cu_q.shape == cu_k.shape and bool(torch.equal(cu_q, cu_k)) and amx_backward.available())
+            and q_THD.shape[0] == k_SHD.shape[0] and q_THD.shape[2] % 16 == 0  # their tested head dims
+            and cu_q.shape == cu_k.shape and bool(torch.equal(cu_q, cu_k)))
+
+
+def _amx_eligible(tensors, cu_q, cu_k, causal) -> bool:
+    """The case amx_backward computes, where it is 1.7-2.7x faster than aten's kernel."""
+    return _causal_self_bf16(tensors[1:], cu_q, cu_k, causal) and amx_backward.available()
 
 
 def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k, causal,

@@ -1,0 +1,244 @@
+// Causal attention forward for the documents of a packed row on x86 CPUs with AVX512-BF16 or AMX
+// (bf16 in, fp32 accumulate): FlashAttention-2's forward with every product on cpublas::brgemm.
+//
+// Why: aten's CPU flash forward reaches ~80 GFLOP/s on one core of an AVX512-BF16 machine, while
+// torch's exported brgemm (oneDNN's avx512_core_bf16 micro-kernel there, AMX where present) runs a
+// 64x64x64 bf16 tile at ~480. Per (query block m, key block n <= m) of one head:
+//
+//   S = Q_m K_n^T                      (brgemm, fp32; B = K_n^T packed once per document)
+//   m_new = max(m, rowmax(S) scale)    (online softmax in fp32)
+//   P = exp(S scale - m_new)           (bf16 for the next product, as aten and FlashAttention do)
+//   l = l exp(m - m_new) + rowsum(P),  O = O exp(m - m_new) + P V_n   (brgemm into fp32)
+//
+// and at the end out = O / l (bf16), lse = m + log(l): the natural-log logsumexp of the scaled
+// scores, the convention of aten's kernel, so aten's backward and ours consume it unchanged.
+//
+// Entry point: varlen_causal_forward (at the end). Tiles are 64 x 64 (a query block never
+// straddles a document: blocks start at the document's first token). Work items are
+// (document, KV head, query block), longest first from a shared counter; the G query heads of one
+// KV head run in one item and share its packed K/V. Every item writes only its own rows, so a
+// document's result does not depend on its neighbours or on the thread count.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::BFloat16;
+using Vec = at::vec::Vectorized<float>;
+namespace cpublas = at::native::cpublas;
+
+constexpr int64_t kBlock = 64;  // queries per query block = keys per key block
+// B operands in brgemm's VNNI layout (pairs of K rows interleaved), stored as panels of at most 64
+// columns as in _amx_attention_bwd.cpp (the widest panel oneDNN's own packer accepted).
+constexpr int64_t kPanel = 64;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline void to_bf16(const float* src, BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512BF16__
+  for (; i + 16 <= n; i += 16) {
+    __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i&>(b));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<BFloat16>(src[i]);
+}
+
+struct Doc {
+  int64_t start, len;
+  int64_t packed;  // offset of this document's packed K/V (all KV heads) in the shared buffer
+};
+
+struct Views {  // the packed row in the caller's layouts
+  const BFloat16 *q, *k, *v;  // [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+  BFloat16* out;               // [T, Hq, D]
+  float* lse;                  // [Hq, T]
+  BFloat16* packed;            // per document and KV head: K^T blocks, then V blocks
+  int64_t T, hq, hkv, D;
+  float scale;
+};
+
+inline int64_t n_blocks(int64_t len) { return (len + kBlock - 1) / kBlock; }
+
+// Rows [r0, r0 + kBlock) of one KV head as VNNI B operands: K^T [D, 64 keys] (a 32-bit transpose:
+// the pair (d, d + 1) of one key is adjacent in its row) and V [64 keys, D] in 64-column panels.
+// Rows past the document are zeros: P is 0 there, but 0 * NaN from stale memory would not be.
+void pack_block(const BFloat16* k, const BFloat16* v, int64_t ld, int64_t rows, int64_t D,
+                BFloat16* kT_out, BFloat16* v_out) {
+  const auto* ks = reinterpret_cast<const uint32_t*>(k);
+  auto* kd = reinterpret_cast<uint32_t*>(kT_out);
+  for (int64_t n = 0; n < kBlock; ++n)
+    for (int64_t p = 0; p < D / 2; ++p) kd[p * kBlock + n] = n < rows ? ks[n * (ld / 2) + p] : 0u;
+  const auto* vs = reinterpret_cast<const uint16_t*>(v);
+  auto* vd = reinterpret_cast<uint16_t*>(v_out);
+  for (int64_t c0 = 0; c0 < D; c0 += kPanel) {
+    const int64_t w = std::min(kPanel, D - c0);
+    uint16_t* panel = vd + c0 * kBlock;
+    for (int64_t r = 0; r < kBlock; r += 2)
+      for (int64_t c = 0; c < w; ++c) {
+        panel[r * w + 2 * c] = r < rows ? vs[r * ld + c0 + c] : 0;
+        panel[r * w + 2 * c + 1] = r + 1 < rows ? vs[(r + 1) * ld + c0 + c] : 0;
+      }
+  }
+}
+
+void pack_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
+  const int64_t nb = n_blocks(doc.len), blk = kBlock * x.D, ld = x.hkv * x.D;
+  BFloat16* base = x.packed + doc.packed + hk * 2 * nb * blk;
+  for (int64_t n = 0; n < nb; ++n) {
+    const int64_t r0 = n * kBlock, off = ((doc.start + r0) * x.hkv + hk) * x.D;
+    pack_block(x.k + off, x.v + off, ld, std::min(kBlock, doc.len - r0), x.D, base + n * blk,
+               base + (nb + n) * blk);
+  }
+}
+
+// One key block's softmax update for `rows` query rows: S (row stride kBlock) becomes P in bf16;
+// row_max / row_sum / O are updated in place. `diag`: the key block is the query block itself, so
+// row i sees columns 0..i only.
+void softmax_block(float* S, BFloat16* P, float* row_max, float* row_sum, float* O, int64_t rows,
+                   int64_t D, float scale, bool diag) {
+  static_assert(kBlock % 16 == 0, "whole vectors per row");
+  for (int64_t i = 0; i < rows; ++i) {
+    float* s = S + i * kBlock;
+    if (diag) std::fill(s + i + 1, s + kBlock, kNegInf);
+    Vec mx(kNegInf);
+    for (int64_t j = 0; j < kBlock; j += Vec::size()) mx = at::vec::maximum(mx, Vec::loadu(s + j));
+    const float m_new = std::max(row_max[i], mx.reduce_max() * scale);  // scale > 0
+    // First block: row_max is -inf and O, row_sum are 0, so alpha = 0 leaves them 0.
+    const float alpha = std::exp(row_max[i] - m_new);
+    Vec sum(0.f);
+    const Vec vs(scale), vm(-m_new);
+    for (int64_t j = 0; j < kBlock; j += Vec::size()) {
+      Vec p = at::vec::fmadd(Vec::loadu(s + j), vs, vm).exp_u20();  // exp(-inf) = 0
+      sum = sum + p;
+      p.store(s + j);
+    }
+    to_bf16(s, P + i * kBlock, kBlock);
+    row_sum[i] = row_sum[i] * alpha + sum.reduce_add();
+    row_max[i] = m_new;
+    if (alpha != 1.f) {
+      float* o = O + i * D;
+      for (int64_t d = 0; d < D; d += Vec::size()) (Vec::loadu(o + d) * Vec(alpha)).store(o + d);
+    }
+  }
+}
+
+// O[rows, D] += P[rows, 64] V_n, one brgemm per 64-column panel of V.
+inline void pv_gemm(int64_t rows, int64_t D, const BFloat16* P, const BFloat16* v_blk, float* O) {
+  for (int64_t c0 = 0; c0 < D; c0 += kPanel) {
+    const int64_t w = std::min(kPanel, D - c0);
+    cpublas::brgemm(rows, w, kBlock, kBlock, w, D, true, P, v_blk + c0 * kBlock, O + c0);
+  }
+}
+
+struct Scratch {
+  std::vector<float> S, O, row_max, row_sum;
+  std::vector<BFloat16> P;
+  explicit Scratch(int64_t D)
+      : S(kBlock * kBlock), O(kBlock * D), row_max(kBlock), row_sum(kBlock), P(kBlock * kBlock) {}
+};
+
+// Query block m of document `doc` for every query head of KV head hk.
+void forward_item(const Views& x, const Doc& doc, int64_t hk, int64_t m, Scratch& w) {
+  const int64_t D = x.D, G = x.hq / x.hkv, nb = n_blocks(doc.len), blk = kBlock * D;
+  const int64_t q0 = doc.start + m * kBlock, rows = std::min(kBlock, doc.len - m * kBlock);
+  const BFloat16* kT = x.packed + doc.packed + hk * 2 * nb * blk;
+  const BFloat16* vp = kT + nb * blk;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t h = hk * G + g;
+    const BFloat16* q = x.q + (q0 * x.hq + h) * D;  // rows of this head: stride Hq * D
+    std::fill(w.O.begin(), w.O.end(), 0.f);
+    std::fill(w.row_max.begin(), w.row_max.end(), kNegInf);
+    std::fill(w.row_sum.begin(), w.row_sum.end(), 0.f);
+    for (int64_t n = 0; n <= m; ++n) {
+      cpublas::brgemm(rows, kBlock, D, x.hq * D, kBlock, kBlock, false, q, kT + n * blk, w.S.data());
+      softmax_block(w.S.data(), w.P.data(), w.row_max.data(), w.row_sum.data(), w.O.data(), rows, D,
+                    x.scale, n == m);
+      pv_gemm(rows, D, w.P.data(), vp + n * blk, w.O.data());
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      const float inv = 1.f / w.row_sum[i];  // >= 1: every row sees its own key
+      float* o = w.O.data() + i * D;
+      for (int64_t d = 0; d < D; d += Vec::size()) (Vec::loadu(o + d) * Vec(inv)).store(o + d);
+      to_bf16(o, x.out + ((q0 + i) * x.hq + h) * D, D);
+      x.lse[h * x.T + q0 + i] = w.row_max[i] + std::log(w.row_sum[i]);
+    }
+  }
+}
+
+// Runs fn(i) for i in [0, n) on torch's threads, taking items from a shared counter in the given
+// order (longest first: a static split would give one thread all the long ones).
+template <typename F>
+void run_items(int64_t n, F fn) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) fn(i);
+    cpublas::brgemm_release();
+  });
+}
+
+}  // namespace
+
+// Causal self-attention over the documents of a packed row: q [T, Hq, D], k, v [T, Hkv, D] (bf16,
+// contiguous), cu_seqlens [N + 1] int64 (document i is rows [cu[i], cu[i+1]) of q, k and v).
+// Returns out [T, Hq, D] bf16 and lse [Hq, T] fp32; rows outside every document get 0 and -inf.
+std::vector<at::Tensor> varlen_causal_forward(at::Tensor q, at::Tensor k, at::Tensor v,
+                                              at::Tensor cu_seqlens, double scale) {
+  for (const auto& t : {q, k, v})
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.dim() == 3,
+                "cpu attention forward: contiguous bf16 [T, H, D] tensors expected");
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong, "cpu attention forward: int64 cu_seqlens");
+  const int64_t T = q.size(0), hq = q.size(1), hkv = k.size(1), D = q.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == T && k.size(2) == D && hq % hkv == 0 &&
+              D % 16 == 0 && D <= 256 && scale > 0,
+              "cpu attention forward: head dim a multiple of 16 up to 256, Hq % Hkv == 0, scale > 0");
+  std::vector<Doc> docs;
+  auto cu = cu_seqlens.accessor<int64_t, 1>();
+  TORCH_CHECK(cu.size(0) >= 1 && cu[cu.size(0) - 1] <= T, "cpu attention forward: boundaries past T");
+  int64_t packed = 0;
+  for (int64_t i = 0; i + 1 < cu.size(0); ++i)
+    if (cu[i + 1] > cu[i]) {
+      docs.push_back({cu[i], cu[i + 1] - cu[i], packed});
+      packed += 2 * hkv * n_blocks(cu[i + 1] - cu[i]) * kBlock * D;
+    }
+  auto out = at::zeros_like(q);
+  auto lse = at::full({hq, T}, kNegInf, q.options().dtype(at::kFloat));
+  auto buf = at::empty({packed}, q.options());
+  Views x{q.const_data_ptr<BFloat16>(), k.const_data_ptr<BFloat16>(), v.const_data_ptr<BFloat16>(),
+          out.data_ptr<BFloat16>(), lse.data_ptr<float>(), buf.data_ptr<BFloat16>(),
+          T, hq, hkv, D, static_cast<float>(scale)};
+  std::sort(docs.begin(), docs.end(), [](const Doc& a, const Doc& b) { return a.len > b.len; });
+  const int64_t nd = static_cast<int64_t>(docs.size());
+  run_items(nd * hkv, [&](int64_t i) { pack_doc_kv_head(x, docs[i / hkv], i % hkv); });
+  // (document, KV head, query block); block m costs m + 1 tile pairs per head.
+  struct Item {
+    int32_t doc, hk, m;
+  };
+  std::vector<Item> items;
+  for (int64_t d = 0; d < nd; ++d)
+    for (int64_t m = 0; m < n_blocks(docs[d].len); ++m)
+      for (int64_t h = 0; h < hkv; ++h) items.push_back({int32_t(d), int32_t(h), int32_t(m)});
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.m > b.m; });
+  std::vector<std::unique_ptr<Scratch>> scratch(at::get_num_threads());
+  run_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    auto& w = scratch[at::get_thread_num()];
+    if (!w) w = std::make_unique<Scratch>(D);
+    forward_item(x, docs[items[i].doc], items[i].hk, items[i].m, *w);
+  });
+  return {out, lse};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("varlen_causal_forward", &varlen_causal_forward);
+}

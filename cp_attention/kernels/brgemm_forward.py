@@ -1,0 +1,132 @@
+"""Adapter for the brgemm attention forward (`_cpu_attention_fwd.cpp`), built on first use.
+
+The C++ kernel computes causal self-attention over the documents of a packed row (the
+`cu_q == cu_k` forward of every layer) as FlashAttention-2 with every product on torch's exported
+`cpublas::brgemm`: oneDNN's AVX512-BF16 micro-kernel on CPUs without AMX, its AMX one where
+present. It returns aten's (out, lse) contract, so either backward consumes its lse.
+
+It is built with torch.utils.cpp_extension the first time a bf16 causal forward asks for it
+(~30 s; cached on disk per Python environment) and only where it can run: Linux on x86-64 with
+AVX512-BF16, a C++ compiler and ninja. A build, a self-check on a tiny input, or a later call that
+fails leaves `available()` False and the caller on aten's kernel, with one warning naming the
+reason. `LONGCTX_CPU_ATTENTION_FWD=0` turns it off (separately from the AMX backward's
+`LONGCTX_AMX_ATTENTION`: the two kernels need different CPUs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ENV = "LONGCTX_CPU_ATTENTION_FWD"
+_SOURCE = Path(__file__).with_name("_cpu_attention_fwd.cpp")
+_state: dict = {}
+# One build cache entry per Python environment (see amx_backward._NAME).
+_NAME = "longctx_cpu_attention_fwd_" + hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f in flags for f in ("avx512_bf16", "avx512bw", "avx512vl"))
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
+             "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
+    t0 = time.perf_counter()
+    mod = load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+               verbose=False)
+    if time.perf_counter() - t0 > 5:  # a compile, not a cache hit: say where the pause went
+        print(f"cp_attention: built the brgemm attention forward in {time.perf_counter() - t0:.0f} s "
+              "(cached for later runs)", file=sys.stderr, flush=True)
+    return mod
+
+
+def _self_check(mod) -> None:
+    """Raise if the kernel disagrees with float32 maths on a tiny row: brgemm's bf16 path is
+    oneDNN's choice per CPU, and a wrong one must cost a warning, not a training run."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(70, h, 16, generator=g).bfloat16() for h in (2, 1, 1))
+    out, lse = mod.varlen_causal_forward(q, k, v, torch.tensor([0, 3, 70]), 0.25)
+    for a, b in ((0, 3), (3, 70)):
+        s = torch.einsum("thd,shd->hts", q[a:b].float(), k[a:b].float().expand(-1, 2, -1)) * 0.25
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        ref = torch.einsum("hts,shd->thd", s.softmax(-1), v[a:b].float().expand(-1, 2, -1))
+        # bf16 P and output: 2e-2 is ~4 bf16 ulps at these magnitudes; a wrong kernel is O(1) off.
+        if not (torch.allclose(out[a:b].float(), ref, atol=2e-2)
+                and torch.allclose(lse[:, a:b], s.logsumexp(-1), atol=1e-3)):
+            raise RuntimeError("self-check against float32 maths failed (oneDNN's bf16 brgemm path)")
+
+
+def _disable(e: Exception) -> None:
+    why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+    warnings.warn(f"brgemm attention forward unavailable ({why}); using aten's CPU flash forward. "
+                  f"A C++ compiler and ninja enable it; {ENV}=0 silences this.", stacklevel=4)
+    _state["mod"] = None
+
+
+def _module():
+    """The built, self-checked extension, or None where it cannot be used here (decided once)."""
+    if "mod" in _state:
+        return _state["mod"]
+    mod = None
+    wanted = os.environ.get(ENV, "1") != "0"
+    if (wanted and platform.system() == "Linux" and platform.machine() == "x86_64"
+            and _cpu_has_avx512_bf16()):
+        try:
+            mod = _build()
+            _self_check(mod)
+        except Exception as e:  # no compiler, no ninja, a header change in another torch release
+            _disable(e)
+            return None
+    _state["mod"] = mod
+    return mod
+
+
+def available() -> bool:
+    return _module() is not None
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run the block on aten's forward (benchmarks compare the two in one process)."""
+    mod = _module()
+    _state["mod"] = None
+    try:
+        yield
+    finally:
+        _state["mod"] = mod
+
+
+def varlen_causal_forward(q_THD, k_SHD, v_SHD, cu_seqlens, scale):
+    """(out_THD bf16, lse_HT float32) of causal self-attention over the documents [cu[i], cu[i+1])
+    (queries and keys share the boundaries). q [T, Hq, D], k / v [T, Hkv, D] bf16, D a multiple
+    of 16 up to 256. Tokens outside every document get out = 0 and lse = -inf."""
+    mod = _module()
+    q, k, v = (x.contiguous() for x in (q_THD, k_SHD, v_SHD))
+    with torch.profiler.record_function("cp_attention::brgemm_attention_forward"):  # named in profiles
+        out, lse = mod.varlen_causal_forward(q, k, v, cu_seqlens.to(torch.long).cpu(), float(scale))
+    return out, lse
+
+
+def try_varlen_causal_forward(*args):
+    """varlen_causal_forward, or None (and the kernel off for this process, with one warning)
+    if it fails: a training run falls back to aten's kernel rather than dying mid-step."""
+    try:
+        return varlen_causal_forward(*args)
+    except RuntimeError as e:
+        _disable(e)
+        return None
