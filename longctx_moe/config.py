@@ -26,6 +26,7 @@ from data_packing.config import DataConfig
 from longctx_moe.choices import check_choice
 from longctx_moe.host import ALLOCATOR_MODES
 from longctx_moe.model.config import ModelConfig
+from longctx_moe.model.recompute import MODES as RECOMPUTE_MODES
 from longctx_moe.parallel.config import ParallelConfig
 
 
@@ -58,6 +59,9 @@ class TrainConfig:
     # torch.compile each block (longctx_moe.compile): fuses the elementwise ops; the first steps
     # pay the compilation (cached on disk by inductor for later runs).
     compile: bool = False
+    # Activation recompute (longctx_moe.model.recompute): none | selective (attention core and the
+    # experts' SwiGLU recomputed in the backward) | full (whole blocks); routes stay fixed.
+    recompute: str = "none"
     host_allocator: str = "tuned"  # tuned (freed heap memory is reused; see longctx_moe.host) | default
     run_dir: str = "runs/default"
 
@@ -100,6 +104,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.param_dtype": ("fp32", "fp64"),
     "train.autocast_dtype": ("bf16", "fp16", "none"),
     "train.nan_policy": ("stop", "skip"),
+    "train.recompute": RECOMPUTE_MODES,
     "train.host_allocator": ALLOCATOR_MODES,
     "model.attention_backend": ("auto", *ATTENTION_BACKENDS),
 }

@@ -138,6 +138,7 @@ def build_runtime(cfg: Config, dims: Any, device: torch.device):
     torch.manual_seed(cfg.train.seed)  # same init on every rank: replicas start identical
     dtype = {"fp32": torch.float32, "fp64": torch.float64}[cfg.train.param_dtype]
     model = build_model(cfg.model).to(device=device, dtype=dtype)
+    model.set_recompute(cfg.train.recompute)
     try:
         runtime = parallelize(model, dims, cfg.parallel, cfg.data.micro_batch_tokens)
     except ValueError as e:

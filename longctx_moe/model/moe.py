@@ -25,6 +25,7 @@ from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.grouped_gemm import grouped_matmul, with_padded_groups
 from longctx_moe.model.layers import SwiGLU, autocast_dtype
 from longctx_moe.model.losses import router_z_loss, sequence_aux_loss, switch_aux_loss
+from longctx_moe.model.recompute import recompute_call
 
 
 @dataclass
@@ -105,6 +106,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_local_experts, self.expert_offset = num_experts, 0
         self.impl, self.precision = impl, precision
+        self.recompute = False  # selective recompute (longctx_moe.model.recompute)
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
 
@@ -117,8 +119,13 @@ class GroupedExperts(nn.Module):
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         cdtype = self.compute_dtype(x_MD)
         x_MD = x_MD.to(cdtype)
+        if self.recompute and torch.is_grad_enabled():
+            return recompute_call(self._padded_swiglu, x_MD, tokens_per_expert_E)
+        return self._padded_swiglu(x_MD, tokens_per_expert_E)
+
+    def _padded_swiglu(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         # On CPU in bf16, rows are padded per expert so the GEMM shapes repeat (see grouped_gemm).
-        return with_padded_groups(self._swiglu, x_MD, tokens_per_expert_E)
+        return with_padded_groups(self._swiglu, x_MD, counts_E)
 
     def _swiglu(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         cdtype = x_MD.dtype

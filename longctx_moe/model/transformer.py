@@ -23,6 +23,7 @@ from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.layers import RMSNorm, SwiGLU, autocast_dtype
 from longctx_moe.model.losses import chunked_cross_entropy, chunked_token_logprobs
 from longctx_moe.model.moe import MoE, MoEStats
+from longctx_moe.model.recompute import MODES, BlockRecompute, recompute_call
 
 
 @dataclass
@@ -76,6 +77,17 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.recompute = "none"  # activation recompute: set_recompute (longctx_moe.model.recompute)
+
+    def set_recompute(self, mode: str) -> None:
+        """none | selective | full (see longctx_moe.model.recompute): what the backward recomputes."""
+        if mode not in MODES:
+            raise ValueError(f"train.recompute={mode!r} is not allowed; choose one of {', '.join(MODES)}")
+        self.recompute = mode
+        for block in self.layers:
+            block.attn.recompute_core = mode == "selective"
+            if block.is_moe:
+                block.ffn.experts.recompute = mode == "selective"
 
     def output_weight(self) -> torch.Tensor:
         """[V, D] projection to the vocabulary (the embedding when tied)."""
@@ -96,7 +108,10 @@ class Transformer(nn.Module):
         replay_TLK = layout.replay_TLK
         for block in self.layers:
             replay_TK = None if replay_TLK is None or not block.is_moe else replay_TLK[:, len(stats)]
-            x_TD, s = block(x_TD, layout, replay_TK)
+            if self.recompute == "full" and torch.is_grad_enabled():
+                x_TD, s = recompute_call(BlockRecompute(block), x_TD, layout, replay_TK)
+            else:
+                x_TD, s = block(x_TD, layout, replay_TK)
             if s is not None:
                 stats.append(s)
         return self.norm(x_TD), stats

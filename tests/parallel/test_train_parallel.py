@@ -36,10 +36,13 @@ SETS = ["train.param_dtype=fp64", "train.autocast_dtype=none", f"train.steps={ST
         "model.expert_bias_update_rate=0.01", "model.loss_chunk_tokens=16"]
 # world 4: the acceptance layout (CP4 as hierarchical 2x2 / EP2 EDP2), and CP2 DP2 / EP4 with
 # Megatron's global-batch aux loss; world 8: TP2 CP2 DP2 / EP4 EDP2.
+# Recompute re-runs the CP executors and the expert all-to-alls in the backward: full and
+# selective recompute ride along here (the single-process reference recomputes too; the model
+# tests show recompute leaves gradients unchanged).
 WORLD4 = [["parallel.cp=4", "parallel.ep=2", "parallel.cp_backend=hierarchical",
-           "parallel.hierarchical_sizes=[2, 2]", "model.aux_loss_type=seq"],
+           "parallel.hierarchical_sizes=[2, 2]", "model.aux_loss_type=seq", "train.recompute=full"],
           ["parallel.cp=2", "parallel.ep=4", "parallel.aux_loss_scope=global_batch",
-           "model.aux_loss_type=switch"]]
+           "model.aux_loss_type=switch", "train.recompute=selective"]]
 # world 2, pure DP and DP x EP: the capacity factor, the drop policy and the global-batch aux
 # loss act as on one rank (capacity is per source rank and micro-batch, which is what the
 # reference's sequential micro-batches see).
@@ -62,6 +65,7 @@ def _train(sets, dims, steps):
     cfg = load_config(None, SETS + sets)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model).to(torch.float64)
+    model.set_recompute(cfg.train.recompute)
     parallel = cfg.parallel
     if dims is None:  # the single-process reference: the same settings on one rank
         parallel = dataclasses.replace(parallel, tp=1, cp=1, ep=1, cp_backend="ring",
