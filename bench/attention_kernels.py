@@ -3,9 +3,12 @@
 One packed 2048-token row of ~6 documents of realistic lengths, bf16, 8 query / 4 KV heads of 64,
 causal. Both sides run forward and forward+backward on the same tensors in the same process;
 the table reports medians and the ratio SDPA / ours (> 1 means ours is faster). Where the AMX
-backward runs (cp_attention.kernels.amx_backward), ours is also timed with aten's backward.
+backward runs (cp_attention.kernels.amx_backward), ours is also timed with aten's backward; where
+the brgemm forward runs (cp_attention.kernels.brgemm_forward), ours is also timed with aten's
+forward, and the ratio aten / brgemm forward is reported.
 
-    python bench/attention_kernels.py [--reps 20] [--lengths 700,500,...] [--out FILE]
+    python bench/attention_kernels.py [--reps 20] [--lengths 700,500,...] [--forward-only]
+                                      [--threads N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from cp_attention.kernels import amx_backward, varlen_attention  # noqa: E402
+from cp_attention.kernels import amx_backward, brgemm_forward, varlen_attention  # noqa: E402
 from cp_attention.kernels.reference import doc_mask_TS  # noqa: E402
 
 # Lengths drawn once from a log-normal fit of web/code documents packed into a 2048-token row.
@@ -60,8 +63,9 @@ def _inputs(lengths, hq, hkv, d, dtype, seed=0):
     return q, k, v, dout, cu
 
 
-def _ours(q, k, v, dout, cu, max_len, backward, amx=True):
-    with contextlib.nullcontext() if amx else amx_backward.disabled():
+def _ours(q, k, v, dout, cu, max_len, backward, amx=True, brgemm_fwd=True):
+    with (contextlib.nullcontext() if amx else amx_backward.disabled(),
+          contextlib.nullcontext() if brgemm_fwd else brgemm_forward.disabled()):
         out, _ = varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True)
         if backward:
             out.backward(dout)
@@ -78,21 +82,27 @@ def _sdpa(q, k, v, dout, mask_TT, backward):
         out.backward(dout.transpose(0, 1).unsqueeze(0))
 
 
-def run(lengths, reps, hq=8, hkv=4, d=64, dtype=torch.bfloat16):
+def run(lengths, reps, hq=8, hkv=4, d=64, dtype=torch.bfloat16, forward_only=False):
     q, k, v, dout, cu = _inputs(lengths, hq, hkv, d, dtype)
     mask_TT = doc_mask_TS(cu, cu, q.shape[0], k.shape[0], causal=True)
     ours = lambda b: _ours(q, k, v, dout, cu, max(lengths), b)
     sdpa = lambda b: _sdpa(q, k, v, dout, mask_TT, b)
+    fns = {"ours": lambda: ours(False), "sdpa": lambda: sdpa(False)}
+    if brgemm_forward.available():  # ours with aten's forward instead of the brgemm kernel
+        fns["ours_aten_fwd"] = lambda: _ours(q, k, v, dout, cu, max(lengths), False, brgemm_fwd=False)
     with torch.no_grad():
-        fwd = _interleaved_medians({"ours": lambda: ours(False), "sdpa": lambda: sdpa(False)}, reps)
-    fns = {"ours": lambda: ours(True), "sdpa": lambda: sdpa(True)}
-    if amx_backward.available():  # ours with aten's backward instead of the AMX kernel
-        fns["ours_aten_bwd"] = lambda: _ours(q, k, v, dout, cu, max(lengths), True, amx=False)
-    both = _interleaved_medians(fns, reps)
-    res = {f"{n}_fwd_ms": t for n, t in fwd.items()} | {f"{n}_fwd_bwd_ms": t for n, t in both.items()}
+        res = {f"{n}_fwd_ms": t for n, t in _interleaved_medians(fns, reps).items()}
     res["ratio_fwd"] = res["sdpa_fwd_ms"] / res["ours_fwd_ms"]
-    res["ratio_fwd_bwd"] = res["sdpa_fwd_bwd_ms"] / res["ours_fwd_bwd_ms"]
+    if "ours_aten_fwd_fwd_ms" in res:
+        res["ratio_aten_fwd_over_brgemm_fwd"] = res["ours_aten_fwd_fwd_ms"] / res["ours_fwd_ms"]
+    if not forward_only:
+        fns = {"ours": lambda: ours(True), "sdpa": lambda: sdpa(True)}
+        if amx_backward.available():  # ours with aten's backward instead of the AMX kernel
+            fns["ours_aten_bwd"] = lambda: _ours(q, k, v, dout, cu, max(lengths), True, amx=False)
+        res |= {f"{n}_fwd_bwd_ms": t for n, t in _interleaved_medians(fns, reps).items()}
+        res["ratio_fwd_bwd"] = res["sdpa_fwd_bwd_ms"] / res["ours_fwd_bwd_ms"]
     res["amx_backward"] = amx_backward.available()
+    res["brgemm_forward"] = brgemm_forward.available()
     res.update(lengths=lengths, tokens=sum(lengths), heads_q=hq, heads_kv=hkv, head_dim=d,
                dtype=str(dtype), reps=reps, threads=torch.get_num_threads(),
                torch=torch.__version__)
@@ -100,16 +110,21 @@ def run(lengths, reps, hq=8, hkv=4, d=64, dtype=torch.bfloat16):
 
 
 def _table(r) -> str:
-    rows = [("torch_cpu varlen (ours)", r["ours_fwd_ms"], r["ours_fwd_bwd_ms"]),
-            ("SDPA + block-diag mask", r["sdpa_fwd_ms"], r["sdpa_fwd_bwd_ms"])]
+    nan = float("nan")
+    rows = [("torch_cpu varlen (ours)", r["ours_fwd_ms"], r.get("ours_fwd_bwd_ms", nan)),
+            ("SDPA + block-diag mask", r["sdpa_fwd_ms"], r.get("sdpa_fwd_bwd_ms", nan))]
     if "ours_aten_bwd_fwd_bwd_ms" in r:
         rows.insert(1, ("ours, aten's backward", r["ours_fwd_ms"], r["ours_aten_bwd_fwd_bwd_ms"]))
+    if "ours_aten_fwd_fwd_ms" in r:
+        rows.insert(1, ("ours, aten's forward", r["ours_aten_fwd_fwd_ms"], nan))
     lines = [f"{r['tokens']} tokens, docs {r['lengths']}, {r['dtype']}, Hq={r['heads_q']} "
              f"Hkv={r['heads_kv']} D={r['head_dim']}, median of {r['reps']}, "
              f"{r['threads']} threads",
              f"{'implementation':<26}{'fwd ms':>10}{'fwd+bwd ms':>12}",
              *(f"{n:<26}{a:>10.2f}{b:>12.2f}" for n, a, b in rows),
-             f"{'ratio SDPA / ours':<26}{r['ratio_fwd']:>9.2f}x{r['ratio_fwd_bwd']:>11.2f}x"]
+             f"{'ratio SDPA / ours':<26}{r['ratio_fwd']:>9.2f}x{r.get('ratio_fwd_bwd', nan):>11.2f}x"]
+    if "ratio_aten_fwd_over_brgemm_fwd" in r:
+        lines.append(f"{'ratio aten fwd / brgemm':<26}{r['ratio_aten_fwd_over_brgemm_fwd']:>9.2f}x")
     return "\n".join(lines)
 
 
@@ -118,11 +133,13 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--lengths", type=str, default=",".join(map(str, DEFAULT_LENGTHS)))
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--forward-only", action="store_true",
+                   help="time forwards only (long documents: SDPA's dense backward is slow)")
     p.add_argument("--out", type=str, default=None, help="write the results as JSON here")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    res = run([int(x) for x in a.lengths.split(",")], a.reps)
+    res = run([int(x) for x in a.lengths.split(",")], a.reps, forward_only=a.forward_only)
     print(_table(res))
     if a.out:
         with open(a.out, "w") as f:
