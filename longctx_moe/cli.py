@@ -1,5 +1,6 @@
-"""The `longctx-moe` command: `train` (one process, or N local ranks with --nproc) and
-`plan-groups` (provided by longctx_moe.parallel.plan_groups, imported lazily)."""
+"""The `longctx-moe` command: `train` (one process, or N local ranks with --nproc),
+`plan-groups` (provided by longctx_moe.parallel.plan_groups, imported lazily) and `rl` (the GRPO
+demo of rl_hooks.demo: digit reversal with a transformers sampler, one process)."""
 
 from __future__ import annotations
 
@@ -59,14 +60,24 @@ def cmd_plan_groups(rest: list[str]) -> int:
     return int(plan_main(rest) or 0)
 
 
+def cmd_rl(rest: list[str]) -> int:
+    from rl_hooks.demo import main as rl_main
+
+    return rl_main(rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "plan-groups":  # its own parser owns every flag after the name
         return cmd_plan_groups(argv[1:])
+    if argv and argv[0] == "rl":  # so does the demo's (--config, --set)
+        return cmd_rl(argv[1:])
     parser = argparse.ArgumentParser(prog="longctx-moe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     sub.add_parser("plan-groups", help="print the process groups of a parallel layout", add_help=False)
+    sub.add_parser("rl", help="GRPO demo: a tiny MoE learns digit reversal (configs/grpo_tiny.yaml)",
+                   add_help=False)
     args = parser.parse_args(argv)
     return cmd_train(args)
 
