@@ -27,14 +27,16 @@ never fed back, so its routes are -1 (unknown, routed live on replay, and it sco
 Prompts of equal length run as one batch (no padding, so nothing depends on a pad mask or on
 position ids derived from it); different lengths run as separate `generate` calls.
 
-vLLM on CPU instead (not installed, not depended on): vLLM's CPU backend is built from source
-(`VLLM_TARGET_DEVICE=cpu pip install -e .` from a clone, with gcc >= 12 and its pinned torch CPU
-wheel, which differs from this project's torch 2.13); it serves Qwen3-MoE under its own fused
-MoE kernels, loads weights through `model.load_weights(iter of (name, tensor))` with these same
-per-expert names (its Qwen3-MoE loader fuses them itself), returns per-token log-probs with
-`SamplingParams(logprobs=0)`, and reports routes only in recent versions
-(`enable_return_routed_experts`). On 2 cores its start-up (minutes) and scheduler overhead would
-dominate a model this small; `load_bucket` is the seam where its `load_weights` would plug in.
+vLLM on CPU instead (not installed, not depended on): its CPU backend is built from source
+(`VLLM_TARGET_DEVICE=cpu pip install -e .` from a clone, gcc >= 12) or run from its CPU Docker
+image, each against the torch build vLLM pins, not this project's torch 2.13, so it would live in
+its own environment or process. It serves Qwen3-MoE with its own fused MoE kernels, loads weights
+through the model's `load_weights(iterable of (name, tensor))` with these same per-expert names
+(its Qwen3-MoE loader fuses them), returns the sampled tokens' log-probs with
+`SamplingParams(logprobs=0)` (of the raw or processed distribution, per `logprobs_mode`), and
+routes with `enable_return_routed_experts=True` (vllm-project/vllm#28284: `routed_experts` int16
+[tokens - 1, layers, top_k]). On 2 cores its start-up and scheduler overhead would dominate a
+model this small; `load_bucket` is the seam where its `load_weights` would plug in.
 
 Legend: B sequences of one generate call, P prompt tokens, R response tokens, S steps of one
 forward (P at prefill, 1 per decode step), L MoE layers, K top-k, E experts, D hidden, F expert
