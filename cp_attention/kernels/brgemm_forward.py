@@ -58,6 +58,13 @@ def _build():
 def _self_check(mod) -> None:
     """Raise if the kernel disagrees with float32 maths on a tiny row: brgemm's bf16 path is
     oneDNN's choice per CPU, and a wrong one must cost a warning, not a training run."""
+    # The first use may come from inside a model's autocast region: the float32 reference must
+    # not be autocast to bf16 (its einsums would then mix dtypes and fail).
+    with torch.autocast("cpu", enabled=False), torch.no_grad():
+        _check_tiny_row(mod)
+
+
+def _check_tiny_row(mod) -> None:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(70, h, 16, generator=g).bfloat16() for h in (2, 1, 1))
     out, lse = mod.varlen_causal_forward(q, k, v, torch.tensor([0, 3, 70]), 0.25)

@@ -149,3 +149,21 @@ def test_a_document_is_bitwise_the_same_alone_and_packed():
                 assert torch.equal(out[a:b], alone[0]) and torch.equal(lse[:, a:b], alone[1])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_first_use_inside_autocast_still_builds_and_runs():
+    """The kernel is first used inside a model's bf16 autocast region; its self-check must not
+    be autocast (it once was, and the kernel switched itself off with a dtype-mismatch warning)."""
+    import warnings
+
+    state = dict(brgemm_forward._state)
+    brgemm_forward._state.clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback warning fails the test
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                if not brgemm_forward.available():
+                    pytest.skip("no AVX512-BF16 here, or no compiler: the kernel is not built")
+    finally:
+        brgemm_forward._state.clear()
+        brgemm_forward._state.update(state)
