@@ -7,6 +7,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DATA_DIR ?= data/stdlib_tiny
 TRAIN_CONFIG ?= configs/tiny_cpu.yaml
+# Extra train flags, e.g. TRAIN_ARGS="--set checkpoint.resume=none" to start over instead of resuming.
+TRAIN_ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: install data train test lint bench clean
@@ -28,7 +30,7 @@ $(DATA_DIR)/metadata.json: $(STAMP)
 data: $(DATA_DIR)/metadata.json
 
 train: data
-	$(BIN)/longctx-moe train --config $(TRAIN_CONFIG) --set data.path=$(DATA_DIR)
+	$(BIN)/longctx-moe train --config $(TRAIN_CONFIG) --set data.path=$(DATA_DIR) $(TRAIN_ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

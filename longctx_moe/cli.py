@@ -5,6 +5,9 @@ demo of rl_hooks.demo: digit reversal with a transformers sampler, one process).
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import signal
 import sys
 
 
@@ -25,17 +28,64 @@ def _train_argv(args: argparse.Namespace) -> list[str]:
 
 
 def launch_local(nproc: int, train_argv: list[str]) -> int:
-    """Run `python -m longctx_moe.train` on `nproc` local ranks (torchrun --standalone)."""
+    """Run `python -m longctx_moe.train` on `nproc` local ranks (torchrun --standalone).
+
+    Exit status: 0; 2 when the ranks stopped on a user error (rank 0 printed it); 128 + the
+    signal when this launcher was stopped (its ranks are stopped with it); 1 otherwise.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+
+    from longctx_moe.train import LAUNCHER_PID_ENV
 
     launcher_args = get_args_parser().parse_args(
         ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "--module", "longctx_moe.train",
          *train_argv])
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks end with this process (die_with_launcher)
+    _quiet_launcher_logs()
     try:
         run(launcher_args)
-    except Exception as e:  # ChildFailedError: the failing rank already printed its one-line error
-        print(f"error: a rank failed ({type(e).__name__}); see its message above", file=sys.stderr)
-        return 1
+    except ChildFailedError as e:
+        return _report_failures(e.failures)
+    except SignalException as e:
+        print(f"error: stopped by {e.sigval.name}; the ranks were stopped too", file=sys.stderr)
+        return 128 + int(e.sigval)
+    return 0
+
+
+def _quiet_launcher_logs() -> None:
+    """torchrun's agent logs a thread-count banner and, when a rank fails, a report of its own;
+    the ranks print their one-line errors and _report_failures names a rank that died otherwise."""
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger) and name.startswith(("torch.distributed.elastic", "torch.distributed.run")):
+            logger.setLevel(logging.CRITICAL)
+
+
+def _report_failures(failures: dict) -> int:
+    """Exit status for failed ranks ({rank: ProcessFailure}): 2 when they stopped on a user error
+    (rank 0 printed it) and the others were only stopped by torchrun's SIGTERM after it."""
+    codes = {f.exitcode for f in failures.values()}
+    if 2 in codes and codes <= {2, -signal.SIGTERM}:
+        return 2
+    ranked = sorted(failures.items(), key=lambda rf: (rf[1].exitcode in (2, -signal.SIGTERM), rf[0]))
+    rank, failure = ranked[0]  # the cause, rather than a rank torchrun stopped after it
+    how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
+           else f"exited with status {failure.exitcode}")
+    print(f"error: rank {rank} (pid {failure.pid}) {how}; see its output above", file=sys.stderr)
+    return 1
+
+
+def check_before_launch(args: argparse.Namespace) -> int:
+    """Config and layout errors, found here once rather than by every rank: 0 or exit status 2."""
+    from longctx_moe.config import ConfigError, load_config
+    from longctx_moe.train import check_layout
+
+    try:
+        check_layout(load_config(args.config, args.overrides), args.nproc)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -44,7 +94,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"error: --nproc={args.nproc} must be >= 1", file=sys.stderr)
         return 2
     if args.nproc > 1:
-        return launch_local(args.nproc, _train_argv(args))
+        return check_before_launch(args) or launch_local(args.nproc, _train_argv(args))
     from longctx_moe.train import main as train_main
 
     return train_main(_train_argv(args))

@@ -64,6 +64,9 @@ class TrainConfig:
     recompute: str = "none"
     host_allocator: str = "tuned"  # tuned (freed heap memory is reused; see longctx_moe.host) | default
     run_dir: str = "runs/default"
+    # A collective that waits longer than this (a peer crashed or hangs) raises instead of
+    # blocking forever; covers the slowest checkpoint save or load of one rank.
+    process_group_timeout_s: float = 600.0
 
 
 @dataclass
@@ -319,6 +322,8 @@ def _check_trainer(cfg: Config) -> None:
              f"train.param_dtype=fp64 with train.autocast_dtype={t.autocast_dtype} would compute in low precision; "
              "set train.autocast_dtype=none")
     _require(t.num_threads >= 0, f"train.num_threads={t.num_threads} must be >= 0 (0 = automatic)")
+    _require(0 < t.process_group_timeout_s < float("inf"),
+             f"train.process_group_timeout_s={t.process_group_timeout_s} must be a number of seconds > 0, e.g. 600")
     _require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps must be >= 0 (0 = only at the end)")
     _require(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last must be >= 0 (0 keeps all)")
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be >= 1")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,38 @@ def step_flops(model_cfg: Any, doc_lengths: list[int]) -> float | None:
     except ImportError:
         return None
     return float(model_flops(model_cfg, doc_lengths))
+
+
+def truncate_metrics(path: str | Path, last_step: int) -> int:
+    """Keep the records of steps <= `last_step` in the JSONL file `path` (removing it when
+    `last_step` is 0) and return how many were dropped. A resumed run continues after its
+    checkpoint's step: lines logged past it before a crash would otherwise appear twice. A
+    line cut short by the crash is dropped too. Rewritten atomically (temp file, fsync, rename)."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    if last_step <= 0:
+        path.unlink()
+        return 0
+    lines = path.read_text(errors="replace").splitlines()
+    steps = [_step_of(line) for line in lines]
+    kept = [line for line, step in zip(lines, steps, strict=True) if step is not None and step <= last_step]
+    if len(kept) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 class MetricsLogger:

@@ -8,11 +8,14 @@ Entry points: `longctx-moe train --config FILE [--set k=v ...] [--nproc N]` (see
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +26,27 @@ from data_packing.batch import pad_multiple
 from longctx_moe import host
 from longctx_moe.checkpoint import (
     CheckpointError,
+    agree,
     find_resume_dir,
     load_rank_state,
     rng_state,
     save_checkpoint,
+    set_aside,
     set_rng_state,
 )
 from longctx_moe.config import Config, ConfigError, load_config, write_config
-from longctx_moe.metrics import MetricsLogger, expert_load_stats, measure_peak_tflops
+from longctx_moe.metrics import (
+    MetricsLogger,
+    expert_load_stats,
+    measure_peak_tflops,
+    truncate_metrics,
+)
 from longctx_moe.trainer import NonFiniteLossError, StepResult, Trainer, iterate_steps
 
 # Errors a user can act on: printed as one line, no traceback.
 USER_ERRORS = (ConfigError, CheckpointError, NonFiniteLossError)
+# Set by `longctx-moe train --nproc` (cli.launch_local) to its own pid: see die_with_launcher.
+LAUNCHER_PID_ENV = "LONGCTX_MOE_LAUNCHER_PID"
 
 
 @dataclass
@@ -50,11 +62,27 @@ class RunContext:
 # ---------------------------------------------------------------------- process setup
 
 
-def init_distributed(device_kind: str) -> tuple[int, int, int]:
+def die_with_launcher() -> None:
+    """Under torch's elastic launcher (torchrun, `longctx-moe train --nproc`), end this rank when
+    the launcher process dies, even by SIGKILL: an orphaned rank would keep training and writing
+    the run directory. The launcher's own SIGTERM/SIGINT handling already stops its ranks; this
+    covers the signals it cannot catch. Linux only (prctl)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher and os.getppid() != int(launcher):  # it died before prctl: the signal will not come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def init_distributed(device_kind: str, timeout_s: float) -> tuple[int, int, int]:
     """(rank, world, local world) from torchrun's environment; init the default group if needed."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
+        # A rank blocked in a collective whose peer died raises after timeout_s instead of
+        # holding its device until the job's wall-clock limit.
+        dist.init_process_group("nccl" if device_kind == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return 0, 1, 1
@@ -77,7 +105,7 @@ def configure_cpu(cfg: Config, local_world_size: int) -> None:
 
 def make_context(cfg: Config) -> RunContext:
     kind = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) else "cpu"
-    rank, world, local_world = init_distributed(kind)
+    rank, world, local_world = init_distributed(kind, cfg.train.process_group_timeout_s)
     device = pick_device(cfg.train.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -107,13 +135,18 @@ def check_data_against_model(cfg: Config) -> dict:
     return meta
 
 
-def build_dims(cfg: Config, ctx: RunContext):
+def check_layout(cfg: Config, world_size: int):
+    """The parallel layout on `world_size` ranks (ParallelDims, no groups yet) or a ConfigError."""
     from longctx_moe.parallel.dims import ParallelDims
 
     try:
-        dims = ParallelDims.from_config(cfg.parallel, ctx.world_size, cfg.model)
+        return ParallelDims.from_config(cfg.parallel, world_size, cfg.model)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def build_dims(cfg: Config, ctx: RunContext):
+    dims = check_layout(cfg, ctx.world_size)
     dims.build_groups(ctx.rank)
     return dims
 
@@ -176,18 +209,61 @@ def save(trainer: Trainer, loader: Any, ctx: RunContext) -> Path:
 
 
 def maybe_resume(trainer: Trainer, loader: Any, ctx: RunContext) -> Path | None:
-    step_dir = find_resume_dir(ctx.ckpt_dir, trainer.cfg.checkpoint.resume)
-    if step_dir is None:
-        return None
-    _, state = load_rank_state(step_dir, ctx.rank, ctx.world_size, _resume_expectations(trainer.cfg))
-    trainer.load_state_dict(state, str(step_dir))
-    if state.get("loader") is not None and hasattr(loader, "load_state_dict"):
+    """Collective: rank 0 picks the step directory (one notice if it falls back), every rank loads
+    its own file, and the ranks agree before going on, so a damaged file on one rank stops every
+    rank with the same line. The steps after the resumed one (all of them with
+    checkpoint.resume=none) are then set aside (see longctx_moe.checkpoint)."""
+    resume = trainer.cfg.checkpoint.resume
+    step_dir = _agreed_resume_dir(resume, ctx)
+    error = None
+    if step_dir is not None:
         try:
-            loader.load_state_dict(state["loader"])
-        except ValueError as e:
-            raise CheckpointError(f"checkpoint '{step_dir}': {e}") from None
-    set_rng_state(state["rng"])
+            _load_into(trainer, loader, step_dir, ctx)
+        except CheckpointError as e:
+            error = str(e)
+    agree(error)
+    if step_dir is not None or resume == "none":
+        _set_aside_after(trainer.step, ctx)
     return step_dir
+
+
+def _agreed_resume_dir(resume: str, ctx: RunContext) -> Path | None:
+    found, error = None, None
+    if ctx.rank == 0:  # one rank reads the directory: one notice, one answer for all
+        try:
+            found = find_resume_dir(ctx.ckpt_dir, resume)
+        except CheckpointError as e:
+            error = str(e)
+    chosen = agree(error, None if found is None else str(found))[0]
+    return None if chosen is None else Path(chosen)
+
+
+def _load_into(trainer: Trainer, loader: Any, step_dir: Path, ctx: RunContext) -> None:
+    _, state = load_rank_state(step_dir, ctx.rank, ctx.world_size, _resume_expectations(trainer.cfg))
+    try:
+        trainer.load_state_dict(state, str(step_dir))
+        if state.get("loader") is not None and hasattr(loader, "load_state_dict"):
+            loader.load_state_dict(state["loader"])
+    except ValueError as e:  # optimizer groups or loader state of another run; one-line messages
+        raise CheckpointError(f"checkpoint '{step_dir}': {e}") from None
+    set_rng_state(state["rng"])
+
+
+def _set_aside_after(step: int, ctx: RunContext) -> None:
+    """Collective: rank 0 moves the steps numbered above `step` to superseded/, so that the
+    next resume cannot pick a step of the future this run abandoned."""
+    error = None
+    if ctx.rank == 0:
+        try:
+            moved = set_aside(ctx.ckpt_dir, step + 1)
+        except OSError as e:
+            error = (f"could not move the steps after {step} in '{ctx.ckpt_dir}' aside ({e.strerror}); "
+                     "fix its permissions or set checkpoint.dir to another directory")
+        else:
+            if moved:
+                print(f"notice: this run continues from step {step}: moved {', '.join(p.name for p in moved)} "
+                      f"to {moved[0].parent}", flush=True)
+    agree(error)
 
 
 # ---------------------------------------------------------------------- the loop
@@ -241,20 +317,32 @@ def fit(trainer: Trainer, loader: Any, ctx: RunContext, logger: MetricsLogger, p
     return records
 
 
+def start_up(cfg: Config, ctx: RunContext) -> tuple[Any, Any]:
+    """(runtime, loader): the layout, data and backend checks, the model and the loader.
+    Collective: a problem on any rank stops every rank with the same one-line ConfigError."""
+    built, error = None, None
+    try:
+        dims = build_dims(cfg, ctx)
+        check_data_against_model(cfg)
+        built = build_runtime(cfg, dims, ctx.device), build_loader(cfg, dims)
+    except ConfigError as e:
+        error = str(e)
+    agree(error, cls=ConfigError)
+    return built
+
+
 def run(cfg: Config) -> dict:
     """Train as configured; return a summary (run dir, metrics file, checkpoint dir, losses)."""
     ctx = make_context(cfg)
-    dims = build_dims(cfg, ctx)
-    check_data_against_model(cfg)
-    runtime = build_runtime(cfg, dims, ctx.device)
-    loader = build_loader(cfg, dims)
+    runtime, loader = start_up(cfg, ctx)
     trainer = Trainer(cfg, runtime, ctx.device)
     resumed = maybe_resume(trainer, loader, ctx)
     metrics_path = ctx.run_dir / cfg.logging.metrics_file
     if ctx.rank == 0:
         write_config(cfg, ctx.run_dir / "config.yaml")
-        if resumed is None and metrics_path.exists():
-            metrics_path.unlink()  # a fresh run: do not append to an old run's metrics
+        # Records after the resumed step (logged before a crash, or by a run that went back)
+        # would repeat: drop them; a fresh run (step 0) starts an empty file.
+        truncate_metrics(metrics_path, trainer.step)
     peak = peak_tflops(cfg, ctx)
     logger = MetricsLogger(metrics_path if ctx.rank == 0 else None, cfg.train.steps, trainer.step,
                            cfg.logging.progress_bar)
@@ -291,13 +379,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def report_user_error(e: Exception) -> None:
+    """Print `error: ...` once where every rank raised the same error: a bad config (read alike
+    by every rank before any group exists) or an outcome the ranks agreed on; any other error is
+    printed by the rank that hit it."""
+    grouped = dist.is_initialized()
+    rank = dist.get_rank() if grouped else int(os.environ.get("RANK", "0"))
+    agreed = getattr(e, "agreed", False)
+    if rank == 0 or not (agreed or (isinstance(e, ConfigError) and not grouped)):
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    if agreed and grouped:
+        dist.barrier()  # torchrun stops the survivors when the first rank exits: let rank 0 print first
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run on this rank (torchrun starts one per rank). User errors: one line, exit status 2."""
     args = parse_args(argv)
+    die_with_launcher()
     try:
         summary = run(load_config(args.config, args.overrides))
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+        report_user_error(e)
         return 2
     finally:
         if dist.is_initialized():

@@ -1,10 +1,17 @@
-"""Checkpoints: exact resume, atomic layout, and one-line errors for corrupt or mismatched ones."""
+"""Checkpoints: exact resume, atomic and durable layout, pruning, fallbacks, and one-line errors
+for damaged or mismatched ones."""
 
+import json
+import os
+import re
+import struct
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
+import longctx_moe.checkpoint as checkpoint
 from longctx_moe.checkpoint import CheckpointError, find_resume_dir, load_rank_state
 from longctx_moe.config import load_config
 from longctx_moe.parallel.parallelize import parallelize
@@ -15,10 +22,10 @@ from tests.trainer.toy import ToyMoE, ToyStepLoader
 STEPS, SPLIT = 6, 3
 
 
-def make(tmp: Path, dtype: str, resume: str = "auto", experts: int = 4):
+def make(tmp: Path, dtype: str = "fp32", resume: str = "auto", experts: int = 4, keep_last: int = 1):
     cfg = load_config(None, [f"train.param_dtype={dtype}", "train.autocast_dtype=none", f"train.steps={STEPS}",
                              "optim.warmup_steps=2", "optim.lr=1e-2", "model.expert_bias=true",
-                             f"checkpoint.resume={resume}", "checkpoint.keep_last=1"])
+                             f"checkpoint.resume={resume}", f"checkpoint.keep_last={keep_last}"])
     torch.manual_seed(0)
     model = ToyMoE(experts=experts).to({"fp32": torch.float32, "fp64": torch.float64}[dtype])
     ctx = RunContext(0, 1, 1, torch.device("cpu"), tmp, tmp / "ckpt")
@@ -28,6 +35,23 @@ def make(tmp: Path, dtype: str, resume: str = "auto", experts: int = 4):
 def train(trainer, loader, until):
     for batches in iterate_steps(loader, trainer.step, until):
         trainer.train_step(batches)
+
+
+def saved_steps(tmp: Path, steps, keep_last: int = 0):
+    """A run under `tmp` that saved each of `steps`; returns (trainer, loader, ctx)."""
+    trainer, loader, ctx = make(tmp, keep_last=keep_last)
+    for step in steps:
+        train(trainer, loader, step)
+        save(trainer, loader, ctx)
+    return trainer, loader, ctx
+
+
+def names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("step_*"))
+
+
+def latest(ctx) -> str:
+    return (ctx.ckpt_dir / "latest").read_text().strip()
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp64"])
@@ -67,12 +91,12 @@ def test_keep_last_prunes_and_resume_none_starts_fresh(tmp_path):
     assert maybe_resume(fresh, loader2, ctx2) is None and fresh.step == 0
 
 
-def test_corrupt_and_mismatched_checkpoints_give_one_line_errors(tmp_path):
-    trainer, loader, ctx = make(tmp_path, "fp32")
+def test_mismatched_checkpoints_give_one_line_errors(tmp_path):
+    trainer, loader, ctx = make(tmp_path)
     train(trainer, loader, 1)
     step_dir = save(trainer, loader, ctx)
 
-    other, loader2, ctx2 = make(tmp_path, "fp32", experts=6)  # a different model shape
+    other, loader2, ctx2 = make(tmp_path, experts=6)  # a different model shape
     with pytest.raises(CheckpointError, match="router_DE.*shape") as e:
         maybe_resume(other, loader2, ctx2)
     assert "\n" not in str(e.value)
@@ -82,12 +106,176 @@ def test_corrupt_and_mismatched_checkpoints_give_one_line_errors(tmp_path):
     with pytest.raises(CheckpointError, match="model.num_experts=8 but the config has 16"):
         load_rank_state(step_dir, 0, 1, {"model": {"num_experts": 16}})
 
-    part = step_dir / "rank_00000.pt"
-    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])  # truncated write
-    with pytest.raises(CheckpointError, match="corrupt") as e:
-        maybe_resume(*make(tmp_path, "fp32"))
+
+# ---------------------------------------------------------------------- pruning (issue 12 regression)
+
+
+def test_save_below_existing_higher_steps_survives_pruning_and_is_resumed(tmp_path):
+    # A reused run directory: steps 3 and 4 of an earlier run. The new run saves step 1 with
+    # keep_last=2. Pruning by number alone kept 3 and 4 and deleted step 1 while `latest` named
+    # it, so the next resume failed.
+    saved_steps(tmp_path, [1, 2, 3, 4], keep_last=2)
+    trainer, loader, ctx = make(tmp_path, resume="none", keep_last=2)
+    train(trainer, loader, 1)
+    assert save(trainer, loader, ctx).is_dir()
+    assert names(ctx.ckpt_dir) == ["step_00000001"] and latest(ctx) == "step_00000001"
+    # The abandoned run's steps are set aside, not deleted.
+    assert names(ctx.ckpt_dir / "superseded") == ["step_00000003", "step_00000004"]
+
+    again, loader2, ctx2 = make(tmp_path, keep_last=2)
+    assert maybe_resume(again, loader2, ctx2) == ctx.ckpt_dir / "step_00000001" and again.step == 1
+    for until in (2, 3):  # the new run prunes its own steps as usual
+        train(again, loader2, until)
+        save(again, loader2, ctx2)
+    assert names(ctx.ckpt_dir) == ["step_00000002", "step_00000003"] and latest(ctx) == "step_00000003"
+
+
+def test_resume_none_sets_the_old_run_aside_at_start(tmp_path, capsys):
+    saved_steps(tmp_path, [1, 2])
+    fresh, loader, ctx = make(tmp_path, resume="none")
+    assert maybe_resume(fresh, loader, ctx) is None and fresh.step == 0
+    assert names(ctx.ckpt_dir) == [] and not (ctx.ckpt_dir / "latest").exists()
+    assert names(ctx.ckpt_dir / "superseded") == ["step_00000001", "step_00000002"]
+    assert "moved step_00000001, step_00000002" in capsys.readouterr().out
+    # A crash before the fresh run's first save: rerunning with auto starts over too.
+    assert find_resume_dir(ctx.ckpt_dir, "auto") is None
+
+
+def test_resume_from_an_older_step_sets_the_later_ones_aside(tmp_path, capsys):
+    _, _, ctx = saved_steps(tmp_path, [1, 2, 3])
+    back, loader, ctx2 = make(tmp_path, resume=str(ctx.ckpt_dir / "step_00000001"))
+    maybe_resume(back, loader, ctx2)
+    assert back.step == 1 and names(ctx.ckpt_dir) == ["step_00000001"]
+    assert names(ctx.ckpt_dir / "superseded") == ["step_00000002", "step_00000003"]
+    capsys.readouterr()
+    # `latest` named step 3: gone with it. A rerun with auto (say, after a crash before the
+    # first save) takes step 1, the step this run continues from, with a notice.
+    assert find_resume_dir(ctx.ckpt_dir, "auto") == ctx.ckpt_dir / "step_00000001"
+    assert "is missing; resuming from the newest complete step" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- durability and fallbacks
+
+
+def test_save_fsyncs_files_then_directory_entries(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    trainer, loader, ctx = make(tmp_path)
+    train(trainer, loader, 1)
+    save(trainer, loader, ctx)
+    # Data before the names that publish it: the rank file and meta.json, the temp step directory
+    # (their entries), the checkpoint directory (the step's rename), then `latest` and its rename.
+    assert synced.index("rank_00000.pt") < synced.index(".step_00000001.tmp")
+    assert synced.index("meta.json") < synced.index(".step_00000001.tmp") < synced.index("ckpt")
+    assert synced[-2:] == ["latest.tmp", "ckpt"]
+
+
+def test_missing_or_dangling_latest_falls_back_to_the_newest_complete_step(tmp_path, capsys):
+    _, _, ctx = saved_steps(tmp_path, [1, 2])
+    d, lat = ctx.ckpt_dir, ctx.ckpt_dir / "latest"
+
+    def resumed_from():
+        step_dir = find_resume_dir(d, "auto")
+        notice = capsys.readouterr().out.strip()
+        assert "\n" not in notice
+        return step_dir.name, notice
+
+    assert resumed_from() == ("step_00000002", "")
+    lat.unlink()  # a crash between publishing the step and writing `latest`
+    name, notice = resumed_from()
+    assert name == "step_00000002" and notice.startswith(f"notice: '{lat}' is missing")
+    lat.write_text("step_00000099\n")
+    name, notice = resumed_from()
+    assert name == "step_00000002" and "names 'step_00000099', which is missing" in notice
+    lat.write_bytes(b"\xff\xfe\x00garbage")
+    assert resumed_from()[0] == "step_00000002"
+    (d / "step_00000002" / "meta.json").write_bytes(b"\x00" * 40)  # a damaged meta.json
+    lat.write_text("step_00000002\n")
+    name, notice = resumed_from()
+    assert name == "step_00000001" and "no readable meta.json" in notice
+    (d / "step_00000001" / "meta.json").unlink()
+    with pytest.raises(CheckpointError, match="holds no complete step; set checkpoint.resume=none") as e:
+        find_resume_dir(d, "auto")
     assert "\n" not in str(e.value)
 
-    (ctx.ckpt_dir / "latest").write_text("step_00000099\n")
-    with pytest.raises(CheckpointError, match="missing or incomplete"):
-        maybe_resume(*make(tmp_path, "fp32"))
+
+# ---------------------------------------------------------------------- damaged files
+
+
+def _zip_entry_offset(path: Path, pattern: str) -> tuple[int, int]:
+    """(offset, size) of the bytes of the largest zip entry whose name matches `pattern`."""
+    info = max((i for i in zipfile.ZipFile(path).infolist() if re.search(pattern, i.filename)),
+               key=lambda i: i.file_size)
+    raw = path.read_bytes()
+    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26: info.header_offset + 30])
+    return info.header_offset + 30 + name_len + extra_len, info.file_size
+
+
+def _xor(path: Path, offset: int, count: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset: offset + count] = bytes(b ^ 0xFF for b in raw[offset: offset + count])
+    path.write_bytes(bytes(raw))
+
+
+def flip_16_tensor_bytes(path: Path) -> None:
+    offset, size = _zip_entry_offset(path, r"/data/\d+$")  # the largest tensor storage
+    _xor(path, offset + size // 2, 16)
+    # Without a checksum this loads silently: the zip reader does not check CRCs.
+    assert isinstance(torch.load(path, weights_only=False), dict)
+
+
+def corrupt_pickle_header(path: Path) -> None:
+    offset, _ = _zip_entry_offset(path, r"/data\.pkl$")
+    assert path.read_bytes()[offset: offset + 4] == b"\x80\x02}q"  # PROTO 2, EMPTY_DICT, BINPUT
+    _xor(path, offset + 3, 1)  # BINPUT becomes BINBYTES8 with a huge length
+    with pytest.raises(MemoryError):  # what escaped as a traceback before
+        torch.load(path, weights_only=False)
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGES = {"16 flipped tensor bytes": (flip_16_tensor_bytes, "fails its sha256 check"),
+           "corrupt pickle header": (corrupt_pickle_header, "fails its sha256 check"),
+           "truncated": (truncate, r"has \d+ bytes but meta.json records \d+ \(truncated"),
+           "deleted": (Path.unlink, "is missing")}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_damaged_rank_file_is_one_line_naming_the_file_and_the_older_step(tmp_path, damage):
+    _, _, ctx = saved_steps(tmp_path, [1, 2])
+    part = ctx.ckpt_dir / "step_00000002" / "rank_00000.pt"
+    corrupt, expected = DAMAGES[damage]
+    corrupt(part)
+    with pytest.raises(CheckpointError, match=f"'{part}' {expected}") as e:
+        maybe_resume(*make(tmp_path))
+    assert "\n" not in str(e.value)
+    assert str(e.value).endswith(f"--set checkpoint.resume={ctx.ckpt_dir / 'step_00000001'}")
+
+
+def test_unverified_corrupt_pickle_is_one_line(tmp_path):
+    # A checkpoint of format 1 has no checksums: the unpickling error itself must be caught.
+    _, _, ctx = saved_steps(tmp_path, [1])
+    step_dir = ctx.ckpt_dir / "step_00000001"
+    meta = json.loads((step_dir / "meta.json").read_text())
+    del meta["files"]
+    (step_dir / "meta.json").write_text(json.dumps(meta))
+    corrupt_pickle_header(step_dir / "rank_00000.pt")
+    with pytest.raises(CheckpointError, match=r"cannot be unpickled \(MemoryError\): it is corrupt; no older step") as e:
+        load_rank_state(step_dir, 0, 1)
+    assert "\n" not in str(e.value)
+
+
+def test_meta_records_each_rank_files_size_and_sha256(tmp_path):
+    _, _, ctx = saved_steps(tmp_path, [1])
+    step_dir = ctx.ckpt_dir / "step_00000001"
+    files = json.loads((step_dir / "meta.json").read_text())["files"]
+    part = step_dir / "rank_00000.pt"
+    assert files == {"rank_00000.pt": {"bytes": part.stat().st_size, "sha256": checkpoint._sha256(part)}}

@@ -1,5 +1,6 @@
 """End to end: a very short version of the default run (configs/tiny_cpu.yaml) on a packed corpus,
-resumed from its checkpoint, and the same through `longctx-moe train --nproc 2`."""
+resumed from its checkpoint (also by rerunning the same command after a crash), and the same
+through `longctx-moe train --nproc 2`."""
 
 import json
 import shutil
@@ -11,21 +12,26 @@ import pytest
 
 from data_packing.cli import main as pack_main
 from longctx_moe.config import load_config
+from longctx_moe.metrics import truncate_metrics
 from longctx_moe.train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["data.global_batch_tokens=1024", "data.micro_batch_tokens=512", "optim.warmup_steps=2",
          "logging.peak_tflops=1.0", "logging.progress_bar=false", "checkpoint.every_steps=2",
-         "train.num_threads=1", "checkpoint.resume=auto"]
+         "train.num_threads=1"]  # checkpoint.resume: the config's own (auto)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def pack_small_corpus(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("corpus") / "stdlib_small"
     rc = pack_main(["--source", "stdlib", "--train-tokenizer", "512", "--seq-len", "256", "--max-docs", "40",
                     "--seed", "0", "--no-progress", "--output", str(out)])
     assert rc in (0, None)
     return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return pack_small_corpus(tmp_path_factory)
 
 
 def args(run_dir, corpus, steps, *extra):
@@ -64,6 +70,36 @@ def test_short_default_run_then_exact_resume(tmp_path, corpus, capsys):
     assert [again[0][k] for k in keys] == [records[4][k] for k in keys]
 
 
+def test_rerunning_the_same_command_after_a_crash_resumes(tmp_path, corpus, capsys):
+    run_dir = tmp_path / "run"
+    assert train_main(args(run_dir, corpus, 3)) == 0
+    first = read_metrics(run_dir)
+    # A crash after step 3 was logged but before its checkpoint was published: step 3 is gone
+    # and `latest` still names it.
+    ckpts = run_dir / "checkpoints"
+    shutil.rmtree(ckpts / "step_00000003")
+    capsys.readouterr()
+    assert train_main(args(run_dir, corpus, 3)) == 0  # the very same command
+    out = capsys.readouterr().out
+    assert f"names 'step_00000003', which is missing or has no readable meta.json; resuming from the newest " \
+           f"complete step {ckpts / 'step_00000002'}" in out
+    again = read_metrics(run_dir)
+    assert [r["step"] for r in again] == [1, 2, 3]  # step 3 logged once, by the resumed run
+    keys = ("loss", "grad_norm", "lr", "tokens")
+    assert [again[2][k] for k in keys] == [first[2][k] for k in keys]
+    # Once more: the run is complete; nothing is trained and the metrics stay.
+    assert train_main(args(run_dir, corpus, 3)) == 0
+    assert "nothing to do" in capsys.readouterr().out and read_metrics(run_dir) == again
+
+
+def test_truncate_metrics_drops_records_past_the_step_and_a_cut_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    assert truncate_metrics(path, 3) == 3
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert truncate_metrics(path, 0) == 0 and not path.exists()  # a fresh run
+
+
 def test_bad_data_path_is_one_line(tmp_path, capsys):
     assert train_main(args(tmp_path / "run", tmp_path / "missing", 1)) == 2
     err = capsys.readouterr().err.strip()
@@ -82,11 +118,24 @@ def test_unavailable_attention_backend_fails_at_start_up_in_one_line(tmp_path, c
 
 def test_cli_launches_two_local_ranks(tmp_path, corpus):
     run_dir = tmp_path / "run2"
-    cmd = [sys.executable, "-m", "longctx_moe.cli", "train", "--nproc", "2", *args(run_dir, corpus, 2)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    launch = [sys.executable, "-m", "longctx_moe.cli", "train", "--nproc", "2"]
+    proc = subprocess.run([*launch, *args(run_dir, corpus, 2)], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"metrics:     {run_dir / 'metrics.jsonl'}" in proc.stdout
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2]
-    meta = json.loads((run_dir / "checkpoints" / "step_00000002" / "meta.json").read_text())
-    assert meta["world_size"] == 2 and (run_dir / "checkpoints" / "step_00000002" / "rank_00001.pt").is_file()
+    step_dir = run_dir / "checkpoints" / "step_00000002"
+    meta = json.loads((step_dir / "meta.json").read_text())
+    assert meta["world_size"] == 2 and sorted(meta["files"]) == ["rank_00000.pt", "rank_00001.pt"]
+
+    # One damaged rank file: both ranks stop at resume, one line names the file, status 2 (and
+    # the subprocess timeout bounds the time: no rank waits in a collective).
+    part = step_dir / "rank_00001.pt"
+    raw = bytearray(part.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    part.write_bytes(bytes(raw))
+    proc = subprocess.run([*launch, *args(run_dir, corpus, 3)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error") or "Traceback" in line]
+    assert proc.returncode == 2 and errors == [
+        f"error: checkpoint file '{part}' fails its sha256 check (its bytes changed after the save); "
+        "no older step exists there: set checkpoint.resume=none to start over"], proc.stderr[-3000:]
