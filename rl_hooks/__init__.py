@@ -4,7 +4,10 @@
     advantages.py   group-normalised advantages (GRPO, Dr.GRPO, RLOO) from per-sequence rewards
     losses.py       PPO / GSPO / CISPO / policy-gradient losses, aggregations, KL, corrections
     microbatch.py   a RolloutBatch split into balanced micro-batches per data-parallel rank
-    api.py          PolicyTrainer: compute_logprobs, train_step, save / load, info
+    api.py          PolicyTrainer: compute_logprobs, train_step, weight export, save / load, info
+    export.py       weights as Hugging Face Qwen3-MoE tensors in byte-capped buckets (TP / EP gathered)
+    sampler.py      HFSampler: transformers' Qwen3-MoE as a rollout engine fed by push_weights
+    demo.py         the GRPO demo (`longctx-moe rl --config configs/grpo_tiny.yaml`)
 """
 
 from rl_hooks.batch import RolloutBatch, RolloutBatchError

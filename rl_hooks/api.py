@@ -111,7 +111,8 @@ class PolicyTrainer:
                          mini_batches: int = 1) -> LogProbs:
         """log p(token t | its prefix) for every token (0 at first tokens) in the caller's order,
         float32 (float64 for a float64 model). Give the `mini_batches` that train_step will use
-        for bitwise-equal old log-probs."""
+        for bitwise-equal old log-probs. A batch with `routed_experts` is scored with those
+        routes replayed (as train_step does); `record_routes` returns the routes used."""
         self.validate(batch)
         with torch.no_grad(), batch_invariant(self.batch_invariant):
             return self._logprobs(batch, temperature, return_entropy, record_routes, mini_batches)
@@ -124,7 +125,10 @@ class PolicyTrainer:
         head = LogProbHead(temperature, return_entropy)
         for seqs in _split(batch.num_seqs, mini_batches):
             for mb in self._my_micro_batches(batch, seqs, score_all=True):
-                shard = self.runtime.shard(mb.packed.to(self.ctx.device))
+                # Given routes are replayed here as in train_step, so old log-probs and the first
+                # mini-batch's forward route every token alike (ratio exactly 1).
+                shard = self.runtime.shard(mb.packed.to(self.ctx.device),
+                                           replay_TLK=replay_routes(batch, mb))
                 with self.trainer.autocast():
                     out = self.runtime.forward(shard, head)
                 dtype = out.logprobs_T.dtype
