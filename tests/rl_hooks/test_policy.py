@@ -92,6 +92,31 @@ def test_gradients_do_not_depend_on_the_token_budget(cfg):
             assert (got[name] - want).abs().max() < TOL, (budget, name)
 
 
+@pytest.mark.parametrize("cfg", LOSSES, ids=lambda c: f"{c.kind}-{c.agg}-{c.kl_coef}")
+def test_gradients_equal_packed_and_one_sequence_per_micro_batch(cfg):
+    """Sequences of 9-13 tokens: at a budget of 16 no two share a micro-batch (one sequence
+    each); at 400 all share one."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(4, 5), (9, 4), (1, 12), (6, 6), (8, 1), (10, 3)]
+    batch = RolloutBatch.from_sequences(
+        [torch.randint(0, 50, (p,), generator=gen).tolist() for p, _ in shapes],
+        [torch.randint(0, 50, (r,), generator=gen).tolist() for _, r in shapes],
+        advantages=[torch.randn(r, generator=gen).tolist() for _, r in shapes],
+        rollout_logprobs=[(torch.randn(r, generator=gen) * 0.05 - 3.9).tolist() for _, r in shapes],
+        ref_logprobs=[(torch.randn(r, generator=gen) * 0.05 - 3.9).tolist() for _, r in shapes])
+    batch = dataclasses.replace(batch, advantages=batch.advantages.double(),
+                                rollout_logprobs=batch.rollout_logprobs.double(),
+                                ref_logprobs=batch.ref_logprobs.double())
+    old = PolicyTrainer(config(), micro_batch_tokens=400).compute_logprobs(batch).logprobs
+    batch = dataclasses.replace(batch, old_logprobs=old + 0.1 * torch.cos(torch.arange(old.numel())))
+    one_each = PolicyTrainer(config(), micro_batch_tokens=16)
+    assert all(len(mb) == 1 for mb in one_each._plan(batch, list(range(batch.num_seqs)))[0])
+    ref, _ = _updates_for(batch, make_loss(cfg), 400)
+    got, _ = _updates_for(batch, make_loss(cfg), 16)
+    for name, want in ref.items():
+        assert (got[name] - want).abs().max() < TOL, name
+
+
 @pytest.mark.parametrize("precision", ["fp64", "bf16"])
 def test_first_mini_batch_is_exactly_on_policy(precision):
     sets = [] if precision == "fp64" else ["train.param_dtype=fp32", "train.autocast_dtype=bf16"]
