@@ -2,13 +2,16 @@
 
 One packed 2048-token row of ~6 documents of realistic lengths, bf16, 8 query / 4 KV heads of 64,
 causal. Both sides run forward and forward+backward on the same tensors in the same process;
-the table reports medians and the ratio SDPA / ours (> 1 means ours is faster). Where the AMX
-backward runs (cp_attention.kernels.amx_backward), ours is also timed with aten's backward; where
-the brgemm forward runs (cp_attention.kernels.brgemm_forward), ours is also timed with aten's
-forward, and the ratio aten / brgemm forward is reported.
+the table reports medians and the ratio SDPA / ours (> 1 means ours is faster). Where the brgemm
+backward runs (cp_attention.kernels.amx_backward: AMX or AVX512-BF16), ours is also timed with
+aten's backward, and the backward alone (one retained graph) is timed with each, giving the ratio
+aten / brgemm backward; where the brgemm forward runs (cp_attention.kernels.brgemm_forward), ours
+is also timed with aten's forward, and the ratio aten / brgemm forward is reported.
 
-    python bench/attention_kernels.py [--reps 20] [--lengths 700,500,...] [--forward-only]
-                                      [--threads N] [--out FILE]
+    python bench/attention_kernels.py [--reps 20] [--lengths 700,500,...] [--threads N]
+                                      [--forward-only | --backward-only] [--out FILE]
+
+--backward-only times only the two backwards (long documents: SDPA's dense backward is slow).
 """
 
 from __future__ import annotations
@@ -82,8 +85,39 @@ def _sdpa(q, k, v, dout, mask_TT, backward):
         out.backward(dout.transpose(0, 1).unsqueeze(0))
 
 
-def run(lengths, reps, hq=8, hkv=4, d=64, dtype=torch.bfloat16, forward_only=False):
+def _backward_alone(q, k, v, dout, cu, max_len, reps) -> dict:
+    """Median ms of the backward alone on one retained graph, the brgemm kernel's against
+    aten's, interleaved."""
+    out, _ = varlen_attention(q, k, v, cu, cu, max_len, max_len, causal=True)
+    brgemm = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    def aten():
+        with amx_backward.disabled():
+            brgemm()
+
+    t = _interleaved_medians({"brgemm": brgemm, "aten": aten}, reps)
+    return {"brgemm_bwd_ms": t["brgemm"], "aten_bwd_ms": t["aten"],
+            "ratio_aten_bwd_over_brgemm_bwd": t["aten"] / t["brgemm"]}
+
+
+def run(lengths, reps, hq=8, hkv=4, d=64, dtype=torch.bfloat16, forward_only=False,
+        backward_only=False):
     q, k, v, dout, cu = _inputs(lengths, hq, hkv, d, dtype)
+    res = {}
+    if not forward_only and amx_backward.available():
+        res |= _backward_alone(q, k, v, dout, cu, max(lengths), reps)
+    if not backward_only:
+        res |= _compare(q, k, v, dout, cu, lengths, reps, forward_only)
+    res["amx_backward"] = amx_backward.available()  # the brgemm backward (AMX or AVX512-BF16)
+    res["brgemm_forward"] = brgemm_forward.available()
+    res.update(lengths=lengths, tokens=sum(lengths), heads_q=hq, heads_kv=hkv, head_dim=d,
+               dtype=str(dtype), reps=reps, threads=torch.get_num_threads(),
+               torch=torch.__version__)
+    return res
+
+
+def _compare(q, k, v, dout, cu, lengths, reps, forward_only) -> dict:
+    """Ours against SDPA, forward and forward+backward, with each of our kernels swapped out."""
     mask_TT = doc_mask_TS(cu, cu, q.shape[0], k.shape[0], causal=True)
     ours = lambda b: _ours(q, k, v, dout, cu, max(lengths), b)
     sdpa = lambda b: _sdpa(q, k, v, dout, mask_TT, b)
@@ -97,19 +131,27 @@ def run(lengths, reps, hq=8, hkv=4, d=64, dtype=torch.bfloat16, forward_only=Fal
         res["ratio_aten_fwd_over_brgemm_fwd"] = res["ours_aten_fwd_fwd_ms"] / res["ours_fwd_ms"]
     if not forward_only:
         fns = {"ours": lambda: ours(True), "sdpa": lambda: sdpa(True)}
-        if amx_backward.available():  # ours with aten's backward instead of the AMX kernel
+        if amx_backward.available():  # ours with aten's backward instead of the brgemm kernel
             fns["ours_aten_bwd"] = lambda: _ours(q, k, v, dout, cu, max(lengths), True, amx=False)
         res |= {f"{n}_fwd_bwd_ms": t for n, t in _interleaved_medians(fns, reps).items()}
         res["ratio_fwd_bwd"] = res["sdpa_fwd_bwd_ms"] / res["ours_fwd_bwd_ms"]
-    res["amx_backward"] = amx_backward.available()
-    res["brgemm_forward"] = brgemm_forward.available()
-    res.update(lengths=lengths, tokens=sum(lengths), heads_q=hq, heads_kv=hkv, head_dim=d,
-               dtype=str(dtype), reps=reps, threads=torch.get_num_threads(),
-               torch=torch.__version__)
     return res
 
 
 def _table(r) -> str:
+    lines = [f"{r['tokens']} tokens, docs {r['lengths']}, {r['dtype']}, Hq={r['heads_q']} "
+             f"Hkv={r['heads_kv']} D={r['head_dim']}, median of {r['reps']}, "
+             f"{r['threads']} threads"]
+    if "ours_fwd_ms" in r:
+        lines += _compare_table(r)
+    if "brgemm_bwd_ms" in r:
+        lines += [f"{'backward alone, ms':<26}{'brgemm':>10}{'aten':>12}",
+                  f"{'':<26}{r['brgemm_bwd_ms']:>10.2f}{r['aten_bwd_ms']:>12.2f}",
+                  f"{'ratio aten bwd / brgemm':<26}{r['ratio_aten_bwd_over_brgemm_bwd']:>9.2f}x"]
+    return "\n".join(lines)
+
+
+def _compare_table(r) -> list:
     nan = float("nan")
     rows = [("torch_cpu varlen (ours)", r["ours_fwd_ms"], r.get("ours_fwd_bwd_ms", nan)),
             ("SDPA + block-diag mask", r["sdpa_fwd_ms"], r.get("sdpa_fwd_bwd_ms", nan))]
@@ -117,15 +159,12 @@ def _table(r) -> str:
         rows.insert(1, ("ours, aten's backward", r["ours_fwd_ms"], r["ours_aten_bwd_fwd_bwd_ms"]))
     if "ours_aten_fwd_fwd_ms" in r:
         rows.insert(1, ("ours, aten's forward", r["ours_aten_fwd_fwd_ms"], nan))
-    lines = [f"{r['tokens']} tokens, docs {r['lengths']}, {r['dtype']}, Hq={r['heads_q']} "
-             f"Hkv={r['heads_kv']} D={r['head_dim']}, median of {r['reps']}, "
-             f"{r['threads']} threads",
-             f"{'implementation':<26}{'fwd ms':>10}{'fwd+bwd ms':>12}",
+    lines = [f"{'implementation':<26}{'fwd ms':>10}{'fwd+bwd ms':>12}",
              *(f"{n:<26}{a:>10.2f}{b:>12.2f}" for n, a, b in rows),
              f"{'ratio SDPA / ours':<26}{r['ratio_fwd']:>9.2f}x{r.get('ratio_fwd_bwd', nan):>11.2f}x"]
     if "ratio_aten_fwd_over_brgemm_fwd" in r:
         lines.append(f"{'ratio aten fwd / brgemm':<26}{r['ratio_aten_fwd_over_brgemm_fwd']:>9.2f}x")
-    return "\n".join(lines)
+    return lines
 
 
 def main() -> None:
@@ -133,13 +172,20 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--lengths", type=str, default=",".join(map(str, DEFAULT_LENGTHS)))
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--forward-only", action="store_true",
-                   help="time forwards only (long documents: SDPA's dense backward is slow)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--forward-only", action="store_true",
+                      help="time forwards only (long documents: SDPA's dense backward is slow)")
+    mode.add_argument("--backward-only", action="store_true",
+                      help="time our backward alone, brgemm kernel vs aten's (where it runs)")
     p.add_argument("--out", type=str, default=None, help="write the results as JSON here")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    res = run([int(x) for x in a.lengths.split(",")], a.reps, forward_only=a.forward_only)
+    if a.backward_only and not amx_backward.available():
+        p.error("--backward-only compares the brgemm backward with aten's, which is off here "
+                "(LONGCTX_AMX_ATTENTION=0, or no AVX512-BF16/AMX CPU, C++ compiler or ninja)")
+    res = run([int(x) for x in a.lengths.split(",")], a.reps, forward_only=a.forward_only,
+              backward_only=a.backward_only)
     print(_table(res))
     if a.out:
         with open(a.out, "w") as f:

@@ -10,10 +10,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_sessionstart(session):
-    # Build (or load) the AMX attention backward once, here, before any test runs: the first build
-    # takes ~30 s, which would otherwise land inside one test, or inside a distributed test's
-    # timeout with every rank waiting on the same build lock. Without AMX this does nothing; the
-    # brgemm forward likewise needs AVX512-BF16.
+    # Build (or load) the brgemm attention kernels once, here, before any test runs: a first build
+    # takes ~20-30 s, which would otherwise land inside one test, or inside a distributed test's
+    # timeout with every rank waiting on the same build lock. Without AVX512-BF16 (AMX included)
+    # this does nothing.
     from cp_attention.kernels import amx_backward, brgemm_forward
 
     amx_backward.available()

@@ -1,10 +1,12 @@
-// Causal attention backward for one document per head on CPUs with AMX (bf16 in, fp32 accumulate).
+// Causal attention backward for one document per head on x86 CPUs with AMX or AVX512-BF16 (bf16 in,
+// fp32 accumulate). The file keeps its first target's name.
 //
 // Why: aten's CPU flash backward accumulates dQ/dK/dV into bf16 outputs tile by tile through
 // generic GEMM calls; on a 2048-token document it costs ~5x its forward. This kernel runs every
-// product through cpublas::brgemm (oneDNN's AMX micro-kernel) with fp32 accumulators, in the
-// transposed ("key-major") form of FlashAttention-2's backward so that every A operand is a
-// row-major tile we already hold and every B operand is packed once per head:
+// product through cpublas::brgemm (oneDNN's AMX micro-kernel, or its avx512_core_bf16 one on CPUs
+// without AMX) with fp32 accumulators, in the transposed ("key-major") form of FlashAttention-2's
+// backward so that every A operand is a row-major tile we already hold and every B operand is
+// packed once per head:
 //
 //   S^T  = K_n Q_m^T          P^T = exp(scale S^T - lse_m), 0 where key > query
 //   dP^T = V_n dO_m^T         dS^T = P^T (dP^T - delta_m) scale
@@ -13,7 +15,8 @@
 //
 // Entry point: varlen_causal_backward (at the end), over every document of a packed row.
 // Tiles of Bk keys x Bq queries (64 x 64 as amx_backward.py calls it); every (document, KV head)
-// pair is one parallel work item.
+// pair is one parallel work item. Every B operand is packed here by hand (pack_b, pack_bt), so
+// nothing depends on cpublas::could_pack, which is False without AMX.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -258,14 +261,11 @@ std::vector<at::Tensor> varlen_causal_backward(at::Tensor dout, at::Tensor q, at
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     for (int64_t w = next++; w < items; w = next++) backward_doc_kv_head(x, docs[w / x.hkv], w % x.hkv);
-    cpublas::brgemm_release();
+    cpublas::brgemm_release();  // frees the AMX tile state; nothing to free on AVX512-BF16
   });
   return {dq, dk, dv};
 }
 
-bool usable() { return cpublas::could_pack(at::kBFloat16); }
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("varlen_causal_backward", &varlen_causal_backward);
-  m.def("usable", &usable);
 }

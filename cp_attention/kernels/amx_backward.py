@@ -1,17 +1,24 @@
-"""Adapter for the AMX attention backward (`_amx_attention_bwd.cpp`), built on first use.
+"""Adapter for the brgemm attention backward (`_amx_attention_bwd.cpp`), built on first use.
 
 The C++ kernel computes the backward of causal self-attention over the documents of a packed row
-with oneDNN's AMX micro-kernel (torch's exported `cpublas::brgemm`) and fp32 accumulators. On a
-2048-token document (8 query / 4 KV heads of 64, bf16) it took 59 ms against aten's 99 ms on one
-core of the dev VM, and 0.6 ms against 3.9 ms at 128 tokens; it is also more accurate (dK/dV are
-accumulated in fp32, not rounded to bf16 tile by tile).
+with every product on torch's exported `cpublas::brgemm` and fp32 accumulators: oneDNN's AMX
+micro-kernel where the CPU has AMX, its AVX512-BF16 one elsewhere (B operands are packed by hand,
+so `cpublas::could_pack`, False without AMX, is not needed). The file keeps its AMX name, the
+kernel its first target. Backward alone, 8 query / 4 KV heads of 64, bf16, medians, against aten's
+kernel in the same run: with AMX, 59 ms against 99 ms on a 2048-token document (one core of the
+dev VM) and 0.6 against 3.9 ms at 128 tokens. On an AMD EPYC with AVX512-BF16 and no AMX
+(bench/attention_kernels.py, 1 / 2 threads, quiet machine): one 8192-token document 555 / 282 ms
+against 1248 / 655 (2.3x); the bench's 2048-token row of six documents (102-731 tokens) 14.4 /
+8.1 ms against 49.9 / 32.9 (3.5 / 4.0x). It is also more accurate (dK/dV are accumulated in
+fp32, not rounded to bf16 tile by tile).
 
 It is built with torch.utils.cpp_extension the first time a bf16 causal backward asks for it
-(30-40 s; cached on disk afterwards) and only where it can run: Linux on x86-64 with AMX-bf16,
-a C++ compiler and ninja. Anything else, including a failed build or a failed call, leaves
-`available()` False and the caller on aten's kernel, with one warning naming the reason.
-`LONGCTX_AMX_ATTENTION=0` turns it off. Head dims must be multiples of 16: 16 to 128 are tested,
-and a head dim of 8 failed inside oneDNN when tried.
+(20-40 s; cached on disk afterwards) and only where it can run: Linux on x86-64 with AVX512-BF16
+(AMX included), a C++ compiler and ninja. Anything else, including a failed build, a failed
+self-check against float32 maths on a tiny row, or a failed call, leaves `available()` False and
+the caller on aten's kernel, with one warning naming the reason. `LONGCTX_AMX_ATTENTION=0` turns
+it off. Head dims must be multiples of 16: 16 to 128 are tested, and a head dim of 8 failed inside
+oneDNN when tried.
 """
 
 from __future__ import annotations
@@ -27,18 +34,12 @@ from pathlib import Path
 
 import torch
 
+from .brgemm_forward import _cpu_has_avx512_bf16
+
 BLOCK_Q = 64  # queries per tile: the column count of the per-tile packed B operands (<= 64)
 BLOCK_K = 64  # keys per tile (128 measured no faster on 2048 tokens, slower on short documents)
 _SOURCE = Path(__file__).with_name("_amx_attention_bwd.cpp")
 _state: dict = {}
-
-
-def _cpu_has_amx() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return all(f in flags for f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512bw"))
 
 
 # One build cache entry per Python environment: two venvs (other torch headers) sharing one name
@@ -55,29 +56,67 @@ def _build():
     mod = load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                verbose=False)
     if time.perf_counter() - t0 > 5:  # a compile, not a cache hit: say where the pause went
-        print(f"cp_attention: built the AMX attention backward in {time.perf_counter() - t0:.0f} s "
+        print(f"cp_attention: built the brgemm attention backward in {time.perf_counter() - t0:.0f} s "
               "(cached for later runs)", file=sys.stderr, flush=True)
     return mod
 
 
+def _self_check(mod) -> None:
+    """Raise if the kernel disagrees with float32 maths on a tiny row: brgemm's bf16 path is
+    oneDNN's choice per CPU (AMX or AVX512-BF16), and a wrong one must cost a warning, not a run."""
+    # The first use may come from inside a model's autocast region (or a backward pass): the
+    # float32 reference must not be autocast to bf16, where its einsums would mix dtypes and fail.
+    with torch.autocast("cpu", enabled=False), torch.no_grad():
+        _check_tiny_row(mod)
+
+
+def _check_tiny_row(mod) -> None:
+    # Two documents, the second straddling a 64-row tile, two query heads on one KV head.
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(70, h, 16, generator=g).bfloat16() for h in (2, 1, 1, 2))
+    cu, scale = torch.tensor([0, 3, 70]), 0.25
+    outs, lses, refs = [], [], []
+    for a, b in ((0, 3), (3, 70)):
+        qf, do = q[a:b].float(), dout[a:b].float()
+        kf, vf = (x[a:b].float().expand(-1, 2, -1) for x in (k, v))
+        s = torch.einsum("thd,shd->hts", qf, kf) * scale
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        p = s.softmax(-1)
+        o = torch.einsum("hts,shd->thd", p, vf).bfloat16()  # the kernel reads a bf16 out
+        ds = p * (torch.einsum("thd,shd->hts", do, vf) - (do * o.float()).sum(-1).T[..., None]) * scale
+        refs.append((torch.einsum("hts,shd->thd", ds, kf), torch.einsum("hts,thd->sd", ds, qf)[:, None],
+                     torch.einsum("hts,thd->sd", p, do)[:, None]))
+        outs.append(o)
+        lses.append(s.logsumexp(-1))
+    got = mod.varlen_causal_backward(dout, q, k, v, torch.cat(outs), torch.cat(lses, 1).contiguous(),
+                                     cu, scale, BLOCK_Q, BLOCK_K)
+    per_grad = (torch.cat(r) for r in zip(*refs, strict=True))  # (dq, dk, dv) over both documents
+    for g, ref in zip(got, per_grad, strict=True):
+        # bf16 P, dS and gradients: 2e-2 of the gradient's scale is several bf16 ulps (the tests
+        # measure 0.3-0.6%); a wrong kernel is O(1) off.
+        if not (g.float() - ref).abs().max() <= 2e-2 * ref.abs().max():
+            raise RuntimeError("self-check against float32 maths failed (oneDNN's bf16 brgemm path)")
+
+
 def _disable(e: Exception) -> None:
     why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-    warnings.warn(f"AMX attention backward unavailable ({why}); using aten's CPU flash backward. "
+    warnings.warn(f"brgemm (AMX or AVX512-BF16) attention backward unavailable ({why}); using "
+                  "aten's CPU flash backward. "
                   "A C++ compiler and ninja enable it; LONGCTX_AMX_ATTENTION=0 silences this.", stacklevel=4)
     _state["mod"] = None
 
 
 def _module():
-    """The built extension, or None where it cannot be built or used here (decided once)."""
+    """The built, self-checked extension, or None where it cannot be used here (decided once)."""
     if "mod" in _state:
         return _state["mod"]
     mod = None
     wanted = os.environ.get("LONGCTX_AMX_ATTENTION", "1") != "0"
-    if wanted and platform.system() == "Linux" and platform.machine() == "x86_64" and _cpu_has_amx():
+    if (wanted and platform.system() == "Linux" and platform.machine() == "x86_64"
+            and _cpu_has_avx512_bf16()):
         try:
             mod = _build()
-            if not mod.usable():
-                mod = None
+            _self_check(mod)
         except Exception as e:  # no compiler, no ninja, a header change in another torch release
             _disable(e)
             return None

@@ -1,5 +1,5 @@
-"""The AMX attention backward (cp_attention.kernels.amx_backward) against the float64 reference,
-and the torch_cpu backend's choice between it and aten's kernel.
+"""The brgemm attention backward (cp_attention.kernels.amx_backward; AMX or AVX512-BF16) against
+the float64 reference, and the torch_cpu backend's choice between it and aten's kernel.
 
 Shape legend: T tokens, Hq / Hkv heads, D head dim.
 """
@@ -18,8 +18,9 @@ from cp_attention.kernels import (
 from cp_attention.kernels._common import kernel_lse
 from cp_attention.kernels.reference import reference_backward
 
-needs_amx = pytest.mark.skipif(not amx_backward.available(),
-                               reason="no AMX-bf16 CPU, C++ compiler or ninja here: aten's backward is used")
+needs_kernel = pytest.mark.skipif(
+    not amx_backward.available(),
+    reason="no AVX512-BF16 (or AMX) CPU, C++ compiler or ninja here: aten's backward is used")
 
 
 def _row(lens, hq, hkv, d, pad, seed):
@@ -37,7 +38,7 @@ CASES = [([5, 1, 63, 64, 65, 129, 2], 4, 2, 16, 3), ([700, 20], 8, 4, 64, 0), ([
          ([300, 1, 1, 211], 3, 3, 32, 2), ([200, 77], 4, 2, 128, 1), ([90], 2, 2, 80, 0)]
 
 
-@needs_amx
+@needs_kernel
 @pytest.mark.parametrize("lens,hq,hkv,d,pad", CASES)
 def test_matches_float64_reference(lens, hq, hkv, d, pad):
     q, k, v, dout, cu, mx = _row(lens, hq, hkv, d, pad, seed=len(lens))
@@ -57,7 +58,7 @@ def test_matches_float64_reference(lens, hq, hkv, d, pad):
             assert not a[-pad:].any()  # tokens outside every document get no gradient
 
 
-@needs_amx
+@needs_kernel
 def test_backend_uses_it_only_for_bf16_causal_self_attention(monkeypatch):
     calls = []
     real = amx_backward.varlen_causal_backward
@@ -83,7 +84,7 @@ def test_switched_off_by_environment(monkeypatch):
     assert not amx_backward.available()
 
 
-@needs_amx
+@needs_kernel
 def test_a_failing_call_falls_back_to_aten_with_one_warning(monkeypatch):
     monkeypatch.setattr(amx_backward, "_state", dict(amx_backward._state))  # restored afterwards
 
@@ -94,10 +95,42 @@ def test_a_failing_call_falls_back_to_aten_with_one_warning(monkeypatch):
     q, k, v, dout, cu, mx = _row([30, 7], 2, 1, 16, 0, seed=1)
     args = (cu, cu, mx, mx, True)
     out, lse = attn_forward(q, k, v, *args)
-    with pytest.warns(UserWarning, match="AMX attention backward unavailable.*BRGeMM"):
+    with pytest.warns(UserWarning, match=r"brgemm \(AMX or AVX512-BF16\) attention backward unavailable.*BRGeMM"):
         grads = attn_backward(dout, q, k, v, out, lse, *args)
     assert not amx_backward.available()
     ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double(), *args)
     ref = reference_backward(dout.double(), q.double(), k.double(), v.double(), ref_out, ref_lse, *args)
     for g, r in zip(grads, ref, strict=True):
         torch.testing.assert_close(g.double(), r, atol=6e-2, rtol=0)
+
+
+def test_first_use_inside_autocast_still_builds_and_runs():
+    """The kernel may first be used inside a model's bf16 autocast region; its self-check must not
+    be autocast (the forward's once was, and that kernel switched itself off with a warning)."""
+    import warnings
+
+    state = dict(amx_backward._state)
+    amx_backward._state.clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback warning fails the test
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                if not amx_backward.available():
+                    pytest.skip("no AVX512-BF16 (or AMX) here, or no compiler: the kernel is not built")
+    finally:
+        amx_backward._state.clear()
+        amx_backward._state.update(state)
+
+
+@needs_kernel
+def test_self_check_rejects_a_wrong_kernel():
+    """A kernel 5% off (a wrong oneDNN path would be O(1) off) fails the self-check."""
+    real = amx_backward._module()
+
+    class Off:
+        def varlen_causal_backward(self, *args):
+            return [g.float().mul(1.05).bfloat16() for g in real.varlen_causal_backward(*args)]
+
+    amx_backward._self_check(real)
+    with pytest.raises(RuntimeError, match="self-check"):
+        amx_backward._self_check(Off())
