@@ -67,3 +67,25 @@ def test_full_recompute_replays_the_forward_routes():
 def test_unknown_mode_is_refused_in_one_line():
     with pytest.raises(ValueError, match="train.recompute='some' is not allowed"):
         _model("some")
+
+
+def test_selective_recompute_in_bf16_autocast_from_a_fresh_process():
+    """The first forward of a process probes torch._grouped_mm (forward and backward) inside the
+    experts' recompute region; the probe's saved tensors must stay out of that region, or the
+    recomputation (which has the cached answer) saves fewer tensors and the backward fails."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from longctx_moe.model import build_model\n"
+            "from tests.model.helpers import packed_batch, tiny_config\n"
+            "torch.manual_seed(0)\n"
+            "m = build_model(tiny_config(hidden_size=64, head_dim=16, expert_hidden_size=64))\n"
+            "m.set_recompute('selective')\n"
+            "with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+            "    out = m(packed_batch([200], 64))\n"
+            "out.ce_sum.backward()\n"
+            "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
