@@ -1,0 +1,174 @@
+"""verl: `DataProto.batch` (a TensorDict) to a RolloutBatch, and per-token outputs back.
+
+verl's layout, as its code builds it (verl/experimental/agent_loop/agent_loop.py `_postprocess`,
+verl/workers/actor/dp_actor.py `_forward_micro_batch`, commit b178a3c of 2026-01-29):
+
+    input_ids, attention_mask, position_ids   [B, P+R]  prompts left-padded to P, responses
+                                                        right-padded to R, concatenated
+    responses, response_mask                  [B, R]    input_ids[:, -R:]; response_mask is 0 on
+                                                        padding and on tokens without loss (tool
+                                                        output in multi-turn rollouts)
+    old_log_probs, ref_log_prob,              [B, R]    aligned to response tokens:
+    rollout_log_probs, advantages                       old_log_probs[:, j] = log p(responses[:, j]
+                                                        | prompt, responses[:, :j]) (dp_actor
+                                                        slices logits[:, -R-1:-1])
+    routed_experts                            [B, P+R, L, K]  the experts of each input token,
+                                                        0 at padding (router replay, R3)
+
+Our alignment is the same per token (the value at a position scores that position's token), so
+each real token keeps its value; only padding is dropped. position_ids must be verl's
+`compute_position_id_with_mask` (0, 1, ... over each row's real tokens): the trainer derives
+positions from the sequence boundaries and cannot honour others (mrope position_ids [B, 3, S]
+of vision models are refused).
+
+Legend: B rows, P padded prompt length, R padded response length, S = P + R, T real tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rl_hooks.adapters._common import (
+    check_binary,
+    check_float,
+    check_shape,
+    fail,
+    flatten,
+    get,
+    group_index,
+    unflatten,
+)
+from rl_hooks.batch import RolloutBatch
+
+NAME = "verl"
+# verl field -> RolloutBatch field; every one [B, R], aligned to response tokens
+FLOAT_FIELDS = {"old_log_probs": "old_logprobs", "ref_log_prob": "ref_logprobs",
+                "rollout_log_probs": "rollout_logprobs", "advantages": "advantages"}
+
+
+def _fields(data: Any) -> Mapping:
+    """A DataProto's `.batch` TensorDict, or the mapping itself."""
+    return data.batch if hasattr(data, "batch") and not isinstance(data, Mapping) else data
+
+
+def _layout(fields: Mapping) -> tuple[torch.Tensor, int]:
+    """keep_BS (bool [B, P+R], the real tokens) and R, after checking the padding is verl's."""
+    input_ids = get(fields, NAME, "input_ids")
+    if input_ids.ndim != 2:
+        fail(NAME, "input_ids", f"has shape {tuple(input_ids.shape)}; expected [B, P+R]")
+    rows, width = input_ids.shape
+    responses = get(fields, NAME, "responses")
+    if responses.ndim != 2 or responses.shape[0] != rows or responses.shape[1] > width - 1:
+        fail(NAME, "responses", f"has shape {tuple(responses.shape)}; expected [B, R] with "
+                                f"B={rows} and R < {width} (input_ids is [B, P+R])")
+    r = responses.shape[1]
+    mask = get(fields, NAME, "attention_mask")
+    check_shape(NAME, "attention_mask", mask, (rows, width))
+    keep_BS = check_binary(NAME, "attention_mask", mask)
+    prompt, response = keep_BS[:, :width - r].int(), keep_BS[:, width - r:].int()
+    # Left-padded prompt: 0 ... 0 1 ... 1; right-padded response: 1 ... 1 0 ... 0.
+    if bool((prompt[:, 1:] < prompt[:, :-1]).any()):
+        b = int((prompt[:, 1:] < prompt[:, :-1]).any(1).nonzero()[0, 0])
+        fail(NAME, "attention_mask", f"row {b}: the prompt part is not left-padded (0s then 1s)")
+    if bool((response[:, 1:] > response[:, :-1]).any()):
+        b = int((response[:, 1:] > response[:, :-1]).any(1).nonzero()[0, 0])
+        fail(NAME, "attention_mask", f"row {b}: the response part is not right-padded (1s then 0s)")
+    if not bool(prompt[:, -1].all()):
+        b = int((prompt[:, -1] == 0).nonzero()[0, 0])
+        fail(NAME, "attention_mask", f"row {b} has an empty prompt; every row needs >= 1 "
+                                     "prompt token")
+    tail = input_ids[:, width - r:]
+    if bool(((tail != responses) & keep_BS[:, width - r:]).any()):
+        b = int(((tail != responses) & keep_BS[:, width - r:]).any(1).nonzero()[0, 0])
+        fail(NAME, "responses", f"row {b} differs from input_ids[:, -R:] on real tokens; "
+                                "input_ids must be prompts then responses")
+    return keep_BS, r
+
+
+def _check_positions(fields: Mapping, keep_BS: torch.Tensor) -> None:
+    pos = get(fields, NAME, "position_ids", required=False)
+    if pos is None:
+        return
+    if pos.shape != keep_BS.shape:
+        fail(NAME, "position_ids", f"has shape {tuple(pos.shape)}; only text position ids "
+                                   f"[B, P+R] = {tuple(keep_BS.shape)} are supported (not mrope)")
+    expected = keep_BS.long().cumsum(1) - 1
+    if bool(((pos != expected) & keep_BS).any()):
+        b = int(((pos != expected) & keep_BS).any(1).nonzero()[0, 0])
+        fail(NAME, "position_ids", f"row {b} is not 0, 1, ... over its real tokens; the trainer "
+                                   "numbers positions per sequence and cannot take others")
+
+
+def _on_full_width(x_BR: torch.Tensor, width: int) -> torch.Tensor:
+    """A [B, R, ...] response field at the response columns of a [B, P+R, ...] zero tensor."""
+    out = torch.zeros((x_BR.shape[0], width, *x_BR.shape[2:]), dtype=x_BR.dtype, device=x_BR.device)
+    out[:, width - x_BR.shape[1]:] = x_BR
+    return out
+
+
+def from_verl(data: Any, *, rewards: Sequence[float] | torch.Tensor | None = None,
+              group_ids: Sequence[Hashable] | None = None) -> RolloutBatch:
+    """A RolloutBatch from a verl DataProto (or its `.batch` / a dict of the same tensors).
+
+    Left padding of prompts and right padding of responses are stripped with attention_mask;
+    loss_mask = response_mask on response tokens (attention_mask[:, -R:] when response_mask is
+    absent, as verl's compute_response_mask does). Optional per-sequence `rewards` [B] with
+    `group_ids` [B] (any hashables, e.g. `data.non_tensor_batch["uid"]`) for GRPO advantages.
+    Raises AdapterError (one line naming the verl field)."""
+    fields = _fields(data)
+    keep_BS, r = _layout(fields)
+    rows, width = keep_BS.shape
+    _check_positions(fields, keep_BS)
+    resp_mask = get(fields, NAME, "response_mask", required=False)
+    if resp_mask is None:
+        resp_mask = keep_BS[:, width - r:]
+    check_shape(NAME, "response_mask", resp_mask, (rows, r))
+    resp_mask = check_binary(NAME, "response_mask", resp_mask)
+    if bool((resp_mask & ~keep_BS[:, width - r:]).any()):
+        fail(NAME, "response_mask", "is 1 on response padding (attention_mask 0 there); it must "
+                                    "be 0 wherever attention_mask is")
+    floats = {}
+    for name, ours in FLOAT_FIELDS.items():
+        x = get(fields, NAME, name, required=False)
+        if x is not None:
+            check_shape(NAME, name, x, (rows, r))
+            check_float(NAME, name, x)
+            floats[ours] = _on_full_width(x, width)
+    routes = get(fields, NAME, "routed_experts", required=False)
+    if routes is not None and (routes.ndim != 4 or routes.shape[:2] != (rows, width)):
+        fail(NAME, "routed_experts", f"has shape {tuple(routes.shape)}; expected "
+                                     f"[B, P+R, L, K] with B={rows}, P+R={width}")
+    groups = None if group_ids is None else group_index(NAME, group_ids, rows)
+    return flatten(keep_BS, get(fields, NAME, "input_ids"), _on_full_width(resp_mask, width),
+                   floats, routes, rewards, groups)
+
+
+def _to_response_columns(name: str, values_T: torch.Tensor, data: Any) -> torch.Tensor:
+    keep_BS, r = _layout(_fields(data))
+    return unflatten(NAME, name, values_T, keep_BS)[:, keep_BS.shape[1] - r:]
+
+
+def logprobs_to_verl(out: Any, data: Any) -> torch.Tensor:
+    """out.logprobs [T] (compute_logprobs on from_verl(data)) as verl's old_log_probs: [B, R] in
+    out's dtype, [:, j] = log p(responses[:, j] | ...), 0 at response padding."""
+    return _to_response_columns("out.logprobs", out.logprobs, data)
+
+
+def entropy_to_verl(out: Any, data: Any) -> torch.Tensor:
+    """out.entropy [T] as verl's entropys [B, R]: the entropy of the distribution that scored
+    responses[:, j] (0 at padding). compute_logprobs(..., return_entropy=True) gives it."""
+    if out.entropy is None:
+        fail(NAME, "out.entropy", "is None; call compute_logprobs(..., return_entropy=True)")
+    return _to_response_columns("out.entropy", out.entropy, data)
+
+
+def routes_to_verl(out: Any, data: Any) -> torch.Tensor:
+    """out.routes [T, L, K] as verl's routed_experts [B, P+R, L, K] (int16, 0 at padding as verl's
+    agent loop pads them). compute_logprobs(..., record_routes=True) gives them."""
+    if out.routes is None:
+        fail(NAME, "out.routes", "is None; call compute_logprobs(..., record_routes=True)")
+    keep_BS, _ = _layout(_fields(data))
+    return unflatten(NAME, "out.routes", out.routes, keep_BS)
