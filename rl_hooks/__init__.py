@@ -8,6 +8,7 @@
     export.py       weights as Hugging Face Qwen3-MoE tensors in byte-capped buckets (TP / EP gathered)
     sampler.py      HFSampler: transformers' Qwen3-MoE as a rollout engine fed by push_weights
     demo.py         the GRPO demo (`longctx-moe rl --config configs/grpo_tiny.yaml`)
+    adapters/       verl DataProto, NeMo-RL BatchedDataDict and TRL rollout_func layouts <-> RolloutBatch
 """
 
 from rl_hooks.batch import RolloutBatch, RolloutBatchError

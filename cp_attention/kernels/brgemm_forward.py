@@ -9,8 +9,8 @@ It is built with torch.utils.cpp_extension the first time a bf16 causal forward 
 (~30 s; cached on disk per Python environment) and only where it can run: Linux on x86-64 with
 AVX512-BF16, a C++ compiler and ninja. A build, a self-check on a tiny input, or a later call that
 fails leaves `available()` False and the caller on aten's kernel, with one warning naming the
-reason. `LONGCTX_CPU_ATTENTION_FWD=0` turns it off (separately from the AMX backward's
-`LONGCTX_AMX_ATTENTION`: the two kernels need different CPUs).
+reason. `LONGCTX_CPU_ATTENTION_FWD=0` turns it off (separately from the backward's
+`LONGCTX_AMX_ATTENTION`, so either half can be compared with aten's alone).
 """
 
 from __future__ import annotations
