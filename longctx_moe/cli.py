@@ -1,4 +1,5 @@
-"""The `longctx-moe` command: `train` (one process, or N local ranks with --nproc),
+"""The `longctx-moe` command: `train` (one process, or N local ranks with --nproc), `export-hf`
+(a run's checkpoint as a Hugging Face Qwen3-MoE directory, longctx_moe.hf_export),
 `plan-groups` (provided by longctx_moe.parallel.plan_groups, imported lazily) and `rl` (the GRPO
 demo of rl_hooks.demo: digit reversal with a transformers sampler, one process)."""
 
@@ -18,6 +19,30 @@ def _train_parser(sub) -> None:
                    help="dotted override, repeatable: --set model.num_experts=16 --set train.steps=50")
     p.add_argument("--nproc", type=int, default=1,
                    help="local ranks to launch through torch's elastic launcher (gloo on CPU, nccl on GPU)")
+
+
+def _export_parser(sub) -> None:
+    p = sub.add_parser("export-hf", help="write a run's checkpoint as a Hugging Face Qwen3-MoE directory")
+    p.add_argument("run_dir", help="the run directory (holds config.yaml and checkpoints/)")
+    p.add_argument("out", help="output directory (safetensors shards, config.json, tokenizer)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: latest)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="tensor dtype of the export")
+    p.add_argument("--max-shard-size", type=float, default=2.0, metavar="GB",
+                   help="cap of one safetensors file in GB (an expert's tensors stay in one file)")
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    """User errors (a model Qwen3-MoE lacks, a missing or corrupt checkpoint): one line, status 2."""
+    from longctx_moe.checkpoint import CheckpointError
+    from longctx_moe.hf_export import export_run
+
+    try:
+        lines = export_run(args.run_dir, args.out, args.step, args.dtype, int(args.max_shard_size * 1e9))
+    except (CheckpointError, ValueError) as e:  # ConfigError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
 
 
 def _train_argv(args: argparse.Namespace) -> list[str]:
@@ -125,11 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="longctx-moe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _export_parser(sub)
     sub.add_parser("plan-groups", help="print the process groups of a parallel layout", add_help=False)
     sub.add_parser("rl", help="GRPO demo: a tiny MoE learns digit reversal (configs/grpo_tiny.yaml)",
                    add_help=False)
     args = parser.parse_args(argv)
-    return cmd_train(args)
+    return cmd_export_hf(args) if args.command == "export-hf" else cmd_train(args)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,9 @@ class TrainConfig:
     recompute: str = "none"
     host_allocator: str = "tuned"  # tuned (freed heap memory is reused; see longctx_moe.host) | default
     run_dir: str = "runs/default"
+    # A Qwen3-MoE safetensors directory (longctx-moe export-hf, or a Hugging Face download) whose
+    # weights start the run; its config.json must match model.*. A checkpoint to resume wins.
+    init_from: str = ""
     # A collective that waits longer than this (a peer crashed or hangs) raises instead of
     # blocking forever; covers the slowest checkpoint save or load of one rank.
     process_group_timeout_s: float = 600.0

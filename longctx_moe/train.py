@@ -170,7 +170,15 @@ def build_runtime(cfg: Config, dims: Any, device: torch.device):
     check_backends(cfg, device)
     torch.manual_seed(cfg.train.seed)  # same init on every rank: replicas start identical
     dtype = {"fp32": torch.float32, "fp64": torch.float64}[cfg.train.param_dtype]
-    model = build_model(cfg.model).to(device=device, dtype=dtype)
+    model = build_model(cfg.model)
+    if cfg.train.init_from:  # into the single-device model, so any parallel layout can follow
+        from longctx_moe.hf_export import load_hf_weights
+
+        try:
+            model.load_state_dict(load_hf_weights(cfg.train.init_from, cfg.model))
+        except RuntimeError as e:  # a tensor of another shape: config.json and weights disagree
+            raise ConfigError(f"train.init_from='{cfg.train.init_from}': {str(e).splitlines()[-1].strip()}") from None
+    model = model.to(device=device, dtype=dtype)
     model.set_recompute(cfg.train.recompute)
     try:
         runtime = parallelize(model, dims, cfg.parallel, cfg.data.micro_batch_tokens)
@@ -347,7 +355,8 @@ def run(cfg: Config) -> dict:
     logger = MetricsLogger(metrics_path if ctx.rank == 0 else None, cfg.train.steps, trainer.step,
                            cfg.logging.progress_bar)
     if resumed is not None:
-        logger.message(f"resumed from {resumed} at step {trainer.step}")
+        ignored = f"; train.init_from={cfg.train.init_from} is ignored (the checkpoint wins)" if cfg.train.init_from else ""
+        logger.message(f"resumed from {resumed} at step {trainer.step}{ignored}")
     try:
         records = fit(trainer, loader, ctx, logger, peak)
     finally:
