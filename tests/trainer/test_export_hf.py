@@ -186,3 +186,38 @@ def test_refused_model_and_bad_checkpoints_are_one_line(ep_run, tmp_path, capsys
     rank1.write_bytes(bytes(data))
     err = _one_line_error(["export-hf", str(corrupt), str(tmp_path / "o4")], capsys)
     assert str(rank1) in err and "sha256" in err
+
+
+def test_init_from_reads_a_transformers_saved_directory(ep_run, tmp_path):
+    """What from_pretrained + save_pretrained writes (fused or per-expert names, whichever
+    transformers 5 chooses) reads back into exactly our consolidated weights."""
+    from longctx_moe.hf_export import load_hf_weights
+
+    out = _export(ep_run, tmp_path / "hf")
+    resaved = tmp_path / "resaved"
+    transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).save_pretrained(resaved)
+    cfg = load_config(ep_run / "config.yaml")
+    want = load_consolidated_model(cfg, checkpoint_step_dir(cfg, ep_run, None)).state_dict()
+    got = load_hf_weights(resaved, cfg.model)
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        if not name.endswith("expert_bias"):  # ours alone: HF routing is a zero bias
+            assert torch.equal(got[name], t), name
+
+
+def test_init_from_reads_fused_expert_names(ep_run, tmp_path):
+    """transformers 5's in-memory layout (`experts.gate_up_proj` [E, 2F, D]) is accepted too."""
+    from longctx_moe.hf_export import load_hf_weights
+    from longctx_moe.hf_interop import to_hf_state_dict
+
+    out = _export(ep_run, tmp_path / "hf")
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    shutil.copyfile(out / "config.json", fused / "config.json")
+    cfg = load_config(ep_run / "config.yaml")
+    model = load_consolidated_model(cfg, checkpoint_step_dir(cfg, ep_run, None))
+    sd = to_hf_state_dict(model)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in sd
+    safetensors_torch.save_file(sd, str(fused / "model.safetensors"))
+    got = load_hf_weights(fused, cfg.model)
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items() if not k.endswith("expert_bias"))
