@@ -23,42 +23,12 @@ oneDNN when tried.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import os
-import platform
-import sys
-import time
-import warnings
-from pathlib import Path
-
 import torch
 
-from .brgemm_forward import _cpu_has_avx512_bf16
+from ._cpp_kernel import CppKernel
 
 BLOCK_Q = 64  # queries per tile: the column count of the per-tile packed B operands (<= 64)
 BLOCK_K = 64  # keys per tile (128 measured no faster on 2048 tokens, slower on short documents)
-_SOURCE = Path(__file__).with_name("_amx_attention_bwd.cpp")
-_state: dict = {}
-
-
-# One build cache entry per Python environment: two venvs (other torch headers) sharing one name
-# would rebuild over each other on every switch.
-_NAME = "longctx_amx_attention_bwd_" + hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
-
-
-def _build():
-    from torch.utils.cpp_extension import load
-
-    flags = ["-O3", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
-             "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
-    t0 = time.perf_counter()
-    mod = load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-               verbose=False)
-    if time.perf_counter() - t0 > 5:  # a compile, not a cache hit: say where the pause went
-        print(f"cp_attention: built the brgemm attention backward in {time.perf_counter() - t0:.0f} s "
-              "(cached for later runs)", file=sys.stderr, flush=True)
-    return mod
 
 
 def _self_check(mod) -> None:
@@ -98,45 +68,9 @@ def _check_tiny_row(mod) -> None:
             raise RuntimeError("self-check against float32 maths failed (oneDNN's bf16 brgemm path)")
 
 
-def _disable(e: Exception) -> None:
-    why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-    warnings.warn(f"brgemm (AMX or AVX512-BF16) attention backward unavailable ({why}); using "
-                  "aten's CPU flash backward. "
-                  "A C++ compiler and ninja enable it; LONGCTX_AMX_ATTENTION=0 silences this.", stacklevel=4)
-    _state["mod"] = None
-
-
-def _module():
-    """The built, self-checked extension, or None where it cannot be used here (decided once)."""
-    if "mod" in _state:
-        return _state["mod"]
-    mod = None
-    wanted = os.environ.get("LONGCTX_AMX_ATTENTION", "1") != "0"
-    if (wanted and platform.system() == "Linux" and platform.machine() == "x86_64"
-            and _cpu_has_avx512_bf16()):
-        try:
-            mod = _build()
-            _self_check(mod)
-        except Exception as e:  # no compiler, no ninja, a header change in another torch release
-            _disable(e)
-            return None
-    _state["mod"] = mod
-    return mod
-
-
-def available() -> bool:
-    return _module() is not None
-
-
-@contextlib.contextmanager
-def disabled():
-    """Run the block on aten's backward (benchmarks compare the two in one process)."""
-    mod = _module()
-    _state["mod"] = None
-    try:
-        yield
-    finally:
-        _state["mod"] = mod
+KERNEL = CppKernel("_amx_attention_bwd.cpp", "longctx_amx_attention_bwd_", "LONGCTX_AMX_ATTENTION",
+                   "brgemm (AMX or AVX512-BF16) attention backward", "backward", _self_check)
+available, disabled, _module = KERNEL.available, KERNEL.disabled, KERNEL.module
 
 
 def varlen_causal_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_seqlens, scale):
@@ -157,5 +91,5 @@ def try_varlen_causal_backward(*args):
     try:
         return varlen_causal_backward(*args)
     except RuntimeError as e:
-        _disable(e)
+        KERNEL.disable(e)
         return None

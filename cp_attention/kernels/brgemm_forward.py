@@ -15,44 +15,11 @@ reason. `LONGCTX_CPU_ATTENTION_FWD=0` turns it off (separately from the backward
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import os
-import platform
-import sys
-import time
-import warnings
-from pathlib import Path
-
 import torch
 
+from ._cpp_kernel import CppKernel
+
 ENV = "LONGCTX_CPU_ATTENTION_FWD"
-_SOURCE = Path(__file__).with_name("_cpu_attention_fwd.cpp")
-_state: dict = {}
-# One build cache entry per Python environment (see amx_backward._NAME).
-_NAME = "longctx_cpu_attention_fwd_" + hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
-
-
-def _cpu_has_avx512_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return all(f in flags for f in ("avx512_bf16", "avx512bw", "avx512vl"))
-
-
-def _build():
-    from torch.utils.cpp_extension import load
-
-    flags = ["-O3", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
-             "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
-    t0 = time.perf_counter()
-    mod = load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-               verbose=False)
-    if time.perf_counter() - t0 > 5:  # a compile, not a cache hit: say where the pause went
-        print(f"cp_attention: built the brgemm attention forward in {time.perf_counter() - t0:.0f} s "
-              "(cached for later runs)", file=sys.stderr, flush=True)
-    return mod
 
 
 def _self_check(mod) -> None:
@@ -78,44 +45,9 @@ def _check_tiny_row(mod) -> None:
             raise RuntimeError("self-check against float32 maths failed (oneDNN's bf16 brgemm path)")
 
 
-def _disable(e: Exception) -> None:
-    why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-    warnings.warn(f"brgemm attention forward unavailable ({why}); using aten's CPU flash forward. "
-                  f"A C++ compiler and ninja enable it; {ENV}=0 silences this.", stacklevel=4)
-    _state["mod"] = None
-
-
-def _module():
-    """The built, self-checked extension, or None where it cannot be used here (decided once)."""
-    if "mod" in _state:
-        return _state["mod"]
-    mod = None
-    wanted = os.environ.get(ENV, "1") != "0"
-    if (wanted and platform.system() == "Linux" and platform.machine() == "x86_64"
-            and _cpu_has_avx512_bf16()):
-        try:
-            mod = _build()
-            _self_check(mod)
-        except Exception as e:  # no compiler, no ninja, a header change in another torch release
-            _disable(e)
-            return None
-    _state["mod"] = mod
-    return mod
-
-
-def available() -> bool:
-    return _module() is not None
-
-
-@contextlib.contextmanager
-def disabled():
-    """Run the block on aten's forward (benchmarks compare the two in one process)."""
-    mod = _module()
-    _state["mod"] = None
-    try:
-        yield
-    finally:
-        _state["mod"] = mod
+KERNEL = CppKernel("_cpu_attention_fwd.cpp", "longctx_cpu_attention_fwd_", ENV,
+                   "brgemm attention forward", "forward", _self_check)
+available, disabled, _module = KERNEL.available, KERNEL.disabled, KERNEL.module
 
 
 def varlen_causal_forward(q_THD, k_SHD, v_SHD, cu_seqlens, scale):
@@ -135,5 +67,5 @@ def try_varlen_causal_forward(*args):
     try:
         return varlen_causal_forward(*args)
     except RuntimeError as e:
-        _disable(e)
+        KERNEL.disable(e)
         return None

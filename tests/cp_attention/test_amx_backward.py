@@ -79,14 +79,14 @@ def test_backend_uses_it_only_for_bf16_causal_self_attention(monkeypatch):
 
 
 def test_switched_off_by_environment(monkeypatch):
-    monkeypatch.setattr(amx_backward, "_state", {})
+    monkeypatch.setattr(amx_backward.KERNEL, "state", {})
     monkeypatch.setenv("LONGCTX_AMX_ATTENTION", "0")
     assert not amx_backward.available()
 
 
 @needs_kernel
 def test_a_failing_call_falls_back_to_aten_with_one_warning(monkeypatch):
-    monkeypatch.setattr(amx_backward, "_state", dict(amx_backward._state))  # restored afterwards
+    monkeypatch.setattr(amx_backward.KERNEL, "state", dict(amx_backward.KERNEL.state))  # restored afterwards
 
     def broken(*args):
         raise RuntimeError("could not create a BRGeMM ukernel")
@@ -109,8 +109,8 @@ def test_first_use_inside_autocast_still_builds_and_runs():
     be autocast (the forward's once was, and that kernel switched itself off with a warning)."""
     import warnings
 
-    state = dict(amx_backward._state)
-    amx_backward._state.clear()
+    state = dict(amx_backward.KERNEL.state)
+    amx_backward.KERNEL.state.clear()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a fallback warning fails the test
@@ -118,8 +118,8 @@ def test_first_use_inside_autocast_still_builds_and_runs():
                 if not amx_backward.available():
                     pytest.skip("no AVX512-BF16 (or AMX) here, or no compiler: the kernel is not built")
     finally:
-        amx_backward._state.clear()
-        amx_backward._state.update(state)
+        amx_backward.KERNEL.state.clear()
+        amx_backward.KERNEL.state.update(state)
 
 
 @needs_kernel

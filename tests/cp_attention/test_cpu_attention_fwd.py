@@ -107,14 +107,14 @@ def test_backend_uses_it_only_for_bf16_causal_self_attention(monkeypatch):
 
 
 def test_switched_off_by_environment(monkeypatch):
-    monkeypatch.setattr(brgemm_forward, "_state", {})
+    monkeypatch.setattr(brgemm_forward.KERNEL, "state", {})
     monkeypatch.setenv(brgemm_forward.ENV, "0")
     assert not brgemm_forward.available()
 
 
 @needs_kernel
 def test_a_failing_call_falls_back_to_aten_with_one_warning(monkeypatch):
-    monkeypatch.setattr(brgemm_forward, "_state", dict(brgemm_forward._state))  # restored afterwards
+    monkeypatch.setattr(brgemm_forward.KERNEL, "state", dict(brgemm_forward.KERNEL.state))  # restored afterwards
 
     def broken(*args):
         raise RuntimeError("could not create a BRGeMM ukernel")
@@ -156,8 +156,8 @@ def test_first_use_inside_autocast_still_builds_and_runs():
     be autocast (it once was, and the kernel switched itself off with a dtype-mismatch warning)."""
     import warnings
 
-    state = dict(brgemm_forward._state)
-    brgemm_forward._state.clear()
+    state = dict(brgemm_forward.KERNEL.state)
+    brgemm_forward.KERNEL.state.clear()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a fallback warning fails the test
@@ -165,5 +165,5 @@ def test_first_use_inside_autocast_still_builds_and_runs():
                 if not brgemm_forward.available():
                     pytest.skip("no AVX512-BF16 here, or no compiler: the kernel is not built")
     finally:
-        brgemm_forward._state.clear()
-        brgemm_forward._state.update(state)
+        brgemm_forward.KERNEL.state.clear()
+        brgemm_forward.KERNEL.state.update(state)

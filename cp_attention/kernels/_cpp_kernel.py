@@ -1,0 +1,95 @@
+"""A C++ kernel built on first use with torch.utils.cpp_extension, self-checked once, and switched
+off for the process with one warning when it cannot run (the adapters brgemm_forward and
+amx_backward each hold one).
+
+Decided once per process: `module()` is the built, self-checked extension or None. It is None
+unless the CPU is Linux x86-64 with AVX512-BF16 (AMX included) and the environment switch is not
+"0"; a failed build (no compiler, no ninja, another torch's headers) or self-check warns once and
+leaves the caller on aten's kernel, as does a later failing call (`disable`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+# Both kernels use AVX512 intrinsics and oneDNN's bf16 brgemm, built for one instruction set.
+_FLAGS = ["-O3", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
+          "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f in flags for f in ("avx512_bf16", "avx512bw", "avx512vl"))
+
+
+class CppKernel:
+    """source: the .cpp beside this file; cache_prefix: the build's name (one cache entry per
+    Python environment: two venvs, other torch headers, sharing one name would rebuild over each
+    other on every switch); env: the switch; label: the kernel in messages; aten_half: "forward"
+    or "backward", what runs instead; self_check(mod) raises if the kernel is wrong here."""
+
+    def __init__(self, source: str, cache_prefix: str, env: str, label: str, aten_half: str,
+                 self_check: Callable):
+        self.source = Path(__file__).with_name(source)
+        self.name = cache_prefix + hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+        self.env, self.label, self.aten_half, self.self_check = env, label, aten_half, self_check
+        self.state: dict = {}
+
+    def build(self):
+        from torch.utils.cpp_extension import load
+
+        t0 = time.perf_counter()
+        mod = load(name=self.name, sources=[str(self.source)], extra_cflags=_FLAGS,
+                   extra_ldflags=["-fopenmp"], verbose=False)
+        if time.perf_counter() - t0 > 5:  # a compile, not a cache hit: say where the pause went
+            print(f"cp_attention: built the {self.label} in {time.perf_counter() - t0:.0f} s "
+                  "(cached for later runs)", file=sys.stderr, flush=True)
+        return mod
+
+    def disable(self, e: Exception) -> None:
+        why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        warnings.warn(f"{self.label} unavailable ({why}); using aten's CPU flash {self.aten_half}. "
+                      f"A C++ compiler and ninja enable it; {self.env}=0 silences this.",
+                      stacklevel=4)
+        self.state["mod"] = None
+
+    def module(self):
+        """The built, self-checked extension, or None where it cannot be used here."""
+        if "mod" in self.state:
+            return self.state["mod"]
+        mod = None
+        wanted = os.environ.get(self.env, "1") != "0"
+        if (wanted and platform.system() == "Linux" and platform.machine() == "x86_64"
+                and cpu_has_avx512_bf16()):
+            try:
+                mod = self.build()
+                self.self_check(mod)
+            except Exception as e:  # no compiler, no ninja, a header change in another torch release
+                self.disable(e)
+                return None
+        self.state["mod"] = mod
+        return mod
+
+    def available(self) -> bool:
+        return self.module() is not None
+
+    @contextlib.contextmanager
+    def disabled(self):
+        """Run the block on aten's kernel (benchmarks compare the two in one process)."""
+        mod = self.module()
+        self.state["mod"] = None
+        try:
+            yield
+        finally:
+            self.state["mod"] = mod
