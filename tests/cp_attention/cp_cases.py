@@ -180,3 +180,14 @@ def run_and_check(call, case, plan, cp_rank, heads, dtype, atol, rtol=0.0, tp=(0
         assert bool((g[pad] == 0).all()), f"{name} at padding positions is not exactly zero"
     assert bool((got[0][pad] == 0).all()), "out at padding positions is not zero"
     return got
+
+
+def bf16_row(lens, hq, hkv, d, pad, seed):
+    """(q, k, v, dout, cu_seqlens int32, longest) of a packed bf16 row of documents `lens` plus
+    `pad` tokens after the last: the inputs of the single-device kernel tests."""
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    t = int(cu[-1]) + pad
+    q, dout = (torch.randn(t, hq, d, generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(t, hkv, d, generator=g).bfloat16() for _ in range(2))
+    return q, k, v, dout, cu, max(lens)

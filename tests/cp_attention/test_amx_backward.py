@@ -17,19 +17,11 @@ from cp_attention.kernels import (
 )
 from cp_attention.kernels._common import kernel_lse
 from cp_attention.kernels.reference import reference_backward
+from tests.cp_attention.cp_cases import bf16_row as _row
 
 needs_kernel = pytest.mark.skipif(
     not amx_backward.available(),
     reason="no AVX512-BF16 (or AMX) CPU, C++ compiler or ninja here: aten's backward is used")
-
-
-def _row(lens, hq, hkv, d, pad, seed):
-    g = torch.Generator().manual_seed(seed)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    t = int(cu[-1]) + pad
-    q, dout = (torch.randn(t, hq, d, generator=g).bfloat16() for _ in range(2))
-    k, v = (torch.randn(t, hkv, d, generator=g).bfloat16() for _ in range(2))
-    return q, k, v, dout, cu, max(lens)
 
 
 # Documents straddling the 64-row tiles (63/64/65/129), 1-token documents, tokens after the last
@@ -78,11 +70,6 @@ def test_backend_uses_it_only_for_bf16_causal_self_attention(monkeypatch):
         assert bool(calls) == used
 
 
-def test_switched_off_by_environment(monkeypatch):
-    monkeypatch.setattr(amx_backward.KERNEL, "state", {})
-    monkeypatch.setenv("LONGCTX_AMX_ATTENTION", "0")
-    assert not amx_backward.available()
-
 
 @needs_kernel
 def test_a_failing_call_falls_back_to_aten_with_one_warning(monkeypatch):
@@ -102,24 +89,6 @@ def test_a_failing_call_falls_back_to_aten_with_one_warning(monkeypatch):
     ref = reference_backward(dout.double(), q.double(), k.double(), v.double(), ref_out, ref_lse, *args)
     for g, r in zip(grads, ref, strict=True):
         torch.testing.assert_close(g.double(), r, atol=6e-2, rtol=0)
-
-
-def test_first_use_inside_autocast_still_builds_and_runs():
-    """The kernel may first be used inside a model's bf16 autocast region; its self-check must not
-    be autocast (the forward's once was, and that kernel switched itself off with a warning)."""
-    import warnings
-
-    state = dict(amx_backward.KERNEL.state)
-    amx_backward.KERNEL.state.clear()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # a fallback warning fails the test
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                if not amx_backward.available():
-                    pytest.skip("no AVX512-BF16 (or AMX) here, or no compiler: the kernel is not built")
-    finally:
-        amx_backward.KERNEL.state.clear()
-        amx_backward.KERNEL.state.update(state)
 
 
 @needs_kernel

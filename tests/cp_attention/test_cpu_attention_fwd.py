@@ -17,20 +17,12 @@ from cp_attention.kernels import (
     reference_attention,
 )
 from cp_attention.kernels.reference import reference_backward
+from tests.cp_attention.cp_cases import bf16_row as _row
 
 needs_kernel = pytest.mark.skipif(
     not brgemm_forward.available(),
     reason="no AVX512-BF16 x86 CPU, C++ compiler or ninja here: aten's forward is used")
 _aten = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-
-def _row(lens, hq, hkv, d, pad, seed):
-    g = torch.Generator().manual_seed(seed)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    t = int(cu[-1]) + pad
-    q, dout = (torch.randn(t, hq, d, generator=g).bfloat16() for _ in range(2))
-    k, v = (torch.randn(t, hkv, d, generator=g).bfloat16() for _ in range(2))
-    return q, k, v, dout, cu, max(lens)
 
 
 def _aten_out(q, k, v, cu):
@@ -106,11 +98,6 @@ def test_backend_uses_it_only_for_bf16_causal_self_attention(monkeypatch):
         assert bool(calls) == used
 
 
-def test_switched_off_by_environment(monkeypatch):
-    monkeypatch.setattr(brgemm_forward.KERNEL, "state", {})
-    monkeypatch.setenv(brgemm_forward.ENV, "0")
-    assert not brgemm_forward.available()
-
 
 @needs_kernel
 def test_a_failing_call_falls_back_to_aten_with_one_warning(monkeypatch):
@@ -149,21 +136,3 @@ def test_a_document_is_bitwise_the_same_alone_and_packed():
                 assert torch.equal(out[a:b], alone[0]) and torch.equal(lse[:, a:b], alone[1])
     finally:
         torch.set_num_threads(threads)
-
-
-def test_first_use_inside_autocast_still_builds_and_runs():
-    """The kernel is first used inside a model's bf16 autocast region; its self-check must not
-    be autocast (it once was, and the kernel switched itself off with a dtype-mismatch warning)."""
-    import warnings
-
-    state = dict(brgemm_forward.KERNEL.state)
-    brgemm_forward.KERNEL.state.clear()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # a fallback warning fails the test
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                if not brgemm_forward.available():
-                    pytest.skip("no AVX512-BF16 here, or no compiler: the kernel is not built")
-    finally:
-        brgemm_forward.KERNEL.state.clear()
-        brgemm_forward.KERNEL.state.update(state)
