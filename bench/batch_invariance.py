@@ -209,8 +209,8 @@ def probe_layers(policy, seqs, args) -> dict[str, float]:
     # Twin + neighbour + target: the target shares an attention bucket with the twin, experts
     # get other row counts, and its rows straddle the LM head's chunk boundary at 1024.
     names = ["twin", "neighbour", "target"]
-    alone = build_micro_batch(make_batch(seqs, ["target"]), [0], 1, True)
-    packed = build_micro_batch(make_batch(seqs, names), [0, 1, 2], 1, True)
+    alone = build_micro_batch(make_batch(seqs, ["target"]), [0], 1)
+    packed = build_micro_batch(make_batch(seqs, names), [0, 1, 2], 1)
     rec_a, _ = _capture(policy, alone)
     rec_p, shard_p = _capture(policy, packed)
     off, n = len(seqs["twin"]) + len(seqs["neighbour"]), args.target_len

@@ -248,7 +248,7 @@ def ours_breakdown(policy, batch, call) -> dict[str, float]:
     parts = [0.0, 0.0, 0.0]  # embedding, embedding + blocks + final norm, LM head + log-prob
     with torch.no_grad(), policy.trainer.autocast():
         for seqs in plan:
-            shard = policy.runtime.shard(build_micro_batch(batch, seqs, policy.pad_multiple, True).packed)
+            shard = policy.runtime.shard(build_micro_batch(batch, seqs, policy.pad_multiple).packed)
             t_embed = _timed(model.embed, shard.batch.tokens)[0]
             t_hidden, h_TD = _timed(model.hidden_states, shard.batch, shard.layout)
             t_head = _timed(chunked_token_logprobs, h_TD, model.output_weight(), shard.batch.labels,

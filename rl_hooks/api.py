@@ -124,7 +124,7 @@ class PolicyTrainer:
         routes, dtype = None, torch.float32
         head = LogProbHead(temperature, return_entropy)
         for seqs in _split(batch.num_seqs, mini_batches):
-            for mb in self._my_micro_batches(batch, seqs, score_all=True):
+            for mb in self._my_micro_batches(batch, seqs)[1]:
                 # Given routes are replayed here as in train_step, so old log-probs and the first
                 # mini-batch's forward route every token alike (ratio exactly 1).
                 shard = self.runtime.shard(mb.packed.to(self.ctx.device),
@@ -172,9 +172,7 @@ class PolicyTrainer:
         return _summarise(steps)
 
     def _optimizer_step(self, batch, seqs, loss, lr, temperature, entropy) -> dict[str, float]:
-        plan = self._plan(batch, seqs)
-        mine = [build_micro_batch(batch, s, self.pad_multiple, score_all=True)
-                for s in plan[self.dims.rank_in("dp")]]
+        plan, mine = self._my_micro_batches(batch, seqs)
         norm = _normalizers(batch, seqs)
         objective = _PolicyObjective(batch, mine, loss, norm, LogProbHead(temperature, entropy),
                                      self.runtime)
@@ -213,10 +211,11 @@ class PolicyTrainer:
                                    data.cost_per_token_pair)
         return [[[seqs[i] for i in mb] for mb in rank] for rank in local]
 
-    def _my_micro_batches(self, batch, seqs, score_all: bool) -> list[MicroBatch]:
+    def _my_micro_batches(self, batch, seqs) -> tuple[list[list[list[int]]], list[MicroBatch]]:
+        """(the plan of every DP rank, this rank's micro-batches)."""
         plan = self._plan(batch, seqs)
-        return [build_micro_batch(batch, s, self.pad_multiple, score_all)
-                for s in plan[self.dims.rank_in("dp")]]
+        return plan, [build_micro_batch(batch, s, self.pad_multiple)
+                      for s in plan[self.dims.rank_in("dp")]]
 
     # ------------------------------------------------------------------ weights out
 

@@ -68,21 +68,21 @@ def _padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def build_micro_batch(batch: RolloutBatch, seqs: list[int], pad_multiple: int,
-                      score_all: bool) -> MicroBatch:
+def build_micro_batch(batch: RolloutBatch, seqs: list[int], pad_multiple: int) -> MicroBatch:
     """Pack `seqs` of `batch` into one PackedBatch (each sequence padded to `pad_multiple`).
 
-    Labels: the next token wherever it is scored: every token but the first of its sequence when
-    `score_all` (log-prob passes), else only loss tokens. An empty `seqs` gives one padding token
-    without targets."""
+    Labels: the next token of every token but the last of its sequence, so every rollout token but
+    a sequence's first is scored, loss tokens or not: log-prob and training passes then run the
+    same computation (the first mini-batch's ratio is exactly 1). An empty `seqs` gives one
+    padding token without targets."""
     cu = batch.cu_seqlens.tolist()
     tokens, target_src, token_src, lens, slots = [], [], [], [], []
     for s in seqs:
         a, b = cu[s], cu[s + 1]
         n, slot = b - a, _padded(b - a, pad_multiple)
-        scored = range(a + 1, b) if score_all else [t for t in range(a + 1, b) if batch.loss_mask[t]]
+        scored = torch.arange(a + 1, b)  # tokens t scored at position t - 1 (never the first)
         src = torch.full((slot,), -1, dtype=torch.int64)
-        src[torch.tensor([t - 1 - a for t in scored], dtype=torch.int64)] = torch.tensor(list(scored), dtype=torch.int64)
+        src[scored - 1 - a] = scored
         tok = torch.full((slot,), -1, dtype=torch.int64)
         tok[:n] = torch.arange(a, b)
         tokens.append(torch.cat([batch.tokens[a:b], batch.tokens.new_zeros(slot - n)]))
