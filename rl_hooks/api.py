@@ -145,7 +145,7 @@ class PolicyTrainer:
 
     def _record(self, routes, mb: MicroBatch, shard, out, t: int) -> torch.Tensor:
         """Accumulate routes + 1 (so that a sum over DP replicas keeps them) at owned tokens."""
-        r_PLK = self.runtime.gather_tokens(shard, out.routes_TLK.to(torch.float64)).long().cpu()
+        r_PLK = self.runtime.gather_tokens(shard, out.routes_TLK).cpu()
         if routes is None:
             routes = torch.zeros(t, *r_PLK.shape[1:], dtype=torch.int64)
         src = mb.token_src_P
