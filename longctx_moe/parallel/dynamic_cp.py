@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from data_packing.batch import IGNORE_INDEX, PackedBatch, pad_multiple
+from longctx_moe.parallel.comm import all_gather_rows, gather_sizes
 from longctx_moe.parallel.context_parallel import NO_CP, CPGroup
 
 
@@ -90,15 +90,8 @@ def gather_documents(docs: list[Document], group) -> list[Document]:
 
 def _gather_var(x: torch.Tensor, group) -> list[torch.Tensor]:
     """all_gather of tensors whose first dimension differs per rank; one tensor per rank."""
-    size = torch.tensor([x.shape[0]], dtype=torch.int64)
-    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, size, group=group)
-    sizes = [int(s) for s in sizes]
-    padded = x.new_zeros((max(sizes), *x.shape[1:]))
-    padded[: x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return [p[:n] for p, n in zip(parts, sizes, strict=True)]
+    sizes = gather_sizes(x.shape[0], group)
+    return list(all_gather_rows(x, sizes, group).split(sizes))
 
 
 def pack_documents(docs: list[Document], multiple: int) -> PackedBatch:
