@@ -209,9 +209,7 @@ class Trainer:
         for key in sorted(metrics):
             t = metrics[key].detach().to(torch.float64).cpu().reshape(1)
             op = {"_max": dist.ReduceOp.MAX, "_min": dist.ReduceOp.MIN}.get(key[-4:], dist.ReduceOp.SUM)
-            if self.dims.size("dp_cp") > 1:
-                dist.all_reduce(t, op=op, group=self.dims.group("dp_cp"))
-            out[key] = float(t)
+            out[key] = float(self.runtime.all_reduce(t, "dp_cp", op))
         return out
 
     def _on_non_finite(self, loss: float, grad_norm: float) -> None:

@@ -148,10 +148,12 @@ class ParallelRuntime:
             return float(local_clip(self.dense + self.expert, max_norm))
         return float(clip_grad_norm(self.dense, self.expert, self.dims, max_norm))
 
-    def all_reduce(self, t: torch.Tensor, axis: str) -> torch.Tensor:
-        """Sum `t` in place over this rank's `axis` group; a no-op when that group has one rank."""
-        if self.dims.size(axis) > 1:
-            dist.all_reduce(t, group=self.dims.group(axis))
+    def all_reduce(self, t: torch.Tensor, axis: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """Reduce `t` in place (sum, or `op`) over this rank's `axis` group; a no-op when that
+        group has one rank."""
+        group = self.dims.group_or_none(axis)
+        if group is not None:
+            dist.all_reduce(t, op=op, group=group)
         return t
 
 
