@@ -204,7 +204,8 @@ def build_loader(cfg: Config, dims: Any):
 # ---------------------------------------------------------------------- checkpoints
 
 
-def _resume_expectations(cfg: Config) -> dict:
+def resume_expectations(cfg: Config) -> dict:
+    """The meta entries a checkpoint must match to be resumed under `cfg`."""
     return {"model": dataclasses.asdict(cfg.model), "parallel": dataclasses.asdict(cfg.parallel)}
 
 
@@ -212,7 +213,7 @@ def save(trainer: Trainer, loader: Any, ctx: RunContext) -> Path:
     state = trainer.state_dict()
     state["loader"] = loader.state_dict() if hasattr(loader, "state_dict") else None
     state["rng"] = rng_state()
-    return save_checkpoint(ctx.ckpt_dir, trainer.step, state, _resume_expectations(trainer.cfg),
+    return save_checkpoint(ctx.ckpt_dir, trainer.step, state, resume_expectations(trainer.cfg),
                            ctx.rank, ctx.world_size, trainer.cfg.checkpoint.keep_last)
 
 
@@ -247,7 +248,7 @@ def _agreed_resume_dir(resume: str, ctx: RunContext) -> Path | None:
 
 
 def _load_into(trainer: Trainer, loader: Any, step_dir: Path, ctx: RunContext) -> None:
-    _, state = load_rank_state(step_dir, ctx.rank, ctx.world_size, _resume_expectations(trainer.cfg))
+    _, state = load_rank_state(step_dir, ctx.rank, ctx.world_size, resume_expectations(trainer.cfg))
     try:
         trainer.load_state_dict(state, str(step_dir))
         if state.get("loader") is not None and hasattr(loader, "load_state_dict"):

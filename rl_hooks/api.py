@@ -248,22 +248,22 @@ class PolicyTrainer:
     def save(self, path: str) -> str:
         """A checkpoint of model, optimizer and schedule (the project's format) under `path`."""
         from longctx_moe.checkpoint import rng_state, save_checkpoint
+        from longctx_moe.train import resume_expectations
 
         state = self.trainer.state_dict()
         state["loader"], state["rng"] = None, rng_state()
-        expect = {"model": dataclasses.asdict(self.cfg.model),
-                  "parallel": dataclasses.asdict(self.cfg.parallel)}
-        return str(save_checkpoint(_path(path), self.trainer.step, state, expect, self.ctx.rank,
+        return str(save_checkpoint(Path(path), self.trainer.step, state,
+                                   resume_expectations(self.cfg), self.ctx.rank,
                                    self.ctx.world_size, keep_last=0))
 
     def load(self, path: str) -> None:
         """Load the newest checkpoint under `path` (or the step directory `path`)."""
         from longctx_moe.checkpoint import find_resume_dir, load_rank_state, set_rng_state
+        from longctx_moe.train import resume_expectations
 
-        step_dir = find_resume_dir(_path(path), "auto") or _path(path)
-        expect = {"model": dataclasses.asdict(self.cfg.model),
-                  "parallel": dataclasses.asdict(self.cfg.parallel)}
-        _, state = load_rank_state(step_dir, self.ctx.rank, self.ctx.world_size, expect)
+        step_dir = find_resume_dir(Path(path), "auto") or Path(path)
+        _, state = load_rank_state(step_dir, self.ctx.rank, self.ctx.world_size,
+                                   resume_expectations(self.cfg))
         self.trainer.load_state_dict(state, str(step_dir))
         set_rng_state(state["rng"])
 
@@ -341,7 +341,3 @@ def _wants_entropy(loss: LossFn) -> bool:
 def _summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
     keys = steps[0].keys() if steps else ()
     return {"steps": steps, **{k: sum(s[k] for s in steps) / len(steps) for k in keys}}
-
-
-def _path(p: str) -> Path:
-    return Path(p)
