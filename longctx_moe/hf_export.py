@@ -19,7 +19,6 @@ fused experts, into our state dict after checking its config.json against model.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -78,6 +77,7 @@ def consolidated_state(cfg: Config, step_dir: Path) -> dict[str, torch.Tensor]:
     """The single-device model's state dict from the rank files of `step_dir` (each verified by
     checkpoint.py: size, sha256, and the run's model/parallel config against meta.json)."""
     from longctx_moe.parallel.dims import ParallelDims
+    from longctx_moe.train import resume_expectations
 
     world = read_meta(step_dir).get("world_size")
     try:
@@ -85,7 +85,7 @@ def consolidated_state(cfg: Config, step_dir: Path) -> dict[str, torch.Tensor]:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint '{step_dir}' (world_size={world}) does not fit the run's "
                               f"parallel config: {e}") from None
-    expect = {"model": dataclasses.asdict(cfg.model), "parallel": dataclasses.asdict(cfg.parallel)}
+    expect = resume_expectations(cfg)
     tp_ranks, ep_ranks = dims.ranks("tp", 0), dims.ranks("ep", 0)
     states = {r: load_rank_state(step_dir, r, dims.world_size, expect)[1]["model"]
               for r in sorted(set(tp_ranks) | set(ep_ranks))}
