@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from data_packing.config import DataConfig
 from longctx_moe.choices import check_choice
 from longctx_moe.host import ALLOCATOR_MODES
 from longctx_moe.model.config import ModelConfig
+from longctx_moe.model.flops import pair_cost_ratio
 from longctx_moe.model.recompute import MODES as RECOMPUTE_MODES
 from longctx_moe.parallel.config import ParallelConfig
 
@@ -195,10 +197,22 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 
 def config_from_dict(data: dict) -> Config:
-    """Build and validate a Config from a nested mapping (unknown keys are errors)."""
+    """Build and validate a Config from a nested mapping (unknown keys are errors).
+
+    data.cost_per_token_pair, when not given, is derived from the model (see _derive_pair_cost)."""
     cfg = _build(Config, data, "")
     validate(cfg)
+    if "cost_per_token_pair" not in (data.get("data") or {}):
+        cfg.data.cost_per_token_pair = _derive_pair_cost(cfg)
     return cfg
+
+
+def _derive_pair_cost(cfg: Config) -> float:
+    # The loader balances ranks by cost_per_token * L + cost_per_token_pair * causal pairs. With
+    # the pair term at the model's FLOP ratio the balance follows the training FLOPs of this
+    # model; a fixed default is right for one model only (DataConfig's 6.2e-4: the default one).
+    # Scaled by cost_per_token, which sets the unit.
+    return cfg.data.cost_per_token * pair_cost_ratio(cfg.model)
 
 
 # ---------------------------------------------------------------- overrides
@@ -256,19 +270,59 @@ def _check_path(key: str) -> None:
 # ---------------------------------------------------------------- files
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, line: int):
+        super().__init__(key, line)
+        self.key, self.line = key, line
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently,
+    so a second `lr:` would override the first without a word)."""
+
+
+def _unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise _DuplicateKey(key, key_node.start_mark.line + 1)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text (a binary file?); pass a YAML file, "
+                          "e.g. configs/tiny_cpu.yaml") from None
+
+
 def load_yaml(path: str | Path) -> dict:
+    """The mapping of sections in the YAML file `path`; ConfigError for anything else."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist; pass an existing YAML file, e.g. configs/tiny_cpu.yaml")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(_read_text(path), Loader=_StrictLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(f"config file '{path}' sets '{e.key}' twice in one section (second at line "
+                          f"{e.line}); keep one of them") from None
+    except yaml.reader.ReaderError as e:  # a control character such as NUL
+        raise ConfigError(f"config file '{path}' holds a non-printable character at offset {e.position} "
+                          "(a binary file?); pass a YAML text file, e.g. configs/tiny_cpu.yaml") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or type(e).__name__
         raise ConfigError(f"config file '{path}' is not valid YAML{where}: {problem}; fix the syntax there") from None
     if data is None:
-        return {}
+        raise ConfigError(f"config file '{path}' holds no settings; add sections (model:, data:, ...), "
+                          "e.g. start from configs/tiny_cpu.yaml")
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping of sections (model:, data:, ...), got {type(data).__name__}")
     return data
@@ -343,8 +397,28 @@ def _check_components(cfg: Config) -> None:
             raise ConfigError(str(e)) from None
 
 
+def _float_fields(node: Any, prefix: str = ""):
+    """(dotted key, value) of every float setting, lists included, in declaration order."""
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _float_fields(value, f"{prefix}{f.name}.")
+        elif isinstance(value, list):
+            yield from ((f"{prefix}{f.name}", v) for v in value if isinstance(v, float))
+        elif isinstance(value, float):
+            yield f"{prefix}{f.name}", value
+
+
+def _check_finite(cfg: Config) -> None:
+    # No setting means anything at inf or nan: an lr of inf passes "> 0" and trains to nan on the
+    # first step. Runs after the sections' own checks, whose messages name the valid range.
+    for key, value in _float_fields(cfg):
+        _require(math.isfinite(value), f"{key}={value} is not a finite number; set a finite value")
+
+
 def validate(cfg: Config) -> None:
     """Raise ConfigError (one line) for the first invalid value."""
     _check_choices(cfg)
     _check_components(cfg)
     _check_trainer(cfg)
+    _check_finite(cfg)

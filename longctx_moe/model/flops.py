@@ -17,11 +17,20 @@ def active_matmul_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * attn + ffn + d * cfg.vocab_size
 
 
+def attention_flops_per_pair(cfg: ModelConfig) -> int:
+    """Training FLOPs of one causal (query, key <= query) pair over all layers and heads: QK^T and
+    PV cost 2 FLOPs per head dim each, and the backward costs twice the forward."""
+    return 3 * 2 * 2 * cfg.num_heads * cfg.head_dim * cfg.num_layers
+
+
+def pair_cost_ratio(cfg: ModelConfig) -> float:
+    """One causal pair's training FLOPs in units of one token's dense work (6 x active matmul
+    parameters): the `data.cost_per_token_pair` that makes the loader's cost model FLOPs."""
+    return attention_flops_per_pair(cfg) / (6 * active_matmul_params(cfg))
+
+
 def model_flops(cfg: ModelConfig, doc_lengths: list[int]) -> float:
     """Training FLOPs (fwd + bwd) of one pass over documents of these real lengths."""
     tokens = sum(doc_lengths)
-    # Causal pairs (query, key<=query) per document; QK^T and PV cost 2 FLOPs per pair, per head
-    # dim, each; the backward costs twice the forward.
     pairs = sum(n * (n + 1) // 2 for n in doc_lengths)
-    attention = 3 * 2 * 2 * pairs * cfg.num_heads * cfg.head_dim * cfg.num_layers
-    return float(6 * active_matmul_params(cfg) * tokens + attention)
+    return float(6 * active_matmul_params(cfg) * tokens + attention_flops_per_pair(cfg) * pairs)

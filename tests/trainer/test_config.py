@@ -36,35 +36,56 @@ def test_yaml_and_typed_overrides(tmp_path):
 
 @pytest.mark.parametrize("text, overrides, pattern", [
     ("model:\n  num_expert: 4\n", [], r"unknown config key 'model.num_expert'; did you mean 'model.num_experts'\?"),
-    ("", ["optim.lrr=1"], r"'optim.lrr'; did you mean 'optim.lr'\?"),
-    ("", ["modle.top_k=1"], r"'modle'; did you mean 'model'\?"),
+    (None, ["optim.lrr=1"], r"'optim.lrr'; did you mean 'optim.lr'\?"),
+    (None, ["modle.top_k=1"], r"'modle'; did you mean 'model'\?"),
     ("trian:\n  steps: 3\n", [], r"'trian'; did you mean 'train'\?"),
-    ("", ["model.top_k=9"], r"model.top_k=9 exceeds model.num_experts=8"),
-    ("", ["model.router_score=softmx"], r"model.router_score='softmx' is not"),
-    ("", ["model.head_dim=31"], r"model.head_dim=31 must be even"),
-    ("", ["parallel.cp_backend=rnig"], r"parallel.cp_backend='rnig' is not allowed; choose one of ring, ulysses, hierarchical; did you mean 'ring'\?"),
-    ("", ["parallel.capacity_factor=0"], r"parallel.capacity_factor=0.0 must be > 0, or null for dropless"),
-    ("", ["data.global_batch_tokens=100"], r"data.global_batch_tokens=100 must be >= data.micro_batch_tokens=2048"),
-    ("", ["data.cost_per_token_pair=-1"], r"data.cost_per_token_pair=-1.0 must be >= 0"),
-    ("", ["data.cost_b=0.1"], r"unknown config key 'data.cost_b'; known keys: .*cost_per_token_pair"),
+    (None, ["model.top_k=9"], r"model.top_k=9 exceeds model.num_experts=8"),
+    (None, ["model.router_score=softmx"], r"model.router_score='softmx' is not"),
+    (None, ["model.head_dim=31"], r"model.head_dim=31 must be even"),
+    (None, ["parallel.cp_backend=rnig"], r"parallel.cp_backend='rnig' is not allowed; choose one of ring, ulysses, hierarchical; did you mean 'ring'\?"),
+    (None, ["parallel.capacity_factor=0"], r"parallel.capacity_factor=0.0 must be > 0, or null for dropless"),
+    (None, ["data.global_batch_tokens=100"], r"data.global_batch_tokens=100 must be >= data.micro_batch_tokens=2048"),
+    (None, ["data.cost_per_token_pair=-1"], r"data.cost_per_token_pair=-1.0 must be >= 0"),
+    (None, ["data.cost_b=0.1"], r"unknown config key 'data.cost_b'; known keys: .*cost_per_token_pair"),
     ("data:\n  cost_a: 1.0\n", [], r"unknown config key 'data.cost_a'; known keys: .*cost_per_token"),
-    ("", ["train.nan_policy=ignore"], r"train.nan_policy='ignore' is not allowed; choose one of stop, skip"),
-    ("", ["optim.lr=fast"], r"optim.lr: expected a number, got 'fast'"),
-    ("", ["model.qk_norm=yes please"], r"model.qk_norm: expected true or false"),
-    ("", ["train.steps=2.5"], r"train.steps: expected an integer, got 2.5"),
-    ("", ["optim.betas=0.9"], r"optim.betas: expected a list"),
-    ("", ["model.num_heads=6", "model.num_kv_heads=4"], r"model.num_heads=6 must be divisible by model.num_kv_heads=4"),
-    ("", ["train.param_dtype=fp64"], r"set train.autocast_dtype=none"),
-    ("", ["train.steps"], r"override 'train.steps' has no '='"),
-    ("", ["model=3"], r"names a section"),
+    (None, ["train.nan_policy=ignore"], r"train.nan_policy='ignore' is not allowed; choose one of stop, skip"),
+    (None, ["optim.lr=fast"], r"optim.lr: expected a number, got 'fast'"),
+    (None, ["model.qk_norm=yes please"], r"model.qk_norm: expected true or false"),
+    (None, ["train.steps=2.5"], r"train.steps: expected an integer, got 2.5"),
+    (None, ["optim.betas=0.9"], r"optim.betas: expected a list"),
+    (None, ["model.num_heads=6", "model.num_kv_heads=4"], r"model.num_heads=6 must be divisible by model.num_kv_heads=4"),
+    (None, ["train.param_dtype=fp64"], r"set train.autocast_dtype=none"),
+    (None, ["train.steps"], r"override 'train.steps' has no '='"),
+    (None, ["model=3"], r"names a section"),
     ("model: [1, 2]\n", [], r"model: expected a mapping"),
     ("model:\n  top_k: 2\n   bad: indent\n", [], r"not valid YAML at line 3"),
     ("- just\n- a list\n", [], r"must hold a mapping of sections"),
+    ("", [], r"holds no settings; add sections"),
+    ("# only a comment\n", [], r"holds no settings; add sections"),
+    ("optim:\n  lr: 1.0e-3\n  lr: 2.0e-3\n", [], r"sets 'lr' twice in one section \(second at line 3\); keep one"),
+    ("optim:\n  lr: 1.0e-3\noptim:\n  eps: 1.0e-8\n", [], r"sets 'optim' twice in one section \(second at line 3\)"),
+    ("model:\n  top_k: 2\x00\n", [], r"non-printable character at offset 17 \(a binary file\?\)"),
+    ("optim:\n  lr: .inf\n", [], r"optim.lr=inf is not a finite number; set a finite value"),
+    (None, ["optim.lr=inf"], r"optim.lr=inf is not a finite number"),
+    (None, ["optim.lr=nan"], r"optim.lr=nan must be > 0"),
+    (None, ["optim.lr=-1"], r"optim.lr=-1.0 must be > 0"),
+    (None, ["optim.eps=inf"], r"optim.eps=inf is not a finite number"),
+    (None, ["optim.betas=[0.9, nan]"], r"optim.betas=\[0.9, nan\] must be two numbers in \[0, 1\)"),
+    (None, ["parallel.capacity_factor=inf"], r"parallel.capacity_factor=inf is not a finite number"),
+    (None, ["model.rope_theta=-inf"], r"model.rope_theta=-inf is not a finite number"),
 ])
 def test_bad_config_gives_one_line_error(tmp_path, text, overrides, pattern):
+    # text None: no file, defaults plus the overrides.
     with pytest.raises(ConfigError, match=pattern) as e:
-        load_config(write(tmp_path, text), overrides)
+        load_config(None if text is None else write(tmp_path, text), overrides)
     assert "\n" not in str(e.value)
+
+
+def test_binary_config_file_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(bytes(range(128, 256)) * 4)  # not UTF-8
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(a binary file\?\); pass a YAML file"):
+        load_config(path)
 
 
 def test_parallel_values_are_checked_by_their_owner_alone():
@@ -104,22 +125,44 @@ def test_configs_in_repo_load():
             load_config(path)
 
 
-def test_cli_prints_config_error_without_traceback(tmp_path):
-    path = write(tmp_path, "model:\n  num_experts: 4\n")
-    proc = subprocess.run([sys.executable, "-m", "longctx_moe.cli", "train", "--config", str(path),
-                           "--set", "model.top_kk=2"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+@pytest.mark.parametrize("text, overrides, message", [
+    ("model:\n  num_experts: 4\n", ["model.top_kk=2"],
+     "unknown config key 'model.top_kk'; did you mean 'model.top_k'?"),
+    ("optim:\n  lr: 1.0\n  lr: 2.0\n", [],
+     "config file '{path}' sets 'lr' twice in one section (second at line 3); keep one of them"),
+    ("model:\n  num_experts: 4\n", ["optim.lr=inf"], "optim.lr=inf is not a finite number; set a finite value"),
+])
+def test_cli_prints_config_error_without_traceback(tmp_path, text, overrides, message):
+    path = write(tmp_path, text)
+    sets = [a for o in overrides for a in ("--set", o)]
+    proc = subprocess.run([sys.executable, "-m", "longctx_moe.cli", "train", "--config", str(path), *sets],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: unknown config key 'model.top_kk'; did you mean 'model.top_k'?"
+    assert proc.stderr.strip() == "error: " + message.format(path=path)
+
+
+def _flop_ratio(m):
+    # Attention FLOPs of one causal pair over dense FLOPs of one token, from model_flops alone:
+    # a 2-token document has 3 pairs, two 1-token documents 2.
+    from longctx_moe.model.flops import active_matmul_params, model_flops
+
+    return (model_flops(m, [2]) - model_flops(m, [1]) * 2) / (6 * active_matmul_params(m))
 
 
 def test_default_pair_cost_is_the_default_models_flop_ratio():
-    # DataConfig's default cost_per_token_pair is derived in its comment from the default model:
-    # attention FLOPs per causal pair over dense FLOPs per token (longctx_moe.model.flops).
     from data_packing.config import DataConfig
     from longctx_moe.model.config import ModelConfig
-    from longctx_moe.model.flops import active_matmul_params, model_flops
 
-    m = ModelConfig()
-    pair = model_flops(m, [2]) - model_flops(m, [1]) * 2  # a 2-token doc has 3 pairs, two 1-token docs 2
-    ratio = pair / (6 * active_matmul_params(m))
-    assert DataConfig().cost_per_token_pair == pytest.approx(ratio, rel=0.01)
+    assert DataConfig().cost_per_token_pair == pytest.approx(_flop_ratio(ModelConfig()), rel=0.01)
+
+
+def test_pair_cost_follows_the_model_unless_given():
+    # Not set: the loader's pair cost is this model's FLOP ratio (in cost_per_token units), so the
+    # DP balance follows the model's attention share; set: taken as given.
+    wide = ["model.hidden_size=512", "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=64"]
+    cfg = load_config(None, wide)
+    assert cfg.data.cost_per_token_pair == pytest.approx(_flop_ratio(cfg.model), rel=1e-12)
+    assert cfg.data.cost_per_token_pair != pytest.approx(load_config(None).data.cost_per_token_pair, rel=0.1)
+    doubled = load_config(None, [*wide, "data.cost_per_token=2"]).data.cost_per_token_pair
+    assert doubled == pytest.approx(2 * cfg.data.cost_per_token_pair, rel=1e-12)
+    assert load_config(None, [*wide, "data.cost_per_token_pair=0"]).data.cost_per_token_pair == 0
