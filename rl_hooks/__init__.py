@@ -8,6 +8,7 @@
     export.py       weights as Hugging Face Qwen3-MoE tensors in byte-capped buckets (TP / EP gathered)
     sampler.py      HFSampler: transformers' Qwen3-MoE as a rollout engine fed by push_weights
     demo.py         the GRPO demo (`longctx-moe rl --config configs/grpo_tiny.yaml`)
+    ray_group.py    RayPolicyGroup: the trainer's ranks as Ray actors behind one driver handle
     adapters/       verl DataProto, NeMo-RL BatchedDataDict and TRL rollout_func layouts <-> RolloutBatch
 """
 
@@ -15,7 +16,7 @@ from rl_hooks.batch import RolloutBatch, RolloutBatchError
 from rl_hooks.losses import LossInputs, LossOutput, Normalizers, PolicyLossConfig, make_loss
 
 __all__ = ["LossInputs", "LossOutput", "Normalizers", "PolicyLossConfig", "PolicyTrainer",
-           "RolloutBatch", "RolloutBatchError", "make_loss"]
+           "RayPolicyGroup", "RolloutBatch", "RolloutBatchError", "make_loss"]
 
 
 def __getattr__(name: str):
@@ -25,4 +26,9 @@ def __getattr__(name: str):
         from rl_hooks.api import PolicyTrainer
 
         return PolicyTrainer
+    if name == "RayPolicyGroup":
+        # Ray itself is imported only when a group is built (the optional `rl` extra).
+        from rl_hooks.ray_group import RayPolicyGroup
+
+        return RayPolicyGroup
     raise AttributeError(f"module 'rl_hooks' has no attribute {name!r}")
