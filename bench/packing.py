@@ -27,10 +27,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from data_packing.build import index_arrays, piece_order  # noqa: E402
 from data_packing.config import DataConfig  # noqa: E402
 from data_packing.loader import StepLoader  # noqa: E402
 from data_packing.packing import plan_rows  # noqa: E402
-from data_packing.pipeline import PackArgs, _shard_arrays, pack  # noqa: E402
+from data_packing.pipeline import PackArgs, pack  # noqa: E402
 from data_packing.sources import stdlib_files  # noqa: E402
 from data_packing.tokenizer import set_workers, train_bpe  # noqa: E402
 
@@ -55,18 +56,28 @@ def _row_stats(total_tokens: int, rows: int, tokens_out: int, seq_len: int) -> d
             "tokens_lost_pct": 100.0 * (total_tokens - tokens_out) / total_tokens}
 
 
+def materialise(ids: list[np.ndarray], plan) -> dict:
+    """The shard's arrays with its rows' tokens gathered in memory: what longctx-pack writes,
+    minus the disk (the TRL side materialises in memory too)."""
+    rows, order = piece_order(plan, 0, 0)
+    arrays = index_arrays(plan, rows, order, np.arange(len(ids)), 1)
+    doc, start, plen = plan.piece_doc[order], plan.piece_start[order], plan.piece_len[order]
+    parts = [ids[d][s:s + n] for d, s, n in zip(doc.tolist(), start.tolist(), plen.tolist(), strict=True)]
+    arrays["tokens"] = np.concatenate(parts).astype(np.uint32) if parts else np.zeros(0, np.uint32)
+    return arrays
+
+
 def bench_ours(ids: list[np.ndarray], seq_len: int, algorithm: str, overflow: str, repeats: int) -> dict:
     lengths = np.asarray([len(x) for x in ids], dtype=np.int64)
-    args = PackArgs(output="", seq_len=seq_len, algorithm=algorithm, overflow=overflow)
     plans, totals = [], []
     # One untimed warm-up on both sides (first-touch page faults of the output buffers), then
     # medians: the machine is shared and noisy.
-    _shard_arrays(args, ids, None, list(range(len(ids))), plan_rows(lengths, seq_len, algorithm, overflow, 1), "uint32")
+    materialise(ids, plan_rows(lengths, seq_len, algorithm, overflow, 1))
     for _ in range(repeats):
         t0 = time.perf_counter()
         plan = plan_rows(lengths, seq_len, algorithm, overflow, 1)
         plans.append(time.perf_counter() - t0)
-        arrays = _shard_arrays(args, ids, None, list(range(len(ids))), plan, "uint32")
+        arrays = materialise(ids, plan)
         totals.append(time.perf_counter() - t0)
     t_plan, dt = float(np.median(plans)), float(np.median(totals))
     out = _row_stats(int(lengths.sum()), plan.num_rows, int(arrays["row_tokens"][-1]), seq_len)

@@ -32,7 +32,8 @@ class PackedBatch:
     labels: torch.Tensor  # int64 [T]; next token of the same document, IGNORE_INDEX where none
     cu_seqlens: torch.Tensor  # int32 [N+1]; cumulative real document lengths
     cu_seqlens_padded: torch.Tensor  # int32 [N+1]; physical offsets of the padded slots
-    position_ids: torch.Tensor  # int64 [T]; restart at 0 for every document (0 at padding)
+    position_ids: torch.Tensor  # int64 [T]; 0.. per document (a split piece packed with
+    # --split-positions continue starts at its offset in the document); 0 at padding
     max_seqlen: int  # host int: longest real document; never read it from a device tensor
     loss_weight: torch.Tensor | None = None  # float32 [T]; optional per-token weight
 

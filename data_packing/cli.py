@@ -7,7 +7,7 @@ import os
 import sys
 
 from data_packing.packing import ALGORITHMS, OVERFLOW_MODES
-from data_packing.pipeline import PackArgs, pack, report
+from data_packing.pipeline import SPLIT_POSITIONS, PackArgs, drop_warning, pack, report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-key", default="text")
     p.add_argument("--ids-key", help="column of pre-tokenized ids (no tokenization)")
     p.add_argument("--messages-key", default="messages", help="column of chat records "
-                   "(lists of {role, content}); loss only on assistant turns")
+                   "(lists of {role, content}); loss only on assistant tokens")
+    p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template (or a "
+                   "tokenizer_config.json holding one) for chat records; default: the "
+                   "tokenizer_config.json beside --tokenizer, else a built-in <|role|> rendering")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--algorithm", choices=ALGORITHMS, default="bfd")
     p.add_argument("--overflow", choices=OVERFLOW_MODES, default="split",
@@ -34,15 +37,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp-size", type=int, default=1,
                    help="context-parallel degree: documents are padded to lcm(2*CP, TP)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel degree (see --cp-size)")
+    p.add_argument("--split-positions", choices=SPLIT_POSITIONS, default="restart",
+                   help="position ids of the pieces of a split document: restart at 0 in each "
+                   "piece, or continue from the piece's offset in the document (RoPE sees the "
+                   "true position)")
     p.add_argument("--append-eos", action="store_true", help="end every document with EOS")
     p.add_argument("--eos-token", help="EOS token of --tokenizer (default: a common name)")
     p.add_argument("--pad-token", help="padding token (default: <|pad|>, else EOS)")
     p.add_argument("--seed", type=int, default=0, help="seeds the order of rows inside each shard")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="tokenizer threads (does not change the output)")
+                   help="processes for tokenizing, writing and checksums (does not change the "
+                   "output)")
     p.add_argument("--max-docs", type=int, help="only the first N input documents (dry runs)")
-    p.add_argument("--num-shards", type=int, default=1,
-                   help="split the input into this many contiguous shards (packed independently)")
+    p.add_argument("--num-shards", type=int, help="split the input into this many contiguous "
+                   "shards, packed independently (default: picked by --memory-budget)")
+    p.add_argument("--memory-budget", default="1G", metavar="SIZE",
+                   help="memory a run may use (e.g. 1G, 4G); picks the shard count when "
+                   "--num-shards is not given")
     p.add_argument("--shard-index", type=int, help="build only this shard (parallel jobs)")
     p.add_argument("--overwrite", action="store_true", help="replace an incompatible output")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -57,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileExistsError) as e:
         print(f"longctx-pack: error: {e}", file=sys.stderr)
         return 2
+    warning = drop_warning(result)
+    if warning:
+        print(warning, file=sys.stderr)
     print(report(result, args))
     return 0
 

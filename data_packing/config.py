@@ -26,6 +26,9 @@ class DataConfig:
     # Each document is padded to a multiple of this (data_packing.batch.pad_multiple); set by the
     # trainer from the parallel layout.
     pad_multiple: int = 1
+    # Check of the packed files at start-up against their shard.json: "full" recomputes every
+    # checksum (reads all data once), "sizes" compares file sizes only (instant).
+    verify: str = "full"
 
     def validate(self) -> None:
         """Raise ValueError naming the `data.<key>`, its value and the fix."""
@@ -35,6 +38,7 @@ class DataConfig:
              f"data.global_batch_tokens={self.global_batch_tokens} must be >= data.micro_batch_tokens="
              f"{self.micro_batch_tokens}; raise it or lower micro_batch_tokens"),
             (self.pad_multiple >= 1, f"data.pad_multiple={self.pad_multiple} must be >= 1"),
+            (self.verify in ("full", "sizes"), f"data.verify={self.verify!r} must be 'full' or 'sizes'"),
             (self.cost_per_token >= 0 and self.cost_per_token_pair >= 0,
              f"data.cost_per_token={self.cost_per_token} and data.cost_per_token_pair="
              f"{self.cost_per_token_pair} must be >= 0"),

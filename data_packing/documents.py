@@ -3,9 +3,11 @@
 Record kinds (see `sources.Corpus.kind`):
 - "text": str, or bytes that must be valid UTF-8 (the stdlib source reads files as bytes);
 - "ids": a list of token ids in [0, vocab_size);
-- "chat": a list of {"role": str, "content": str} messages, rendered as
-  "<|role|>\\n" + content + "\\n" per message. Only the content (and its newline) of assistant
-  messages carries a loss: mask 1 there, 0 elsewhere (role headers, user and system turns).
+- "chat": a list of {"role": str, "content": str} messages, rendered with the model's chat template
+  (`chat_template.py`: loss on the tokens the template marks as generated) or, without one, as
+  "<|role|>\\n" + content + "\\n" per message, where only the content (and its newline) of
+  assistant messages carries a loss: mask 1 there, 0 elsewhere (role headers, user and system
+  turns).
 
 Dropped records are counted by reason (DROP_REASONS) so that
 docs_in == docs_packed + sum(dropped) always holds.
@@ -83,8 +85,9 @@ def _finish(out: Tokenized, i: int, ids: np.ndarray, mask: np.ndarray | None, eo
 
 
 def tokenize_records(records: list, first_index: int, kind: str, tok, eos_id: int | None,
-                     vocab_size: int) -> Tokenized:
-    """Tokenize one chunk. eos_id: appended to every document when not None."""
+                     vocab_size: int, template=None) -> Tokenized:
+    """Tokenize one chunk. eos_id: appended to every document when not None; template: a
+    chat_template.ChatTemplate for chat records (None: the built-in rendering)."""
     out = Tokenized(masks=[] if kind == "chat" else None)
     if kind == "ids":
         for k, value in enumerate(records):
@@ -110,7 +113,35 @@ def tokenize_records(records: list, first_index: int, kind: str, tok, eos_id: in
         for i, ids in zip(good, encode_texts(tok, texts), strict=True):
             _finish(out, i, ids, None, eos_id)
         return out
+    if template is not None:
+        return _tokenize_templated(records, first_index, tok, eos_id, out, template)
     return _tokenize_chat(records, first_index, tok, eos_id, out)
+
+
+def _tokenize_templated(records, first_index, tok, eos_id, out: Tokenized, template) -> Tokenized:
+    from jinja2.exceptions import TemplateError
+
+    from data_packing.chat_template import assistant_mask
+
+    docs, texts, spans = [], [], []
+    for k, value in enumerate(records):
+        _, reason = _chat_segments(value)
+        if reason is None:
+            try:
+                text, gen = template.render(value)
+            except TemplateError:  # the template refused the conversation (raise_exception)
+                reason = "bad_record"
+        if reason:
+            out.dropped[reason] += 1
+            continue
+        docs.append(first_index + k)
+        texts.append(text)
+        spans.append(gen)
+    # encode_batch (not _fast): the character offsets map the generation spans onto tokens
+    for i, enc, gen in zip(docs, tok.encode_batch(texts, add_special_tokens=False) if texts else [],
+                           spans, strict=True):
+        _finish(out, i, np.asarray(enc.ids, np.int32), assistant_mask(enc.offsets, gen), eos_id)
+    return out
 
 
 def _tokenize_chat(records, first_index, tok, eos_id, out: Tokenized) -> Tokenized:

@@ -51,12 +51,15 @@ def read_metadata(path: str) -> dict:
 class PackedDataset:
     """Lazy view of a packed output. Rows: len(self); document pieces: self.num_docs."""
 
-    def __init__(self, path: str, verify_tokenizer: bool = True):
+    def __init__(self, path: str, verify_tokenizer: bool = True, verify: str = "full"):
+        """verify: "full" checks every file's checksum, "sizes" its size only (storage.py)."""
         self.meta = read_metadata(path)
         if verify_tokenizer and self.meta.get("tokenizer_file"):
             self._verify_tokenizer()
-        self._shards = [storage.load_shard(os.path.join(path, s), self.meta["token_dtype"])
-                        for s in self.meta["shards"]]
+        self._shards = [storage.load_shard(os.path.join(path, s), self.meta["token_dtype"],
+                                           verify=verify) for s in self.meta["shards"]]
+        # --split-positions continue: a piece's positions start at its offset in the document
+        self.continue_positions = self.meta.get("split_positions") == "continue"
         self.has_loss_mask = bool(self.meta.get("has_loss_mask"))
         lens = [s["doc_lengths"].astype(np.int64) for s in self._shards]
         self.doc_lengths = np.concatenate(lens) if lens else np.zeros(0, np.int64)  # int64 [D]
@@ -65,6 +68,9 @@ class PackedDataset:
         doc_base = np.cumsum([0] + [len(x) for x in lens])
         self.row_doc_start = np.concatenate(  # int64 [R+1]: pieces of row r are [start[r], start[r+1])
             [s["row_docs"][:-1] + doc_base[k] for k, s in enumerate(self._shards)] + [[doc_base[-1]]])
+        starts = [s["doc_source"][:, 1] for s in self._shards]
+        self.doc_first_position = (np.concatenate(starts) if starts and self.continue_positions
+                                   else np.zeros(self.num_docs, np.int64))  # int64 [D]
 
     def _verify_tokenizer(self) -> None:
         with open(self.meta["tokenizer_file"], "rb") as f:
@@ -120,7 +126,7 @@ def build_micro_batch(ds: PackedDataset, docs: list[int], pad_multiple: int) -> 
     labels = np.full(total, IGNORE_INDEX, dtype=np.int64)
     labels[phys[:-1][keep]] = tokens[phys[1:][keep]]
     positions = np.zeros(total, dtype=np.int64)
-    positions[phys] = in_doc
+    positions[phys] = in_doc + np.repeat(ds.doc_first_position[docs], lens)
     labels_t = torch.from_numpy(labels)
     batch = PackedBatch(
         tokens=torch.from_numpy(tokens), labels=labels_t,
@@ -142,7 +148,7 @@ class StepLoader:
         if not (dp_size >= 1 and 0 <= dp_rank < dp_size):
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
-        self.ds = dataset if dataset is not None else PackedDataset(cfg.path)
+        self.ds = dataset if dataset is not None else PackedDataset(cfg.path, verify=cfg.verify)
         self.padded = pad_to(self.ds.doc_lengths, cfg.pad_multiple)
         if self.ds.num_docs < dp_size:
             raise ValueError(f"{cfg.path} has {self.ds.num_docs} documents, fewer than dp_size="

@@ -116,65 +116,85 @@ class _MaxTree:
         return i - self.size
 
 
-def best_fit_decreasing(sizes: np.ndarray, capacity: int) -> list[list[int]]:
-    """Bins (lists of item indices) from BFD. sizes: int [n], each in [1, capacity]."""
-    order = np.argsort(-np.asarray(sizes, dtype=np.int64), kind="stable")
-    sorted_sizes = np.asarray(sizes, dtype=np.int64)[order].tolist()
-    order = order.tolist()
+def _runs(sizes: np.ndarray):
+    """Items largest first: (order int64 [n], and per run of equal sizes: size, first, end)."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    order = np.argsort(-sizes, kind="stable")
+    ordered = sizes[order]
+    first = np.flatnonzero(np.diff(ordered, prepend=-1) != 0)
+    end = np.append(first[1:], len(ordered)) if len(first) else first
+    return order, zip(ordered[first].tolist(), first.tolist(), end.tolist(), strict=True)
+
+
+def _to_item_bins(order: np.ndarray, bin_sorted: np.ndarray) -> np.ndarray:
+    bin_of = np.empty_like(bin_sorted)
+    bin_of[order] = bin_sorted
+    return bin_of
+
+
+def bfd_bin_of(sizes: np.ndarray, capacity: int) -> np.ndarray:
+    """BFD: int64 [n], the bin of each item (bins numbered in the order they are opened).
+    sizes: int [n], each in [1, capacity]. Per-item state lives in numpy arrays, so planning a
+    shard costs a few dozen bytes per document."""
+    order, runs = _runs(sizes)
+    bin_sorted = np.empty(len(order), np.int64)
     tree = _FirstSetTree(capacity + 1)
     by_free: dict[int, list[int]] = {}  # free capacity -> bins with exactly that much room
-    bins: list[list[int]] = []
-    i, n = 0, len(order)
-    while i < n:
-        s = sorted_sizes[i]
-        j = i
-        while j < n and sorted_sizes[j] == s:
-            j += 1
+    n_bins = 0
+    for s, i, j in runs:
         while i < j:  # place the run of equal items, several at a time per bin
             free = tree.first_at_least(s)
             if free < 0:
-                b, free = len(bins), capacity
-                bins.append([])
+                b, free, n_bins = n_bins, capacity, n_bins + 1
             else:
                 stack = by_free[free]
                 b = stack.pop()
                 if not stack:
                     tree.remove(free)
             k = min(j - i, free // s)
-            bins[b].extend(order[i:i + k])
+            bin_sorted[i:i + k] = b
             i += k
             free -= k * s
             if free > 0:
                 by_free.setdefault(free, []).append(b)
                 tree.add(free)
+    return _to_item_bins(order, bin_sorted)
+
+
+def ffd_bin_of(sizes: np.ndarray, capacity: int) -> np.ndarray:
+    """FFD: the bin of each item. Unopened bins sit in the tree with full capacity, so the
+    leftmost bin with room is either an open one or the next fresh one."""
+    order, runs = _runs(sizes)
+    n = len(order)
+    bin_sorted = np.empty(n, np.int64)
+    tree = _MaxTree(max(n, 1), capacity)
+    for s, i, j in runs:
+        while i < j:
+            b = tree.leftmost_at_least(s)
+            free = tree.t[b + tree.size]
+            k = min(j - i, free // s)
+            bin_sorted[i:i + k] = b
+            i += k
+            tree.set(b, free - k * s)
+    return _to_item_bins(order, bin_sorted)
+
+
+def _bin_lists(bin_of: np.ndarray) -> list[list[int]]:
+    n_bins = int(bin_of.max()) + 1 if len(bin_of) else 0
+    bins: list[list[int]] = [[] for _ in range(n_bins)]
+    for i, b in enumerate(bin_of.tolist()):
+        bins[b].append(i)
     return bins
+
+
+def best_fit_decreasing(sizes: np.ndarray, capacity: int) -> list[list[int]]:
+    """Bins (lists of item indices, ascending) from BFD. sizes: int [n], each in [1, capacity]."""
+    return _bin_lists(bfd_bin_of(sizes, capacity))
 
 
 def first_fit_decreasing(sizes: np.ndarray, capacity: int) -> list[list[int]]:
-    """Bins from FFD. Unopened bins sit in the tree with full capacity, so the leftmost bin with
-    room is either an open one or the next fresh one."""
-    order = np.argsort(-np.asarray(sizes, dtype=np.int64), kind="stable")
-    sorted_sizes = np.asarray(sizes, dtype=np.int64)[order].tolist()
-    order = order.tolist()
-    n = len(order)
-    tree = _MaxTree(max(n, 1), capacity)
-    bins: list[list[int]] = []
-    i = 0
-    while i < n:
-        s = sorted_sizes[i]
-        j = i
-        while j < n and sorted_sizes[j] == s:
-            j += 1
-        while i < j:
-            b = tree.leftmost_at_least(s)
-            if b == len(bins):
-                bins.append([])
-            free = tree.t[b + tree.size]
-            k = min(j - i, free // s)
-            bins[b].extend(order[i:i + k])
-            i += k
-            tree.set(b, free - k * s)
-    return bins
+    """Bins (lists of item indices, ascending) from FFD."""
+    return _bin_lists(ffd_bin_of(sizes, capacity))
 
 
 def _apply_overflow(lengths: np.ndarray, seq_len: int, pad_multiple: int, overflow: str):
@@ -255,10 +275,11 @@ def plan_rows(lengths: np.ndarray, seq_len: int, algorithm: str = "bfd", overflo
         counts["docs_split"] = split
         return PackPlan(doc[wdoc], start[wdoc] + wstart, wlen, row_offsets, counts)
     doc, start, plen, counts = _apply_overflow(lengths, seq_len, pad_multiple, overflow)
-    packer = best_fit_decreasing if algorithm == "bfd" else first_fit_decreasing
-    bins = packer(pad_to(plen, pad_multiple), seq_len)
-    bins = [sorted(b) for b in bins]  # piece indices already run in (document, start) order
-    flat = np.asarray([p for b in bins for p in b], dtype=np.int64)
-    row_offsets = np.zeros(len(bins) + 1, dtype=np.int64)
-    np.cumsum([len(b) for b in bins], out=row_offsets[1:])
+    packer = bfd_bin_of if algorithm == "bfd" else ffd_bin_of
+    bin_of = packer(pad_to(plen, pad_multiple), seq_len)
+    # rows in the order they were opened; inside a row, piece indices ascending, which is
+    # (document, start) order
+    flat = np.argsort(bin_of, kind="stable")
+    row_offsets = np.zeros(int(bin_of.max()) + 2 if len(bin_of) else 1, dtype=np.int64)
+    np.cumsum(np.bincount(bin_of), out=row_offsets[1:])
     return PackPlan(doc[flat], start[flat], plen[flat], row_offsets, counts)

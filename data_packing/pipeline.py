@@ -1,9 +1,14 @@
 """One `longctx-pack` run: read -> tokenize -> pack -> write shards -> metadata.json.
 
+Memory: each shard is built by streaming (`build.py`): tokens go to disk as they are produced and
+packing plans over lengths only, so memory grows with the documents of one shard (a few dozen
+bytes each), never with tokens. Without --num-shards, --memory-budget picks the shard count from
+the number of input records.
 Determinism: the output depends only on the inputs, the tokenizer and the packing arguments
 (never on --workers, timing or the output path), so the same run gives byte-identical files.
 Resumability: each shard carries a fingerprint of the run; a rerun skips shards whose fingerprint
-matches and writes metadata.json once every shard exists.
+matches and whose files are intact, rebuilds the others, and writes metadata.json once every
+shard exists.
 """
 
 from __future__ import annotations
@@ -16,10 +21,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from data_packing import storage
+from data_packing import build, chat_template, storage
 from data_packing.batch import pad_multiple
-from data_packing.documents import DROP_REASONS, tokenize_records, training_texts
-from data_packing.packing import ALGORITHMS, OVERFLOW_MODES, pad_to, plan_rows
+from data_packing.documents import DROP_REASONS, training_texts
+from data_packing.packing import ALGORITHMS, OVERFLOW_MODES, plan_rows
 from data_packing.sources import STDLIB, open_corpus
 from data_packing.stats import format_stats, summarize
 from data_packing.tokenizer import (
@@ -32,7 +37,16 @@ from data_packing.tokenizer import (
 )
 
 # Arguments that do not change the bytes written (left out of the fingerprint and metadata).
-_RUNTIME_ONLY = ("output", "workers", "shard_index", "overwrite", "progress", "chunk_docs")
+_RUNTIME_ONLY = ("output", "workers", "shard_index", "overwrite", "progress", "chunk_docs",
+                 "memory_budget")
+SPLIT_POSITIONS = ("restart", "continue")
+# Shard sizing for --memory-budget, measured with bench/packing_scale.py: the process needs about
+# BASE_BYTES whatever the corpus (interpreter, numpy, tokenizers, torch, read and write buffers,
+# the largest document), and each document of a shard costs ~150 bytes while it is planned and
+# written (lengths, input index, spool offsets, the plan's pieces); PLAN_BYTES_PER_DOC leaves
+# room for the allocator's slack.
+BASE_BYTES = 512 << 20
+PLAN_BYTES_PER_DOC = 1024
 
 
 @dataclass
@@ -56,7 +70,10 @@ class PackArgs:
     seed: int = 0
     workers: int = field(default_factory=lambda: os.cpu_count() or 1)
     max_docs: int | None = None
-    num_shards: int = 1
+    num_shards: int | None = None  # None: picked by memory_budget
+    memory_budget: str = "1G"
+    split_positions: str = "restart"
+    chat_template: str | None = None  # a Jinja chat template file (default: the tokenizer's)
     shard_index: int | None = None
     overwrite: bool = False
     progress: bool = True
@@ -77,9 +94,12 @@ def validate(a: PackArgs) -> None:
         (a.cp_size >= 1 and a.tp_size >= 1, "--cp-size and --tp-size must be >= 1"),
         (a.seq_len >= a.pad_multiple, f"--seq-len {a.seq_len} is smaller than the pad multiple "
                                       f"lcm(2*CP, TP)={a.pad_multiple}; raise --seq-len"),
-        (a.num_shards >= 1, f"--num-shards must be >= 1, got {a.num_shards}"),
-        (a.shard_index is None or 0 <= a.shard_index < a.num_shards,
+        (a.num_shards is None or a.num_shards >= 1, f"--num-shards must be >= 1, got {a.num_shards}"),
+        (a.shard_index is None or a.num_shards is None or 0 <= a.shard_index < a.num_shards,
          f"--shard-index {a.shard_index} is outside [0, --num-shards={a.num_shards})"),
+        (a.shard_index is None or a.shard_index >= 0, f"--shard-index must be >= 0, got {a.shard_index}"),
+        (a.split_positions in SPLIT_POSITIONS,
+         f"--split-positions {a.split_positions!r}: use one of {SPLIT_POSITIONS}"),
         (a.max_docs is None or a.max_docs >= 1, f"--max-docs must be >= 1, got {a.max_docs}"),
         (a.workers >= 1, f"--workers must be >= 1, got {a.workers}"),
         (not (a.tokenizer and a.train_tokenizer), "pass --tokenizer FILE or --train-tokenizer "
@@ -88,6 +108,30 @@ def validate(a: PackArgs) -> None:
     for ok, msg in checks:
         if not ok:
             raise ValueError(msg)
+    parse_bytes(a.memory_budget)
+
+
+def parse_bytes(text: str) -> int:
+    """'1G', '512M', '2GiB', '1500000000' -> bytes (K/M/G/T are powers of 1024)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    try:
+        value = int(float(num) * units[unit])
+    except ValueError:
+        value = -1
+    if value <= BASE_BYTES:
+        raise ValueError(f"--memory-budget {text!r} must be a size above {BASE_BYTES >> 20}M (the "
+                         "memory a run needs whatever its size), e.g. 1G or 4G")
+    return value
+
+
+def resolve_num_shards(a: PackArgs, n_records: int) -> int:
+    """--num-shards, or the fewest shards whose documents fit --memory-budget."""
+    if a.num_shards is not None:
+        return a.num_shards
+    per_shard = (parse_bytes(a.memory_budget) - BASE_BYTES) // PLAN_BYTES_PER_DOC
+    return max(1, -(-n_records // per_shard))
 
 
 def _prepare_tokenizer(a: PackArgs, corpus):
@@ -109,16 +153,6 @@ def _prepare_tokenizer(a: PackArgs, corpus):
         raise ValueError("--append-eos: the tokenizer has no end-of-document token; name one "
                          "with --eos-token")
     return tok, tokenizer_bytes(tok), tok.get_vocab_size(with_added_tokens=True), eos_id, pad_id
-
-
-def _corpus_identity(corpus) -> str:
-    """A hash of what the corpus is, so a rerun on changed inputs does not skip shards."""
-    recs = corpus.records
-    if hasattr(recs, "paths"):
-        root = os.path.commonpath(recs.paths) if recs.paths else ""
-        listing = [(os.path.relpath(p, root), os.path.getsize(p)) for p in recs.paths]
-        return sha256(repr(listing).encode())
-    return sha256(repr((recs.ds._fingerprint, recs.column, len(recs))).encode())
 
 
 def _check_tokenizer(out: str, tok_bytes: bytes | None, overwrite: bool) -> None:
@@ -146,49 +180,6 @@ def _shard_range(n: int, k: int, num_shards: int) -> tuple[int, int]:
     return k * n // num_shards, (k + 1) * n // num_shards
 
 
-def _tokenize_range(a: PackArgs, corpus, tok, eos_id, vocab_size, lo: int, hi: int, bar):
-    """All good documents of [lo, hi) in order, with masks and drop counters."""
-    tokens, masks, index, dropped = [], [], [], {r: 0 for r in DROP_REASONS}
-    for start in range(lo, hi, a.chunk_docs):
-        stop = min(hi, start + a.chunk_docs)
-        res = tokenize_records(corpus.slice(start, stop), start, corpus.kind, tok,
-                               eos_id if a.append_eos else None, vocab_size)
-        tokens += res.tokens
-        index += res.index
-        if res.masks is not None:
-            masks += res.masks
-        for r, n in res.dropped.items():
-            dropped[r] += n
-        bar.update(stop - start, sum(len(t) for t in res.tokens))
-    return tokens, (masks if corpus.kind == "chat" else None), index, dropped
-
-
-def _shard_arrays(a: PackArgs, tokens, masks, index, plan, dtype: str) -> dict[str, np.ndarray]:
-    """Row-major arrays of one shard; rows in a seeded order so in-order readers see a mix."""
-    rows = np.random.default_rng([a.seed, a.shard_index or 0, plan.num_rows]).permutation(plan.num_rows)
-    offs = plan.row_offsets
-    order = np.concatenate([np.arange(offs[r], offs[r + 1]) for r in rows]) if len(rows) else \
-        np.zeros(0, np.int64)
-    doc, start, plen = plan.piece_doc[order], plan.piece_start[order], plan.piece_len[order]
-    parts = [tokens[d][s:s + n] for d, s, n in zip(doc.tolist(), start.tolist(), plen.tolist(), strict=True)]
-    # One copy straight into the stored dtype (ids were range-checked against the vocabulary).
-    cat = lambda xs, dt: np.concatenate(xs, dtype=dt, casting="unsafe") if xs else np.zeros(0, dt)
-    row_docs = np.zeros(len(rows) + 1, np.int64)
-    np.cumsum(np.diff(offs)[rows], out=row_docs[1:])
-    row_tokens = np.zeros(len(rows) + 1, np.int64)
-    np.cumsum(np.add.reduceat(plen, row_docs[:-1]) if len(rows) else [], out=row_tokens[1:])
-    arrays = {
-        "tokens.bin": cat(parts, dtype), "row_docs": row_docs, "row_tokens": row_tokens,
-        "doc_lengths": plen.astype(np.int32),
-        "doc_lengths_padded": pad_to(plen, a.pad_multiple).astype(np.int32),
-        "doc_source": np.stack([np.asarray(index, np.int64)[doc] if len(doc) else doc, start], 1),
-    }
-    if masks is not None:
-        arrays["loss_mask.bin"] = cat([masks[d][s:s + n] for d, s, n in zip(
-            doc.tolist(), start.tolist(), plen.tolist(), strict=True)], np.uint8)
-    return arrays
-
-
 class _Progress:
     """tqdm bar over documents with a tokens/s postfix (silent when not asked for)."""
 
@@ -209,50 +200,59 @@ class _Progress:
         self.bar.close()
 
 
-def _build_shard(a: PackArgs, corpus, tok, eos_id, vocab_size, fingerprint: str, k: int) -> dict:
-    """Tokenize, pack and write shard k; returns its counters."""
+def _build_shard(a: PackArgs, corpus, prep: dict, fingerprint: str, k: int) -> dict:
+    """Tokenize, pack and write shard k (streaming, see build.py); returns its counters."""
     lo, hi = _shard_range(len(corpus), k, a.num_shards)
+    tmp = storage.begin_shard(a.output, k)
+    job = dict(corpus=corpus, tok=prep["tok"], eos_id=prep["eos_id"] if a.append_eos else None,
+               vocab_size=prep["vocab_size"], chat=corpus.kind == "chat", template=prep["template"],
+               dtype=storage.token_dtype(prep["vocab_size"]), chunk_docs=a.chunk_docs, tmp=tmp)
     bar = _Progress(hi - lo, a.progress, f"shard {k}/{a.num_shards}")
     try:
-        tokens, masks, index, dropped = _tokenize_range(a, corpus, tok, eos_id, vocab_size, lo, hi, bar)
+        parts = build.spool_shard(job, lo, hi, a.workers, bar)
     finally:
         bar.close()
-    lengths = np.asarray([len(t) for t in tokens], dtype=np.int64)
+    lengths = np.concatenate([p.lengths for p in parts])
     plan = plan_rows(lengths, a.seq_len, a.algorithm, a.overflow, a.pad_multiple)
-    arrays = _shard_arrays(PackArgs(**{**asdict(a), "shard_index": k}), tokens, masks, index, plan,
-                           storage.token_dtype(vocab_size))
+    files = build.write_shard_files(job, parts, plan, a.seed, k, a.pad_multiple, a.workers)
+    dropped = {r: sum(p.dropped[r] for p in parts) for r in DROP_REASONS}
     counters = {f"docs_dropped_{r}": n for r, n in dropped.items()}
     counters.update(plan.counts, docs_in=hi - lo, tokens_in=int(lengths.sum()),
                     docs_packed=int(np.unique(plan.piece_doc).size))
-    storage.write_shard(a.output, k, arrays, {"fingerprint": fingerprint, "shard": k,
-                                              "doc_range": [lo, hi], "counters": counters})
+    storage.commit_shard(a.output, k, tmp, {"fingerprint": fingerprint, "shard": k, "files": files,
+                                            "doc_range": [lo, hi], "counters": counters})
     return counters
 
 
-def _fingerprint(a: PackArgs, corpus, tok_hash: str | None) -> str:
+def _fingerprint(a: PackArgs, corpus, tok_hash: str | None, template_hash: str | None) -> str:
     args = {k: v for k, v in asdict(a).items() if k not in _RUNTIME_ONLY}
     return sha256(storage.dumps({"args": args, "tokenizer": tok_hash, "format": storage.FORMAT_VERSION,
-                                 "corpus": _corpus_identity(corpus), "docs": len(corpus)}))
+                                 "chat_template": template_hash, "corpus": corpus.identity(),
+                                 "docs": len(corpus)}))
 
 
-def _finish(a: PackArgs, fingerprint: str, tok_hash, vocab_size, eos_id, pad_id, kind) -> dict:
+def _finish(a: PackArgs, fingerprint: str, prep: dict, kind: str) -> dict:
     """Summarize all shards and write metadata.json (atomically, last)."""
-    dtype = storage.token_dtype(vocab_size)
-    shards = []
-    for k in range(a.num_shards):
-        d = os.path.join(a.output, storage.shard_name(k))
-        arrays = storage.load_shard(d, dtype)
-        arrays["counters"] = storage.read_json(os.path.join(d, "shard.json"))["counters"]
-        shards.append(arrays)
-    stats = summarize(shards, a.seq_len)
+    dtype = storage.token_dtype(prep["vocab_size"])
+
+    def shards():  # one shard's index arrays at a time
+        for k in range(a.num_shards):
+            d = os.path.join(a.output, storage.shard_name(k))
+            arrays = storage.load_shard(d, dtype, names=("row_docs", "doc_lengths", "doc_lengths_padded"))
+            arrays["counters"] = storage.read_json(os.path.join(d, storage.SHARD_INFO))["counters"]
+            yield arrays
+
+    stats = summarize(shards(), a.seq_len)
     meta = {
         "format_version": storage.FORMAT_VERSION, "fingerprint": fingerprint,
         "args": {k: v for k, v in asdict(a).items() if k not in _RUNTIME_ONLY},
         "seed": a.seed, "seq_len": a.seq_len, "pad_multiple": a.pad_multiple,
-        "cp_size": a.cp_size, "tp_size": a.tp_size, "vocab_size": vocab_size,
-        "eos_id": eos_id, "pad_id": pad_id, "token_dtype": dtype, "record_kind": kind,
-        "has_loss_mask": kind == "chat",
-        "tokenizer_file": storage.TOKENIZER if tok_hash else None, "tokenizer_sha256": tok_hash,
+        "cp_size": a.cp_size, "tp_size": a.tp_size, "vocab_size": prep["vocab_size"],
+        "eos_id": prep["eos_id"], "pad_id": prep["pad_id"], "token_dtype": dtype,
+        "record_kind": kind, "has_loss_mask": kind == "chat", "split_positions": a.split_positions,
+        "chat_template_sha256": prep["template_hash"],
+        "tokenizer_file": storage.TOKENIZER if prep["tok_hash"] else None,
+        "tokenizer_sha256": prep["tok_hash"],
         "shards": [storage.shard_name(k) for k in range(a.num_shards)],
         "num_rows": stats["rows"], "num_docs": stats["pieces"], "stats": stats,
     }
@@ -260,15 +260,23 @@ def _finish(a: PackArgs, fingerprint: str, tok_hash, vocab_size, eos_id, pad_id,
     return stats
 
 
+def _all_shards_intact(a: PackArgs, fp: str) -> bool:
+    return all(storage.finished_shard(a.output, k, fp) is not None for k in range(a.num_shards))
+
+
 def _existing_output(a: PackArgs, fp: str) -> dict | None:
-    """metadata.json of an identical finished run (nothing to do), else None; refuses to mix
-    with a different finished run unless --overwrite (which clears it first)."""
+    """metadata.json of an identical finished run whose shards are all intact (nothing to do),
+    else None; refuses to mix with a different finished run unless --overwrite (which clears it
+    first). A finished run with a missing or damaged shard loses its metadata.json, so it never
+    loads as complete while that shard is rebuilt."""
     meta_path = os.path.join(a.output, storage.METADATA)
     if os.path.exists(meta_path):
         meta = storage.read_json(meta_path)
         if meta.get("fingerprint") == fp:
-            return meta
-        if not a.overwrite:
+            if _all_shards_intact(a, fp):
+                return meta
+            os.remove(meta_path)
+        elif not a.overwrite:
             raise FileExistsError(f"{a.output} holds a finished run with different inputs or "
                                   "arguments; use a new --output or pass --overwrite")
     if a.overwrite:
@@ -276,46 +284,77 @@ def _existing_output(a: PackArgs, fp: str) -> dict | None:
     return None
 
 
+def _prepare(a: PackArgs):
+    """(corpus, {tok, tok_bytes, tok_hash, vocab_size, eos_id, pad_id, template, template_hash})."""
+    corpus = open_corpus(a.sources, a.text_key, a.ids_key, a.messages_key, a.max_docs)
+    tok, tok_bytes, vocab_size, eos_id, pad_id = _prepare_tokenizer(a, corpus)
+    name = lambda i: tok.id_to_token(i) if tok is not None and i is not None else None
+    template = chat_template.resolve(a, corpus.kind, tok, name(eos_id), name(pad_id))
+    prep = dict(tok=tok, tok_bytes=tok_bytes, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id,
+                tok_hash=sha256(tok_bytes) if tok_bytes is not None else None, template=template,
+                template_hash=sha256(template.source.encode()) if template else None)
+    return corpus, prep
+
+
 def pack(a: PackArgs) -> dict:
-    """Run longctx-pack; returns {"stats", "timing", "complete", "skipped_shards"}."""
+    """Run longctx-pack; returns {"stats", "timing", "complete", "skipped_shards", "num_shards"}."""
     validate(a)
     set_workers(a.workers)
     t0 = time.perf_counter()
-    corpus = open_corpus(a.sources, a.text_key, a.ids_key, a.messages_key, a.max_docs)
-    tok, tok_bytes, vocab_size, eos_id, pad_id = _prepare_tokenizer(a, corpus)
-    tok_hash = sha256(tok_bytes) if tok_bytes is not None else None
+    corpus, prep = _prepare(a)
+    a.num_shards = resolve_num_shards(a, len(corpus))
+    validate(a)  # --shard-index against the shard count picked by --memory-budget
     t_tok = time.perf_counter() - t0
     os.makedirs(a.output, exist_ok=True)
-    _check_tokenizer(a.output, tok_bytes, a.overwrite)
-    fp = _fingerprint(a, corpus, tok_hash)
+    _check_tokenizer(a.output, prep["tok_bytes"], a.overwrite)
+    fp = _fingerprint(a, corpus, prep["tok_hash"], prep["template_hash"])
     meta = _existing_output(a, fp)
     if meta is not None:
-        return {"stats": meta["stats"], "timing": {}, "complete": True, "skipped_shards": a.num_shards}
-    if tok_bytes is not None:
-        storage.write_bytes_atomic(os.path.join(a.output, storage.TOKENIZER), tok_bytes)
-    skipped, docs, tokens = 0, 0, 0
+        return {"stats": meta["stats"], "timing": {}, "complete": True,
+                "skipped_shards": a.num_shards, "num_shards": a.num_shards}
+    if prep["tok_bytes"] is not None:
+        storage.write_bytes_atomic(os.path.join(a.output, storage.TOKENIZER), prep["tok_bytes"])
+    skipped, docs, tokens, dropped = 0, 0, 0, {}
     t1 = time.perf_counter()
     for k in range(a.num_shards) if a.shard_index is None else [a.shard_index]:
         if storage.finished_shard(a.output, k, fp) is not None:
             skipped += 1
             continue
-        counters = _build_shard(a, corpus, tok, eos_id, vocab_size, fp, k)
+        counters = _build_shard(a, corpus, prep, fp, k)
         docs, tokens = docs + counters["docs_in"], tokens + counters["tokens_in"]
+        for r in DROP_REASONS:
+            dropped[r] = dropped.get(r, 0) + counters[f"docs_dropped_{r}"]
     t_pack = time.perf_counter() - t1
-    complete = all(storage.finished_shard(a.output, k, fp) is not None for k in range(a.num_shards))
-    stats = _finish(a, fp, tok_hash, vocab_size, eos_id, pad_id, corpus.kind) if complete else {}
+    complete = _all_shards_intact(a, fp)
+    stats = _finish(a, fp, prep, corpus.kind) if complete else {}
     timing = {"seconds_total": round(time.perf_counter() - t0, 3), "seconds_tokenizer": round(t_tok, 3),
               "seconds_tokenize_pack_write": round(t_pack, 3),
               "docs_per_s": round(docs / max(t_pack, 1e-9), 1),
               "tokens_per_s": round(tokens / max(t_pack, 1e-9), 1)}
     storage.write_bytes_atomic(os.path.join(a.output, "run_stats.json"),
                                storage.dumps({"timing": timing, "skipped_shards": skipped}))
-    return {"stats": stats, "timing": timing, "complete": complete, "skipped_shards": skipped}
+    return {"stats": stats, "timing": timing, "complete": complete, "skipped_shards": skipped,
+            "num_shards": a.num_shards, "dropped": dropped,
+            "record_key": corpus.column}
+
+
+def drop_warning(result: dict) -> str | None:
+    """One line summarising the records this run dropped, by reason, or None."""
+    dropped = {r: n for r, n in (result.get("dropped") or {}).items() if n}
+    if not dropped:
+        return None
+    why = {"missing_value": f"no {result.get('record_key')!r} field or null",
+           "bad_record": "wrong type or malformed", "empty": "no tokens",
+           "invalid_utf8": "invalid UTF-8"}
+    parts = ", ".join(f"{n} {r} ({why[r]})" for r, n in sorted(dropped.items()))
+    return (f"longctx-pack: warning: dropped {sum(dropped.values())} record(s): {parts}; "
+            "see docs_dropped_* in metadata.json stats")
 
 
 def report(result: dict, a: PackArgs) -> str:
     if not result["complete"]:
         return (f"longctx-pack: shard(s) written to {a.output}; metadata.json is written when all "
-                f"{a.num_shards} shards exist (run the remaining --shard-index values)")
-    head = f"longctx-pack: {a.output} complete ({result['skipped_shards']} shard(s) already done)"
+                f"{result['num_shards']} shards exist (run the remaining --shard-index values)")
+    head = (f"longctx-pack: {a.output} complete ({result['num_shards']} shard(s), "
+            f"{result['skipped_shards']} already done)")
     return head + "\n" + format_stats(result["stats"], result["timing"])

@@ -12,6 +12,9 @@ import os
 import sysconfig
 from dataclasses import dataclass
 
+from data_packing.jsonl import JsonlRecords, file_identity
+from data_packing.tokenizer import sha256
+
 STDLIB = "stdlib"
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -21,12 +24,38 @@ class Corpus:
     name: str
     kind: str  # "text", "ids" or "chat": how `documents.py` reads each record
     records: object  # a sequence supporting len() and slicing
+    column: str = "file"  # the field records are read from (named in warnings)
 
     def __len__(self) -> int:
         return len(self.records)
 
     def slice(self, start: int, stop: int) -> list:
         return list(self.records[start:stop])
+
+    def chunks(self, lo: int, hi: int, max_docs: int, max_bytes: int = 64 << 20):
+        """(start, stop) ranges covering [lo, hi): at most max_docs records each and, for JSONL,
+        about max_bytes of input (a record larger than that is a chunk of its own)."""
+        recs = getattr(self.records, "recs", self.records)  # through _Head
+        start = lo
+        while start < hi:
+            stop = min(hi, start + max_docs)
+            if isinstance(recs, JsonlRecords):
+                stop = min(stop, recs.file_end(start))
+                while stop - start > 1 and recs.byte_size(start, stop) > max_bytes:
+                    stop = start + (stop - start) // 2
+            yield start, stop
+            start = stop
+
+    def identity(self) -> str:
+        """A hash of what the corpus is (names, sizes, modification times and, for JSONL, content),
+        so a rerun on changed inputs never reuses shards built from the old ones."""
+        recs = getattr(self.records, "recs", self.records)  # through _Head
+        if isinstance(recs, JsonlRecords | _Files):
+            root = os.path.commonpath(recs.paths) if recs.paths else ""
+            listing = [(os.path.relpath(p, root), file_identity(p)) for p in recs.paths]
+            hashes = recs.hashes if isinstance(recs, JsonlRecords) else None
+            return sha256(repr((listing, hashes, len(self))).encode())
+        return sha256(repr((recs.ds._fingerprint, recs.column, len(recs))).encode())
 
 
 class _Files:
@@ -100,15 +129,22 @@ def _load_dataset(paths: list[str]):
 
 
 def _pick_column(ds, name: str, text_key: str, ids_key: str | None, messages_key: str):
-    cols = list(ds.column_names)
+    def first(key):
+        return next((v for v in ds.select(range(min(len(ds), 64)))[key] if v is not None), "")
+
+    return _choose(list(ds.column_names), name, text_key, ids_key, messages_key, first)
+
+
+def _choose(cols: list[str], name: str, text_key: str, ids_key: str | None, messages_key: str,
+            first) -> tuple[str, str]:
+    """(column, record kind); first(key): the first non-null value of a column."""
     if ids_key is not None:
         if ids_key not in cols:
             raise ValueError(f"--ids-key {ids_key!r} is not a column of {name} (columns: {cols}); "
                              "pass the column holding token ids")
         return ids_key, "ids"
     if text_key in cols:
-        first = next((v for v in ds.select(range(min(len(ds), 64)))[text_key] if v is not None), "")
-        return text_key, "chat" if isinstance(first, list) else "text"
+        return text_key, "chat" if isinstance(first(text_key), list) else "text"
     if messages_key in cols:
         return messages_key, "chat"
     raise ValueError(f"column {text_key!r} is not in {name} (columns: {cols}); pass --text-key "
@@ -125,12 +161,50 @@ def open_corpus(sources: list[str], text_key: str = "text", ids_key: str | None 
         recs = _Files(paths[:max_docs] if max_docs else paths)
         return Corpus(STDLIB, "text", recs)
     paths = _expand(sources)
+    empty = [p for p in paths if os.path.isfile(p) and os.path.getsize(p) == 0]
+    if empty:
+        raise ValueError(f"input {empty[0]!r} is empty (0 bytes); pass a file with records or "
+                         "leave it out")
+    if all(p.lower().endswith(".jsonl") and os.path.isfile(p) for p in paths):
+        return _open_jsonl(paths, text_key, ids_key, messages_key, max_docs)
     ds = _load_dataset(paths)
     name = paths[0] if len(paths) == 1 else f"{len(paths)} files"
+    if len(ds) == 0:
+        raise ValueError(f"input {name!r} is empty (no records); pass a file with records or "
+                         "leave it out")
     column, kind = _pick_column(ds, name, text_key, ids_key, messages_key)
     if max_docs:
         ds = ds.select(range(min(max_docs, len(ds))))
-    return Corpus(name, kind, _Column(ds, column))
+    return Corpus(name, kind, _Column(ds, column), column)
+
+
+def _open_jsonl(paths, text_key, ids_key, messages_key, max_docs) -> Corpus:
+    recs = JsonlRecords(paths)
+    name = paths[0] if len(paths) == 1 else f"{len(paths)} files"
+    if len(recs) == 0:
+        raise ValueError(f"input {name!r} is empty (no records, only blank lines); pass a file "
+                         "with records or leave it out")
+    first = [r for r in recs.peek() if isinstance(r, dict)]
+    cols = list(dict.fromkeys(k for r in first for k in r))
+    column, kind = _choose(cols, name, text_key, ids_key, messages_key,
+                           lambda key: next((r[key] for r in first if r.get(key) is not None), ""))
+    recs.use(column, ids=kind == "ids")
+    return Corpus(name, kind, _Head(recs, max_docs) if max_docs else recs, column)
+
+
+class _Head:
+    """The first n records of a record sequence (--max-docs)."""
+
+    def __init__(self, recs, n: int):
+        self.recs, self.n = recs, min(n, len(recs))
+        self.paths = getattr(recs, "paths", None)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, sl: slice) -> list:
+        start, stop, _ = sl.indices(self.n)
+        return self.recs[start:stop]
 
 
 class _Column:

@@ -16,29 +16,35 @@ COUNTERS = ("docs_in", "docs_packed", "docs_split", "docs_truncated", "docs_drop
             "tokens_in", "tokens_lost") + tuple(f"docs_dropped_{r}" for r in DROP_REASONS)
 
 
-def summarize(shards: list[dict], seq_len: int) -> dict:
-    """shards: [{"counters": {...}, "doc_lengths": int [D], "doc_lengths_padded": int [D],
-    "row_docs": int [R+1]}] -> flat dict of stats (ints and floats, JSON-ready)."""
-    c = Counter()
+def summarize(shards, seq_len: int) -> dict:
+    """shards: an iterable of {"counters": {...}, "doc_lengths": int [D], "doc_lengths_padded":
+    int [D], "row_docs": int [R+1]} -> flat dict of stats (ints and floats, JSON-ready). Shards
+    are consumed one at a time; only per-row numbers are kept, so memory follows rows (tokens /
+    seq_len), not documents."""
+    c, tokens_out, cp_pad, pieces, docs_per_row, sumsq = Counter(), 0, 0, 0, [], []
     for s in shards:
         c.update(s["counters"])
-    lens = np.concatenate([s["doc_lengths"] for s in shards]).astype(np.int64)
-    padded = np.concatenate([s["doc_lengths_padded"] for s in shards]).astype(np.int64)
-    per_row = [np.diff(s["row_docs"]) for s in shards]
-    docs_per_row = np.concatenate(per_row) if per_row else np.zeros(0, np.int64)
+        lens = np.asarray(s["doc_lengths"], np.int64)
+        per_row = np.diff(s["row_docs"])
+        row_of_piece = np.repeat(np.arange(per_row.size), per_row)
+        sumsq.append(np.bincount(row_of_piece, weights=lens.astype(np.float64) ** 2,
+                                 minlength=per_row.size))
+        docs_per_row.append(per_row)
+        tokens_out += int(lens.sum())
+        cp_pad += int((np.asarray(s["doc_lengths_padded"], np.int64) - lens).sum())
+        pieces += int(lens.size)
+    docs_per_row = np.concatenate(docs_per_row) if docs_per_row else np.zeros(0, np.int64)
+    sumsq = np.concatenate(sumsq) if sumsq else np.zeros(0)
     rows = int(docs_per_row.size)
-    row_of_piece = np.repeat(np.arange(rows), docs_per_row)
-    sumsq = np.bincount(row_of_piece, weights=lens.astype(np.float64) ** 2, minlength=rows)
-    tokens_out = int(lens.sum())
     capacity = rows * seq_len
     out = {k: int(c[k]) for k in COUNTERS}
     out["docs_dropped"] = int(sum(c[f"docs_dropped_{r}"] for r in DROP_REASONS)
                               + c["docs_dropped_overflow"])
     out.update(
-        tokens_out=tokens_out, rows=rows, pieces=int(lens.size),
+        tokens_out=tokens_out, rows=rows, pieces=pieces,
         tokens_lost_pct=_pct(c["tokens_lost"], c["tokens_in"]),
         padding_pct=_pct(capacity - tokens_out, capacity),
-        cp_padding_tokens=int((padded - lens).sum()),
+        cp_padding_tokens=cp_pad,
         docs_split_pct=_pct(c["docs_split"], c["docs_packed"]),
         docs_per_row_mean=round(float(docs_per_row.mean()), 4) if rows else 0.0,
         docs_per_row_max=int(docs_per_row.max()) if rows else 0,
