@@ -44,6 +44,11 @@ class CPGroup:
     outer: Any = None
     sizes: tuple[int, int] | None = None  # (inner, outer) for the hierarchical backend
 
+    def __post_init__(self):
+        # Callers hand `group` straight to collectives that read None as "nothing to talk to".
+        if self.size == 1 and self.group is not None:
+            raise ValueError("a one-rank CPGroup takes group=None (use NO_CP): there is no one to talk to")
+
     @property
     def hierarchical(self) -> bool:
         return self.backend == "hierarchical"

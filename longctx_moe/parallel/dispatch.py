@@ -135,7 +135,7 @@ class _EPDispatcher:
     def __call__(self, x_TD, topk_idx_TK, topk_weight_TK, experts):
         """y_TD; with `tp_group`, each TP peer dispatches only its chunk of the (replicated)
         tokens and the outputs are gathered back, so no expert runs a token twice."""
-        if self.tp_group is None or dist.get_world_size(self.tp_group) == 1:
+        if self.tp_group is None:  # dims.group_or_none(Axis.TP): None for one TP rank
             return self._dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts)
         T, g = x_TD.shape[0], self.tp_group
         idx_NK = split_replicated(topk_idx_TK, g).detach()

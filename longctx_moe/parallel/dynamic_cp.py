@@ -30,6 +30,7 @@ import torch
 from data_packing.batch import IGNORE_INDEX, PackedBatch, pad_multiple
 from longctx_moe.parallel.comm import all_gather_rows, gather_sizes
 from longctx_moe.parallel.context_parallel import NO_CP, CPGroup
+from longctx_moe.parallel.dims import Axis
 
 
 @dataclass
@@ -135,14 +136,14 @@ class DynamicCP:
         """This rank's slots for the step and the histogram {CP size: documents} (collective)."""
         from cp_attention.dynamic import schedule
 
-        docs = gather_documents(documents(micro_batches), self.dims.group_or_none("dp"))
+        docs = gather_documents(documents(micro_batches), self.dims.group_or_none(Axis.DP))
         lengths = [d.tokens.numel() for d in docs]
         try:
             plan = schedule(lengths, self.block, self.max_cp, self.capacity, self.cost,
                             tp=self.dims.tp)
         except ValueError as e:  # a document no sub-group can hold: name the keys to change
             raise ValueError(f"Dynamic-CP: {e}") from None
-        me = self.dims.rank_in("dp_cp")
+        me = self.dims.rank_in(Axis.DP_CP)
         slots = []
         for run, seqs in plan.assignment(me):
             batch = pack_documents([docs[i] for i in seqs], pad_multiple(run.size, self.dims.tp))

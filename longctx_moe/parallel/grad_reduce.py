@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from longctx_moe.parallel.dims import Axis
+
 
 def is_expert_module(module: nn.Module) -> bool:
     """GroupedExperts (or a stand-in): holds [E_local, ...] weights sharded by EP."""
@@ -68,10 +70,10 @@ def reduce_gradients(dense: list[nn.Parameter], expert: list[nn.Parameter], dims
     gradients over edp."""
     by_axis: dict[str, list[nn.Parameter]] = {}
     for p in dense:
-        by_axis.setdefault(getattr(p, "reduce_axis", "dp_cp"), []).append(p)
+        by_axis.setdefault(getattr(p, "reduce_axis", Axis.DP_CP), []).append(p)
     for axis, params in by_axis.items():
         _all_reduce_grads(params, dims.group_or_none(axis))
-    _all_reduce_grads(expert, dims.group_or_none("edp"))
+    _all_reduce_grads(expert, dims.group_or_none(Axis.EDP))
 
 
 def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], dims,
@@ -87,8 +89,8 @@ def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], dims,
     """
     sharded = [p for p in dense if getattr(p, "tp_sharded", False)]
     replicated = [p for p in dense if not getattr(p, "tp_sharded", False)]
-    norm_sq = (_sum_sq(replicated) + _sum_sq_over(sharded, dims, "tp")
-               + _sum_sq_over(expert, dims, "ep"))
+    norm_sq = (_sum_sq(replicated) + _sum_sq_over(sharded, dims, Axis.TP)
+               + _sum_sq_over(expert, dims, Axis.EP))
     norm = norm_sq.sqrt()
     if max_norm > 0:
         coef = min(1.0, max_norm / (float(norm) + 1e-6))  # torch's clip_grad_norm_ rule

@@ -20,6 +20,7 @@ from __future__ import annotations
 from torch import nn
 
 from longctx_moe.parallel.config import ParallelConfig
+from longctx_moe.parallel.dims import Axis, ParallelDims
 from longctx_moe.parallel.dispatch import build_dispatcher
 from longctx_moe.parallel.expert_parallel import shard_experts
 from longctx_moe.parallel.runtime import ParallelRuntime
@@ -33,8 +34,6 @@ def parallelize(model: nn.Module, dims=None, cfg: ParallelConfig | None = None,
     token capacity when parallel.max_tokens_per_rank is 0. Raises ValueError (one line) for a
     layout this code cannot run."""
     if dims is None:
-        from longctx_moe.parallel.dims import ParallelDims
-
         dims = ParallelDims.from_config(cfg or ParallelConfig(), 1)
         dims.build_groups(0)
     cfg = cfg or dims.config or ParallelConfig(tp=dims.tp, cp=dims.cp, ep=dims.ep, etp=dims.etp)
@@ -75,7 +74,7 @@ def check_supported(dims, cfg: ParallelConfig) -> None:
 
 def apply_expert_parallel(model: nn.Module, dims, cfg: ParallelConfig) -> None:
     """Shard every MoE layer's experts over the EP group and give it the configured dispatcher."""
-    ep_rank = dims.rank_in("ep") if dims.ep > 1 else 0
+    ep_rank = dims.rank_in(Axis.EP) if dims.ep > 1 else 0
     for layer in model.moe_layers():
         num_experts = layer.experts.num_local_experts
         if dims.ep > 1:

@@ -122,7 +122,7 @@ class ParallelRuntime:
         the global-batch aux loss, else the micro-batch's CP group (None: nothing to sum)."""
         if self.global_batch_aux:
             return stats_reducer(self.dims.group_or_none(Axis.DP_CP))
-        return stats_reducer(cp.group if cp.size > 1 else None)
+        return stats_reducer(cp.group)  # None for a one-rank CPGroup
 
     def _global_batch_scale(self, n: int, device: torch.device) -> float:
         """The global value of micro-batch i weighs N_i / G (N_i: targets of the i-th micro-batches
@@ -130,7 +130,7 @@ class ParallelRuntime:
         A replica micro-batch without targets (n = 0) gets weight 0 there, so its share of the
         statistic is lost (documented approximation)."""
         total = torch.tensor(n, dtype=torch.int64, device=device)
-        self.all_reduce(total, "dp")
+        self.all_reduce(total, Axis.DP)
         return int(total) / n if n else 1.0
 
     # ------------------------------------------------------------------ per optimizer step
@@ -162,12 +162,12 @@ def static_cp_group(dims) -> CPGroup:
     if dims.cp == 1:
         return NO_CP
     if dims.hierarchical:
-        return CPGroup(size=dims.cp, rank=dims.rank_in("cp"), backend="hierarchical",
-                       group=dims.group("cp"), inner=dims.group("cp_inner"),
-                       outer=dims.group("cp_outer"),
+        return CPGroup(size=dims.cp, rank=dims.rank_in(Axis.CP), backend="hierarchical",
+                       group=dims.group(Axis.CP), inner=dims.group(Axis.CP_INNER),
+                       outer=dims.group(Axis.CP_OUTER),
                        sizes=(dims.cp_inner, dims.cp_outer))
-    return CPGroup(size=dims.cp, rank=dims.rank_in("cp"), backend=dims.cp_backend,
-                   group=dims.group("cp"))
+    return CPGroup(size=dims.cp, rank=dims.rank_in(Axis.CP), backend=dims.cp_backend,
+                   group=dims.group(Axis.CP))
 
 
 class _GatherFromCP(torch.autograd.Function):

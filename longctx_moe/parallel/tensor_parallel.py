@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from longctx_moe.parallel.dims import Axis
+
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
@@ -72,7 +74,7 @@ def shard_attention(attn: nn.Module, rank: int, size: int, group) -> None:
     _keep(attn.wo, 1, rank * hq * r, (rank + 1) * hq * r)
     for norm in (attn.q_norm, attn.k_norm):
         for p in norm.parameters() if norm is not None else ():
-            p.reduce_axis = "world"  # partial per TP rank: sums over TP as well as DP x CP
+            p.reduce_axis = Axis.WORLD  # partial per TP rank: sums over TP as well as DP x CP
     _add_tp_hooks(attn, group)
 
 
@@ -110,7 +112,7 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
 def apply_tensor_parallel(model: nn.Module, dims) -> None:
     """Shard every attention and dense MLP of `model` over dims' TP group."""
     check_tensor_parallel(model, dims.tp)
-    rank, size, group = dims.rank_in("tp"), dims.tp, dims.group("tp")
+    rank, size, group = dims.rank_in(Axis.TP), dims.tp, dims.group(Axis.TP)
     for block in model.layers:
         shard_attention(block.attn, rank, size, group)
         for mlp in _dense_mlps(block):

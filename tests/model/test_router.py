@@ -106,6 +106,26 @@ def test_sequence_aux_loss_of_packed_row_is_sum_over_documents(score):
     torch.testing.assert_close(packed.sum(), torch.stack(separate).sum(), atol=TOL64, rtol=0)
 
 
+def test_sequence_aux_loss_skips_the_sort_on_one_device(monkeypatch):
+    """Without `reduce` (one device) a packed row's doc ids are already in order and the segment
+    sums run as they are; with one (CP) the ids are sorted first. Both give the same losses, and
+    the model passes None on one device, so the sort must not run there."""
+    r = _router(num_experts=6, top_k=2)
+    layout = doc_layout(packed_batch([7, 1, 12, 4], 64, pad_multiple=4, trailing_pad=2))
+    x = torch.randn(layout.doc_id_T.numel(), 32, dtype=torch.float64)
+    idx, _, aux = r(x)
+    sorts = []
+    argsort = torch.argsort
+    monkeypatch.setattr(torch, "argsort", lambda *a, **k: sorts.append(1) or argsort(*a, **k))
+    fast = sequence_aux_loss(aux.scores_TE, idx, layout.doc_id_T, layout.num_docs)
+    assert sorts == []
+    sorted_path = sequence_aux_loss(aux.scores_TE, idx, layout.doc_id_T, layout.num_docs, lambda t: t)
+    assert sorts == [1]
+    # A stable sort of ids already in order keeps every row in place: the same sums, bitwise.
+    assert torch.equal(fast, sorted_path)
+    assert doc_layout(packed_batch([3], 8)).reduce_stats is None  # what MoE passes on one device
+
+
 def test_switch_aux_loss_and_z_loss_formulas():
     r = _router(num_experts=4, top_k=2)
     x = torch.randn(9, 32, dtype=torch.float64)
