@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from longctx_moe.choices import check_choice
 
-# Allowed values of the string fields (also read by longctx_moe.config at load time).
+# Allowed values of the string fields; validate() checks them.
 CHOICES = {
     "router_score": ("softmax", "sigmoid"),
     "aux_loss_type": ("none", "switch", "seq"),

@@ -16,7 +16,7 @@ calls `reschedule` once per optimizer step (collective over dp_cp):
 
 The trainer runs the slots like micro-batches. The loss stays the token-mean of the whole global
 batch (G counts every target once; each document runs on exactly one run), gradients reduce once
-per step over dp_cp as before, and router statistics are summed over the run's group.
+per step over dp_cp as with static CP, and router statistics are summed over the run's group.
 
 Legend: N documents of the step, P physical tokens of a slot's batch.
 """
