@@ -39,7 +39,7 @@ def read_metadata(path: str) -> dict:
         raise ValueError(f"{path!r} has no metadata.json, so it is not a finished longctx-pack "
                          "output (interrupted run?); rerun longctx-pack with the same --output")
     meta = storage.read_json(meta_path)
-    if meta.get("format_version") != storage.FORMAT_VERSION:
+    if meta.get("format_version") not in storage.READABLE_VERSIONS:
         raise ValueError(f"{path!r} has format version {meta.get('format_version')}, this code "
                          f"reads {storage.FORMAT_VERSION}; repack it with this version of longctx-pack")
     if meta.get("tokenizer_file"):

@@ -32,6 +32,7 @@ import shutil
 import numpy as np
 
 FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: no file sizes or checksums in shard.json
 METADATA = "metadata.json"
 TOKENIZER = "tokenizer.json"
 SHARD_INFO = "shard.json"
@@ -119,7 +120,7 @@ def shard_problem(shard_dir: str, files: dict, mode: str = "sizes") -> str | Non
         size = os.path.getsize(path)
         if size != want["bytes"]:
             return f"{path} has {size} bytes, expected {want['bytes']}"
-        if mode == "full" and file_digest(path) != want["sha256"]:
+        if mode == "full" and "sha256" in want and file_digest(path) != want["sha256"]:
             return f"{path} does not match its checksum"
     return None
 
@@ -150,6 +151,16 @@ def read_json(path: str) -> dict:
         return json.load(f)
 
 
+def _format1_files(shard_dir: str) -> dict:
+    """Format 1 recorded no file list: the files it always wrote, sizes as found (so only the
+    token count against row_tokens.npy is checked)."""
+    names = [f"{n}.npy" for n in ("row_docs", "row_tokens", "doc_lengths", "doc_lengths_padded",
+                                  "doc_source")] + ["tokens.bin"]
+    names += ["loss_mask.bin"] if os.path.exists(os.path.join(shard_dir, "loss_mask.bin")) else []
+    return {n: {"bytes": os.path.getsize(os.path.join(shard_dir, n))
+                if os.path.exists(os.path.join(shard_dir, n)) else -1} for n in names}
+
+
 def _damaged(problem: str, shard_dir: str) -> ValueError:
     return ValueError(f"{problem}: shard {os.path.basename(shard_dir)} is damaged; delete "
                       f"{shard_dir} and rerun longctx-pack with the same arguments (it rebuilds "
@@ -164,14 +175,14 @@ def load_shard(shard_dir: str, dtype: str, mmap: bool = True, verify: str = "siz
     info_path = os.path.join(shard_dir, SHARD_INFO)
     try:
         info = read_json(info_path)
-        files = info["files"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError):
         raise _damaged(f"{info_path} is missing or unreadable", shard_dir) from None
+    files = info.get("files") or _format1_files(shard_dir)
     problem = shard_problem(shard_dir, files, verify)
     if problem is not None:
         raise _damaged(problem, shard_dir)
     out = {}
-    for name in files:
+    for name in sorted(files, key=lambda n: not n.endswith(".npy")):  # row_tokens first
         key, ext = os.path.splitext(name)
         if names is not None and key not in names:
             continue
@@ -184,6 +195,9 @@ def load_shard(shard_dir: str, dtype: str, mmap: bool = True, verify: str = "siz
         else:
             dt = "uint8" if key == "loss_mask" else dtype
             n = files[name]["bytes"] // np.dtype(dt).itemsize
+            if "row_tokens" in out and n != int(out["row_tokens"][-1]):
+                raise _damaged(f"{path} holds {n} tokens, row_tokens.npy says "
+                               f"{int(out['row_tokens'][-1])}", shard_dir)
             if n == 0:
                 out[key] = np.zeros(0, dtype=dt)
             elif mmap:
