@@ -169,13 +169,6 @@ class Transformer(nn.Module):
         for layer, counts_E in zip(moe, counts_LE, strict=True):
             layer.router.update_bias(counts_E)
 
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        """Parameter count; exclude_embedding drops the input embedding (kept when tied to the head)."""
-        total = sum(p.numel() for p in self.parameters())
-        if exclude_embedding and self.lm_head is not None:
-            total -= self.embed.weight.numel()
-        return total
-
     @torch.no_grad()
     def init_weights(self) -> None:
         """Normal(0, init_std) for every matrix, ones for norms, zero expert bias."""
