@@ -55,16 +55,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory a run may use (e.g. 1G, 4G); picks the shard count when "
                    "--num-shards is not given")
     p.add_argument("--shard-index", type=int, help="build only this shard (parallel jobs)")
+    p.add_argument("--ray", metavar="ADDRESS", help="build the shards as Ray tasks (extra `ray`): "
+                   "`local` starts Ray on this machine with --workers CPUs, `auto` or an address "
+                   "joins a cluster (inputs and --output on a filesystem every node sees)")
     p.add_argument("--overwrite", action="store_true", help="replace an incompatible output")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
-    args = PackArgs(**vars(ns))
+    ns = vars(build_parser().parse_args(argv))
+    ray_address = ns.pop("ray")
+    args = PackArgs(**ns)
     try:
-        result = pack(args)
+        if ray_address is None:
+            result = pack(args)
+        else:
+            from data_packing.ray_runner import pack_on_ray
+
+            result = pack_on_ray(args, ray_address)
     except (ValueError, FileExistsError) as e:
         print(f"longctx-pack: error: {e}", file=sys.stderr)
         return 2

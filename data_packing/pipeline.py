@@ -296,46 +296,81 @@ def _prepare(a: PackArgs):
     return corpus, prep
 
 
-def pack(a: PackArgs) -> dict:
-    """Run longctx-pack; returns {"stats", "timing", "complete", "skipped_shards", "num_shards"}."""
+@dataclass
+class Run:
+    """One run after its inputs are open: what every shard build needs."""
+
+    args: PackArgs
+    corpus: object
+    prep: dict
+    fingerprint: str
+    t0: float
+    seconds_prepare: float
+
+    def todo(self) -> list[int]:
+        """Shards this invocation builds: not yet finished (or damaged), among --shard-index."""
+        a = self.args
+        mine = range(a.num_shards) if a.shard_index is None else [a.shard_index]
+        return [k for k in mine if storage.finished_shard(a.output, k, self.fingerprint) is None]
+
+
+def prepare(a: PackArgs) -> tuple[Run, dict | None]:
+    """Open the inputs, pick the shard count, check the output directory. Returns the run and,
+    when an identical finished output is already there, the result to report (nothing to do)."""
     validate(a)
     set_workers(a.workers)
     t0 = time.perf_counter()
     corpus, prep = _prepare(a)
     a.num_shards = resolve_num_shards(a, len(corpus))
     validate(a)  # --shard-index against the shard count picked by --memory-budget
-    t_tok = time.perf_counter() - t0
     os.makedirs(a.output, exist_ok=True)
     _check_tokenizer(a.output, prep["tok_bytes"], a.overwrite)
     fp = _fingerprint(a, corpus, prep["tok_hash"], prep["template_hash"])
+    run = Run(a, corpus, prep, fp, t0, time.perf_counter() - t0)
     meta = _existing_output(a, fp)
     if meta is not None:
-        return {"stats": meta["stats"], "timing": {}, "complete": True,
-                "skipped_shards": a.num_shards, "num_shards": a.num_shards}
+        return run, {"stats": meta["stats"], "timing": {}, "complete": True,
+                     "skipped_shards": a.num_shards, "num_shards": a.num_shards}
     if prep["tok_bytes"] is not None:
         storage.write_bytes_atomic(os.path.join(a.output, storage.TOKENIZER), prep["tok_bytes"])
-    skipped, docs, tokens, dropped = 0, 0, 0, {}
-    t1 = time.perf_counter()
-    for k in range(a.num_shards) if a.shard_index is None else [a.shard_index]:
-        if storage.finished_shard(a.output, k, fp) is not None:
-            skipped += 1
-            continue
-        counters = _build_shard(a, corpus, prep, fp, k)
-        docs, tokens = docs + counters["docs_in"], tokens + counters["tokens_in"]
-        for r in DROP_REASONS:
-            dropped[r] = dropped.get(r, 0) + counters[f"docs_dropped_{r}"]
-    t_pack = time.perf_counter() - t1
-    complete = _all_shards_intact(a, fp)
-    stats = _finish(a, fp, prep, corpus.kind) if complete else {}
-    timing = {"seconds_total": round(time.perf_counter() - t0, 3), "seconds_tokenizer": round(t_tok, 3),
+    return run, None
+
+
+def build_shard(run: Run, k: int) -> dict:
+    """Build shard k of a prepared run (any process that sees the output directory)."""
+    return _build_shard(run.args, run.corpus, run.prep, run.fingerprint, k)
+
+
+def finish(run: Run, built: list[dict], t_pack: float) -> dict:
+    """metadata.json once every shard exists; the run's result (stats, timing, counters)."""
+    a = run.args
+    mine = a.num_shards if a.shard_index is None else 1
+    docs = sum(c["docs_in"] for c in built)
+    tokens = sum(c["tokens_in"] for c in built)
+    dropped = {r: sum(c[f"docs_dropped_{r}"] for c in built) for r in DROP_REASONS}
+    complete = _all_shards_intact(a, run.fingerprint)
+    stats = _finish(a, run.fingerprint, run.prep, run.corpus.kind) if complete else {}
+    timing = {"seconds_total": round(time.perf_counter() - run.t0, 3),
+              "seconds_tokenizer": round(run.seconds_prepare, 3),
               "seconds_tokenize_pack_write": round(t_pack, 3),
               "docs_per_s": round(docs / max(t_pack, 1e-9), 1),
               "tokens_per_s": round(tokens / max(t_pack, 1e-9), 1)}
+    skipped = mine - len(built)
     storage.write_bytes_atomic(os.path.join(a.output, "run_stats.json"),
                                storage.dumps({"timing": timing, "skipped_shards": skipped}))
     return {"stats": stats, "timing": timing, "complete": complete, "skipped_shards": skipped,
-            "num_shards": a.num_shards, "dropped": dropped,
-            "record_key": corpus.column}
+            "num_shards": a.num_shards, "dropped": dropped, "record_key": run.corpus.column}
+
+
+def pack(a: PackArgs) -> dict:
+    """Run longctx-pack in this process (and its --workers); returns {"stats", "timing",
+    "complete", "skipped_shards", "num_shards", "dropped", "record_key"}."""
+    run, done = prepare(a)
+    if done is not None:
+        return done
+    t1 = time.perf_counter()
+    built = [build_shard(run, k) for k in run.todo()]
+    return finish(run, built, time.perf_counter() - t1)
 
 
 def drop_warning(result: dict) -> str | None:
