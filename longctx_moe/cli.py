@@ -1,5 +1,6 @@
 """The `longctx-moe` command: `train` (one process, or N local ranks with --nproc), `export-hf`
-(a run's checkpoint as a Hugging Face Qwen3-MoE directory, longctx_moe.hf_export),
+(a run's checkpoint as a Hugging Face Qwen3-MoE directory, longctx_moe.hf_export), `report` (PNG
+plots of a run's metrics.jsonl, longctx_moe.report),
 `plan-groups` (provided by longctx_moe.parallel.plan_groups, imported lazily) and `rl` (the GRPO
 demo of rl_hooks.demo: digit reversal with a transformers sampler, one process)."""
 
@@ -43,6 +44,19 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
         return 2
     print("\n".join(lines))
     return 0
+
+
+def _report_parser(sub) -> None:
+    p = sub.add_parser("report", help="PNG plots of a run's metrics.jsonl (loss, grad norm, tokens/s, "
+                                      "MFU, memory, expert load CV per layer)")
+    p.add_argument("run_dir", help="the run directory (train.run_dir: holds metrics.jsonl)")
+    p.add_argument("--out", default=None, metavar="DIR", help="write the PNGs here (default: RUN_DIR)")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from longctx_moe.report import main as report_main
+
+    return report_main(args.run_dir, args.out)
 
 
 def _train_argv(args: argparse.Namespace) -> list[str]:
@@ -151,10 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _export_parser(sub)
+    _report_parser(sub)
     sub.add_parser("plan-groups", help="print the process groups of a parallel layout", add_help=False)
     sub.add_parser("rl", help="GRPO demo: a tiny MoE learns digit reversal (configs/grpo_tiny.yaml)",
                    add_help=False)
     args = parser.parse_args(argv)
+    if args.command == "report":
+        return cmd_report(args)
     return cmd_export_hf(args) if args.command == "export-hf" else cmd_train(args)
 
 

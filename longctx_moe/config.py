@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import types
 import typing
@@ -89,6 +90,7 @@ class LoggingConfig:
     progress_bar: bool = True
     peak_tflops: float = 0.0  # per-rank peak for MFU; 0 = measure once with a bf16 matmul
     metrics_file: str = "metrics.jsonl"  # relative to train.run_dir
+    tensorboard: bool = False  # also write TensorBoard events into train.run_dir/tensorboard
 
 
 @dataclass
@@ -385,6 +387,9 @@ def _check_trainer(cfg: Config) -> None:
     _require(cfg.checkpoint.keep_last >= 0, "checkpoint.keep_last must be >= 0 (0 keeps all)")
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be >= 1")
     _require(cfg.logging.peak_tflops >= 0, "logging.peak_tflops must be >= 0 (0 = measure)")
+    _require(not cfg.logging.tensorboard or importlib.util.find_spec("tensorboard") is not None,
+             "logging.tensorboard needs the tensorboard package: pip install tensorboard "
+             "(or set logging.tensorboard=false)")
 
 
 def _check_components(cfg: Config) -> None:

@@ -1,4 +1,5 @@
-"""Per-step training metrics: expert-load statistics, MFU, the JSONL writer and the progress bar.
+"""Per-step training metrics: expert-load statistics, MFU, peak memory, the JSONL writer (and
+optional TensorBoard events) and the progress bar.
 
 Legend: L MoE layers, E experts.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,45 @@ def measure_peak_tflops(device: torch.device, size: int = 2048, repeats: int = 5
     return 2 * size**3 / times[len(times) // 2] / 1e12
 
 
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak-memory window; False where the peak cannot be reset (peak_memory_mb then
+    reports the process's peak so far)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        # Linux: "5" resets the process's resident-set high-water mark (VmHWM) to its current RSS.
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:  # not Linux, or /proc is read-only (some containers)
+        return False
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory in MiB since reset_peak_memory: on CUDA the tensors allocated on `device`
+    (torch.cuda.max_memory_allocated), on CPU the process's peak resident set (VmHWM, or
+    getrusage's ru_maxrss, the process's lifetime peak, where /proc is missing)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    hwm_kib = _vm_hwm_kib()
+    if hwm_kib is not None:
+        return hwm_kib / 1024
+    import resource  # POSIX only; Linux reports KiB, macOS bytes
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**20 if sys.platform == "darwin" else 1024)
+
+
+def _vm_hwm_kib() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
 def step_flops(model_cfg: Any, doc_lengths: list[int]) -> float | None:
     """Training FLOPs (fwd + bwd) of the documents of one step, from the model's own count.
 
@@ -100,15 +142,21 @@ def _step_of(line: str) -> int | None:
 
 
 class MetricsLogger:
-    """Appends one JSON object per logged step to `path` (rank 0 only) and drives a tqdm bar."""
+    """Appends one JSON object per logged step to `path` (rank 0 only) and drives a tqdm bar;
+    with `tensorboard_dir`, also writes each logged record's numbers as TensorBoard scalars."""
 
     def __init__(self, path: str | Path | None, total_steps: int, initial_step: int = 0,
-                 progress_bar: bool = True):
+                 progress_bar: bool = True, tensorboard_dir: str | Path | None = None):
         self.path = Path(path) if path is not None else None
-        self._file = None
+        self._file, self._tb = None, None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", buffering=1)  # line-buffered: survive a crash
+            if tensorboard_dir is not None:
+                # config validation refused logging.tensorboard where the package is missing
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(tensorboard_dir), purge_step=initial_step + 1)
         self._bar = None
         if progress_bar and self.path is not None:
             from tqdm.auto import tqdm
@@ -118,6 +166,8 @@ class MetricsLogger:
     def log(self, record: dict[str, Any], write: bool = True) -> None:
         if self._file is not None and write:
             self._file.write(json.dumps(_jsonable(record)) + "\n")
+            if self._tb is not None:
+                _write_scalars(self._tb, record)
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(_postfix(record), refresh=False)
@@ -132,8 +182,30 @@ class MetricsLogger:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
         if self._file is not None:
             self._file.close()
+
+
+def scalar_series(record: dict[str, Any]) -> dict[str, float]:
+    """The plottable numbers of one record by name: scalars as they are, per-layer lists as
+    `name/layer_i` (e.g. expert_load_cv/layer_0); the step, flags and text left out."""
+    out = {}
+    for key, value in record.items():
+        if key in ("step", "epoch", "skipped"):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(value)
+        elif isinstance(value, list):
+            out.update({f"{key}/layer_{i}": float(v) for i, v in enumerate(value)
+                        if isinstance(v, (int, float))})
+    return out
+
+
+def _write_scalars(writer, record: dict[str, Any]) -> None:
+    for name, value in scalar_series(record).items():
+        writer.add_scalar(name, value, record["step"])
 
 
 def _postfix(record: dict[str, Any]) -> dict[str, str]:
@@ -141,7 +213,13 @@ def _postfix(record: dict[str, Any]) -> dict[str, str]:
            "tok/s": f"{record['tokens_per_s']:.0f}"}
     if record.get("mfu") is not None:
         out["mfu"] = f"{100 * record['mfu']:.1f}%"
+    if record.get("peak_memory_mb") is not None:
+        out["mem"] = _megabytes(record["peak_memory_mb"])
     return out
+
+
+def _megabytes(mb: float) -> str:
+    return f"{mb / 1024:.1f}G" if mb >= 1024 else f"{mb:.0f}M"
 
 
 def _jsonable(record: dict[str, Any]) -> dict[str, Any]:

@@ -294,7 +294,7 @@ def step_record(res: StepResult, seconds: float, peak: float, world: int, step: 
               "target_tokens": res.num_targets, "step_time_s": seconds,
               "tokens_per_s": res.num_tokens / seconds,
               "mfu": None if res.flops is None else res.flops / seconds / (peak * 1e12 * world),
-              "skipped": res.skipped, "epoch": epoch}
+              "peak_memory_mb": res.peak_memory_mb, "skipped": res.skipped, "epoch": epoch}
     if res.expert_counts is not None:
         record.update(expert_load_stats(res.expert_counts))
     if res.cp_sizes is not None:  # Dynamic-CP: how many documents ran at each CP size
@@ -354,7 +354,8 @@ def run(cfg: Config) -> dict:
         truncate_metrics(metrics_path, trainer.step)
     peak = peak_tflops(cfg, ctx)
     logger = MetricsLogger(metrics_path if ctx.rank == 0 else None, cfg.train.steps, trainer.step,
-                           cfg.logging.progress_bar)
+                           cfg.logging.progress_bar,
+                           ctx.run_dir / "tensorboard" if cfg.logging.tensorboard else None)
     if resumed is not None:
         ignored = f"; train.init_from={cfg.train.init_from} is ignored (the checkpoint wins)" if cfg.train.init_from else ""
         logger.message(f"resumed from {resumed} at step {trainer.step}{ignored}")

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from data_packing.batch import PackedBatch
 from longctx_moe.config import Config
-from longctx_moe.metrics import step_flops
+from longctx_moe.metrics import peak_memory_mb, reset_peak_memory, step_flops
 from longctx_moe.optim import LRSchedule, build_optimizer
 from longctx_moe.parallel.runtime import ParallelRuntime, Shard
 
@@ -92,6 +92,7 @@ class StepResult:
     flops: float | None  # model FLOPs (fwd + bwd) of the global batch; None without a FLOP model
     metrics: dict[str, float] = field(default_factory=dict)  # the objective's, reduced globally
     cp_sizes: dict[int, int] | None = None  # Dynamic-CP: documents run at each CP size this step
+    peak_memory_mb: float | None = None  # the step's peak on the busiest rank (metrics.peak_memory_mb)
 
 
 class Trainer:
@@ -135,6 +136,7 @@ class Trainer:
         """Forward/backward over every micro-batch, reduce, clip, and (unless non-finite) update.
         `objective` defaults to the supervised cross-entropy; `lr` overrides the schedule's
         learning rate for this step (RL frameworks set it per call)."""
+        reset_peak_memory(self.device)
         lr = self.schedule.apply() if lr is None else self._set_lr(lr)
         g, num_tokens, flops = self.step_totals(micro_batches)
         if g == 0:
@@ -161,7 +163,8 @@ class Trainer:
         self.step += 1
         return StepResult(loss=loss, ce_loss=float(sums[1]), aux_loss=float(sums[2]), z_loss=float(sums[3]),
                           grad_norm=grad_norm, lr=lr, num_targets=g, num_tokens=num_tokens, skipped=skipped,
-                          expert_counts=counts, flops=flops, metrics=metrics, cp_sizes=cp_sizes)
+                          expert_counts=counts, flops=flops, metrics=metrics, cp_sizes=cp_sizes,
+                          peak_memory_mb=self._peak_memory())
 
     def _set_lr(self, lr: float) -> float:
         for group in self.optimizer.param_groups:
@@ -211,6 +214,11 @@ class Trainer:
             op = {"_max": dist.ReduceOp.MAX, "_min": dist.ReduceOp.MIN}.get(key[-4:], dist.ReduceOp.SUM)
             out[key] = float(self.runtime.all_reduce(t, "dp_cp", op))
         return out
+
+    def _peak_memory(self) -> float:
+        # The rank that runs out of memory first sets the limit: report the maximum over ranks.
+        t = torch.tensor([peak_memory_mb(self.device)], dtype=torch.float64)
+        return float(self.runtime.all_reduce(t, "world", dist.ReduceOp.MAX))
 
     def _on_non_finite(self, loss: float, grad_norm: float) -> None:
         what = f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} " \
