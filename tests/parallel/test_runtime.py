@@ -18,6 +18,7 @@ from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.dispatch import AllToAllDispatcher
 from longctx_moe.parallel.parallelize import parallelize
+from longctx_moe.parallel.context_parallel import CPGroup
 from longctx_moe.parallel.runtime import NO_CP
 from tests.model.helpers import packed_batch, tiny_config
 
@@ -68,3 +69,11 @@ def test_unsupported_layouts_are_refused_at_start_up_in_one_line(sets, needle):
         dims.rank = 0
         build_runtime(cfg, dims, torch.device("cpu"))
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_one_rank_cp_group_carries_no_group():
+    # The stats reducer and the executors read group None as "one rank": a one-rank CPGroup
+    # holding a real group would send collectives to nobody's benefit, so it is refused.
+    assert NO_CP.group is None
+    with pytest.raises(ValueError, match=r"one-rank CPGroup takes group=None \(use NO_CP\)"):
+        CPGroup(size=1, rank=0, group=object())
