@@ -82,8 +82,7 @@ class _Rank:
 
         from rl_hooks.api import PolicyTrainer
 
-        # Ray exposes only this actor's GPU (CUDA_VISIBLE_DEVICES), so its device is cuda:0.
-        device_index = 0 if ray.get_gpu_ids() else local_rank
+        device_index = _device_index([str(i) for i in ray.get_gpu_ids()], local_rank)
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(device_index),
                           LOCAL_WORLD_SIZE=str(local_world))
@@ -328,6 +327,19 @@ class RayPolicyGroup:
             self._broken = (f"rank {rank} failed in {what} while other ranks were still in it; "
                             "call shutdown() and build a new RayPolicyGroup")
         raise RayGroupError(msg, rank, sorted(errors), cause) from errors[rank]
+
+
+def _device_index(gpu_ids: list[str], local_rank: int) -> int:
+    """LOCAL_RANK for this rank's device: its GPU's index among the visible ones. Ray normally
+    shows an actor only its own GPU (index 0); with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES it
+    shows them all."""
+    if not gpu_ids:
+        return local_rank
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return int(gpu_ids[0])
+    order = visible.split(",")
+    return order.index(gpu_ids[0]) if gpu_ids[0] in order else 0
 
 
 def _discard(bucket) -> None:

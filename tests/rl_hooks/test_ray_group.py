@@ -183,3 +183,15 @@ def test_cp2_group_matches_the_in_process_policy_float64(group, cluster):
             cp.apply(_fail_on_rank_1_while_rank_0_waits)
         with pytest.raises(RuntimeError, match="call shutdown"):
             cp.info()
+
+
+def test_each_rank_finds_its_own_gpu_among_the_visible_ones(monkeypatch):
+    from rl_hooks.ray_group import _device_index
+
+    assert _device_index([], 3) == 3  # CPU ranks: the local rank
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")  # what Ray sets for an actor with GPU 2
+    assert _device_index(["2"], 1) == 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")  # RAY_EXPERIMENTAL_NOSET_... style
+    assert _device_index(["2"], 1) == 2
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert _device_index(["5"], 1) == 5
