@@ -4,13 +4,19 @@ Layout under the checkpoint directory:
 
     step_00000100/            one directory per saved step
         meta.json             step, world size, the model/parallel config it was written with,
-                              each rank file's size and sha256
-        rank_00000.pt ...     each rank's model shard, optimizer, schedule, loader state, RNG
+                              each rank file's size and sha256, and the index of every tensor:
+                              its global shape, dtype and pieces (file, offsets, shape)
+        rank_00000.safetensors ...  the pieces each rank wrote; its metadata holds the rank's
+                              own state (RNG, loader position) as JSON
     latest                    text file naming the newest complete step directory
     superseded/step_...       steps set aside by a run that went back to an earlier step
 
-Every rank writes its own file (model-parallel ranks hold different shards; data-parallel ranks
-hold different loader positions and RNG streams) into `.step_N.tmp/` and fsyncs it; once every
+Tensors are stored by global slice (sharded_state.py says which slice a rank holds), each piece
+once: a piece that several ranks hold alike (replicas over DP, CP, ...) is written by the lowest
+of them. A run under another layout (world size, TP, CP, EP) reads the slices it needs from
+whichever files hold them (`CheckpointReader.read`). No pickles: safetensors and JSON only.
+
+Every rank writes its own file into `.step_N.tmp/` and fsyncs it; once every
 rank has reported success, rank 0 writes meta.json, fsyncs the directory, renames it into place,
 fsyncs the parent and replaces `latest`. A crash or a power cut therefore never leaves a
 half-written step that `latest` names. Assumes a filesystem that every rank sees (one machine, or
@@ -36,6 +42,7 @@ leaving its peers blocked in the next collective.
 
 from __future__ import annotations
 
+import base64
 import errno
 import hashlib
 import json
@@ -43,7 +50,10 @@ import os
 import random
 import re
 import shutil
+import signal
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +61,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-FORMAT_VERSION = 2  # 2: meta.json records each rank file's bytes and sha256
+FORMAT_VERSION = 3  # 2: meta.json records each rank file's bytes and sha256; 3: tensors by global slice, safetensors
 SUPERSEDED = "superseded"
 _STEP_NAME = re.compile(r"step_(\d+)")
 
@@ -65,7 +75,7 @@ def step_dir_name(step: int) -> str:
 
 
 def rank_file_name(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
+    return f"rank_{rank:05d}.safetensors"
 
 
 # ---------------------------------------------------------------------- agreement across ranks
@@ -98,23 +108,33 @@ def agree(error: str | None, payload: Any = None, cls: type[Exception] = Checkpo
 # ---------------------------------------------------------------------- RNG
 
 
+def _tensor_b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _b64_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
 def rng_state() -> dict[str, Any]:
-    """Every RNG the run draws from; numpy's state is stored as plain lists."""
+    """Every RNG the run draws from, as JSON-ready values (torch's states base64-encoded)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+    version, internal, py_gauss = random.getstate()
+    state = {"torch": _tensor_b64(torch.get_rng_state()), "python": [version, list(internal), py_gauss],
              "numpy": [kind, keys.tolist(), pos, has_gauss, gauss]}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [_tensor_b64(s) for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    torch.set_rng_state(_b64_tensor(state["torch"]))
+    version, internal, py_gauss = state["python"]
+    random.setstate((version, tuple(internal), py_gauss))
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([_b64_tensor(s) for s in state["cuda"]])
 
 
 # ---------------------------------------------------------------------- durable files
@@ -146,29 +166,17 @@ def _atomic_write_text(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-class _HashingWriter:
-    """The file object torch.save writes to: hashes the bytes on their way, so the checksum
-    costs no second read of a file that may be gigabytes."""
+def _write_rank_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
+    """Write one safetensors file and fsync it; return its size and sha256 (hashed from the bytes
+    in memory, so the checksum costs no second read of the file)."""
+    from safetensors.torch import save
 
-    def __init__(self, f):
-        self._f, self.sha256, self.bytes = f, hashlib.sha256(), 0
-
-    def write(self, data) -> int:
-        self.sha256.update(data)
-        self.bytes += memoryview(data).nbytes
-        return self._f.write(data)
-
-    def flush(self) -> None:
-        self._f.flush()
-
-
-def _write_rank_file(path: Path, state: dict[str, Any]) -> dict[str, Any]:
+    data = save(tensors, metadata=metadata)
     with open(path, "wb") as f:
-        writer = _HashingWriter(f)
-        torch.save(state, writer)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return {"bytes": writer.bytes, "sha256": writer.sha256.hexdigest()}
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def _sha256(path: Path) -> str:
@@ -188,29 +196,147 @@ def _write_error(path: Path, e: Exception) -> str:
 # ---------------------------------------------------------------------- save
 
 
-def save_checkpoint(ckpt_dir: str | Path, step: int, rank_state: dict[str, Any], meta: dict[str, Any],
-                    rank: int, world_size: int, keep_last: int = 0, group=None) -> Path:
-    """Collective over `group` (all ranks of the run): write this rank's `rank_state`, then
-    rank 0 publishes the step directory atomically and prunes to the newest `keep_last`.
-    A failure on any rank raises the same one-line CheckpointError on every rank."""
+@dataclass(frozen=True)
+class Piece:
+    """A rank's piece of a tensor: `tensor` sits at `offsets` inside a tensor of `global_shape`."""
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+def save_checkpoint(ckpt_dir: str | Path, step: int, pieces: dict[str, Piece], rank_state: dict[str, Any],
+                    meta: dict[str, Any], rank: int, world_size: int, keep_last: int = 0, group=None) -> Path:
+    """Collective over `group` (all ranks of the run): write this rank's `pieces` (those no lower
+    rank holds alike) and its JSON-ready `rank_state`, then rank 0 publishes the step directory
+    atomically and prunes to the newest `keep_last`. A failure on any rank raises the same
+    one-line CheckpointError on every rank."""
+    staged = stage_checkpoint(ckpt_dir, step, pieces, rank, group)
+    return publish_checkpoint(staged, write_staged(staged, rank_state), meta, world_size, keep_last, group)
+
+
+@dataclass
+class Staged:
+    """A save between its collective start (directory, which rank writes which piece) and its
+    publication: `tensors` are this rank's own copies, safe from the training that goes on."""
+
+    ckpt_dir: Path
+    step: int
+    rank: int
+    tensors: dict[str, torch.Tensor]
+    index: dict[str, Any]  # key -> global shape, dtype, pieces (file, offsets, shape)
+    slices: dict[str, Any]  # this rank's written keys -> (global shape, offsets)
+
+    @property
+    def tmp(self) -> Path:
+        return self.ckpt_dir / f".{step_dir_name(self.step)}.tmp"
+
+
+def stage_checkpoint(ckpt_dir: str | Path, step: int, pieces: dict[str, Piece], rank: int, group=None,
+                     copy: bool = False) -> Staged:
+    """Collective: the temporary step directory, and which rank writes each piece (the lowest
+    rank holding the same key and slice). `copy`: take CPU copies of this rank's pieces (a
+    background write while training changes them), else only what safetensors needs."""
     ckpt_dir = Path(ckpt_dir)
-    final = ckpt_dir / step_dir_name(step)
-    tmp = ckpt_dir / f".{final.name}.tmp"
+    tmp = ckpt_dir / f".{step_dir_name(step)}.tmp"
     agree(_try(_fresh_dir, tmp) if rank == 0 else None, group=group)
-    part = tmp / rank_file_name(rank)
-    entry, error = None, None
+    mine = {k: (list(p.global_shape), list(p.offsets), list(p.tensor.shape), str(p.tensor.dtype).removeprefix("torch."))
+            for k, p in pieces.items()}
+    index, writes = _piece_index(agree(None, mine, group=group), rank)
+    tensors = _own_tensors({k: pieces[k].tensor for k in writes}, copy)
+    return Staged(ckpt_dir, step, rank, tensors, index, {k: mine[k][:2] for k in writes})
+
+
+def _own_tensors(tensors: dict[str, torch.Tensor], copy: bool) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, no two sharing storage (safetensors refuses tied weights)."""
+    out, seen = {}, set()
+    for key, t in tensors.items():
+        t = t.detach()
+        ptr = t.untyped_storage().data_ptr() if t.device.type == "cpu" else None
+        if copy or ptr in seen or t.device.type != "cpu":
+            t = t.to("cpu", copy=True)
+        seen.add(ptr)
+        out[key] = t.contiguous()
+    return out
+
+
+def _piece_index(everyone: list[dict[str, Any]], rank: int) -> tuple[dict[str, Any], list[str]]:
+    """(the index of every tensor, the keys `rank` writes) from each rank's (global shape,
+    offsets, shape, dtype) by key: a piece several ranks hold is written by the lowest."""
+    index: dict[str, Any] = {}
+    writes, seen = [], set()
+    for r, slices in enumerate(everyone):
+        for key, (global_shape, offsets, shape, dtype) in slices.items():
+            if (key, tuple(offsets), tuple(shape)) in seen:
+                continue
+            seen.add((key, tuple(offsets), tuple(shape)))
+            entry = index.setdefault(key, {"global_shape": global_shape, "dtype": dtype, "pieces": []})
+            entry["pieces"].append({"file": rank_file_name(r), "offsets": offsets, "shape": shape})
+            if r == rank:
+                writes.append(key)
+    return index, writes
+
+
+def write_staged(staged: Staged, rank_state: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
+    """Write and fsync this rank's file (no collective: may run on a background thread);
+    returns (error message, file entry)."""
+    part = staged.tmp / rank_file_name(staged.rank)
+    metadata = {"format": str(FORMAT_VERSION), "state": json.dumps(rank_state),
+                "slices": json.dumps(staged.slices)}
     try:
-        entry = _write_rank_file(part, rank_state)
-    except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as RuntimeError
-        error = _write_error(part, e)
-    entries = agree(error, entry, group=group)
+        kill_point("save", staged.step, staged.rank)
+        return None, _write_rank_file(part, staged.tensors, metadata)
+    except (OSError, RuntimeError) as e:
+        return _write_error(part, e), None
+
+
+def publish_checkpoint(staged: Staged, written: tuple[str | None, dict[str, Any] | None], meta: dict[str, Any],
+                       world_size: int, keep_last: int, group=None) -> Path:
+    """Collective: once every rank's file is written, rank 0 writes meta.json, renames the step
+    into place, points `latest` at it and prunes."""
+    entries = agree(*written, group=group)
+    final = staged.ckpt_dir / step_dir_name(staged.step)
     error = None
-    if rank == 0:
-        full_meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, **meta,
-                     "files": {rank_file_name(r): e for r, e in enumerate(entries)}}
-        error = _try(_publish, ckpt_dir, tmp, final, full_meta, keep_last)
+    if staged.rank == 0:
+        full_meta = {"format": FORMAT_VERSION, "step": staged.step, "world_size": world_size, **meta,
+                     "files": {rank_file_name(r): e for r, e in enumerate(entries)}, "tensors": staged.index}
+        error = _try(_publish, staged.ckpt_dir, staged.tmp, final, full_meta, keep_last)
     agree(error, group=group)
     return final
+
+
+class AsyncSave:
+    """A staged save whose rank file is written on a background thread while training goes on
+    (checkpoint.async_save). `ready()` and `finish()` are collectives: call them at the same
+    point on every rank; `finish` waits for the write and publishes the step."""
+
+    def __init__(self, staged: Staged, rank_state: dict[str, Any], meta: dict[str, Any], world_size: int,
+                 keep_last: int, group=None):
+        self.staged, self._publish_args = staged, (meta, world_size, keep_last, group)
+        self._written: tuple[str | None, dict[str, Any] | None] = (None, None)
+        self._thread = threading.Thread(target=self._write, args=(rank_state,), name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def _write(self, rank_state: dict[str, Any]) -> None:
+        self._written = write_staged(self.staged, rank_state)
+
+    def ready(self) -> bool:
+        """Collective: whether every rank's write has ended."""
+        return all(agree(None, not self._thread.is_alive(), group=self._publish_args[3]))
+
+    def finish(self) -> Path:
+        self._thread.join()
+        return publish_checkpoint(self.staged, self._written, *self._publish_args)
+
+
+# Test hook (tests/trainer/test_faults.py): "WHERE:STEP:RANK" makes that rank SIGKILL itself at
+# that point of that step, on the first attempt of an elastic run only.
+KILL_ENV = "LONGCTX_MOE_TEST_KILL"
+
+
+def kill_point(where: str, step: int, rank: int) -> None:
+    if os.environ.get(KILL_ENV) == f"{where}:{step}:{rank}" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _try(fn: Callable[..., None], path: Path, *args) -> str | None:
@@ -374,30 +500,99 @@ def _older_step_hint(step_dir: Path) -> str:
     return "no older step exists there: set checkpoint.resume=none to start over"
 
 
-def load_rank_state(step_dir: str | Path, rank: int, world_size: int,
-                    expect: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(meta, this rank's state) of a step directory, checked against the current run.
+class CheckpointReader:
+    """One step directory, read by global slice under any layout. Each rank file is checked
+    against meta.json (size, sha256) once, before the first read from it."""
 
-    `expect` holds meta entries (e.g. the model config) that must match; a difference is a
-    one-line CheckpointError naming the first differing key. The rank file's size and sha256
-    are checked against meta.json before it is unpickled.
-    """
-    step_dir = Path(step_dir)
-    meta = read_meta(step_dir)
-    if meta.get("world_size") != world_size:
-        raise CheckpointError(f"checkpoint '{step_dir}' was written by {meta.get('world_size')} ranks but this run has "
-                              f"{world_size}; resume with the same world size or set checkpoint.resume=none")
-    _check_expected(step_dir, meta, expect or {})
-    path = step_dir / rank_file_name(rank)
-    _verify_file(path, (meta.get("files") or {}).get(path.name))
-    return meta, _torch_load(path)
+    def __init__(self, step_dir: str | Path, expect: dict[str, Any] | None = None):
+        """`expect`: meta entries (e.g. the model config) that must match; a difference is a
+        one-line CheckpointError naming the first differing key."""
+        self.step_dir = Path(step_dir)
+        self.meta = read_meta(self.step_dir)
+        if self.meta.get("format", 1) < 3:
+            raise CheckpointError(f"checkpoint '{self.step_dir}' has format {self.meta.get('format', 1)} (pickled rank "
+                                  "files of an older longctx_moe); resume it with that version or set checkpoint.resume=none")
+        _check_expected(self.step_dir, self.meta, expect or {})
+        self._index: dict[str, Any] = self.meta.get("tensors") or {}
+        self._open: dict[str, Any] = {}
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return sorted(k for k in self._index if k.startswith(prefix))
+
+    def global_shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._entry(key)["global_shape"])
+
+    def _entry(self, key: str) -> dict[str, Any]:
+        if key not in self._index:
+            name = key.split(".", 1)[1] if key.startswith("model.") else key
+            raise CheckpointError(f"checkpoint '{self.step_dir}' lacks tensor '{name}'; it was written for a different "
+                                  "model: use the matching model config or set checkpoint.resume=none")
+        return self._index[key]
+
+    def file(self, name: str):
+        """The safetensors handle of rank file `name`, verified on first use."""
+        if name not in self._open:
+            from safetensors import safe_open
+
+            path = self.step_dir / name
+            _verify_file(path, (self.meta.get("files") or {}).get(name))
+            try:
+                self._open[name] = safe_open(str(path), framework="pt")
+            except Exception as e:  # noqa: BLE001 - a damaged header fails any way (SafetensorError, OSError, ...)
+                raise CheckpointError(f"checkpoint file '{path}' cannot be read as safetensors ({type(e).__name__}): it is "
+                                      f"corrupt; {_older_step_hint(path.parent)}") from None
+        return self._open[name]
+
+    def read(self, key: str, global_shape: tuple[int, ...], offsets: tuple[int, ...],
+             shape: tuple[int, ...]) -> torch.Tensor:
+        """The slice [offsets, offsets + shape) of tensor `key` (whose global shape must be
+        `global_shape`), assembled from the pieces that overlap it, in the stored dtype."""
+        entry = self._entry(key)
+        if tuple(entry["global_shape"]) != tuple(global_shape):
+            name = key.split(".", 1)[1] if key.startswith("model.") else key
+            raise CheckpointError(f"checkpoint '{self.step_dir}' has '{name}' of shape {tuple(entry['global_shape'])} but "
+                                  f"the model expects {tuple(global_shape)}; use the matching model config or set "
+                                  "checkpoint.resume=none")
+        out = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
+        covered = 0
+        for piece in entry["pieces"]:
+            covered += self._copy_overlap(key, piece, out, offsets)
+        if covered != out.numel():
+            raise CheckpointError(f"checkpoint '{self.step_dir}' holds {covered} of the {out.numel()} elements of "
+                                  f"'{key}' this rank needs (meta.json's index is incomplete); resume from another step")
+        return out
+
+    def _copy_overlap(self, key: str, piece: dict[str, Any], out: torch.Tensor, offsets: tuple[int, ...]) -> int:
+        """Copy the part of `piece` inside `out`'s slice; return the number of elements copied."""
+        lo = [max(a, b) for a, b in zip(offsets, piece["offsets"], strict=True)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, out.shape, piece["offsets"], piece["shape"], strict=True)]
+        if any(h <= low for low, h in zip(lo, hi, strict=True)):
+            return 0
+        handle = self.file(piece["file"])
+        src = tuple(slice(low - p, h - p) for low, h, p in zip(lo, hi, piece["offsets"], strict=True))
+        dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets, strict=True))
+        if list(piece["shape"]) == [h - low for low, h in zip(lo, hi, strict=True)]:
+            data = handle.get_tensor(key)  # the whole piece (scalars too)
+        else:
+            data = handle.get_slice(key)[src]
+        out[dst] = data
+        return data.numel()
+
+    def rank_state(self, rank: int) -> dict[str, Any]:
+        """The JSON state rank `rank` saved (RNG, loader position)."""
+        name = rank_file_name(rank)
+        try:
+            return json.loads(self.file(name).metadata()["state"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"checkpoint file '{self.step_dir / name}' has no readable rank state: it is corrupt; "
+                                  f"{_older_step_hint(self.step_dir)}") from None
 
 
 def _verify_file(path: Path, entry: dict[str, Any] | None) -> None:
     if not path.is_file():
         raise CheckpointError(f"checkpoint file '{path}' is missing; {_older_step_hint(path.parent)}")
     if entry is None:
-        return  # format 1: written before checksums
+        return  # no checksum recorded (meta.json edited by hand): the reader's own errors apply
     size = path.stat().st_size
     if size != entry["bytes"]:
         raise CheckpointError(f"checkpoint file '{path}' has {size} bytes but meta.json records {entry['bytes']} "
@@ -405,15 +600,6 @@ def _verify_file(path: Path, entry: dict[str, Any] | None) -> None:
     if _sha256(path) != entry["sha256"]:
         raise CheckpointError(f"checkpoint file '{path}' fails its sha256 check (its bytes changed after the save); "
                               f"{_older_step_hint(path.parent)}")
-
-
-def _torch_load(path: Path) -> dict[str, Any]:
-    try:
-        # Our own files: they hold loader and RNG state that the weights-only unpickler rejects.
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - a damaged pickle fails any way: MemoryError from a bad frame length, KeyError, ...
-        raise CheckpointError(f"checkpoint file '{path}' cannot be unpickled ({type(e).__name__}): it is corrupt; "
-                              f"{_older_step_hint(path.parent)}") from None
 
 
 def _check_expected(step_dir: Path, meta: dict, expect: dict) -> None:

@@ -20,6 +20,9 @@ def _train_parser(sub) -> None:
                    help="dotted override, repeatable: --set model.num_experts=16 --set train.steps=50")
     p.add_argument("--nproc", type=int, default=1,
                    help="local ranks to launch through torch's elastic launcher (gloo on CPU, nccl on GPU)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="when a rank dies, stop the others and relaunch all of them from the latest complete "
+                        "checkpoint, up to N times (elastic launcher, also with --nproc 1)")
 
 
 def _export_parser(sub) -> None:
@@ -66,8 +69,10 @@ def _train_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def launch_local(nproc: int, train_argv: list[str]) -> int:
-    """Run `python -m longctx_moe.train` on `nproc` local ranks (torchrun --standalone).
+def launch_local(nproc: int, train_argv: list[str], max_restarts: int = 0) -> int:
+    """Run `python -m longctx_moe.train` on `nproc` local ranks (torchrun --standalone); when a
+    rank fails, torchrun stops the others and starts all again, up to `max_restarts` times (the
+    ranks resume from the latest complete checkpoint: train.maybe_resume).
 
     Exit status: 0; 2 when the ranks stopped on a user error (rank 0 printed it); 128 + the
     signal when this launcher was stopped (its ranks are stopped with it); 1 otherwise.
@@ -79,7 +84,8 @@ def launch_local(nproc: int, train_argv: list[str]) -> int:
     from longctx_moe.train import LAUNCHER_PID_ENV
 
     launcher_args = get_args_parser().parse_args(
-        ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "--module", "longctx_moe.train",
+        ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+         "--module", "longctx_moe.train",
          *train_argv])
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # the ranks end with this process (die_with_launcher)
     _quiet_launcher_logs()
@@ -129,11 +135,12 @@ def check_before_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    if args.nproc < 1:
-        print(f"error: --nproc={args.nproc} must be >= 1", file=sys.stderr)
+    if args.nproc < 1 or args.max_restarts < 0:
+        bad = f"--nproc={args.nproc} must be >= 1" if args.nproc < 1 else f"--max-restarts={args.max_restarts} must be >= 0"
+        print(f"error: {bad}", file=sys.stderr)
         return 2
-    if args.nproc > 1:
-        return check_before_launch(args) or launch_local(args.nproc, _train_argv(args))
+    if args.nproc > 1 or args.max_restarts > 0:
+        return check_before_launch(args) or launch_local(args.nproc, _train_argv(args), args.max_restarts)
     from longctx_moe.train import main as train_main
 
     return train_main(_train_argv(args))

@@ -82,6 +82,10 @@ class CheckpointConfig:
     keep_last: int = 2  # older step directories are deleted; 0 keeps all
     save_final: bool = True
     resume: str = "auto"  # auto (latest in dir if any) | none | <path of a step directory>
+    # Write the rank files on a background thread after a CPU copy of the state; the step is
+    # published at the first step boundary after every rank's write (the next save and the end
+    # of training wait for it).
+    async_save: bool = False
 
 
 @dataclass

@@ -8,10 +8,9 @@ states of one checkpoint step into the single-device model's state dict and writ
     OUT/config.json                            hf_interop.to_hf_config of the run's model.*
     OUT/tokenizer.json, tokenizer_config.json  the corpus tokenizer, when data.path has one
 
-No process group is needed: which rank holds which shard follows from the parallel degrees
-(ParallelDims.table() is pure). TP shards are concatenated along the dimension
-tensor_parallel.py cut (rows of wq/wk/wv/w_gate/w_up, columns of wo/w_down) over the TP ranks of
-the replica holding rank 0; expert slices along dim 0 over its EP ranks, in EP-rank order.
+No process group is needed: the checkpoint's index records every piece's global shape and
+offsets (longctx_moe.checkpoint), so each tensor is read whole whatever layout (TP, EP, world
+size) wrote it.
 
 `load_hf_weights` (train.init_from) reads such a directory, or one saved by transformers 5 with
 fused experts, into our state dict after checking its config.json against model.*.
@@ -27,10 +26,9 @@ import torch
 
 from longctx_moe.checkpoint import (
     CheckpointError,
+    CheckpointReader,
     find_resume_dir,
     load_model_state,
-    load_rank_state,
-    read_meta,
     step_dir_name,
 )
 from longctx_moe.config import Config, ConfigError, load_config
@@ -39,22 +37,9 @@ from longctx_moe.model.config import ModelConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 INDEX = "model.safetensors.index.json"
-# TP-sharded weights by name, as tensor_parallel.shard_attention / shard_swiglu cut them. The
-# experts' own `experts.w_down` has no `.weight` suffix and is never TP-sharded.
-_TP_ROWS = ("attn.wq.weight", "attn.wk.weight", "attn.wv.weight", "w_gate.weight", "w_up.weight")
-_TP_COLS = ("attn.wo.weight", "w_down.weight")
 
 
 # ---------------------------------------------------------------------- consolidation
-
-
-def tp_dim(name: str) -> int | None:
-    """The dimension TP shards parameter `name` along, or None when it is replicated over TP."""
-    if name.endswith(_TP_ROWS):
-        return 0
-    if name.endswith(_TP_COLS):
-        return 1
-    return None
 
 
 def checkpoint_step_dir(cfg: Config, run_dir: Path, step: int | None) -> Path:
@@ -74,29 +59,16 @@ def checkpoint_step_dir(cfg: Config, run_dir: Path, step: int | None) -> Path:
 
 
 def consolidated_state(cfg: Config, step_dir: Path) -> dict[str, torch.Tensor]:
-    """The single-device model's state dict from the rank files of `step_dir` (each verified by
-    checkpoint.py: size, sha256, and the run's model/parallel config against meta.json)."""
-    from longctx_moe.parallel.dims import ParallelDims
+    """The single-device model's state dict from checkpoint `step_dir`, whatever layout wrote
+    it: every tensor read whole from the pieces its index records (each rank file verified by
+    checkpoint.py: size and sha256; the model config checked against meta.json)."""
     from longctx_moe.train import resume_expectations
 
-    world = read_meta(step_dir).get("world_size")
-    try:
-        dims = ParallelDims.from_config(cfg.parallel, int(world), cfg.model)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint '{step_dir}' (world_size={world}) does not fit the run's "
-                              f"parallel config: {e}") from None
-    expect = resume_expectations(cfg)
-    tp_ranks, ep_ranks = dims.ranks("tp", 0), dims.ranks("ep", 0)
-    states = {r: load_rank_state(step_dir, r, dims.world_size, expect)[1]["model"]
-              for r in sorted(set(tp_ranks) | set(ep_ranks))}
+    reader = CheckpointReader(step_dir, resume_expectations(cfg))
     out = {}
-    for name, t in states[0].items():
-        if ".experts." in name:
-            out[name] = torch.cat([states[r][name] for r in ep_ranks], dim=0)
-        elif dims.tp > 1 and tp_dim(name) is not None:
-            out[name] = torch.cat([states[r][name] for r in tp_ranks], dim=tp_dim(name))
-        else:
-            out[name] = t
+    for key in reader.keys("model."):
+        shape = reader.global_shape(key)
+        out[key[len("model."):]] = reader.read(key, shape, (0,) * len(shape), shape)
     return out
 
 

@@ -25,14 +25,18 @@ import torch.distributed as dist
 from data_packing.batch import pad_multiple
 from longctx_moe import host
 from longctx_moe.checkpoint import (
+    AsyncSave,
     CheckpointError,
+    CheckpointReader,
     agree,
     find_resume_dir,
-    load_rank_state,
+    kill_point,
+    publish_checkpoint,
     rng_state,
-    save_checkpoint,
     set_aside,
     set_rng_state,
+    stage_checkpoint,
+    write_staged,
 )
 from longctx_moe.config import Config, ConfigError, load_config, write_config
 from longctx_moe.metrics import (
@@ -204,30 +208,96 @@ def build_loader(cfg: Config, dims: Any):
 # ---------------------------------------------------------------------- checkpoints
 
 
+# model.* keys that change kernels or numerics, not the function the weights compute: a
+# checkpoint resumes under other values. The parallel layout may change too (sharded_state.py).
+HARMLESS_MODEL_KEYS = ("attention_backend", "grouped_gemm", "expert_precision", "loss_chunk_tokens", "init_std")
+
+
 def resume_expectations(cfg: Config) -> dict:
-    """The meta entries a checkpoint must match to be resumed under `cfg`."""
-    return {"model": dataclasses.asdict(cfg.model), "parallel": dataclasses.asdict(cfg.parallel)}
+    """The meta entries a checkpoint must match to be resumed under `cfg`: the model's function."""
+    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in HARMLESS_MODEL_KEYS}
+    return {"model": model}
 
 
 def save(trainer: Trainer, loader: Any, ctx: RunContext) -> Path:
-    state = trainer.state_dict()
-    state["loader"] = loader.state_dict() if hasattr(loader, "state_dict") else None
-    state["rng"] = rng_state()
-    return save_checkpoint(ctx.ckpt_dir, trainer.step, state, resume_expectations(trainer.cfg),
-                           ctx.rank, ctx.world_size, trainer.cfg.checkpoint.keep_last)
+    return save_trainer(trainer, loader, ctx.ckpt_dir, ctx.rank, ctx.world_size, trainer.cfg.checkpoint.keep_last)
+
+
+def save_trainer(trainer: Trainer, loader: Any, ckpt_dir: Path, rank: int, world_size: int, keep_last: int,
+                 background: bool = False) -> Path | AsyncSave:
+    """Collective: checkpoint the trainer (model and AdamW state by global slice, schedule, step)
+    and this rank's loader position and RNG streams. `background`: return the AsyncSave whose
+    thread writes the file (copies of the state are taken before this returns)."""
+    from longctx_moe.sharded_state import trainer_pieces
+
+    dims = trainer.dims
+    rank_state = {"rng": rng_state(), "dp_rank": dims.rank_in("dp"), "loader": _loader_state(loader)}
+    meta = {**resume_expectations(trainer.cfg), "parallel": dataclasses.asdict(trainer.cfg.parallel),
+            "layout": _layout(dims),
+            "trainer": {"step": trainer.step, "schedule": trainer.schedule.state_dict()}}
+    pieces = trainer_pieces(trainer.model, trainer.optimizer, dims)
+    staged = stage_checkpoint(ckpt_dir, trainer.step, pieces, rank, copy=background)
+    if background:
+        return AsyncSave(staged, rank_state, meta, world_size, keep_last)
+    return publish_checkpoint(staged, write_staged(staged, rank_state), meta, world_size, keep_last)
+
+
+class Checkpointer:
+    """The run's saves: synchronous, or with checkpoint.async_save written on a background
+    thread and published at the first step boundary where every rank's write has ended (the
+    next save and the end of training wait for it). Every method is a collective."""
+
+    def __init__(self, trainer: Trainer, loader: Any, ctx: RunContext):
+        self.trainer, self.loader, self.ctx = trainer, loader, ctx
+        self.pending: AsyncSave | None = None
+
+    def save(self) -> None:
+        self.finish()
+        cfg = self.trainer.cfg.checkpoint
+        saved = save_trainer(self.trainer, self.loader, self.ctx.ckpt_dir, self.ctx.rank, self.ctx.world_size,
+                             cfg.keep_last, background=cfg.async_save)
+        self.pending = saved if isinstance(saved, AsyncSave) else None
+
+    def poll(self) -> None:
+        if self.pending is not None and self.pending.ready():
+            self.finish()
+
+    def finish(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.finish()
+
+
+def _layout(dims: Any) -> dict[str, int]:
+    return {axis: dims.size(axis) for axis in ("tp", "cp", "dp", "ep")}
+
+
+def _loader_state(loader: Any) -> dict | None:
+    """The loader's position, plus the documents it has served this epoch (how a run under
+    another data-parallel size finds the same place)."""
+    if not hasattr(loader, "state_dict"):
+        return None
+    state = dict(loader.state_dict())
+    if hasattr(loader, "_plan_for"):
+        steps = loader._plan_for(loader.epoch)[:loader.step_in_epoch]
+        state["samples_in_epoch"] = int(sum(len(s) for s in steps))
+    return state
 
 
 def maybe_resume(trainer: Trainer, loader: Any, ctx: RunContext) -> Path | None:
     """Collective: rank 0 picks the step directory (one notice if it falls back), every rank loads
-    its own file, and the ranks agree before going on, so a damaged file on one rank stops every
-    rank with the same line. The steps after the resumed one (all of them with
-    checkpoint.resume=none) are then set aside (see longctx_moe.checkpoint)."""
+    the slices it holds, and the ranks agree before going on, so a damaged file on one rank stops
+    every rank with the same line. The steps after the resumed one (all of them with
+    checkpoint.resume=none) are then set aside (see longctx_moe.checkpoint). An elastic restart
+    (torchrun --max-restarts) always resumes: `none` meant the first attempt."""
     resume = trainer.cfg.checkpoint.resume
+    if resume == "none" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        resume = "auto"
     step_dir = _agreed_resume_dir(resume, ctx)
     error = None
     if step_dir is not None:
         try:
-            _load_into(trainer, loader, step_dir, ctx)
+            load_trainer(trainer, loader, step_dir, ctx.rank, ctx.world_size)
         except CheckpointError as e:
             error = str(e)
     agree(error)
@@ -247,15 +317,49 @@ def _agreed_resume_dir(resume: str, ctx: RunContext) -> Path | None:
     return None if chosen is None else Path(chosen)
 
 
-def _load_into(trainer: Trainer, loader: Any, step_dir: Path, ctx: RunContext) -> None:
-    _, state = load_rank_state(step_dir, ctx.rank, ctx.world_size, resume_expectations(trainer.cfg))
+def load_trainer(trainer: Trainer, loader: Any, step_dir: Path, rank: int, world_size: int) -> None:
+    """Load checkpoint `step_dir`, written under any parallel layout, into this rank's trainer,
+    loader and RNG. Raises CheckpointError (one line)."""
+    from longctx_moe.sharded_state import load_trainer_pieces
+
+    reader = CheckpointReader(step_dir, resume_expectations(trainer.cfg))
+    old = reader.meta.get("layout") or {}
+    same = old == _layout(trainer.dims) and reader.meta.get("world_size") == world_size
     try:
-        trainer.load_state_dict(state, str(step_dir))
-        if state.get("loader") is not None and hasattr(loader, "load_state_dict"):
-            loader.load_state_dict(state["loader"])
+        load_trainer_pieces(trainer.model, trainer.optimizer, trainer.dims, reader)
+        trainer.schedule.load_state_dict(reader.meta["trainer"]["schedule"])
+        trainer.step = int(reader.meta["trainer"]["step"])
+        # Same layout: every rank continues its own streams. Another one: the RNG of rank 0.
+        set_rng_state(reader.rank_state(rank if same else 0)["rng"])
+        _load_loader(loader, reader, old, trainer.dims, rank)
     except ValueError as e:  # optimizer groups or loader state of another run; one-line messages
         raise CheckpointError(f"checkpoint '{step_dir}': {e}") from None
-    set_rng_state(state["rng"])
+
+
+def _load_loader(loader: Any, reader: CheckpointReader, old: dict, dims: Any, rank: int) -> None:
+    """The loader's position: that of a rank of the same DP rank when DP is unchanged; under
+    another DP size, the same epoch from the same number of documents served, with a notice."""
+    if not hasattr(loader, "load_state_dict"):
+        return
+    dp_rank = dims.rank_in("dp")
+    if old.get("dp") == dims.dp:
+        # Rank ordering tp + TP*(cp + CP*dp): the first rank of DP rank d is d*TP*CP.
+        state = reader.rank_state(dp_rank * old["tp"] * old["cp"])["loader"]
+        if state is not None:
+            loader.load_state_dict(state)
+        return
+    state = reader.rank_state(0)["loader"]
+    if state is None or not hasattr(loader, "_plan_for"):
+        return
+    done = state.get("samples_in_epoch", 0)
+    steps = loader._plan_for(state["epoch"])
+    served, step = 0, 0
+    while step < len(steps) and served < done:
+        served, step = served + len(steps[step]), step + 1
+    loader.load_state_dict({**state, "dp_size": dims.dp, "step_in_epoch": step})
+    if rank == 0:
+        print(f"notice: the data-parallel size changed from {old.get('dp')} to {dims.dp}: the loader continues "
+              f"epoch {state['epoch']} at document {served} (step {step} of the epoch)", flush=True)
 
 
 def _set_aside_after(step: int, ctx: RunContext) -> None:
@@ -302,15 +406,21 @@ def step_record(res: StepResult, seconds: float, peak: float, world: int, step: 
     return record
 
 
-def fit(trainer: Trainer, loader: Any, ctx: RunContext, logger: MetricsLogger, peak: float) -> list[dict]:
-    """Run optimizer steps until train.steps; log every step, checkpoint as configured."""
+def fit(trainer: Trainer, loader: Any, ctx: RunContext, logger: MetricsLogger, peak: float,
+        until: int | None = None) -> list[dict]:
+    """Run optimizer steps until train.steps (or stop after step `until`, as a preempted run
+    would: the schedule still spans train.steps); log every step, checkpoint as configured."""
     cfg, records = trainer.cfg, []
     total, every = cfg.train.steps, cfg.checkpoint.every_steps
     if trainer.step >= total:
         logger.message(f"the checkpoint is already at step {trainer.step} >= train.steps={total}: nothing to do; "
                        "raise train.steps to continue or set checkpoint.resume=none to start over")
         return records
-    for batches in iterate_steps(loader, trainer.step, total):
+    stop = total if until is None else min(until, total)
+    saver = Checkpointer(trainer, loader, ctx)
+    for batches in iterate_steps(loader, trainer.step, stop):
+        saver.poll()
+        kill_point("step", trainer.step + 1, ctx.rank)
         t0 = time.perf_counter()
         res = trainer.train_step(batches)
         record = step_record(res, time.perf_counter() - t0, peak, ctx.world_size, trainer.step,
@@ -319,10 +429,11 @@ def fit(trainer: Trainer, loader: Any, ctx: RunContext, logger: MetricsLogger, p
         logger.log(record, write=trainer.step % cfg.logging.log_every == 0 or trainer.step == total)
         if res.skipped:
             logger.message(f"step {trainer.step}: non-finite loss/grad norm, update skipped (train.nan_policy=skip)")
-        if every and trainer.step % every == 0 and trainer.step != total:
-            save(trainer, loader, ctx)
+        if every and trainer.step % every == 0 and trainer.step != stop:
+            saver.save()
     if cfg.checkpoint.save_final:
-        save(trainer, loader, ctx)
+        saver.save()
+    saver.finish()
     return records
 
 
@@ -340,8 +451,9 @@ def start_up(cfg: Config, ctx: RunContext) -> tuple[Any, Any]:
     return built
 
 
-def run(cfg: Config) -> dict:
-    """Train as configured; return a summary (run dir, metrics file, checkpoint dir, losses)."""
+def run(cfg: Config, until: int | None = None) -> dict:
+    """Train as configured (stopping after step `until` if given, e.g. a test's interrupted
+    run); return a summary (run dir, metrics file, checkpoint dir, losses)."""
     ctx = make_context(cfg)
     runtime, loader = start_up(cfg, ctx)
     trainer = Trainer(cfg, runtime, ctx.device)
@@ -358,9 +470,11 @@ def run(cfg: Config) -> dict:
                            ctx.run_dir / "tensorboard" if cfg.logging.tensorboard else None)
     if resumed is not None:
         ignored = f"; train.init_from={cfg.train.init_from} is ignored (the checkpoint wins)" if cfg.train.init_from else ""
-        logger.message(f"resumed from {resumed} at step {trainer.step}{ignored}")
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        again = f" (elastic restart {restart})" if restart else ""
+        logger.message(f"resumed from {resumed} at step {trainer.step}{again}{ignored}")
     try:
-        records = fit(trainer, loader, ctx, logger, peak)
+        records = fit(trainer, loader, ctx, logger, peak, until)
     finally:
         logger.close()
     return {"run_dir": str(ctx.run_dir), "metrics": str(metrics_path), "checkpoints": str(ctx.ckpt_dir),

@@ -247,25 +247,18 @@ class PolicyTrainer:
 
     def save(self, path: str) -> str:
         """A checkpoint of model, optimizer and schedule (the project's format) under `path`."""
-        from longctx_moe.checkpoint import rng_state, save_checkpoint
-        from longctx_moe.train import resume_expectations
+        from longctx_moe.train import save_trainer
 
-        state = self.trainer.state_dict()
-        state["loader"], state["rng"] = None, rng_state()
-        return str(save_checkpoint(Path(path), self.trainer.step, state,
-                                   resume_expectations(self.cfg), self.ctx.rank,
-                                   self.ctx.world_size, keep_last=0))
+        return str(save_trainer(self.trainer, None, Path(path), self.ctx.rank, self.ctx.world_size, keep_last=0))
 
     def load(self, path: str) -> None:
-        """Load the newest checkpoint under `path` (or the step directory `path`)."""
-        from longctx_moe.checkpoint import find_resume_dir, load_rank_state, set_rng_state
-        from longctx_moe.train import resume_expectations
+        """Load the newest checkpoint under `path` (or the step directory `path`), written under
+        any parallel layout."""
+        from longctx_moe.checkpoint import find_resume_dir
+        from longctx_moe.train import load_trainer
 
         step_dir = find_resume_dir(Path(path), "auto") or Path(path)
-        _, state = load_rank_state(step_dir, self.ctx.rank, self.ctx.world_size,
-                                   resume_expectations(self.cfg))
-        self.trainer.load_state_dict(state, str(step_dir))
-        set_rng_state(state["rng"])
+        load_trainer(self.trainer, None, step_dir, self.ctx.rank, self.ctx.world_size)
 
 
 class _PolicyObjective:

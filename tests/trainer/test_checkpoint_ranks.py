@@ -44,7 +44,7 @@ def _damaged_and_failed(rank, world_size, tmp):
 
     # A full disk on rank 1 only: every rank's save fails alike, nothing is published.
     if rank == 1:
-        def full_disk(path, state):
+        def full_disk(path, *_):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         checkpoint._write_rank_file = full_disk
     train(trainer, loader, 3)
@@ -55,7 +55,7 @@ def _damaged_and_failed(rank, world_size, tmp):
 
     # A damaged file on rank 1 only: every rank's resume fails alike.
     if rank == 1:
-        part = ctx.ckpt_dir / "step_00000002" / "rank_00001.pt"
+        part = ctx.ckpt_dir / "step_00000002" / "rank_00001.safetensors"
         raw = bytearray(part.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
         part.write_bytes(bytes(raw))
@@ -69,18 +69,18 @@ def _damaged_and_failed(rank, world_size, tmp):
 def test_one_ranks_failure_stops_every_rank_with_the_same_line(tmp_path):
     results = run_distributed(_damaged_and_failed, 2, args=(tmp_path,), timeout=240)
     ckpt = tmp_path / "ckpt"
-    assert results[0]["files"] == ["rank_00000.pt", "rank_00001.pt"]  # both ranks' checksums recorded
+    assert results[0]["files"] == ["rank_00000.safetensors", "rank_00001.safetensors"]  # both ranks' checksums recorded
 
     save_errors = [r["failed_save"][0] for r in results]
     assert save_errors[0] == save_errors[1] and "\n" not in save_errors[0]
-    assert save_errors[0].startswith(f"could not write checkpoint '{ckpt / '.step_00000003.tmp' / 'rank_00001.pt'}' "
+    assert save_errors[0].startswith(f"could not write checkpoint '{ckpt / '.step_00000003.tmp' / 'rank_00001.safetensors'}' "
                                      "(No space left on device); free disk space")
     for r in results:
         assert r["published"] == ["step_00000001", "step_00000002"] and r["latest"] == "step_00000002"
 
     load_errors = [r["failed_load"][0] for r in results]
     assert load_errors[0] == load_errors[1] and "\n" not in load_errors[0]
-    assert load_errors[0] == (f"checkpoint file '{ckpt / 'step_00000002' / 'rank_00001.pt'}' fails its sha256 check "
+    assert load_errors[0] == (f"checkpoint file '{ckpt / 'step_00000002' / 'rank_00001.safetensors'}' fails its sha256 check "
                               f"(its bytes changed after the save); resume from the older step with "
                               f"--set checkpoint.resume={ckpt / 'step_00000001'}")
     # Printed once, by rank 0.

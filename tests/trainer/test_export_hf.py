@@ -61,8 +61,9 @@ def _export(run_dir, out, *flags):
 
 
 def _rank_model(run_dir, rank, step=2):
-    path = run_dir / "checkpoints" / f"step_{step:08d}" / f"rank_{rank:05d}.pt"
-    return torch.load(path, map_location="cpu", weights_only=False)["model"]
+    """The model pieces rank `rank` wrote (its own shards; replicated tensors are in rank 0's)."""
+    path = run_dir / "checkpoints" / f"step_{step:08d}" / f"rank_{rank:05d}.safetensors"
+    return {k[len("model."):]: v for k, v in safetensors_torch.load_file(str(path)).items() if k.startswith("model.")}
 
 
 def _hf_logits_match_ours(run_dir, out):
@@ -180,7 +181,7 @@ def test_refused_model_and_bad_checkpoints_are_one_line(ep_run, tmp_path, capsys
     corrupt = tmp_path / "corrupt"
     shutil.copytree(ep_run, corrupt)
     write_config(load_config(ep_run / "config.yaml", [f"train.run_dir={corrupt}"]), corrupt / "config.yaml")
-    rank1 = corrupt / "checkpoints" / "step_00000002" / "rank_00001.pt"
+    rank1 = corrupt / "checkpoints" / "step_00000002" / "rank_00001.safetensors"
     data = bytearray(rank1.read_bytes())
     data[len(data) // 2] ^= 0xFF
     rank1.write_bytes(bytes(data))

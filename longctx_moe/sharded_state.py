@@ -1,0 +1,112 @@
+"""The trainer's state as tensors by global slice, so a checkpoint loads under any layout.
+
+A parallelized model holds pieces of whole tensors: TP ranks keep rows or columns of the
+attention and dense-MLP weights (tensor_parallel.py tags them `tp_dim`), EP ranks keep a range
+of experts along dim 0 (expert_parallel.py sets `expert_offset`). `global_slices` is the one
+place that says which global slice of every state-dict tensor this rank holds; the checkpoint
+records each piece with its global shape and offsets (checkpoint.py), and any other layout reads
+back the slices it needs.
+
+Keys: `model.<state-dict name>`, and `optim.<field>.<parameter name>` for AdamW's per-parameter
+state (`exp_avg`, `exp_avg_sq`: sliced like the parameter; `step`: a scalar). Optimizer state is
+stored by the parameter's global slice, so a data-parallel sharded optimizer (each replica
+holding part of a parameter's state) writes pieces of the same keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from longctx_moe.checkpoint import CheckpointError, CheckpointReader, Piece
+
+Slice = tuple[tuple[int, ...], tuple[int, ...]]  # (global shape, offsets of this rank's piece)
+
+
+def global_slices(model: torch.nn.Module, dims: Any) -> dict[str, Slice]:
+    """For every entry of `model.state_dict()`: its global shape and the offsets of the piece
+    this rank holds. `dims`: the ParallelDims the model was parallelized with (its rank set)."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        out[name] = _slice_of(module, getattr(module, attr), tuple(tensor.shape), dims)
+    return out
+
+
+def _slice_of(module: torch.nn.Module, tensor: torch.Tensor, shape: tuple[int, ...], dims: Any) -> Slice:
+    offsets = [0] * len(shape)
+    full = list(shape)
+    if hasattr(module, "expert_offset") and isinstance(tensor, torch.nn.Parameter):
+        # GroupedExperts: every [E, ...] parameter holds experts [offset, offset + E_local).
+        full[0], offsets[0] = shape[0] * dims.ep, module.expert_offset
+    dim = getattr(tensor, "tp_dim", None)
+    if dim is not None and dims.tp > 1:
+        full[dim], offsets[dim] = shape[dim] * dims.tp, dims.rank_in("tp") * shape[dim]
+    return tuple(full), tuple(offsets)
+
+
+def _param_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def trainer_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dims: Any) -> dict[str, Piece]:
+    """The model's and optimizer's tensors on this rank, each with its global slice."""
+    slices = global_slices(model, dims)
+    pieces = {f"model.{name}": Piece(t, *slices[name]) for name, t in model.state_dict().items()}
+    names = _param_names(model)
+    for param, state in optimizer.state.items():
+        name = names[id(param)]
+        for field, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if value.ndim == 0:
+                pieces[f"optim.{field}.{name}"] = Piece(value, (), ())
+            elif value.shape == param.shape:
+                pieces[f"optim.{field}.{name}"] = Piece(value, *slices[name])
+            else:
+                raise CheckpointError(f"optimizer state '{field}' of '{name}' has shape {tuple(value.shape)}, "
+                                      f"neither a scalar nor the parameter's {tuple(param.shape)}; cannot checkpoint it")
+    return pieces
+
+
+def load_trainer_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dims: Any,
+                        reader: CheckpointReader) -> None:
+    """Fill `model` and `optimizer` with the slices this rank holds, read from any layout."""
+    slices = global_slices(model, dims)
+    own = model.state_dict()
+    extra = sorted(k for k in reader.keys("model.") if k[len("model."):] not in own)
+    if extra:
+        raise CheckpointError(f"checkpoint '{reader.step_dir}' has an unexpected tensor '{extra[0][6:]}'; it was "
+                              "written for a different model: use the matching model config or set checkpoint.resume=none")
+    state = {name: reader.read(f"model.{name}", *slices[name], tuple(t.shape)) for name, t in own.items()}
+    model.load_state_dict(state)
+    optimizer.load_state_dict(_optimizer_state(model, optimizer, slices, reader))
+
+
+def _optimizer_state(model, optimizer, slices: dict[str, Slice], reader: CheckpointReader) -> dict:
+    """torch's optimizer state_dict (parameters by index) built from the checkpoint's slices."""
+    fields: dict[str, list[str]] = {}
+    for key in reader.keys("optim."):
+        field, name = key[len("optim."):].split(".", 1)
+        fields.setdefault(name, []).append(field)
+    names = _param_names(model)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, param in enumerate(params):
+        name = names[id(param)]
+        entry = {}
+        for field in fields.pop(name, []):
+            key = f"optim.{field}.{name}"
+            if reader.global_shape(key):  # exp_avg, exp_avg_sq: sliced like the parameter
+                entry[field] = reader.read(key, *slices[name], tuple(param.shape))
+            else:  # step: a scalar
+                entry[field] = reader.read(key, (), (), ())
+        if entry:
+            state[index] = entry
+    if fields:
+        raise CheckpointError(f"checkpoint '{reader.step_dir}' has optimizer state for '{next(iter(fields))}', "
+                              "which this model lacks; use the matching model config or set checkpoint.resume=none")
+    return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
+
