@@ -302,3 +302,26 @@ def test_async_save_holds_the_state_of_its_step_and_publishes_when_finished(tmp_
     train(again, loader2, STEPS)
     for (name, a), b in zip(ref.model.state_dict().items(), again.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_harmless_settings_may_change_on_resume_but_the_models_function_may_not(tmp_path):
+    import copy
+
+    from longctx_moe.train import resume_expectations
+
+    trainer, _, ctx = saved_steps(tmp_path, [1])
+    step_dir = ctx.ckpt_dir / "step_00000001"
+    harmless = {"model": {"attention_backend": "reference", "expert_precision": "param", "grouped_gemm": "loop",
+                          "loss_chunk_tokens": 77},
+                "parallel": {"dispatch_dtype": "bf16", "capacity_factor": 1.5, "dp": 1, "tp": 2, "ep": 4}}
+    cfg = copy.deepcopy(trainer.cfg)
+    for section, values in harmless.items():
+        for key, value in values.items():
+            setattr(getattr(cfg, section), key, value)
+    CheckpointReader(step_dir, resume_expectations(cfg))  # accepted
+    for key, value in (("hidden_size", 64), ("router_score", "sigmoid"), ("top_k", 1)):
+        cfg = copy.deepcopy(trainer.cfg)
+        setattr(cfg.model, key, value)
+        with pytest.raises(CheckpointError, match=rf"has model\.{key}=\S+ but the config has {value!r}") as e:
+            CheckpointReader(step_dir, resume_expectations(cfg))
+        assert "\n" not in str(e.value)
