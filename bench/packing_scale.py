@@ -3,9 +3,10 @@
 Measured in one run, each packer in its own subprocess (peak RSS from `os.wait4`, the kernel's
 high-water mark of that process; summed over its worker processes when --workers > 1):
 - pre-tokenized JSONL (`--ids-key`) of 10M, 100M and 1B tokens with a heavy-tailed length mix
-  (lognormal body, documents up to 4M tokens): peak RSS and tokens/s of the default run (shard
-  count picked by --memory-budget) and of a run with --num-shards chosen by hand (one shard per
-  ~50M tokens);
+  (lognormal body, median ~150 tokens, documents up to 4M tokens): peak RSS and tokens/s, with
+  --workers 1 (one process, so wait4's peak is exact), of the default run (shard count picked
+  by --memory-budget) and of a run with --num-shards chosen by hand (one shard per ~50M tokens);
+  plus the 1B input with default --workers (all cores; peak PSS summed over the processes);
 - text JSONL tokenized end to end with --workers 2 against --workers 1 (`workers_speedup`).
 
 Inputs are generated with numpy and cached under --cache-dir (a few GB for 1B tokens).
@@ -85,34 +86,37 @@ def text_tokenizer(cache: str, text_path: str) -> str:
         from data_packing.tokenizer import train_bpe
 
         with open(text_path, encoding="utf-8") as f:
-            texts = [json.loads(next(f))["text"] for _ in range(2000)]
+            texts = [json.loads(line)["text"] for line, _ in zip(f, range(2000), strict=False)]
         train_bpe(texts, 4096).save(path)
     return path
 
 
-def _tree_rss(pid: int) -> int:
-    """Resident bytes of a process and its descendants (0 once it is gone)."""
+def _tree_pss(pid: int) -> int:
+    """Proportional set size of a process and its descendants (forked workers share pages with
+    their parent; PSS counts a shared page once in total), 0 once it is gone."""
     try:
         import psutil
 
         p = psutil.Process(pid)
         procs = [p] + p.children(recursive=True)
-        return sum(q.memory_info().rss for q in procs if q.is_running())
+        return sum(q.memory_full_info().pss for q in procs if q.is_running())
     except Exception:  # noqa: BLE001 - the tree changes while we look; psutil may be absent
         return 0
 
 
 def run_packer(args: list[str]) -> dict:
-    """Run longctx-pack in a subprocess; its wall time, peak RSS (wait4) and the sampled peak of
-    its whole process tree (covers worker processes)."""
+    """Run longctx-pack in a subprocess; its wall time, exact peak RSS of the main process
+    (wait4), the sampled peak PSS of its whole process tree (covers worker processes) and the
+    machine's load average before and after (the machine is shared)."""
     cmd = [sys.executable, "-m", "data_packing", "--no-progress"] + args
+    load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     peak_tree, done = [0], threading.Event()
 
     def sample():
         while not done.is_set():
-            peak_tree[0] = max(peak_tree[0], _tree_rss(proc.pid))
+            peak_tree[0] = max(peak_tree[0], _tree_pss(proc.pid))
             time.sleep(0.2)
 
     th = threading.Thread(target=sample, daemon=True)
@@ -125,16 +129,26 @@ def run_packer(args: list[str]) -> dict:
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {err.decode()[-2000:]}")
-    rss_mb = max(usage.ru_maxrss / 1024, peak_tree[0] / 2**20)  # ru_maxrss is in KiB on Linux
-    return {"seconds": wall, "rss_mb": rss_mb, "stdout": out.decode()}
+    return {"seconds": wall, "rss_mb": usage.ru_maxrss / 1024,  # ru_maxrss is in KiB on Linux
+            "cpu_seconds": usage.ru_utime + usage.ru_stime,  # interpreter start and workers included
+            "tree_pss_mb": peak_tree[0] / 2**20, "stdout": out.decode(),
+            "load_before": load_before, "load_after": os.getloadavg()[0]}
 
 
 def pack_once(inp: str, out: str, extra: list[str]) -> dict:
     subprocess.run(["rm", "-rf", out], check=True)
     res = run_packer(["--source", inp, "--output", out] + extra)
     meta = json.load(open(os.path.join(out, "metadata.json")))
+    timing = json.load(open(os.path.join(out, "run_stats.json")))["timing"]
+    run_s = timing["seconds_total"]
     tokens = meta["stats"]["tokens_in"]
-    res.update(tokens=tokens, tokens_per_s=tokens / res["seconds"], shards=len(meta["shards"]))
+    # tokens_per_s: over the run itself (inputs opened to metadata.json written); wall_tokens_per_s
+    # also counts the interpreter's start and imports (~1 s, a constant that flatters large inputs)
+    # tokens_per_cpu_s: tokens per second of the run's CPU time (user + system, its worker
+    # processes included, interpreter start excluded): what the run costs, whatever else the
+    # shared machine was doing meanwhile
+    res.update(tokens=tokens, tokens_per_s=tokens / run_s, wall_tokens_per_s=tokens / res["seconds"],
+               tokens_per_cpu_s=tokens / timing["cpu_seconds_total"], shards=len(meta["shards"]))
     res.pop("stdout")
     subprocess.run(["rm", "-rf", out], check=True)
     return res
@@ -166,7 +180,8 @@ def _rounds(n: int, fn) -> dict:
     """Median of n measurements of fn(), with the min and max of each number."""
     runs = [fn() for _ in range(n)]
     out = {}
-    for k in ("seconds", "rss_mb", "tokens_per_s"):
+    for k in ("seconds", "rss_mb", "tree_pss_mb", "tokens_per_s", "wall_tokens_per_s",
+              "tokens_per_cpu_s", "cpu_seconds", "load_before", "load_after"):
         vals = sorted(r[k] for r in runs if k in r)
         if vals:
             out[k] = float(np.median(vals))
@@ -187,7 +202,14 @@ def measure(a, inputs: dict, text: str, tok: str) -> int:
             result["runs"][f"{s}_{mode}"] = r
             rows.append((s, mode, r))
             print(f"{s:>5} {mode:<12} shards {r['shards']:>3}  peak RSS {r['rss_mb']:8.0f} MB  "
-                  f"{r['tokens_per_s'] / 1e6:7.2f} M tokens/s  ({r['seconds']:.1f} s)", flush=True)
+                  f"{r['tokens_per_s'] / 1e6:7.2f} M tokens/s  {r['tokens_per_cpu_s'] / 1e6:7.2f} M "
+                  f"tokens/CPU-s  ({r['seconds']:.1f} s, load {r['load_before']:.1f})", flush=True)
+    if "1b" in a.sizes:  # the same 1B input with every core (--workers defaults to all)
+        r = _rounds(a.rounds, lambda: pack_once(inputs["1b"], out_dir, base[:-2]))
+        result["runs"]["1b_default_all_workers"] = r
+        print(f"   1b default, --workers {os.cpu_count()}: shards {r['shards']:>3}  peak PSS of the "
+              f"process tree {r['tree_pss_mb']:8.0f} MB  {r['tokens_per_s'] / 1e6:7.2f} M tokens/s "
+              f"({r['seconds']:.1f} s)", flush=True)
     text_args = ["--tokenizer", tok, "--seq-len", str(a.seq_len)]
     w = {n: _rounds(a.rounds, lambda n=n: pack_once(text, out_dir, text_args + ["--workers", str(n)]))
          for n in (1, 2)}
@@ -199,10 +221,13 @@ def measure(a, inputs: dict, text: str, tok: str) -> int:
         result[f"rss_mb_{s}"] = round(d[f"{s}_default"]["rss_mb"], 1)
         result[f"tokens_per_s_{s}"] = round(d[f"{s}_default"]["tokens_per_s"], 1)
     result["workers_speedup"] = round(w[2]["tokens_per_s"] / w[1]["tokens_per_s"], 3)
+    result["workers_cpu_overhead"] = round(w[2]["cpu_seconds"] / w[1]["cpu_seconds"], 3)
     if "1b" in a.sizes and "10m" in a.sizes:
         result["rss_ratio_1b_over_10m"] = round(result["rss_mb_1b"] / result["rss_mb_10m"], 3)
         result["tokens_per_s_ratio_1b_over_10m"] = round(
             result["tokens_per_s_1b"] / result["tokens_per_s_10m"], 3)
+        result["tokens_per_cpu_s_ratio_1b_over_10m"] = round(
+            d["1b_default"]["tokens_per_cpu_s"] / d["10m_default"]["tokens_per_cpu_s"], 3)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -306,6 +306,7 @@ class Run:
     fingerprint: str
     t0: float
     seconds_prepare: float
+    cpu0: float  # CPU seconds used by this process and its workers before the run
 
     def todo(self) -> list[int]:
         """Shards this invocation builds: not yet finished (or damaged), among --shard-index."""
@@ -314,19 +315,27 @@ class Run:
         return [k for k in mine if storage.finished_shard(a.output, k, self.fingerprint) is None]
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process and its finished worker processes."""
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
 def prepare(a: PackArgs) -> tuple[Run, dict | None]:
     """Open the inputs, pick the shard count, check the output directory. Returns the run and,
     when an identical finished output is already there, the result to report (nothing to do)."""
     validate(a)
     set_workers(a.workers)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_seconds()
     corpus, prep = _prepare(a)
     a.num_shards = resolve_num_shards(a, len(corpus))
     validate(a)  # --shard-index against the shard count picked by --memory-budget
     os.makedirs(a.output, exist_ok=True)
     _check_tokenizer(a.output, prep["tok_bytes"], a.overwrite)
     fp = _fingerprint(a, corpus, prep["tok_hash"], prep["template_hash"])
-    run = Run(a, corpus, prep, fp, t0, time.perf_counter() - t0)
+    run = Run(a, corpus, prep, fp, t0, time.perf_counter() - t0, cpu0)
     meta = _existing_output(a, fp)
     if meta is not None:
         return run, {"stats": meta["stats"], "timing": {}, "complete": True,
@@ -351,6 +360,7 @@ def finish(run: Run, built: list[dict], t_pack: float) -> dict:
     complete = _all_shards_intact(a, run.fingerprint)
     stats = _finish(a, run.fingerprint, run.prep, run.corpus.kind) if complete else {}
     timing = {"seconds_total": round(time.perf_counter() - run.t0, 3),
+              "cpu_seconds_total": round(_cpu_seconds() - run.cpu0, 3),
               "seconds_tokenizer": round(run.seconds_prepare, 3),
               "seconds_tokenize_pack_write": round(t_pack, 3),
               "docs_per_s": round(docs / max(t_pack, 1e-9), 1),

@@ -13,6 +13,7 @@ import sysconfig
 from dataclasses import dataclass
 
 from data_packing.jsonl import JsonlRecords, file_identity
+from data_packing.parquet import ParquetRecords
 from data_packing.tokenizer import sha256
 
 STDLIB = "stdlib"
@@ -50,10 +51,10 @@ class Corpus:
         """A hash of what the corpus is (names, sizes, modification times and, for JSONL, content),
         so a rerun on changed inputs never reuses shards built from the old ones."""
         recs = getattr(self.records, "recs", self.records)  # through _Head
-        if isinstance(recs, JsonlRecords | _Files):
+        if isinstance(recs, JsonlRecords | ParquetRecords | _Files):
             root = os.path.commonpath(recs.paths) if recs.paths else ""
             listing = [(os.path.relpath(p, root), file_identity(p)) for p in recs.paths]
-            hashes = recs.hashes if isinstance(recs, JsonlRecords) else None
+            hashes = getattr(recs, "hashes", None)  # content hashes (not for the stdlib)
             return sha256(repr((listing, hashes, len(self))).encode())
         return sha256(repr((recs.ds._fingerprint, recs.column, len(recs))).encode())
 
@@ -167,6 +168,8 @@ def open_corpus(sources: list[str], text_key: str = "text", ids_key: str | None 
                          "leave it out")
     if all(p.lower().endswith(".jsonl") and os.path.isfile(p) for p in paths):
         return _open_jsonl(paths, text_key, ids_key, messages_key, max_docs)
+    if all(p.lower().endswith(".parquet") and os.path.isfile(p) for p in paths):
+        return _open_parquet(paths, text_key, ids_key, messages_key, max_docs)
     ds = _load_dataset(paths)
     name = paths[0] if len(paths) == 1 else f"{len(paths)} files"
     if len(ds) == 0:
@@ -188,6 +191,18 @@ def _open_jsonl(paths, text_key, ids_key, messages_key, max_docs) -> Corpus:
     cols = list(dict.fromkeys(k for r in first for k in r))
     column, kind = _choose(cols, name, text_key, ids_key, messages_key,
                            lambda key: next((r[key] for r in first if r.get(key) is not None), ""))
+    recs.use(column, ids=kind == "ids")
+    return Corpus(name, kind, _Head(recs, max_docs) if max_docs else recs, column)
+
+
+def _open_parquet(paths, text_key, ids_key, messages_key, max_docs) -> Corpus:
+    recs = ParquetRecords(paths)
+    name = paths[0] if len(paths) == 1 else f"{len(paths)} files"
+    if len(recs) == 0:
+        raise ValueError(f"input {name!r} is empty (no records); pass a file with records or "
+                         "leave it out")
+    first = lambda key: next((v for v in recs.peek(key) if v is not None), "")
+    column, kind = _choose(recs.columns, name, text_key, ids_key, messages_key, first)
     recs.use(column, ids=kind == "ids")
     return Corpus(name, kind, _Head(recs, max_docs) if max_docs else recs, column)
 
