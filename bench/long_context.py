@@ -1,0 +1,379 @@
+"""Long-context training memory and speed: one training step on a single document of 8K ... 128K
+tokens, longctx-moe with `train.recompute` none / selective / full vs Hugging Face transformers'
+Qwen3-MoE, same model, same weights, same run.
+
+    .venv/bin/python bench/long_context.py --out bench/results/long_context.json
+    .venv/bin/python bench/long_context.py --lengths 8192,16384 --cp4-length 16384   # quicker
+
+The model is bench/train_throughput.py's (hidden 512, 4 layers, 16 experts top-2, 8 query / 4 KV
+heads of 64, vocab 16384), bf16 autocast, fp32 master weights, fused AdamW, no torch.compile on
+either side (a compile would be charged to the single timed step). The document is random token
+ids: memory and time do not depend on the values.
+
+Each (side, length) runs in a fresh process: one untimed 2,048-token step (kernels, allocator and
+optimizer state come up), then the peak-RSS mark is reset (/proc/self/clear_refs) and one step on
+the long document is timed. Peak memory = the process's peak RSS during that step minus its RSS
+before the model was built, so it holds parameters, gradients, AdamW state and the step's
+activations, the same measure on both sides. A watchdog stops a process whose RSS passes
+--mem-cap-gib (default 20): that side is then "over the cap" at that length and is not run at
+longer ones. Lengths go up until every side is over the cap or past --max-step-s (a side whose
+previous step, scaled by the quadratic growth of attention, would exceed it, stops there).
+
+Derived figures:
+  bytes per token  least-squares slope of peak memory over the lengths a side ran;
+  longest in cap   the longest length a side ran under the cap; when a side never hit the cap
+                   the figure is extrapolated from its line (marked "extrapolated") and is a
+                   lower bound for HF only if HF did hit it;
+  cp4              the same step on 4 gloo ranks with parallel.cp=4 (ring), at --cp4-length:
+                   the largest per-rank peak over the single-rank peak at that length (recompute
+                   none on both).
+
+JSON (--out): longest_ours_tokens, longest_hf_tokens, longest_ratio, bytes_per_token_ours
+(recompute none), bytes_per_token_hf, selective_recompute_tokens_per_s_ratio (selective / none,
+median over the lengths both ran), cp4_peak_over_single, tokens_per_s_ratio_32k (ours none / HF at
+32K), plus every measured row, the per-mode slopes and what was extrapolated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+SIDES = ("none", "selective", "full", "hf")  # the first three are ours, by train.recompute
+WARMUP_TOKENS = 2048
+GIB = 2**30
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="8192,16384,32768,65536,131072",
+                   help="document lengths in tokens, ascending")
+    p.add_argument("--sides", default=",".join(SIDES), help=f"subset of {','.join(SIDES)}")
+    p.add_argument("--mem-cap-gib", type=float, default=20.0)
+    p.add_argument("--max-step-s", type=float, default=600.0,
+                   help="do not start a step predicted to take longer than this")
+    p.add_argument("--cp4-length", type=int, default=32768,
+                   help="document length of the 4-rank CP4 run (0: skip it)")
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: torch's default)")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------- memory
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    # Writing 5 resets VmHWM to the current RSS (Linux >= 4.0).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def start_watchdog(cap_bytes: int) -> None:
+    """Stop this process once its RSS passes the cap: the step is then over the cap, and a
+    machine shared with other work is not pushed into the OOM killer."""
+    def watch():
+        while True:
+            if rss_bytes() > cap_bytes:
+                print("OVERCAP", flush=True)
+                os._exit(3)
+            time.sleep(0.02)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+# ---------------------------------------------------------------------- one step
+
+
+def document(length: int, vocab: int, seed: int):
+    """One micro-batch holding one document of `length` random tokens."""
+    from data_packing.batch import PackedBatch, labels_from_tokens, position_ids_from_cu
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (length,), generator=g)
+    cu = torch.tensor([0, length], dtype=torch.int32)
+    return PackedBatch(tokens=tokens, labels=labels_from_tokens(tokens, cu, cu), cu_seqlens=cu,
+                       cu_seqlens_padded=cu.clone(), position_ids=position_ids_from_cu(cu, cu, length),
+                       max_seqlen=length)
+
+
+def bench_config(side: str, extra=()):
+    from train_throughput import model_config
+
+    sets = ["train.compile=false"] + list(extra)
+    if side != "hf":
+        sets.append(f"train.recompute={side}")
+    return model_config(sets)
+
+
+def build_side(side: str, cfg, dims=None):
+    """The step function of one side: ours through the trainer, HF through bench/train_throughput's
+    HF runner (same architecture, same weights)."""
+    from train_throughput import hf_runner
+
+    from longctx_moe.train import build_runtime
+    from longctx_moe.trainer import Trainer
+
+    if side == "hf":
+        from longctx_moe.model import build_model
+
+        torch.manual_seed(cfg.train.seed)
+        return hf_runner(cfg, build_model(cfg.model))
+    trainer = Trainer(cfg, build_runtime(cfg, dims, torch.device("cpu")))
+    return lambda batches: trainer.train_step(batches).ce_loss
+
+
+def measured_step(run, length: int, vocab: int, base: int) -> dict:
+    run([document(WARMUP_TOKENS, vocab, seed=1)])
+    reset_peak_rss()
+    batch = document(length, vocab, seed=0)
+    t0 = time.perf_counter()
+    loss = run([batch])
+    seconds = time.perf_counter() - t0
+    return {"step_s": seconds, "tokens_per_s": length / seconds, "loss": float(loss),
+            "peak_bytes": peak_rss_bytes() - base}
+
+
+def worker(args) -> None:
+    from longctx_moe.host import configure_cpu
+
+    configure_cpu(args.threads, "tuned" if args.worker != "hf" else "default")
+    start_watchdog(int(args.mem_cap_gib * GIB))
+    cfg = bench_config(args.worker)
+    base = rss_bytes()
+    run = build_side(args.worker, cfg)
+    res = measured_step(run, args.length, cfg.model.vocab_size, base)
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def cp4_rank(rank: int, world: int, port: int, length: int, threads: int, queue) -> None:
+    import torch.distributed as dist
+
+    from longctx_moe.host import configure_cpu
+    from longctx_moe.parallel.dims import ParallelDims
+
+    configure_cpu(threads, "tuned")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = bench_config("none", ["parallel.cp=4", "parallel.cp_backend=ring"])
+    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+    dims.build_groups(rank)
+    base = rss_bytes()
+    res = measured_step(build_side("none", cfg, dims), length, cfg.model.vocab_size, base)
+    queue.put((rank, res))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_cp4(length: int, threads: int) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=cp4_rank, args=(r, 4, port, length, threads, queue)) for r in range(4)]
+    for p in procs:
+        p.start()
+    results = {}
+    while len(results) < len(procs):
+        try:
+            rank, res = queue.get(timeout=5)
+            results[rank] = res
+        except Exception:  # queue.Empty: a rank that died would leave the others waiting forever
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"cp4: rank {dead[0]} exited with {procs[dead[0]].exitcode}; see its traceback above")
+    for p in procs:
+        p.join()
+    return {"length": length, "per_rank": [results[r] for r in range(4)],
+            "max_peak_bytes": max(r["peak_bytes"] for r in results.values()),
+            "step_s": max(r["step_s"] for r in results.values())}
+
+
+# ---------------------------------------------------------------------- the driver
+
+
+def run_one(side: str, length: int, args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", side, "--length", str(length),
+           "--mem-cap-gib", str(args.mem_cap_gib), "--threads", str(args.threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if "OVERCAP" in proc.stdout:
+        return {"side": side, "length": length, "over_cap": True}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"side": side, "length": length, "over_cap": proc.returncode in (-9, 137),
+                "error": proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]}
+    return {"side": side, "length": length, "over_cap": False, **json.loads(lines[-1][len("RESULT "):])}
+
+
+def predicted_seconds(rows: list[dict], length: int) -> float:
+    """The next step's time if the last one's grows with attention's n^2 (an upper bound for a
+    step that is part linear)."""
+    last = rows[-1]
+    return last["step_s"] * (length / last["length"]) ** 2
+
+
+def slope(rows: list[dict]) -> tuple[float, float] | None:
+    """Least-squares (bytes per token, intercept) of peak memory over length."""
+    if len(rows) < 2:
+        return None
+    xs, ys = [r["length"] for r in rows], [r["peak_bytes"] for r in rows]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    k = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return k, my - k * mx
+
+
+def longest(rows: list[dict], cap: float) -> tuple[int | None, bool]:
+    """(longest tokens under the cap, extrapolated?)."""
+    ok = [r for r in rows if not r["over_cap"] and "error" not in r]
+    if not ok:
+        return None, False
+    if any(r["over_cap"] for r in rows):
+        return max(r["length"] for r in ok), False
+    fit = slope(ok)
+    if fit is None or fit[0] <= 0:
+        return max(r["length"] for r in ok), False
+    return int((cap - fit[1]) / fit[0]), True
+
+
+def summarize(rows: list[dict], cp4: dict | None, args) -> dict:
+    cap = args.mem_cap_gib * GIB
+    by_side = {s: [r for r in rows if r["side"] == s] for s in SIDES}
+    ran = {s: [r for r in rs if not r["over_cap"] and "error" not in r] for s, rs in by_side.items()}
+    fits = {s: slope(rs) for s, rs in ran.items()}
+    reach = {s: longest(rs, cap) for s, rs in by_side.items() if rs}
+    ours = [(reach[s][0], s) for s in ("none", "selective", "full") if s in reach and reach[s][0]]
+    best_ours = max(ours) if ours else (None, None)
+    hf_len = reach.get("hf", (None, False))[0]
+
+    def at(side, length):
+        return next((r for r in ran[side] if r["length"] == length), None)
+
+    sel = [at("selective", r["length"])["tokens_per_s"] / r["tokens_per_s"]
+           for r in ran["none"] if at("selective", r["length"])]
+    r32_ours, r32_hf = at("none", 32768), at("hf", 32768)
+    single = at("none", cp4["length"]) if cp4 else None
+    return {
+        "longest_ours_tokens": best_ours[0], "longest_ours_recompute": best_ours[1],
+        "longest_hf_tokens": hf_len,
+        "longest_ratio": best_ours[0] / hf_len if best_ours[0] and hf_len else None,
+        "longest_extrapolated": {s: reach[s][1] for s in reach},
+        "longest_by_side": {s: reach[s][0] for s in reach},
+        "bytes_per_token_ours": fits["none"][0] if fits.get("none") else None,
+        "bytes_per_token_hf": fits["hf"][0] if fits.get("hf") else None,
+        "bytes_per_token_by_side": {s: (f[0] if f else None) for s, f in fits.items()},
+        "selective_recompute_tokens_per_s_ratio": statistics.median(sel) if sel else None,
+        "cp4_peak_over_single": cp4["max_peak_bytes"] / single["peak_bytes"] if cp4 and single else None,
+        "tokens_per_s_ratio_32k": r32_ours["tokens_per_s"] / r32_hf["tokens_per_s"] if r32_ours and r32_hf else None,
+        "mem_cap_gib": args.mem_cap_gib, "rows": rows, "cp4": cp4,
+        "threads": args.threads or torch.get_num_threads(), "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+    }
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / GIB:.0f} GiB"
+
+
+def fmt_row(r: dict) -> str:
+    if r["over_cap"]:
+        return "over cap"
+    if "error" in r:
+        return "failed"
+    return f"{r['peak_bytes'] / GIB:.2f} GiB, {r['tokens_per_s']:.0f} tok/s"
+
+
+def table(res: dict, sides: list[str], lengths: list[int]) -> str:
+    cells = {(r["side"], r["length"]): fmt_row(r) for r in res["rows"]}
+    head = "| tokens | " + " | ".join(f"ours {s}" if s != "hf" else "HF Qwen3-MoE" for s in sides) + " |"
+    lines = [head, "|---:" + "|---:" * len(sides) + "|"]
+    for n in lengths:
+        lines.append(f"| {n} | " + " | ".join(cells.get((s, n), "not run") for s in sides) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    lengths = [int(x) for x in args.lengths.split(",")]
+    sides = [s for s in args.sides.split(",") if s]
+    unknown = set(sides) - set(SIDES)
+    if unknown:
+        raise SystemExit(f"--sides: unknown {sorted(unknown)}; choose from {','.join(SIDES)}")
+    rows, stopped = [], set()
+    for n in lengths:
+        for side in sides:
+            done = [r for r in rows if r["side"] == side and not r["over_cap"] and "error" not in r]
+            if side in stopped:
+                continue
+            if done and predicted_seconds(done, n) > args.max_step_s:
+                print(f"{side}: {n} tokens would take ~{predicted_seconds(done, n):.0f} s > --max-step-s; stopping it")
+                stopped.add(side)
+                continue
+            row = run_one(side, n, args)
+            rows.append(row)
+            print(f"{side:>9} {n:>7} tokens: {fmt_row(row)}", flush=True)
+            if row["over_cap"] or "error" in row:
+                stopped.add(side)
+    cp4 = None
+    if args.cp4_length:
+        cp4 = run_cp4(args.cp4_length, args.threads)
+        print(f"cp4 {args.cp4_length} tokens: max per-rank peak {cp4['max_peak_bytes'] / GIB:.2f} GiB, "
+              f"step {cp4['step_s']:.1f} s", flush=True)
+        if not any(r["side"] == "none" and r["length"] == args.cp4_length for r in rows):
+            rows.append(run_one("none", args.cp4_length, args))
+    res = summarize(rows, cp4, args)
+    print()
+    print(table(res, sides, lengths))
+    keys = ("longest_ours_tokens", "longest_hf_tokens", "longest_ratio", "bytes_per_token_ours",
+            "bytes_per_token_hf", "selective_recompute_tokens_per_s_ratio", "cp4_peak_over_single",
+            "tokens_per_s_ratio_32k")
+    print("\n" + "\n".join(f"{k}: {res[k]}" for k in keys))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
