@@ -86,10 +86,29 @@ def init_distributed(device_kind: str, timeout_s: float) -> tuple[int, int, int]
     if world > 1 and not dist.is_initialized():
         # A rank blocked in a collective whose peer died raises after timeout_s instead of
         # holding its device until the job's wall-clock limit.
-        dist.init_process_group("nccl" if device_kind == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        backend = "nccl" if device_kind == "cuda" else "gloo"
+        store = _attempt_store(world, timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return 0, 1, 1
+
+
+def _attempt_store(world: int, timeout: timedelta):
+    """Under torchrun's agent, its TCPStore with keys of this restart attempt only; None elsewhere.
+
+    The agent keeps one store for all attempts of `--max-restarts` (torch 2.13's rendezvous
+    assumes a new store per retry), so a restarted rank can read a dead peer's address that
+    the attempt before published, connect to nothing and fail ("Connection refused")."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"longctx_moe/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def pick_device(name: str) -> torch.device:

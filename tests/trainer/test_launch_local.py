@@ -114,3 +114,10 @@ def test_process_group_timeout_reaches_init_process_group(monkeypatch):
     for bad in ("0", "-1", "inf", "nan"):
         with pytest.raises(ConfigError, match=r"^train.process_group_timeout_s=\S+ must be a number of seconds > 0"):
             load_config(None, [f"train.process_group_timeout_s={bad}"])
+
+
+def test_negative_max_restarts_is_one_line_with_status_2(capsys):
+    from longctx_moe.cli import main as cli_main
+
+    assert cli_main(["train", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--max-restarts", "-1"]) == 2
+    assert capsys.readouterr().err == "error: --max-restarts=-1 must be >= 0\n"
