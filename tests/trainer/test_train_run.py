@@ -126,11 +126,11 @@ def test_cli_launches_two_local_ranks(tmp_path, corpus):
     assert [r["step"] for r in records] == [1, 2]
     step_dir = run_dir / "checkpoints" / "step_00000002"
     meta = json.loads((step_dir / "meta.json").read_text())
-    assert meta["world_size"] == 2 and sorted(meta["files"]) == ["rank_00000.pt", "rank_00001.pt"]
+    assert meta["world_size"] == 2 and sorted(meta["files"]) == ["rank_00000.safetensors", "rank_00001.safetensors"]
 
     # One damaged rank file: both ranks stop at resume, one line names the file, status 2 (and
     # the subprocess timeout bounds the time: no rank waits in a collective).
-    part = step_dir / "rank_00001.pt"
+    part = step_dir / "rank_00001.safetensors"
     raw = bytearray(part.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     part.write_bytes(bytes(raw))
