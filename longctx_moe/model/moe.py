@@ -5,7 +5,8 @@ Dispatch contract (docs/ARCHITECTURE.md):
     router(x_TD) -> (topk_idx_TK, topk_weight_TK, aux)
     dispatcher(x_TD, topk_idx_TK, topk_weight_TK, experts) -> y_TD
     experts(x_MD, tokens_per_local_expert_E) -> y_MD   (rows sorted by local expert)
-Expert parallelism swaps `MoE.dispatcher` and slices `GroupedExperts` along dim 0.
+Expert parallelism swaps `MoE.dispatcher` and slices `GroupedExperts` along dim 0. A dispatcher
+with `overlaps_shared` is also handed the shared expert, to run it while tokens travel.
 
 Shapes: T tokens, D model dim, E experts (local experts for GroupedExperts), K top-k,
 M = T*K routed rows, F expert hidden.
@@ -200,15 +201,22 @@ class MoE(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, layout: DocLayout, replay_TK: torch.Tensor | None = None):
         topk_idx_TK, topk_weight_TK, aux = self.router(x_TD, replay_TK)
-        y_TD = self.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
-        if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+        if self.shared is not None and getattr(self.dispatcher, "overlaps_shared", False):
+            # An expert-parallel dispatcher computes routed + shared itself, the shared expert
+            # while the tokens travel (parallel/dispatch.py); the same sum as below.
+            y_TD = self.dispatch(x_TD, topk_idx_TK, topk_weight_TK, self.shared)
+        else:
+            y_TD = self.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
+            if self.shared is not None:
+                y_TD = y_TD + self.shared(x_TD)
         return y_TD, self.stats(topk_idx_TK, aux, layout)
 
     # Kept out of torch.compile: expert row counts are data dependent (padding, all-to-all splits).
     @torch.compiler.disable
-    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK) -> torch.Tensor:
-        return self.dispatcher(x_TD, topk_idx_TK, topk_weight_TK, self.experts)
+    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, shared=None) -> torch.Tensor:
+        if shared is None:
+            return self.dispatcher(x_TD, topk_idx_TK, topk_weight_TK, self.experts)
+        return self.dispatcher(x_TD, topk_idx_TK, topk_weight_TK, self.experts, shared)
 
     # Kept out of torch.compile: padding rows are dropped by a boolean mask (data-dependent shapes).
     @torch.compiler.disable

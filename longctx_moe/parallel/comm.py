@@ -4,6 +4,9 @@ Legend: N rows (token copies) of D features; splits are host lists of row counts
 
 - `all_to_all_rows(x_ND, send_splits, recv_splits, group, codec)`: rows [sum(send)] -> rows
   [sum(recv)]; backward is the reverse all-to-all of the gradient.
+- `start_all_to_all_rows(...)` -> `AllToAllInFlight`, whose `wait()` gives the same rows: the
+  all-to-all runs asynchronously in between, in the forward and (reversed) in the backward, so
+  independent work placed between the two calls hides it (see `_StartRows`).
 - `all_gather_rows(x_ND, sizes, group)`: every rank's rows concatenated in rank order; backward
   sums each rank's slice of the gradient back to its owner (a reduce-scatter done as an
   all-to-all, because the row counts differ per rank).
@@ -117,6 +120,88 @@ def all_to_all_rows(x_ND: torch.Tensor, send_splits: list[int], recv_splits: lis
                     group, codec: Codec | None = None) -> torch.Tensor:
     """Send rows [sum(send_splits), D] in rank order; return received rows [sum(recv_splits), D]."""
     return _AllToAllRows.apply(x_ND, list(send_splits), list(recv_splits), group, codec or Codec())
+
+
+class _Transfer:
+    """One asynchronous all-to-all in flight: the work handle, the buffers it must keep alive
+    until it completes, and how to decode what arrives."""
+
+    def __init__(self, x_ND, send_splits, recv_splits, group, codec):
+        self.send_buf = codec.encode(x_ND)
+        self.out = self.send_buf.new_empty((sum(recv_splits),) + tuple(self.send_buf.shape[1:]))
+        self.work = dist.all_to_all_single(self.out, self.send_buf, recv_splits, send_splits,
+                                           group=group, async_op=True)
+        self.dtype, self.dim, self.codec = x_ND.dtype, x_ND.shape[1], codec
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        self.send_buf = None
+        return self.codec.decode(self.out, self.dtype, self.dim)
+
+
+class _Link:
+    """What the start and wait halves of one all-to-all share: its layout, and the transfer in
+    flight in each direction."""
+
+    def __init__(self, send_splits, recv_splits, group, codec):
+        self.send, self.recv, self.group, self.codec = send_splits, recv_splits, group, codec
+        self.forward: _Transfer | None = None
+        self.backward: _Transfer | None = None
+
+
+class _StartRows(torch.autograd.Function):
+    """Forward: launch the all-to-all and return an empty token that `_WaitRows` consumes.
+    Backward: wait for the reverse all-to-all that `_WaitRows.backward` launched.
+
+    The token makes the autograd graph start -> wait, so the backward runs wait.backward
+    (launch) before start.backward (wait). Between them the engine runs the ready nodes with
+    higher sequence numbers first, i.e. the work the forward placed between start and wait (the
+    shared expert): it hides the gradients' all-to-all as its forward hid the tokens'."""
+
+    @staticmethod
+    def forward(ctx, x_ND, link):
+        ctx.link = link
+        link.forward = _Transfer(x_ND, link.send, link.recv, link.group, link.codec)
+        return x_ND.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad_token):
+        transfer, ctx.link.backward = ctx.link.backward, None
+        return transfer.wait(), None
+
+
+class _WaitRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token, link):
+        ctx.link = link
+        transfer, link.forward = link.forward, None
+        return transfer.wait()
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        link = ctx.link
+        link.backward = _Transfer(grad_MD.contiguous(), link.recv, link.send, link.group,
+                                  link.codec.grad())
+        return grad_MD.new_empty(0), None
+
+
+class AllToAllInFlight:
+    """An all-to-all of rows started by `start_all_to_all_rows`; `wait()` returns the received
+    rows [sum(recv_splits), D], exactly what `all_to_all_rows` returns."""
+
+    def __init__(self, token, link):
+        self._token, self._link = token, link
+
+    def wait(self) -> torch.Tensor:
+        return _WaitRows.apply(self._token, self._link)
+
+
+def start_all_to_all_rows(x_ND: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                          group, codec: Codec | None = None) -> AllToAllInFlight:
+    """Launch `all_to_all_rows` asynchronously; call `.wait()` on the result, once, on every
+    rank of `group` before the next collective that must follow it."""
+    link = _Link(list(send_splits), list(recv_splits), group, codec or Codec())
+    return AllToAllInFlight(_StartRows.apply(x_ND, link), link)
 
 
 def _all_gather_raw(x_ND, sizes, group):

@@ -50,6 +50,12 @@ class ParallelConfig:
     dcp_bandwidth_gbps: float = 200.0
     dispatcher: str = "alltoall"  # alltoall | allgather
     dispatch_dtype: str = "none"  # none | bf16 | fp8: payload compression of the expert all-to-all
+    # Hide communication behind compute: the shared expert runs while the tokens' all-to-all is
+    # in flight (forward and backward), and dense / expert gradients are all-reduced in buckets
+    # of grad_bucket_mb launched from the last micro-batch's backward. The overlap computes the
+    # same arithmetic (bitwise equal); buckets change only how gloo/NCCL chunk the sum.
+    moe_overlap: bool = True
+    grad_bucket_mb: float = 25.0  # 0: one buffer per dtype after the backward
     capacity_factor: float | None = None  # None: dropless
     drop_policy: str = "probs"  # probs | position: which assignments over capacity are dropped
     # Balance statistics of the aux / z losses: over each micro-batch (TP x CP share it), or over
@@ -61,6 +67,9 @@ class ParallelConfig:
         for key, allowed in CHOICES.items():
             check_choice(f"parallel.{key}", getattr(self, key), allowed)
         check_capacity_factor(self.capacity_factor)
+        if not self.grad_bucket_mb >= 0:
+            raise ValueError(f"parallel.grad_bucket_mb={self.grad_bucket_mb} must be >= 0 "
+                             "(0: one buffer after the backward)")
 
 
 def check_capacity_factor(value: float | None) -> None:

@@ -15,6 +15,14 @@ ceil(capacity_factor * T * K / E) assignments *from each source rank* (decided o
 tokens, before any communication, as Megatron-Core does); `drop_policy` "probs" keeps the highest
 weights, "position" the earliest tokens. Both dispatchers give identical results.
 
+Communication hidden behind compute (`overlap`, parallel.moe_overlap): the all-to-all dispatcher
+runs in three stages, dispatch (tokens out, asynchronously) / experts / combine (outputs back).
+Called with `shared` (the MoE layer's shared expert), it computes shared(x_TD) while the tokens
+travel and returns routed + shared; in the backward the shared expert's backward runs while the
+tokens' gradients travel back (comm.start_all_to_all_rows). The arithmetic is the same as the
+synchronous path, so the results are bitwise equal. The combine all-to-all stays synchronous:
+within one micro-batch nothing independent is left to compute by then.
+
 TP (ETP = 1): TP peers hold the same tokens. With `tp_group`, each peer dispatches one contiguous
 chunk of them and the outputs are all-gathered back (Megatron-Core's approach), so experts see
 each token once and expert gradients need no 1/tp correction; capacity then applies per chunk.
@@ -37,6 +45,7 @@ from longctx_moe.parallel.comm import (
     gather_sizes,
     make_codec,
     split_replicated,
+    start_all_to_all_rows,
 )
 from longctx_moe.parallel.config import DROP_POLICIES, check_capacity_factor
 from longctx_moe.parallel.dims import Axis
@@ -132,16 +141,24 @@ class _EPDispatcher:
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.wire_bytes = 0  # payload bytes this rank sent to other ranks in the last forward
 
-    def __call__(self, x_TD, topk_idx_TK, topk_weight_TK, experts):
-        """y_TD; with `tp_group`, each TP peer dispatches only its chunk of the (replicated)
-        tokens and the outputs are gathered back, so no expert runs a token twice."""
+    # Whether __call__ computes `shared` while tokens travel (MoE passes it only then).
+    overlaps_shared = False
+
+    def __call__(self, x_TD, topk_idx_TK, topk_weight_TK, experts, shared=None):
+        """y_TD (+ shared(x_TD) when `shared` is given); with `tp_group`, each TP peer
+        dispatches only its chunk of the (replicated) tokens and the outputs are gathered back,
+        so no expert runs a token twice."""
+        side = None if shared is None else (lambda: shared(x_TD))
         if self.tp_group is None:  # dims.group_or_none(Axis.TP): None for one TP rank
-            return self._dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts)
-        T, g = x_TD.shape[0], self.tp_group
-        idx_NK = split_replicated(topk_idx_TK, g).detach()
-        y_ND = self._dispatch(split_replicated(x_TD, g), idx_NK,
-                              split_replicated(topk_weight_TK, g), experts)
-        return gather_replicated(y_ND, T, g)
+            y_TD, side_TD = self._dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts, side)
+        else:
+            T, g = x_TD.shape[0], self.tp_group
+            idx_NK = split_replicated(topk_idx_TK, g).detach()
+            y_ND, side_TD = self._dispatch(split_replicated(x_TD, g), idx_NK,
+                                           split_replicated(topk_weight_TK, g), experts, side)
+            y_TD = gather_replicated(y_ND, T, g)
+        # The same sum, in the same order, as MoE's `routed + shared` without overlap.
+        return y_TD if side_TD is None else y_TD + side_TD
 
     def _route(self, x_TD, topk_idx_TK, topk_weight_TK, experts) -> Routing:
         _check_inputs(x_TD, topk_idx_TK, topk_weight_TK, self.num_experts)
@@ -157,40 +174,67 @@ class _EPDispatcher:
         return sum(n for r, n in enumerate(splits) if r != self.ep_rank)
 
 
+def _call(side):
+    return None if side is None else side()
+
+
 class AllToAllDispatcher(_EPDispatcher):
     """Permute by expert, all-to-all with split sizes, sort by local expert, experts(), and back.
 
     `dispatch_dtype` compresses the payloads: "bf16" both ways; "fp8" sends the tokens as e4m3
     with per-token scales and brings the outputs back in bf16 (see comm.py for the bound).
+    `overlap`: the tokens' all-to-all is asynchronous and hides the shared expert (module doc).
     """
 
     def __init__(self, num_experts: int, group=None, capacity_factor: float | None = None,
-                 drop_policy: str = "probs", dispatch_dtype: str = "none", tp_group=None):
+                 drop_policy: str = "probs", dispatch_dtype: str = "none", tp_group=None,
+                 overlap: bool = False):
         super().__init__(num_experts, group, capacity_factor, drop_policy, tp_group)
         self.codec = make_codec(dispatch_dtype)
         self.combine_codec = self.codec.grad()
+        self.overlap = overlap
+        self.overlaps_shared = overlap and self.ep_size > 1
 
-    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, experts):
+    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, experts, side=None):
+        """(routed y_TD, side() or None): dispatch / experts / combine."""
         routing = self._route(x_TD, topk_idx_TK, topk_weight_TK, experts)
         x_ND = x_TD.index_select(0, routing.token_N)
         if self.ep_size == 1:
             self.wire_bytes = 0
-            return combine(experts(x_ND, routing.counts_E), routing, x_TD.shape[0])
-        R, L = self.ep_size, self.local_experts
-        send_RL = routing.counts_E.view(R, L)
-        recv_RL = exchange_counts(send_RL, self.group)  # row s: what rank s sends to my experts
+            return combine(experts(x_ND, routing.counts_E), routing, x_TD.shape[0]), _call(side)
+        send_RL, recv_RL = self._split_table(routing)
         send, recv = send_RL.sum(1).tolist(), recv_RL.sum(1).tolist()
-        x_MD = all_to_all_rows(x_ND, send, recv, self.group, self.codec)
-        # Rows arrive grouped by source rank, then local expert; experts() wants expert-major.
-        expert_M = torch.arange(L).repeat(R).repeat_interleave(recv_RL.flatten())
-        order_M = torch.argsort(expert_M, stable=True).to(x_TD.device)
-        y_MD = experts(x_MD.index_select(0, order_M), recv_RL.sum(0).to(x_TD.device))
-        y_MD = y_MD.index_select(0, _inverse(order_M))
+        x_MD, side_TD = self._send_tokens(x_ND, send, recv, side)
+        y_MD = self._run_experts(x_MD, recv_RL, experts)
         y_ND = all_to_all_rows(y_MD, recv, send, self.group, self.combine_codec)
         D, dtype = x_TD.shape[1], x_TD.dtype
         self.wire_bytes = (self._remote_rows(send) * self.codec.wire_bytes_per_row(D, dtype)
                            + self._remote_rows(recv) * self.combine_codec.wire_bytes_per_row(D, dtype))
-        return combine(y_ND, routing, x_TD.shape[0])
+        if side_TD is None:  # synchronous: the side work runs where it would without EP, after
+            side_TD = _call(side)
+        return combine(y_ND, routing, x_TD.shape[0]), side_TD
+
+    def _split_table(self, routing: Routing):
+        """(send_RL, recv_RL) int64 host tables: row s of recv is what rank s sends my experts."""
+        send_RL = routing.counts_E.view(self.ep_size, self.local_experts)
+        return send_RL, exchange_counts(send_RL, self.group)
+
+    def _send_tokens(self, x_ND, send, recv, side):
+        """Dispatch stage: (rows for my experts x_MD, side() if it ran while they travelled)."""
+        if not self.overlap or side is None:
+            return all_to_all_rows(x_ND, send, recv, self.group, self.codec), None
+        in_flight = start_all_to_all_rows(x_ND, send, recv, self.group, self.codec)
+        side_TD = side()
+        return in_flight.wait(), side_TD
+
+    def _run_experts(self, x_MD, recv_RL, experts):
+        """Experts stage: rows arrive grouped by source rank, then local expert; experts() wants
+        them expert-major, and the combine all-to-all wants them back in arrival order."""
+        R, L = self.ep_size, self.local_experts
+        expert_M = torch.arange(L).repeat(R).repeat_interleave(recv_RL.flatten())
+        order_M = torch.argsort(expert_M, stable=True).to(x_MD.device)
+        y_MD = experts(x_MD.index_select(0, order_M), recv_RL.sum(0).to(x_MD.device))
+        return y_MD.index_select(0, _inverse(order_M))
 
 
 class AllGatherDispatcher(_EPDispatcher):
@@ -200,7 +244,11 @@ class AllGatherDispatcher(_EPDispatcher):
     the all-to-all once top-k * R is small relative to R (see bench/moe_dispatch.py).
     """
 
-    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, experts):
+    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, experts, side=None):
+        """(routed y_TD, side() or None); the side work runs after the routed experts."""
+        return self._gather_dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts), _call(side)
+
+    def _gather_dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, experts):
         routing = self._route(x_TD, topk_idx_TK, topk_weight_TK, experts)
         if self.ep_size == 1:
             self.wire_bytes = 0
@@ -253,4 +301,4 @@ def build_dispatcher(dims, cfg, num_experts: int):
         return AllGatherDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,
                                    tp_group)
     return AllToAllDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,
-                              cfg.dispatch_dtype, tp_group)
+                              cfg.dispatch_dtype, tp_group, cfg.moe_overlap)

@@ -5,7 +5,8 @@ global count computed once per step, so the global loss is the plain sum of the 
 over DP x CP (TP peers hold the same tokens and compute the same loss). Hence gradients are
 SUMMED, never averaged:
 
-- dense parameters: all-reduce over `dp_cp`; TP-sharded or TP-replicated, each rank already holds
+- dense parameters: all-reduce over `dp_cp` (in buckets launched from the last backward's hooks
+  with parallel.grad_bucket_mb > 0: GradBuckets); TP-sharded or TP-replicated, each rank already holds
   the gradient of its own shard for its DP x CP slice of tokens.
 - expert parameters (inside GroupedExperts, duck-typed by `num_local_experts`): the dispatcher
   already summed over the tokens of the EP group; all-reduce over `edp` then covers every rank
@@ -65,15 +66,112 @@ def _all_reduce_grads(params: list[nn.Parameter], group) -> None:
             offset += n
 
 
-def reduce_gradients(dense: list[nn.Parameter], expert: list[nn.Parameter], dims) -> None:
-    """Sum dense gradients over dp_cp (or the group a parameter's `reduce_axis` names) and expert
-    gradients over edp."""
+def reduction_groups(dense: list[nn.Parameter], expert: list[nn.Parameter], dims) -> list:
+    """[(group or None, params)]: dense parameters over dp_cp (or the axis their `reduce_axis`
+    names), expert parameters over edp; the same list on every rank."""
     by_axis: dict[str, list[nn.Parameter]] = {}
     for p in dense:
         by_axis.setdefault(getattr(p, "reduce_axis", Axis.DP_CP), []).append(p)
-    for axis, params in by_axis.items():
-        _all_reduce_grads(params, dims.group_or_none(axis))
-    _all_reduce_grads(expert, dims.group_or_none(Axis.EDP))
+    by_axis.setdefault(Axis.EDP, []).extend(expert)
+    return [(dims.group_or_none(axis), params) for axis, params in by_axis.items()]
+
+
+def reduce_gradients(dense: list[nn.Parameter], expert: list[nn.Parameter], dims) -> None:
+    """Sum dense gradients over dp_cp (or the group a parameter's `reduce_axis` names) and expert
+    gradients over edp, one buffer per group and dtype."""
+    for group, params in reduction_groups(dense, expert, dims):
+        _all_reduce_grads(params, group)
+
+
+class _Bucket:
+    """Parameters of one group and dtype whose gradients are all-reduced as one flat buffer."""
+
+    def __init__(self, group, params: list[nn.Parameter]):
+        self.group, self.params = group, params
+        self.ready: set[int] = set()  # ids of the parameters whose gradient is final
+        self.flat: torch.Tensor | None = None
+        self.work = None
+
+    def launch(self) -> None:
+        for p in self.params:  # as in _all_reduce_grads: every rank contributes every buffer
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        self.work.wait()
+        offset = 0
+        for p in self.params:
+            n = p.grad.numel()
+            p.grad.copy_(self.flat[offset:offset + n].view_as(p.grad))
+            offset += n
+        self.flat, self.work = None, None
+        self.ready.clear()
+
+
+def _make_buckets(group, params: list[nn.Parameter], cap_bytes: float) -> list[_Bucket]:
+    """Consecutive runs of `params` in reverse order (the order the backward finishes them), one
+    dtype each, closed once they pass `cap_bytes`."""
+    buckets, run, size = [], [], 0
+    for p in reversed(params):
+        if run and (size >= cap_bytes or p.dtype != run[-1].dtype):
+            buckets.append(_Bucket(group, run))
+            run, size = [], 0
+        run.append(p)
+        size += p.numel() * p.element_size()
+    return buckets + ([_Bucket(group, run)] if run else [])
+
+
+class GradBuckets:
+    """Gradients all-reduced in buckets launched from the backward (as DDP does).
+
+    `arm()` before the last micro-batch's backward; each parameter's post-accumulate-grad hook
+    then marks it final, and a bucket launches (asynchronously) once all its gradients are final
+    and every earlier bucket has launched: the launch order is fixed, so it is the same on every
+    rank even where a parameter gets no gradient on some rank (it launches at `finish`, zeros).
+    `finish()` launches what is left, waits and writes the sums back; without `arm()` it is the
+    plain bucketed reduction after the backward. Earlier micro-batches' backwards only accumulate.
+    """
+
+    def __init__(self, dense: list[nn.Parameter], expert: list[nn.Parameter], dims,
+                 bucket_mb: float):
+        self.buckets: list[_Bucket] = []
+        for group, params in reduction_groups(dense, expert, dims):
+            if group is not None:
+                self.buckets += _make_buckets(group, params, bucket_mb * 2**20)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.armed, self.next = False, 0  # next: the first bucket not launched yet
+        for b in self.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self.armed:
+            return
+        bucket = self._bucket_of[id(p)]
+        if bucket.work is not None:
+            raise RuntimeError(f"a parameter of shape {tuple(p.shape)} got a gradient after its "
+                               "bucket was all-reduced; call start_gradient_reduction() only "
+                               "before the last backward of the step")
+        bucket.ready.add(id(p))
+        while self.next < len(self.buckets):
+            b = self.buckets[self.next]
+            if len(b.ready) < len(b.params):
+                break
+            b.launch()
+            self.next += 1
+
+    def finish(self) -> None:
+        """Launch the buckets the backward did not, wait for all, write the sums to .grad."""
+        for b in self.buckets[self.next:]:
+            b.launch()
+        for b in self.buckets:
+            b.finish()
+        self.armed, self.next = False, 0
 
 
 def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], dims,

@@ -5,6 +5,8 @@ One optimizer step, as the trainer runs it (every rank, same calls in the same o
     for mb in micro_batches:                       # this DP replica's PackedBatches
         shard = runtime.shard(mb, cp)              # cp: the CPGroup of this micro-batch
         out = runtime.forward(shard)               # the single-device model on this rank's tokens
+        if mb is micro_batches[-1]:
+            runtime.start_gradient_reduction()     # buckets launch during this backward
         loss(out).backward()
     runtime.reduce_gradients()                     # dense over dp_cp, experts over edp
     norm = runtime.clip_grad_norm(max_norm)        # global norm over the folded mesh
@@ -39,6 +41,7 @@ from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.context_parallel import NO_CP, CPGroup, shard_for_cp
 from longctx_moe.parallel.dims import Axis
 from longctx_moe.parallel.grad_reduce import (
+    GradBuckets,
     clip_grad_norm,
     reduce_gradients,
     split_params,
@@ -70,6 +73,9 @@ class ParallelRuntime:
         self.dense, self.expert = split_params(model)
         self.global_batch_aux = cfg.aux_loss_scope == "global_batch"
         self.static_cp = static_cp_group(dims)
+        self.buckets = None  # parallel.grad_bucket_mb = 0: one buffer per group after backward
+        if dims.world_size > 1 and cfg.grad_bucket_mb > 0:
+            self.buckets = GradBuckets(self.dense, self.expert, dims, cfg.grad_bucket_mb)
 
     # ------------------------------------------------------------------ per micro-batch
 
@@ -135,10 +141,21 @@ class ParallelRuntime:
 
     # ------------------------------------------------------------------ per optimizer step
 
+    def start_gradient_reduction(self) -> None:
+        """Call just before the step's last backward: gradient buckets then all-reduce from its
+        hooks while the rest of the backward runs. Optional: without it `reduce_gradients` does
+        the same sums after the backward."""
+        if self.buckets is not None:
+            self.buckets.arm()
+
     def reduce_gradients(self) -> None:
         """Sum gradients over their replicas (dense over dp_cp, experts over edp)."""
-        if self.dims.world_size > 1:
+        if self.dims.world_size == 1:
+            return
+        if self.buckets is None:
             reduce_gradients(self.dense, self.expert, self.dims)
+        else:
+            self.buckets.finish()
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global gradient norm over the folded mesh, clipped to `max_norm` when > 0."""

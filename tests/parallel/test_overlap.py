@@ -1,0 +1,97 @@
+"""Communication hidden behind compute: the overlapped MoE dispatcher (parallel.moe_overlap) on 4
+gloo ranks against the synchronous one, same run, same data.
+
+The real Transformer with a shared expert, EP4 (and TP2 x EP4, where the TP peers split their
+shared tokens; and fp8 payloads), fp32, two micro-batches of gradient accumulation per rank.
+Overlap only moves *when* the shared expert, the all-to-alls and the gradient buckets' all-reduces
+run, not what they compute, so losses and every gradient must be bitwise equal (torch.equal, no
+tolerance) for each bucket size. (Different bucket sizes chunk the all-reduce differently, hence
+a different summation order: tests/parallel/test_grad_buckets.py checks those in float64.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longctx_moe.model import build_model
+from longctx_moe.parallel.comm import all_to_all_rows, make_codec, start_all_to_all_rows
+from longctx_moe.parallel.config import ParallelConfig
+from longctx_moe.parallel.dims import ParallelDims
+from longctx_moe.parallel.parallelize import parallelize
+from tests.launcher import run_distributed
+from tests.model.helpers import packed_batch, tiny_config
+
+DOCS = [[5, 9, 1, 13], [1, 7, 3], [12, 2], [2, 2, 6], [17, 4], [3, 3, 3, 3]]
+LAYOUTS = [dict(ep=4), dict(tp=2, ep=4), dict(ep=4, dispatch_dtype="fp8")]
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    cfg = tiny_config(num_experts=8, top_k=2, shared_expert_hidden_size=16, aux_loss_type="seq",
+                      aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    return build_model(cfg)
+
+
+def run_steps(rank, world, kw, overlap, bucket_mb, seed):
+    """Losses (one per micro-batch) and {name: grad} after two accumulated micro-batches.
+    `overlap`: the overlapped dispatcher, and the gradient buckets launched from the last
+    backward's hooks (without: the same buckets all-reduced after the backward)."""
+    cfg = ParallelConfig(moe_overlap=overlap, grad_bucket_mb=bucket_mb, **kw)
+    dims = ParallelDims.from_config(cfg, world, tiny_config())
+    dims.build_groups(rank)
+    runtime = parallelize(_model(seed), dims, cfg)
+    assert all(m.dispatcher.overlaps_shared == overlap for m in runtime.model.moe_layers())
+    gen = torch.Generator().manual_seed(seed + 100 * dims.rank_in("dp"))
+    batches = [packed_batch(DOCS[(seed + i) % len(DOCS)], 64, pad_multiple=dims.tp, generator=gen)
+               for i in range(2)]
+    losses = []
+    for i, batch in enumerate(batches):
+        shard = runtime.shard(batch)
+        out = runtime.forward(shard)
+        loss = out.ce_sum / 64 + out.aux_loss + out.z_loss
+        if overlap and i == len(batches) - 1:
+            runtime.start_gradient_reduction()  # buckets launch from this backward's hooks
+        loss.backward()
+        losses.append(loss.detach())
+    runtime.reduce_gradients()
+    return torch.stack(losses), {n: p.grad.clone() for n, p in runtime.model.named_parameters()}
+
+
+def _check_bitwise(rank, world):
+    for seed, kw in enumerate(LAYOUTS):
+        for bucket_mb in (0.0, 25.0, 0.002):
+            loss_sync, grads_sync = run_steps(rank, world, kw, False, bucket_mb, seed)
+            loss_ovl, grads_ovl = run_steps(rank, world, kw, True, bucket_mb, seed)
+            assert torch.equal(loss_sync, loss_ovl), (kw, loss_sync, loss_ovl)
+            assert grads_sync.keys() == grads_ovl.keys()
+            for name, g in grads_sync.items():
+                assert torch.equal(g, grads_ovl[name]), (kw, bucket_mb, name,
+                                                         (g - grads_ovl[name]).abs().max())
+    _check_start_wait(rank, world)
+    return True
+
+
+def _check_start_wait(rank, world):
+    """start + wait equals the synchronous all-to-all rows, forward and backward, for each codec
+    (the same encode / collective / decode, so bitwise)."""
+    gen = torch.Generator().manual_seed(rank)
+    send = [(rank + r) % 3 for r in range(world)]
+    recv = [(r + rank) % 3 for r in range(world)]  # rank r sends (r + rank) % 3 rows to me
+    x = torch.randn(sum(send), 6, generator=gen)
+    g = torch.randn(sum(recv), 6, generator=gen)
+    for name in ("none", "bf16", "fp8"):
+        results = []
+        for start in (False, True):
+            xi = x.clone().requires_grad_()
+            codec = make_codec(name)
+            if start:
+                y = start_all_to_all_rows(xi, send, recv, None, codec).wait()
+            else:
+                y = all_to_all_rows(xi, send, recv, None, codec)
+            (y * g).sum().backward()
+            results.append((y.detach(), xi.grad))
+        assert all(torch.equal(a, b) for a, b in zip(*results, strict=True)), name
+
+
+def test_overlapped_dispatch_is_bitwise_equal_to_synchronous_ep4_shared_expert():
+    assert run_distributed(_check_bitwise, world_size=4, timeout=600) == [True] * 4
