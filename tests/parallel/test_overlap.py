@@ -12,14 +12,18 @@ a different summation order: tests/parallel/test_grad_buckets.py checks those in
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from longctx_moe.model import build_model
+from longctx_moe.parallel import comm
 from longctx_moe.parallel.comm import all_to_all_rows, make_codec, start_all_to_all_rows
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
+from longctx_moe.parallel.dispatch import AllToAllDispatcher
 from longctx_moe.parallel.parallelize import parallelize
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch, tiny_config
+from tests.parallel._moe_ref import LoopExperts
 
 DOCS = [[5, 9, 1, 13], [1, 7, 3], [12, 2], [2, 2, 6], [17, 4], [3, 3, 3, 3]]
 LAYOUTS = [dict(ep=4), dict(tp=2, ep=4), dict(ep=4, dispatch_dtype="fp8")]
@@ -68,7 +72,51 @@ def _check_bitwise(rank, world):
                 assert torch.equal(g, grads_ovl[name]), (kw, bucket_mb, name,
                                                          (g - grads_ovl[name]).abs().max())
     _check_start_wait(rank, world)
+    _check_schedule(rank, world)
     return True
+
+
+class _Recorder:
+    """Stands in for comm._Transfer: records when all-to-alls launch and complete."""
+
+    events: list[str] = []
+
+    def __init__(self, *args):
+        self.events.append("launch")
+        self.inner = _TRANSFER(*args)
+
+    def wait(self):
+        self.events.append("wait")
+        return self.inner.wait()
+
+
+_TRANSFER = comm._Transfer
+
+
+def _check_schedule(rank, world):
+    """The shared expert really runs inside the all-to-all window: forward launch, shared,
+    wait; and in the backward the gradients' launch, the shared expert's backward, wait. This
+    is the autograd engine's order (higher sequence numbers first), not a timing."""
+    gen = torch.Generator().manual_seed(7)
+    E, D, T = 8, 6, 5
+    w1, w2 = torch.randn(E, D, 4, generator=gen), torch.randn(E, 4, D, generator=gen)
+    experts = LoopExperts(w1, w2, rank * (E // world), E // world)
+    shared = torch.nn.Linear(D, D)
+    events = _Recorder.events
+    shared.register_forward_hook(lambda *_: events.append("shared"))
+    shared.register_full_backward_hook(lambda *_: events.append("shared_bwd"))
+    x = torch.randn(T, D, generator=gen, requires_grad=True)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(T)])
+    disp = AllToAllDispatcher(E, dist.group.WORLD, overlap=True)
+    comm._Transfer = _Recorder
+    try:
+        y = disp(x, idx, torch.full((T, 2), 0.5), experts, shared)
+        assert events == ["launch", "shared", "wait"], events
+        events.clear()
+        y.sum().backward()
+        assert events == ["launch", "shared_bwd", "wait"], events
+    finally:
+        comm._Transfer, _Recorder.events[:] = _TRANSFER, []
 
 
 def _check_start_wait(rank, world):
