@@ -176,9 +176,8 @@ def main(argv=None) -> int:
     return measure(a, inputs, text, tok)
 
 
-def _rounds(n: int, fn) -> dict:
-    """Median of n measurements of fn(), with the min and max of each number."""
-    runs = [fn() for _ in range(n)]
+def _summary(runs: list[dict]) -> dict:
+    """Median of each number over rounds, with its min and max."""
     out = {}
     for k in ("seconds", "rss_mb", "tree_pss_mb", "tokens_per_s", "wall_tokens_per_s",
               "tokens_per_cpu_s", "cpu_seconds", "load_before", "load_after"):
@@ -186,42 +185,49 @@ def _rounds(n: int, fn) -> dict:
         if vals:
             out[k] = float(np.median(vals))
             out[f"{k}_min"], out[f"{k}_max"] = vals[0], vals[-1]
-    out["tokens"], out["shards"] = runs[0].get("tokens"), runs[0].get("shards")
+    out["tokens"], out["shards"], out["rounds"] = runs[0].get("tokens"), runs[0].get("shards"), len(runs)
+    return out
+
+
+def configs(a, inputs: dict, text: str, tok: str) -> list[tuple[str, str, list[str]]]:
+    """(name, input, arguments) of every measured run."""
+    ids = ["--ids-key", "ids", "--vocab-size", str(VOCAB), "--seq-len", str(a.seq_len)]
+    out = []
+    for s in a.sizes:
+        hand = max(1, SIZES[s] // TOKENS_PER_HAND_SHARD)
+        out.append((f"{s}_default", inputs[s], ids + ["--workers", "1"]))
+        out.append((f"{s}_hand_shards", inputs[s], ids + ["--workers", "1", "--num-shards", str(hand)]))
+    if "1b" in a.sizes:  # the same 1B input with every core (--workers defaults to all)
+        out.append(("1b_default_all_workers", inputs["1b"], ids))
+    text_args = ["--tokenizer", tok, "--seq-len", str(a.seq_len)]
+    out += [(f"text_workers_{n}", text, text_args + ["--workers", str(n)]) for n in (1, 2)]
     return out
 
 
 def measure(a, inputs: dict, text: str, tok: str) -> int:
+    """Every config once per round, rounds interleaved, so a busy spell of the shared machine
+    hits all configs alike; medians and spreads over rounds."""
     out_dir = os.path.join(a.cache_dir, "out")
-    base = ["--ids-key", "ids", "--vocab-size", str(VOCAB), "--seq-len", str(a.seq_len),
-            "--workers", "1"]
-    rows, result = [], {"machine": machine(), "seq_len": a.seq_len, "runs": {}}
-    for s in a.sizes:
-        hand = max(1, SIZES[s] // TOKENS_PER_HAND_SHARD)
-        for mode, extra in (("default", []), ("hand_shards", ["--num-shards", str(hand)])):
-            r = _rounds(a.rounds, lambda s=s, extra=extra: pack_once(inputs[s], out_dir, base + extra))
-            result["runs"][f"{s}_{mode}"] = r
-            rows.append((s, mode, r))
-            print(f"{s:>5} {mode:<12} shards {r['shards']:>3}  peak RSS {r['rss_mb']:8.0f} MB  "
-                  f"{r['tokens_per_s'] / 1e6:7.2f} M tokens/s  {r['tokens_per_cpu_s'] / 1e6:7.2f} M "
-                  f"tokens/CPU-s  ({r['seconds']:.1f} s, load {r['load_before']:.1f})", flush=True)
-    if "1b" in a.sizes:  # the same 1B input with every core (--workers defaults to all)
-        r = _rounds(a.rounds, lambda: pack_once(inputs["1b"], out_dir, base[:-2]))
-        result["runs"]["1b_default_all_workers"] = r
-        print(f"   1b default, --workers {os.cpu_count()}: shards {r['shards']:>3}  peak PSS of the "
-              f"process tree {r['tree_pss_mb']:8.0f} MB  {r['tokens_per_s'] / 1e6:7.2f} M tokens/s "
-              f"({r['seconds']:.1f} s)", flush=True)
-    text_args = ["--tokenizer", tok, "--seq-len", str(a.seq_len)]
-    w = {n: _rounds(a.rounds, lambda n=n: pack_once(text, out_dir, text_args + ["--workers", str(n)]))
-         for n in (1, 2)}
-    result["runs"]["text_workers_1"], result["runs"]["text_workers_2"] = w[1], w[2]
-    print(f"text --workers 1: {w[1]['tokens_per_s'] / 1e6:.2f} M tokens/s, --workers 2: "
-          f"{w[2]['tokens_per_s'] / 1e6:.2f} M tokens/s", flush=True)
-    d = result["runs"]
+    runs: dict[str, list[dict]] = {}
+    for rnd in range(a.rounds):
+        for name, inp, args in configs(a, inputs, text, tok):
+            r = pack_once(inp, out_dir, args)
+            runs.setdefault(name, []).append(r)
+            print(f"round {rnd} {name:<24} shards {r['shards']:>3}  peak RSS {r['rss_mb']:6.0f} MB  "
+                  f"tree PSS {r['tree_pss_mb']:6.0f} MB  {r['tokens_per_s'] / 1e6:6.2f} M tokens/s  "
+                  f"{r['tokens_per_cpu_s'] / 1e6:6.2f} M tokens/CPU-s  ({r['seconds']:.1f} s, load "
+                  f"{r['load_before']:.1f})", flush=True)
+    d = {name: _summary(rs) for name, rs in runs.items()}
+    result = {"machine": machine(), "seq_len": a.seq_len, "runs": d}
     for s in a.sizes:
         result[f"rss_mb_{s}"] = round(d[f"{s}_default"]["rss_mb"], 1)
         result[f"tokens_per_s_{s}"] = round(d[f"{s}_default"]["tokens_per_s"], 1)
-    result["workers_speedup"] = round(w[2]["tokens_per_s"] / w[1]["tokens_per_s"], 3)
-    result["workers_cpu_overhead"] = round(w[2]["cpu_seconds"] / w[1]["cpu_seconds"], 3)
+    speedups = sorted(w2["tokens_per_s"] / w1["tokens_per_s"]
+                      for w1, w2 in zip(runs["text_workers_1"], runs["text_workers_2"], strict=True))
+    result["workers_speedup"] = round(float(np.median(speedups)), 3)  # paired per round
+    result["workers_speedup_min"], result["workers_speedup_max"] = speedups[0], speedups[-1]
+    result["workers_cpu_overhead"] = round(d["text_workers_2"]["cpu_seconds"]
+                                           / d["text_workers_1"]["cpu_seconds"], 3)
     if "1b" in a.sizes and "10m" in a.sizes:
         result["rss_ratio_1b_over_10m"] = round(result["rss_mb_1b"] / result["rss_mb_10m"], 3)
         result["tokens_per_s_ratio_1b_over_10m"] = round(
