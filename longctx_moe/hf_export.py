@@ -26,11 +26,11 @@ import torch
 
 from longctx_moe.checkpoint import (
     CheckpointError,
-    CheckpointReader,
     find_resume_dir,
     load_model_state,
     step_dir_name,
 )
+from longctx_moe.checkpoint_reader import CheckpointReader
 from longctx_moe.config import Config, ConfigError, load_config
 from longctx_moe.hf_interop import _check_supported, from_hf_state_dict, to_hf_config
 from longctx_moe.model.config import ModelConfig

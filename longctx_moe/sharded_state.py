@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from longctx_moe.checkpoint import CheckpointError, CheckpointReader, Piece
+from longctx_moe.checkpoint import CheckpointError, Piece
+from longctx_moe.checkpoint_reader import CheckpointReader
 
 Slice = tuple[tuple[int, ...], tuple[int, ...]]  # (global shape, offsets of this rank's piece)
 

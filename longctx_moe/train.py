@@ -27,7 +27,6 @@ from longctx_moe import host
 from longctx_moe.checkpoint import (
     AsyncSave,
     CheckpointError,
-    CheckpointReader,
     agree,
     find_resume_dir,
     kill_point,
@@ -38,6 +37,7 @@ from longctx_moe.checkpoint import (
     stage_checkpoint,
     write_staged,
 )
+from longctx_moe.checkpoint_reader import CheckpointReader
 from longctx_moe.config import Config, ConfigError, load_config, write_config
 from longctx_moe.metrics import (
     MetricsLogger,

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import longctx_moe.checkpoint as checkpoint
-from longctx_moe.checkpoint import CheckpointError, CheckpointReader, find_resume_dir
+from longctx_moe.checkpoint import CheckpointError, find_resume_dir
+from longctx_moe.checkpoint_reader import CheckpointReader
 from longctx_moe.config import load_config
 from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.train import RunContext, maybe_resume, save

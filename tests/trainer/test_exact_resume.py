@@ -5,7 +5,7 @@ AdamW state, expert bias, every rank's loader position), under CP2 x EP2 (folded
 import pytest
 import torch
 
-from longctx_moe.checkpoint import CheckpointReader
+from longctx_moe.checkpoint_reader import CheckpointReader
 from longctx_moe.config import load_config
 from longctx_moe.train import run
 from tests.launcher import run_distributed

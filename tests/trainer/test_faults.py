@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from longctx_moe.checkpoint import KILL_ENV, CheckpointReader
+from longctx_moe.checkpoint import KILL_ENV
+from longctx_moe.checkpoint_reader import CheckpointReader
 from tests.trainer.test_train_run import ROOT, pack_small_corpus
 
 STEPS = 8

@@ -33,6 +33,7 @@ STAGES = [(8, ["parallel.tp=2", "parallel.cp=2", "parallel.ep=4"]),
           (1, [])]
 TP_ROWS = ("attn.wq.weight", "attn.wk.weight", "attn.wv.weight", "w_gate.weight", "w_up.weight")
 TP_COLS = ("attn.wo.weight", "w_down.weight")
+VOCAB = ("embed.weight", "lm_head.weight")
 
 
 def _trainer(world: int, rank: int, sets: list[str], seed: int) -> Trainer:
@@ -66,14 +67,16 @@ def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def expected_piece(key: str, whole: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+def expected_piece(key: str, whole: torch.Tensor, dims: ParallelDims, local: torch.Tensor) -> torch.Tensor:
     """This rank's piece of `whole`, by the sharding rules written out by name (independent of
-    sharded_state.global_slices): experts along dim 0 over EP, TP rows / columns."""
+    sharded_state.global_slices): experts along dim 0 over EP, TP rows / columns; the vocabulary
+    rows of the embedding and LM head over TP where the layout shards them (`local` is 1/tp)."""
     if whole.ndim == 0:
         return whole
     if ".experts." in key:
         return whole.chunk(dims.ep, 0)[dims.rank_in("ep")]
-    if key.endswith(TP_ROWS):
+    vocab_sharded = key.endswith(VOCAB) and local.shape[0] * dims.tp == whole.shape[0] and dims.tp > 1
+    if key.endswith(TP_ROWS) or vocab_sharded:
         return whole.chunk(dims.tp, 0)[dims.rank_in("tp")]
     if key.endswith(TP_COLS):
         return whole.chunk(dims.tp, 1)[dims.rank_in("tp")]
@@ -86,7 +89,7 @@ def _load_check_save(rank, world, sets, src, dst, ref):
     got = _state(trainer)
     assert got.keys() == ref.keys(), sorted(set(got) ^ set(ref))
     for key, whole in ref.items():
-        assert torch.equal(got[key], expected_piece(key, whole, trainer.dims)), f"rank {rank}: {key}"
+        assert torch.equal(got[key], expected_piece(key, whole, trainer.dims, got[key])), f"rank {rank}: {key}"
     assert trainer.step == 1 and trainer.schedule.step_index == 0
     return str(save_trainer(trainer, None, Path(dst), rank, world, keep_last=0))
 
