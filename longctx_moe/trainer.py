@@ -194,6 +194,8 @@ class Trainer:
                 out = self.runtime.forward(shard, objective.head)
             main = objective.micro_loss(i, out, shard, g)
             aux = (out.aux_loss + out.z_loss) * (n / g)
+            if i == len(work) - 1:  # gradient buckets all-reduce while this backward runs
+                self.runtime.start_gradient_reduction()
             (main.loss + aux).backward()
             parts = torch.stack([torch.as_tensor(v, dtype=torch.float64).detach().cpu().reshape(())
                                  for v in (main.reported + aux, main.reported,
