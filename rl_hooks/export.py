@@ -69,6 +69,8 @@ def _global_shape(p: torch.nn.Parameter, cfg, name: str) -> tuple[int, ...]:
 def _full_size(cfg, name: str, dim: int) -> int:
     """The unsharded size along a TP-sharded dimension, from the config (no communication)."""
     h, g, r = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if name in ("embed.weight", "lm_head.weight"):  # the vocab-parallel embedding and head
+        return cfg.vocab_size
     if name.endswith(("attn.wq.weight", "attn.wo.weight")):
         return h * r
     if name.endswith(("attn.wk.weight", "attn.wv.weight")):

@@ -1,15 +1,25 @@
 """Losses: load-balancing aux losses (Switch per micro-batch, DeepSeek-V3 per sequence), router
 z-loss, and a chunked fused linear + cross-entropy that never holds fp32 logits for the whole row.
 
-Shapes: T tokens, E experts, K top-k, N documents, D model dim, V vocabulary.
+The fused CE and the per-token log-probs also run on a vocabulary split over ranks (a
+vocab-parallel LM head, `VocabShard`): each rank projects onto its own rows of W, the softmax
+max and sum-exp and the target logit are all-reduced over the shard's group per chunk, and the
+gradients of W are formed locally; [T, V] is never gathered.
+
+Shapes: T tokens, E experts, K top-k, N documents, D model dim, V vocabulary (V_l: this rank's
+rows of a vocab-parallel head), C tokens of one chunk.
 All router statistics are fp32 (or float64 for a float64 model).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cp_attention.kernels import accumulate_dtype
 from data_packing.batch import IGNORE_INDEX
@@ -82,6 +92,54 @@ def router_z_loss(logits_TE: torch.Tensor, reduce: Reduce | None = None) -> torc
     return lse_T.square().sum() / t_all.clamp_min(1).to(lse_T.dtype)
 
 
+@dataclass(frozen=True)
+class VocabShard:
+    """A vocabulary split over the ranks of `group`: this rank's W holds the rows of ids
+    [start, start + V_l). The group is passed explicitly by whoever split the head (TP)."""
+
+    group: Any
+    start: int
+
+    def reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        dist.all_reduce(t, op=op, group=self.group)
+        return t
+
+    def gather_columns(self, z_TV: torch.Tensor) -> torch.Tensor:
+        """[T, V_l] -> [T, V] (no gradient): every rank's columns in vocabulary order."""
+        parts = [torch.empty_like(z_TV) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, z_TV.detach().contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+
+def _sharded_log_softmax(z_CV: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """log_softmax over the whole vocabulary of this rank's columns z_CV (acc dtype): the max and
+    the sum-exp are reduced over the shard's group, so no rank holds all V columns."""
+    m_C1 = z_CV.detach().amax(-1, keepdim=True)
+    shard.reduce(m_C1, dist.ReduceOp.MAX)
+    sum_C1 = (z_CV.detach() - m_C1).exp().sum(-1, keepdim=True)
+    shard.reduce(sum_C1)
+    return z_CV - (m_C1 + sum_C1.log())
+
+
+def _target_cols(labels_C: torch.Tensor, v_local: int, shard: VocabShard | None):
+    """(column of each label in this rank's W, bool mask of the labels this rank holds; None when
+    the vocabulary is whole)."""
+    if shard is None:
+        return labels_C, None
+    local_C = labels_C - shard.start
+    own_C = (local_C >= 0) & (local_C < v_local)
+    return local_C.clamp(0, v_local - 1), own_C
+
+
+def _pick(t_CV: torch.Tensor, cols_C: torch.Tensor, own_C, shard: VocabShard | None):
+    """t[c, label_c] for each row: read on the rank holding the label's column, summed over the
+    shard's group (the other ranks contribute zero)."""
+    out_C = t_CV.gather(1, cols_C[:, None]).squeeze(1)
+    if shard is None:
+        return out_C
+    return shard.reduce(torch.where(own_C, out_C, torch.zeros_like(out_C)))
+
+
 def _block_rows(v: int) -> int:
     """Rows per block of _softmax_grad_rows: blocks whose fp32 copy fits in cache.
 
@@ -119,13 +177,32 @@ def _softmax_grad_rows(logits_CV, labels_C, weight_C, acc, want_grad):
     return ce_C
 
 
+def _sharded_softmax_grad_rows(logits_CV, labels_C, weight_C, acc, want_grad, shard):
+    """_softmax_grad_rows on this rank's vocabulary columns: per-row CE over the whole vocabulary
+    (acc [C], the same on every rank of the shard) and, with want_grad, this rank's columns of
+    d CE / d logits written in place."""
+    logp_CV = _sharded_log_softmax(logits_CV.to(acc), shard)
+    cols_C, own_C = _target_cols(labels_C, logits_CV.shape[1], shard)
+    ce_C = _pick(logp_CV, cols_C, own_C, shard).neg()
+    if want_grad:
+        p_CV = logp_CV.exp_()
+        rows = own_C.nonzero().squeeze(1)
+        p_CV.index_put_((rows, cols_C[rows]), p_CV.new_tensor(-1.0), accumulate=True)
+        if weight_C is not None:
+            p_CV.mul_(weight_C[:, None])
+        logits_CV.copy_(p_CV)
+    return ce_C
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum_n w_n * CE(h[idx_n] @ W^T, y_n) computed chunk by chunk; gradients are formed in the
     forward (as Liger's fused linear CE does) so neither logits nor softmax are kept for backward,
-    and the target rows are gathered per chunk so h's gradient is an index_copy, not a scatter-add."""
+    and the target rows are gathered per chunk so h's gradient is an index_copy, not a scatter-add.
+    With a VocabShard, w_VD holds V_l rows: h's gradient is partial per rank and summed over the
+    shard's group once, after the last chunk."""
 
     @staticmethod
-    def forward(ctx, h_TD, w_VD, idx_N, labels_N, weight_N, chunk, cdtype):
+    def forward(ctx, h_TD, w_VD, idx_N, labels_N, weight_N, chunk, cdtype, shard):
         acc = accumulate_dtype(cdtype)
         w_c = w_VD.to(cdtype)  # one cast per forward, not one per chunk
         total = torch.zeros((), dtype=acc, device=h_TD.device)
@@ -137,7 +214,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h_c = h_TD.index_select(0, rows).to(cdtype)
             w_C = None if weight_N is None else weight_N[s:s + chunk].to(acc)
             g_CV = h_c @ w_c.t()  # logits of one chunk, overwritten by their gradient
-            ce_C = _softmax_grad_rows(g_CV, labels_N[s:s + chunk], w_C, acc, need_h or need_w)
+            rows_fn = _softmax_grad_rows if shard is None else partial(_sharded_softmax_grad_rows,
+                                                                       shard=shard)
+            ce_C = rows_fn(g_CV, labels_N[s:s + chunk], w_C, acc, need_h or need_w)
             total += (ce_C if w_C is None else ce_C * w_C).sum()
             if need_h:
                 grad_h.index_copy_(0, rows, (g_CV @ w_c).to(h_TD.dtype))
@@ -146,6 +225,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_w = g_w.to(w_VD.dtype) if grad_w is None else grad_w.add_(g_w)
         if need_w and grad_w is None:
             grad_w = torch.zeros_like(w_VD)
+        if need_h and shard is not None:
+            shard.reduce(grad_h)
         ctx.save_for_backward(grad_h, grad_w)
         return total.float() if acc == torch.float32 else total
 
@@ -155,23 +236,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Out of place: a retained graph may run this backward twice.
         gh = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
         gw = None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor,
                           loss_weight_T: torch.Tensor | None = None,
-                          chunk_tokens: int = 1024) -> tuple[torch.Tensor, int]:
+                          chunk_tokens: int = 1024,
+                          shard: VocabShard | None = None) -> tuple[torch.Tensor, int]:
     """(ce_sum, num_targets): sum over target tokens (labels != -100) of loss_weight * CE of the
     logits h @ W^T. h [T, D] (any float dtype), W [V, D]; ce_sum is fp32 (float64 for float64).
 
-    Only target rows are projected, chunk_tokens at a time, in the autocast dtype when autocast is on."""
+    Only target rows are projected, chunk_tokens at a time, in the autocast dtype when autocast is on.
+    `shard`: W holds this rank's V_l rows of a vocab-parallel head; every rank of the shard's
+    group must pass the same h and labels, and gets the same ce_sum."""
     if chunk_tokens < 1:
         raise ValueError(f"model.loss_chunk_tokens={chunk_tokens} must be >= 1")
     idx_N = (labels_T != IGNORE_INDEX).nonzero().squeeze(1)  # host sync: num_targets is a host int
     labels_N = labels_T.index_select(0, idx_N)
     weight_N = None if loss_weight_T is None else loss_weight_T.index_select(0, idx_N)
     cdtype = autocast_dtype(h_TD)
-    ce_sum = _LinearCrossEntropy.apply(h_TD, w_VD, idx_N, labels_N, weight_N, chunk_tokens, cdtype)
+    ce_sum = _LinearCrossEntropy.apply(h_TD, w_VD, idx_N, labels_N, weight_N, chunk_tokens, cdtype,
+                                       shard)
     return ce_sum, int(idx_N.numel())
 
 
@@ -181,28 +266,32 @@ class _LinearLogProbs(torch.autograd.Function):
     Unlike _LinearCrossEntropy the upstream gradient is per token (an RL loss weighs each token
     by its own advantage and ratio), so the logits' gradient cannot be formed in the forward: the
     backward recomputes each chunk's logits from h and W (one more [C, D] x [D, V] product per
-    chunk) and never holds more than one chunk of [C, V]."""
+    chunk) and never holds more than one chunk of [C, V]. With a VocabShard the row statistics
+    (max, sum-exp, target log-prob, entropy) are reduced over its group per chunk, and h's
+    partial gradient once at the end of the backward."""
 
     @staticmethod
-    def forward(ctx, h_TD, w_VD, idx_N, labels_N, chunk, cdtype, temperature, want_entropy):
+    def forward(ctx, h_TD, w_VD, idx_N, labels_N, chunk, cdtype, temperature, want_entropy, shard):
         acc = accumulate_dtype(cdtype)
         w_c = w_VD.to(cdtype)
         n = idx_N.numel()
         logp_N = torch.empty(n, dtype=acc, device=h_TD.device)
         ent_N = torch.zeros(n if want_entropy else 0, dtype=acc, device=h_TD.device)
         for s in range(0, n, chunk):
-            logp_CV = _chunk_log_softmax(h_TD, w_c, idx_N[s:s + chunk], cdtype, acc, temperature)
-            logp_N[s:s + chunk] = logp_CV.gather(1, labels_N[s:s + chunk, None]).squeeze(1)
+            rows = idx_N[s:s + chunk]
+            logp_CV = _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature, shard)
+            cols_C, own_C = _target_cols(labels_N[s:s + chunk], w_VD.shape[0], shard)
+            logp_N[s:s + chunk] = _pick(logp_CV, cols_C, own_C, shard)
             if want_entropy:
-                ent_N[s:s + chunk] = -(logp_CV.exp() * logp_CV).sum(-1)
+                ent_N[s:s + chunk] = _row_sum(-(logp_CV.exp() * logp_CV), shard)
         ctx.save_for_backward(h_TD, w_VD, idx_N, labels_N)
-        ctx.meta = (chunk, cdtype, acc, temperature)
+        ctx.meta = (chunk, cdtype, acc, temperature, shard)
         return logp_N, ent_N
 
     @staticmethod
     def backward(ctx, g_logp_N, g_ent_N):
         h_TD, w_VD, idx_N, labels_N = ctx.saved_tensors
-        chunk, cdtype, acc, temperature = ctx.meta
+        chunk, cdtype, acc, temperature, shard = ctx.meta
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w_c = w_VD.to(cdtype)
         grad_h = torch.zeros_like(h_TD) if need_h else None
@@ -210,27 +299,42 @@ class _LinearLogProbs(torch.autograd.Function):
         with_ent = g_ent_N is not None and g_ent_N.numel() > 0
         for s in range(0, idx_N.numel(), chunk):
             rows = idx_N[s:s + chunk]
-            logp_CV = _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature)
+            logp_CV = _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature, shard)
             p_CV = logp_CV.exp()
             # d logp_y / d z = (onehot_y - p) / temperature
-            g_CV = p_CV * -g_logp_N[s:s + chunk, None].to(acc)
-            g_CV.scatter_add_(1, labels_N[s:s + chunk, None], g_logp_N[s:s + chunk, None].to(acc))
+            g_logp_C = g_logp_N[s:s + chunk].to(acc)
+            g_CV = p_CV * -g_logp_C[:, None]
+            cols_C, own_C = _target_cols(labels_N[s:s + chunk], w_VD.shape[0], shard)
+            if own_C is not None:  # only the rank holding the label's column adds the one-hot
+                g_logp_C = torch.where(own_C, g_logp_C, torch.zeros_like(g_logp_C))
+            g_CV.scatter_add_(1, cols_C[:, None], g_logp_C[:, None])
             if with_ent:
                 # H = -sum p log p;  d H / d z_j = -p_j (log p_j + H) / temperature
-                ent_C1 = -(p_CV * logp_CV).sum(-1, keepdim=True)
+                ent_C1 = _row_sum(-(p_CV * logp_CV), shard)[:, None]
                 g_CV -= g_ent_N[s:s + chunk, None].to(acc) * p_CV * (logp_CV + ent_C1)
             g_CV = (g_CV / temperature).to(cdtype)
             if need_h:
                 grad_h.index_add_(0, rows, (g_CV @ w_c).to(h_TD.dtype))
             if need_w:
                 grad_w += (g_CV.t() @ h_TD.index_select(0, rows).to(cdtype)).to(acc)
+        if need_h and shard is not None:
+            shard.reduce(grad_h)
         return (grad_h, None if grad_w is None else grad_w.to(w_VD.dtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
-def _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature):
-    """log_softmax(h[rows] @ W^T / temperature) in the accumulation dtype: [C, V]."""
+def _row_sum(t_CV: torch.Tensor, shard: VocabShard | None) -> torch.Tensor:
+    """Sum over the whole vocabulary of each row: [C]."""
+    out_C = t_CV.sum(-1)
+    return out_C if shard is None else shard.reduce(out_C)
+
+
+def _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature, shard=None):
+    """log_softmax(h[rows] @ W^T / temperature) in the accumulation dtype: [C, V] (this rank's
+    V_l columns, normalised over the whole vocabulary, with a VocabShard)."""
     z_CV = h_TD.index_select(0, rows).to(cdtype) @ w_c.t()
+    if shard is not None:
+        return _sharded_log_softmax(z_CV.to(acc) / temperature, shard)
     if temperature != 1.0:
         return torch.log_softmax(z_CV.to(acc) / temperature, -1)
     return torch.log_softmax(z_CV, -1, dtype=acc)
@@ -238,10 +342,12 @@ def _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature):
 
 def chunked_token_logprobs(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor,
                            chunk_tokens: int = 1024, temperature: float = 1.0,
-                           entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           entropy: bool = False, shard: VocabShard | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log p(labels_T[t]) under softmax(h_t @ W^T / temperature): logp_T [T] fp32
     (float64 for float64), 0 where labels_T == -100, differentiable; and the entropy of each
-    row's distribution (entropy_T, same layout) when `entropy`. [T, V] is never materialised."""
+    row's distribution (entropy_T, same layout) when `entropy`. [T, V] is never materialised.
+    `shard` as in chunked_cross_entropy."""
     if chunk_tokens < 1:
         raise ValueError(f"model.loss_chunk_tokens={chunk_tokens} must be >= 1")
     if not temperature > 0:
@@ -250,7 +356,7 @@ def chunked_token_logprobs(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: tor
     labels_N = labels_T.index_select(0, idx_N)
     cdtype = autocast_dtype(h_TD)
     logp_N, ent_N = _LinearLogProbs.apply(h_TD, w_VD, idx_N, labels_N, chunk_tokens, cdtype,
-                                          float(temperature), entropy)
+                                          float(temperature), entropy, shard)
     t = labels_T.shape[0]
     logp_T = logp_N.new_zeros(t).index_put((idx_N,), logp_N)
     ent_T = ent_N.new_zeros(t).index_put((idx_N,), ent_N) if entropy else None

@@ -21,7 +21,7 @@ from data_packing.batch import PackedBatch
 from longctx_moe.model.attention import Attention, DocLayout, doc_layout
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.layers import RMSNorm, SwiGLU, autocast_dtype
-from longctx_moe.model.losses import chunked_cross_entropy, chunked_token_logprobs
+from longctx_moe.model.losses import VocabShard, chunked_cross_entropy, chunked_token_logprobs
 from longctx_moe.model.moe import MoE, MoEStats
 from longctx_moe.model.recompute import MODES, BlockRecompute, recompute_call
 
@@ -78,6 +78,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.recompute = "none"  # activation recompute: set_recompute (longctx_moe.model.recompute)
+        # A vocab-parallel head (set by parallelize under TP): output_weight() then holds this
+        # rank's rows and the losses reduce their softmax statistics over the shard's group.
+        self.vocab_shard: VocabShard | None = None
 
     def set_recompute(self, mode: str) -> None:
         """none | selective | full (see longctx_moe.model.recompute): what the backward recomputes."""
@@ -121,8 +124,10 @@ class Transformer(nn.Module):
         return self._run(batch, layout)[0]
 
     def logits(self, batch: PackedBatch, layout: DocLayout | None = None) -> torch.Tensor:
-        """logits_TV over the whole vocabulary (HF parity tests); training uses forward()."""
-        return torch.nn.functional.linear(self.hidden_states(batch, layout), self.output_weight())
+        """logits_TV over the whole vocabulary (HF parity tests); training uses forward().
+        Not differentiable through a vocab-parallel head (its columns are gathered)."""
+        z_TV = torch.nn.functional.linear(self.hidden_states(batch, layout), self.output_weight())
+        return z_TV if self.vocab_shard is None else self.vocab_shard.gather_columns(z_TV)
 
     def forward(self, batch: PackedBatch, layout: DocLayout | None = None,
                 head: LogProbHead | None = None) -> ForwardOutput:
@@ -130,11 +135,12 @@ class Transformer(nn.Module):
         logp_T = ent_T = None
         if head is None:
             ce_sum, n = chunked_cross_entropy(h_TD, self.output_weight(), batch.labels,
-                                              batch.loss_weight, self.cfg.loss_chunk_tokens)
+                                              batch.loss_weight, self.cfg.loss_chunk_tokens,
+                                              self.vocab_shard)
         else:
             logp_T, ent_T = chunked_token_logprobs(h_TD, self.output_weight(), batch.labels,
                                                    self.cfg.loss_chunk_tokens, head.temperature,
-                                                   head.entropy)
+                                                   head.entropy, self.vocab_shard)
             w_T = logp_T if batch.loss_weight is None else logp_T * batch.loss_weight
             ce_sum, n = -w_T.sum(), batch.num_target_tokens()
         zero = h_TD.new_zeros((), dtype=torch.float32)

@@ -30,6 +30,9 @@ CHOICES = {
 class ParallelConfig:
     # Attention side: world = tp * cp * dp.  MoE side (Parallel Folding): world = etp * ep * edp.
     tp: int = 1
+    # Megatron sequence parallelism: between the TP regions each TP rank holds 1/tp of the tokens
+    # (norms and residuals run on them); needs tp > 1 and each rank's tokens divisible by tp.
+    sequence_parallel: bool = False
     cp: int = 1
     dp: int = -1  # -1: derived as world // (tp * cp)
     ep: int = 1

@@ -3,9 +3,11 @@
 One readable sequence, as in torchtitan: TP, then EP, then hand the model to the runtime that
 runs CP per micro-batch. What is fixed for the whole run is applied here, once:
 
-- TP (tensor_parallel.py): attention heads and dense MLPs sharded, Megatron's conjugate
-  all-reduce pair as module hooks; with TP > 1 the dispatchers split the TP peers' shared tokens,
-  so experts see each token once.
+- TP (tensor_parallel.py): attention heads (KV heads replicated when tp > num_kv_heads), dense
+  MLPs and the vocabulary (embedding and LM head) sharded, Megatron's conjugate all-reduce pair
+  as module hooks; with parallel.sequence_parallel the tokens are split between the TP regions
+  (sequence_parallel.py). With TP > 1 the dispatchers split the TP peers' shared tokens, so
+  experts see each token once.
 - EP: every MoE layer keeps its slice of the experts (shard_experts) and gets the configured
   dispatcher (capacity factor, drop policy, payload dtype): also on one rank, where it is the
   local path with the same capacity rules.
@@ -39,7 +41,7 @@ def parallelize(model: nn.Module, dims=None, cfg: ParallelConfig | None = None,
     cfg = cfg or dims.config or ParallelConfig(tp=dims.tp, cp=dims.cp, ep=dims.ep, etp=dims.etp)
     check_supported(dims, cfg)
     if dims.tp > 1:
-        apply_tensor_parallel(model, dims)
+        apply_tensor_parallel(model, dims, cfg.sequence_parallel)
     if hasattr(model, "moe_layers"):
         apply_expert_parallel(model, dims, cfg)
     return ParallelRuntime(model, dims, cfg, _dynamic_cp(model, dims, cfg, capacity_tokens))
@@ -70,6 +72,9 @@ def check_supported(dims, cfg: ParallelConfig) -> None:
     if dims.etp > 1:
         raise ValueError(f"parallel.etp={dims.etp}: tensor-parallel experts are not implemented; "
                          "set parallel.etp=1 (experts are split over ep instead)")
+    if cfg.sequence_parallel and dims.tp == 1:
+        raise ValueError("parallel.sequence_parallel=true splits tokens over the TP ranks but "
+                         "parallel.tp=1; set tp > 1 or sequence_parallel=false")
 
 
 def apply_expert_parallel(model: nn.Module, dims, cfg: ParallelConfig) -> None:

@@ -1,24 +1,42 @@
 """Tensor parallelism (Megatron style) applied to a built Transformer, without editing model code.
 
 Attention: wq / wk / wv keep this rank's heads (column-parallel), wo keeps the matching input
-columns (row-parallel). Dense SwiGLU MLPs (first_k_dense layers, shared experts): w_gate / w_up
+columns (row-parallel). With tp > num_kv_heads each KV head is replicated over the tp/num_kv_heads
+ranks whose query heads read it: wk / wv become `ReplicatedKVLinear`, which stores an ordinary
+1/tp row shard of the whole projection and all-gathers it per forward (its backward sums the
+gradient over TP and keeps the rank's rows), so checkpoints, export and the gradient norm see a
+plain `tp_dim = 0` shard and a replicated head is never stored or updated twice. Dense SwiGLU MLPs (first_k_dense layers, shared experts): w_gate / w_up
 column-parallel, w_down row-parallel. Each sharded module gets Megatron's conjugate pair as hooks:
 `copy` on its input (identity forward, all-reduce of the gradient over TP backward) and `reduce`
 on its output (all-reduce forward, identity backward), so parameter names stay unchanged.
 
 Replicated parameters fed by local heads only (the per-head q/k RMSNorm weights) get partial
 gradients on each TP rank: they are tagged reduce_axis = "world" (TP x CP x DP). Sharded ones are
-tagged `tp_sharded = True` (the gradient norm sums their squares over TP). Embedding, final norm,
-LM head, routers and experts stay replicated over TP with complete gradients.
+tagged `tp_sharded = True` (the gradient norm sums their squares over TP) and `tp_dim` (the
+dimension whose global size is tp x the local one, rank r holding the r-th slice: the checkpoint's
+and the exporters' one description of a TP shard).
+
+Vocabulary: the embedding and the LM head keep rows [r V/tp, (r+1) V/tp) (`tp_dim = 0`). The
+embedding becomes `VocabParallelEmbedding` (a lookup of the ids this rank holds, all-reduced over
+TP); the head's losses get the TP group through `model.vocab_shard` and reduce the softmax
+statistics per chunk (model/losses.py), so no rank forms [T, V]. Final norm, routers and experts
+stay replicated over TP with complete gradients.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
+from longctx_moe.model.losses import VocabShard
 from longctx_moe.parallel.dims import Axis
+from longctx_moe.parallel.sequence_parallel import (
+    add_sequence_parallel_hooks,
+    apply_sequence_parallel,
+    scatter_tokens,
+)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -46,46 +64,135 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def _add_tp_hooks(module: nn.Module, group) -> None:
+def _add_tp_hooks(module: nn.Module, group, sequence_parallel: bool = False) -> None:
+    if sequence_parallel:  # tokens split between the regions: all-gather / reduce-scatter
+        add_sequence_parallel_hooks(module, group, sharded=True)
+        return
     module.register_forward_pre_hook(lambda m, args: (_CopyToTP.apply(args[0], group), *args[1:]))
     module.register_forward_hook(lambda m, args, out: _ReduceFromTP.apply(out, group))
 
 
+class _GatherRowShards(torch.autograd.Function):
+    """[n, D] row shard of every TP rank -> the whole [tp n, D] weight. Backward: the gradients
+    of the whole weight summed over TP (each rank's covers the rows it used), this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, w_nD, group, rank):
+        ctx.group, ctx.rank, ctx.n = group, rank, w_nD.shape[0]
+        parts = [torch.empty_like(w_nD) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, w_nD.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.narrow(0, ctx.rank * ctx.n, ctx.n), None, None
+
+
+def _tag(p: nn.Parameter, dim: int) -> None:
+    p.tp_sharded = True
+    p.tp_dim = dim  # global size = tp x local along `dim`; TP rank r holds the r-th slice
+
+
 @torch.no_grad()
-def _keep(linear: nn.Linear, dim: int, start: int, stop: int) -> None:
+def _keep(linear: nn.Module, dim: int, start: int, stop: int) -> None:
     """Keep rows (dim 0: output features) or columns (dim 1: input features) [start, stop)."""
     w = linear.weight.narrow(dim, start, stop - start).clone()
     linear.weight = nn.Parameter(w, requires_grad=linear.weight.requires_grad)
-    linear.weight.tp_sharded = True
-    linear.weight.tp_dim = dim  # the dimension to all-gather along for a whole weight (export)
+    _tag(linear.weight, dim)
     if dim == 0:
         linear.out_features = stop - start
-    else:
+    elif hasattr(linear, "in_features"):
         linear.in_features = stop - start
 
 
-def shard_attention(attn: nn.Module, rank: int, size: int, group) -> None:
-    """Heads [rank*H/size, (rank+1)*H/size) and their kv heads; GQA grouping is preserved."""
+class ReplicatedKVLinear(nn.Module):
+    """wk or wv when tp > num_kv_heads: projects onto the one KV head (`head`) that this rank's
+    query heads read. Stores rows [rank n, (rank+1) n) of the whole [G R, D] projection
+    (n = G R / tp) and all-gathers them per forward: a replicated head's gradient is then summed
+    over the ranks sharing it by the gather's backward, and each row is stored once."""
+
+    def __init__(self, linear: nn.Linear, head: int, head_dim: int, rank: int, size: int, group):
+        super().__init__()
+        n = linear.out_features // size
+        self.weight = nn.Parameter(linear.weight.detach()[rank * n:(rank + 1) * n].clone(),
+                                   requires_grad=linear.weight.requires_grad)
+        _tag(self.weight, 0)
+        self.head, self.head_dim, self.rank, self.group = head, head_dim, rank, group
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        w_GRD = _GatherRowShards.apply(self.weight, self.group, self.rank)
+        return F.linear(x_TD, w_GRD.narrow(0, self.head * self.head_dim, self.head_dim))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """nn.Embedding whose rows [start, start + V/tp) live on this TP rank: ids outside them give
+    zeros, and the all-reduce over TP (identity backward) assembles every token's vector (a
+    reduce-scatter to this rank's tokens under sequence parallelism). The weight keeps the name
+    `weight`, so state-dict keys do not change."""
+
+    def __init__(self, embed: nn.Embedding, rank: int, size: int, group,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        n = embed.num_embeddings // size
+        self.start, self.group, self.sequence_parallel = rank * n, group, sequence_parallel
+        self.weight = nn.Parameter(embed.weight.detach()[self.start:self.start + n].clone(),
+                                   requires_grad=embed.weight.requires_grad)
+        _tag(self.weight, 0)
+
+    def forward(self, tokens_T: torch.Tensor) -> torch.Tensor:
+        n = self.weight.shape[0]
+        local_T = tokens_T - self.start
+        own_T = (local_T >= 0) & (local_T < n)
+        x_TD = F.embedding(local_T.clamp(0, n - 1), self.weight)
+        x_TD = torch.where(own_T[:, None], x_TD, torch.zeros_like(x_TD))
+        if self.sequence_parallel:
+            return scatter_tokens(x_TD, self.group, reduce=True)
+        return _ReduceFromTP.apply(x_TD, self.group)
+
+
+def shard_vocabulary(model: nn.Module, rank: int, size: int, group,
+                     sequence_parallel: bool = False) -> None:
+    """Embedding and LM head (or the tied embedding alone) split by vocabulary rows."""
+    model.embed = VocabParallelEmbedding(model.embed, rank, size, group, sequence_parallel)
+    if model.lm_head is not None:
+        v = model.lm_head.out_features // size
+        _keep(model.lm_head, 0, rank * v, (rank + 1) * v)
+    model.vocab_shard = VocabShard(group, model.embed.start)
+
+
+def shard_attention(attn: nn.Module, rank: int, size: int, group,
+                    sequence_parallel: bool = False) -> None:
+    """Heads [rank*H/size, (rank+1)*H/size) and their kv heads; GQA grouping is preserved. With
+    size > G, the one KV head of this rank's query heads (replicated over size/G ranks)."""
     h, g, r = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    hq, hk = h // size, g // size
+    hq = h // size
     _keep(attn.wq, 0, rank * hq * r, (rank + 1) * hq * r)
-    _keep(attn.wk, 0, rank * hk * r, (rank + 1) * hk * r)
-    _keep(attn.wv, 0, rank * hk * r, (rank + 1) * hk * r)
+    if g % size == 0:
+        hk = g // size
+        _keep(attn.wk, 0, rank * hk * r, (rank + 1) * hk * r)
+        _keep(attn.wv, 0, rank * hk * r, (rank + 1) * hk * r)
+    else:
+        head = rank * g // size  # query head i reads kv head i // (H/G)
+        attn.wk = ReplicatedKVLinear(attn.wk, head, r, rank, size, group)
+        attn.wv = ReplicatedKVLinear(attn.wv, head, r, rank, size, group)
     _keep(attn.wo, 1, rank * hq * r, (rank + 1) * hq * r)
     for norm in (attn.q_norm, attn.k_norm):
         for p in norm.parameters() if norm is not None else ():
             p.reduce_axis = Axis.WORLD  # partial per TP rank: sums over TP as well as DP x CP
-    _add_tp_hooks(attn, group)
+    _add_tp_hooks(attn, group, sequence_parallel)
 
 
-def shard_swiglu(mlp: nn.Module, rank: int, size: int, group) -> None:
+def shard_swiglu(mlp: nn.Module, rank: int, size: int, group,
+                 sequence_parallel: bool = False) -> None:
     """Hidden units [rank*F/size, (rank+1)*F/size) of a dense SwiGLU."""
     f = mlp.w_gate.out_features
     lo, hi = rank * f // size, (rank + 1) * f // size
     _keep(mlp.w_gate, 0, lo, hi)
     _keep(mlp.w_up, 0, lo, hi)
     _keep(mlp.w_down, 1, lo, hi)
-    _add_tp_hooks(mlp, group)
+    _add_tp_hooks(mlp, group, sequence_parallel)
 
 
 def _dense_mlps(block: nn.Module) -> list[nn.Module]:
@@ -96,12 +203,19 @@ def _dense_mlps(block: nn.Module) -> list[nn.Module]:
 
 def check_tensor_parallel(model: nn.Module, size: int) -> None:
     """One-line errors for shapes TP over `size` ranks cannot split (before any sharding)."""
+    v = model.embed.num_embeddings
+    if v % size:
+        raise ValueError(f"the vocabulary-parallel embedding and LM head split vocab_size={v} "
+                         f"over tp={size}; pad vocab_size to a multiple of tp")
     for block in model.layers:
-        h, g = block.attn.num_heads, block.attn.num_kv_heads
-        if h % size or g % size:
-            raise ValueError(f"tensor parallelism over {size} ranks needs num_heads={h} and "
-                             f"num_kv_heads={g} divisible by tp (KV-head replication is not "
-                             "implemented); choose tp dividing num_kv_heads")
+        h, g, r = block.attn.num_heads, block.attn.num_kv_heads, block.attn.head_dim
+        if h % size:
+            raise ValueError(f"tensor parallelism over {size} ranks needs num_heads={h} divisible "
+                             "by tp; choose tp dividing num_heads")
+        if g % size and (size % g or g * r % size):
+            raise ValueError(f"tp={size} with num_kv_heads={g}, head_dim={r}: KV heads are split "
+                             "when tp divides num_kv_heads, or replicated when num_kv_heads "
+                             "divides tp and tp divides num_kv_heads*head_dim; choose such a tp")
         for mlp in _dense_mlps(block):
             if mlp.w_gate.out_features % size:
                 raise ValueError(f"a dense MLP of hidden size {mlp.w_gate.out_features} cannot "
@@ -109,11 +223,17 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
                                  "and shared_expert_hidden_size")
 
 
-def apply_tensor_parallel(model: nn.Module, dims) -> None:
-    """Shard every attention and dense MLP of `model` over dims' TP group."""
+def apply_tensor_parallel(model: nn.Module, dims, sequence_parallel: bool = False) -> None:
+    """Shard the vocabulary, every attention and every dense MLP of `model` over dims' TP group;
+    with `sequence_parallel`, split the tokens between them (sequence_parallel.py)."""
     check_tensor_parallel(model, dims.tp)
     rank, size, group = dims.rank_in(Axis.TP), dims.tp, dims.group(Axis.TP)
+    sp = sequence_parallel
+    shard_vocabulary(model, rank, size, group, sp)
     for block in model.layers:
-        shard_attention(block.attn, rank, size, group)
+        shard_attention(block.attn, rank, size, group, sp)
         for mlp in _dense_mlps(block):
-            shard_swiglu(mlp, rank, size, group)
+            # A shared expert runs inside its MoE layer, on the tokens gathered for it.
+            shard_swiglu(mlp, rank, size, group, sp and not block.is_moe)
+    if sp:
+        apply_sequence_parallel(model, group)
