@@ -14,13 +14,16 @@ Layout under the checkpoint directory:
 Tensors are stored by global slice (sharded_state.py says which slice a rank holds), each piece
 once: a piece that several ranks hold alike (replicas over DP, CP, ...) is written by the lowest
 of them. A run under another layout (world size, TP, CP, EP) reads the slices it needs from
-whichever files hold them (`checkpoint_reader.CheckpointReader`). No pickles: safetensors and JSON only.
+whichever files hold them (`checkpoint_reader.CheckpointReader`). No pickles: safetensors and
+JSON only.
 
-Every rank writes its own file into `.step_N.tmp/` and fsyncs it; once every
-rank has reported success, rank 0 writes meta.json, fsyncs the directory, renames it into place,
-fsyncs the parent and replaces `latest`. A crash or a power cut therefore never leaves a
-half-written step that `latest` names. Assumes a filesystem that every rank sees (one machine, or
-a shared mount).
+A save has three parts: `stage_checkpoint` (collective: the temporary directory, who writes which
+piece), `write_staged` (this rank's file into `.step_N.tmp/`, fsynced; no collective, so
+`AsyncSave` runs it on a background thread from copies of the tensors) and `publish_checkpoint`
+(collective: once every rank has reported success, rank 0 writes meta.json, fsyncs the directory,
+renames it into place, fsyncs the parent and replaces `latest`). A crash or a power cut therefore
+never leaves a half-written step that `latest` names. Assumes a filesystem that every rank sees
+(one machine, or a shared mount).
 
 Resume (`find_resume_dir`) takes the step `latest` names. When `latest` is missing, or names a
 step that is gone or has no readable meta.json (a crash between the rename and `latest`, a step
@@ -51,8 +54,10 @@ import random
 import re
 import shutil
 import signal
+import struct
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,23 +171,49 @@ def _atomic_write_text(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def _write_rank_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
-    """Write one safetensors file and fsync it; return its size and sha256 (hashed from the bytes
-    in memory, so the checksum costs no second read of the file)."""
-    from safetensors.torch import save
+# torch dtype -> safetensors dtype name (https://github.com/huggingface/safetensors, format).
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
 
-    data = save(tensors, metadata=metadata)
-    with open(path, "wb") as f:
-        f.write(data)
+
+def _safetensors_chunks(tensors: dict[str, torch.Tensor], metadata: dict[str, str]):
+    """The bytes of a safetensors file, in pieces: an 8-byte little-endian header length, the JSON
+    header (padded to 8 bytes), then each tensor's bytes in header order (no copies)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    yield struct.pack("<Q", len(raw)) + raw
+    for t in tensors.values():
+        if t.numel():
+            yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_rank_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
+    """Write one safetensors file (contiguous CPU tensors) and fsync it; return its size and
+    sha256. The bytes go straight from the tensors to the file, and a second thread hashes each
+    piece while the next is written (both release the GIL): the checksum costs no second pass."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "wb") as f, ThreadPoolExecutor(1) as hasher:  # one worker: pieces hashed in order
+        for chunk in _safetensors_chunks(tensors, metadata):
+            hasher.submit(digest.update, chunk)
+            f.write(chunk)
+            size += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+        hasher.shutdown(wait=True)
         f.flush()
         os.fsync(f.fileno())
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"bytes": size, "sha256": digest.hexdigest()}
 
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
+        while chunk := f.read(16 << 20):
             digest.update(chunk)
     return digest.hexdigest()
 
