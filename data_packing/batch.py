@@ -19,11 +19,12 @@ import torch
 IGNORE_INDEX = -100
 
 
-def pad_multiple(cp: int, tp: int) -> int:
+def pad_multiple(cp: int, tp: int, sequence_parallel: bool = False) -> int:
     """What every document's slot is padded to: lcm(2*CP, TP). The CP load-balanced (zigzag)
     split cuts a document into 2*CP equal chunks, and sequence-parallel TP splits it TP ways;
-    CP=1 needs no chunks, so only TP counts there."""
-    return math.lcm(2 * cp if cp > 1 else 1, tp)
+    CP=1 needs no chunks, so only TP counts there. With sequence parallelism each CP rank's
+    share of a split document (slot / CP tokens) is split TP ways again: lcm(2*CP, CP*TP)."""
+    return math.lcm(2 * cp if cp > 1 else 1, cp * tp if sequence_parallel else tp)
 
 
 @dataclass

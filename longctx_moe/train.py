@@ -217,7 +217,8 @@ def build_runtime(cfg: Config, dims: Any, device: torch.device):
 def build_loader(cfg: Config, dims: Any):
     from data_packing.loader import build_step_loader
 
-    cfg.data.pad_multiple = pad_multiple(cfg.parallel.cp, cfg.parallel.tp)
+    cfg.data.pad_multiple = pad_multiple(cfg.parallel.cp, cfg.parallel.tp,
+                                          cfg.parallel.sequence_parallel)
     try:
         return build_step_loader(cfg.data, dims.rank_in("dp", dims.rank or 0), dims.size("dp"))
     except ValueError as e:  # the loader's messages name the data.* key and the fix

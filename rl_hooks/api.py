@@ -73,7 +73,8 @@ class PolicyTrainer:
         self.dims = build_dims(cfg, self.ctx)
         self.runtime = build_runtime(cfg, self.dims, self.ctx.device)
         self.trainer = Trainer(cfg, self.runtime, self.ctx.device)
-        self.pad_multiple = pad_multiple(cfg.parallel.cp, cfg.parallel.tp)
+        self.pad_multiple = pad_multiple(cfg.parallel.cp, cfg.parallel.tp,
+                                         cfg.parallel.sequence_parallel)
         self.budget = micro_batch_tokens or cfg.data.micro_batch_tokens
         self.estimator = advantage_estimator
         self.batch_invariant = batch_invariant

@@ -145,8 +145,9 @@ class DynamicCP:
             raise ValueError(f"Dynamic-CP: {e}") from None
         me = self.dims.rank_in(Axis.DP_CP)
         slots = []
+        sp = self.dims.config is not None and self.dims.config.sequence_parallel
         for run, seqs in plan.assignment(me):
-            batch = pack_documents([docs[i] for i in seqs], pad_multiple(run.size, self.dims.tp))
+            batch = pack_documents([docs[i] for i in seqs], pad_multiple(run.size, self.dims.tp, sp))
             slots.append(Slot(batch, self._cp_group(run.size, me - run.first_rank)))
         return slots, dict(plan.cp_sizes_used)
 

@@ -69,6 +69,7 @@ def _train(sets, dims, steps):
     parallel = cfg.parallel
     if dims is None:  # the single-process reference: the same settings on one rank
         parallel = dataclasses.replace(parallel, tp=1, cp=1, ep=1, cp_backend="ring",
+                                       sequence_parallel=False,
                                        hierarchical_sizes=None)
     trainer = Trainer(cfg, parallelize(model, dims, parallel))
     return [(r.loss, r.grad_norm) for r in (trainer.train_step(mbs) for mbs in steps)]
