@@ -99,6 +99,11 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint '{self.step_dir}' has '{name}' of shape {tuple(entry['global_shape'])} but "
                                   f"the model expects {tuple(global_shape)}; use the matching model config or set "
                                   "checkpoint.resume=none")
+        for piece in entry["pieces"]:  # the slice is one stored piece (same layout): one copy
+            if list(piece["offsets"]) == list(offsets) and list(piece["shape"]) == list(shape):
+                # safetensors maps the file copy-on-write and every read of a key shares those
+                # pages: a copy keeps what the caller changes (AdamW state) out of later reads.
+                return self.file(piece["file"]).get_tensor(key).clone()
         out = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
         covered = 0
         for piece in entry["pieces"]:
