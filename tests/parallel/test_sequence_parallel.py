@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from data_packing.batch import pad_multiple
 from longctx_moe.model import build_model
 from longctx_moe.model.transformer import LogProbHead
 from longctx_moe.parallel.config import ParallelConfig
@@ -56,3 +57,11 @@ def test_tokens_not_divisible_by_tp_are_refused_with_an_actionable_error():
     dims.build_groups(0)
     with pytest.raises(ValueError, match="set tp > 1 or sequence_parallel=false"):
         parallelize(build_model(tiny_config()), dims)
+
+
+def test_padding_lets_every_cp_rank_split_its_tokens_over_tp():
+    # a document split over CP leaves slot / CP tokens on each CP rank; SP splits those TP ways
+    for cp, tp in [(1, 2), (2, 2), (2, 4), (4, 2), (4, 4), (3, 2)]:
+        slot = pad_multiple(cp, tp, sequence_parallel=True)
+        assert slot % (2 * cp if cp > 1 else 1) == 0 and (slot // cp) % tp == 0, (cp, tp)
+    assert pad_multiple(2, 4) == 4  # without SP the padding is unchanged

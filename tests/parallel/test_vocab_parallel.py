@@ -19,6 +19,7 @@ from longctx_moe.model.transformer import LogProbHead
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.parallelize import parallelize
+from longctx_moe.sharded_state import global_slices
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch, tiny_config
 
@@ -141,8 +142,14 @@ def _check_model(rank, world, kw, overrides, head):
             assert (got - want).abs().max().item() < TOL, kw
     assert torch.allclose(model.logits(batches[dp]), ref.logits(batches[dp]), atol=TOL, rtol=0)
     ref_params = dict(ref.named_parameters())
+    slices = global_slices(model, dims)  # what checkpoints record: whole shape, this piece's offsets
     for name, p in model.named_parameters():
-        assert p.shape == _my_slice(p, ref_params[name], dims).shape, name
+        full, offsets = slices[name]
+        piece = ref_params[name].detach()
+        assert tuple(full) == tuple(piece.shape), name
+        for dim, (off, size) in enumerate(zip(offsets, p.shape, strict=True)):
+            piece = piece.narrow(dim, off, size)
+        assert torch.equal(piece, p.detach()), name  # the values this rank holds
         want = _my_slice(p, ref_params[name].grad, dims)
         assert (p.grad - want).abs().max().item() < TOL, (kw, name)
     ref_norm = torch.nn.utils.clip_grad_norm_(list(ref.parameters()), float("inf"))
