@@ -5,10 +5,13 @@ columns (row-parallel). With tp > num_kv_heads each KV head is replicated over t
 ranks whose query heads read it: wk / wv become `ReplicatedKVLinear`, which stores an ordinary
 1/tp row shard of the whole projection and all-gathers it per forward (its backward sums the
 gradient over TP and keeps the rank's rows), so checkpoints, export and the gradient norm see a
-plain `tp_dim = 0` shard and a replicated head is never stored or updated twice. Dense SwiGLU MLPs (first_k_dense layers, shared experts): w_gate / w_up
-column-parallel, w_down row-parallel. Each sharded module gets Megatron's conjugate pair as hooks:
-`copy` on its input (identity forward, all-reduce of the gradient over TP backward) and `reduce`
-on its output (all-reduce forward, identity backward), so parameter names stay unchanged.
+plain `tp_dim = 0` shard and a replicated head is never stored or updated twice.
+
+Dense SwiGLU MLPs (first_k_dense layers, shared experts): w_gate / w_up column-parallel, w_down
+row-parallel. Each sharded module gets Megatron's conjugate pair as hooks: `copy` on its input
+(identity forward, all-reduce of the gradient over TP backward) and `reduce` on its output
+(all-reduce forward, identity backward), so parameter names stay unchanged. With sequence
+parallelism the pair becomes all-gather / reduce-scatter of tokens (sequence_parallel.py).
 
 Replicated parameters fed by local heads only (the per-head q/k RMSNorm weights) get partial
 gradients on each TP rank: they are tagged reduce_axis = "world" (TP x CP x DP). Sharded ones are
