@@ -90,9 +90,11 @@ class CheckpointReader:
         return self._open[name]
 
     def read(self, key: str, global_shape: tuple[int, ...], offsets: tuple[int, ...],
-             shape: tuple[int, ...]) -> torch.Tensor:
+             shape: tuple[int, ...], copy: bool = True) -> torch.Tensor:
         """The slice [offsets, offsets + shape) of tensor `key` (whose global shape must be
-        `global_shape`), assembled from the pieces that overlap it, in the stored dtype."""
+        `global_shape`), assembled from the pieces that overlap it, in the stored dtype.
+        `copy=False`: where the slice is one stored piece, return the file's copy-on-write
+        mapping of it, shared with any later read of the key (for a caller that copies it)."""
         entry = self._entry(key)
         if tuple(entry["global_shape"]) != tuple(global_shape):
             name = key.split(".", 1)[1] if key.startswith("model.") else key
@@ -103,7 +105,8 @@ class CheckpointReader:
             if list(piece["offsets"]) == list(offsets) and list(piece["shape"]) == list(shape):
                 # safetensors maps the file copy-on-write and every read of a key shares those
                 # pages: a copy keeps what the caller changes (AdamW state) out of later reads.
-                return self.file(piece["file"]).get_tensor(key).clone()
+                data = self.file(piece["file"]).get_tensor(key)
+                return data.clone() if copy else data
         out = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
         covered = 0
         for piece in entry["pieces"]:

@@ -81,7 +81,8 @@ def load_trainer_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     if extra:
         raise CheckpointError(f"checkpoint '{reader.step_dir}' has an unexpected tensor '{extra[0][6:]}'; it was "
                               "written for a different model: use the matching model config or set checkpoint.resume=none")
-    state = {name: reader.read(f"model.{name}", *slices[name], tuple(t.shape)) for name, t in own.items()}
+    # load_state_dict copies into the parameters: the reads need no copy of their own.
+    state = {name: reader.read(f"model.{name}", *slices[name], tuple(t.shape), copy=False) for name, t in own.items()}
     model.load_state_dict(state)
     optimizer.load_state_dict(_optimizer_state(model, optimizer, slices, reader))
 
