@@ -1,6 +1,7 @@
 """Multi-rank exact resume (issue 12 item 5): on 4 gloo ranks, the real trainer run for 10 steps,
 checkpointed, resumed and run for 10 more equals 20 uninterrupted steps bitwise (losses, weights,
-AdamW state, expert bias, every rank's loader position), under CP2 x EP2 (folded) and TP2 x DP2."""
+AdamW state, expert bias, every rank's loader position), under CP2 x EP2 (folded) and TP2 x DP2, the
+latter also with checkpoint.async_save."""
 
 import pytest
 import torch
@@ -36,8 +37,11 @@ def _runs(rank, world, tmp, corpus, layout):
     return losses(whole), losses(first), losses(second)
 
 
-@pytest.mark.parametrize("layout", [["parallel.cp=2", "parallel.ep=2"], ["parallel.tp=2"]],
-                         ids=["cp2xep2", "tp2xdp2"])
+@pytest.mark.parametrize("layout", [["parallel.cp=2", "parallel.ep=2"], ["parallel.tp=2"],
+                                    # saves every 3 steps written on background threads: the
+                                    # published steps and the resume are the same
+                                    ["parallel.tp=2", "checkpoint.async_save=true", "checkpoint.every_steps=3"]],
+                         ids=["cp2xep2", "tp2xdp2", "tp2xdp2-async"])
 def test_interrupted_run_equals_the_uninterrupted_one_bitwise(tmp_path, corpus, layout):
     whole, first, second = run_distributed(_runs, 4, args=(tmp_path, corpus, layout), timeout=1500)[0]
     assert sorted(first) == list(range(1, SPLIT + 1)) and sorted(second) == list(range(SPLIT + 1, STEPS + 1))
@@ -54,3 +58,6 @@ def test_interrupted_run_equals_the_uninterrupted_one_bitwise(tmp_path, corpus, 
         a, b = (r.rank_state(rank) for r in done)
         assert a["loader"] == b["loader"], rank
     assert done[0].rank_state(0)["loader"]["step_in_epoch"] + done[0].rank_state(0)["loader"]["epoch"] > 0
+    if "checkpoint.every_steps=3" in layout:
+        steps = sorted(p.name for p in (tmp_path / "split" / "checkpoints").glob("step_*"))
+        assert steps == [f"step_{n:08d}" for n in (3, 6, 9, 10, 12, 15, 18, 20)]
