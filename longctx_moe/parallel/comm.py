@@ -21,6 +21,10 @@ step is 2^-9 in scaled units):
 
     |decode(encode(x)) - x| <= 2^-4 * |x| + 2^-10 * s        (FP8_REL_BOUND, FP8_ABS_BOUND)
 
+Communication a rank waits for is labelled for the profiler (torch.profiler.record_function):
+`comm.a2a` a synchronous all-to-all, `comm.a2a_launch` / `comm.a2a_wait` the two halves of an
+asynchronous one, `comm.counts` the split-size exchange; bench/moe_overlap.py sums them.
+
 Quantisation is treated as the identity in backward (straight-through); gradients travel in the
 codec's `grad` codec (bf16 for the fp8 codec: e4m3 is for activations, as in DeepEP / MegaScale).
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from longctx_moe.choices import check_choice
 from longctx_moe.parallel.config import DISPATCH_DTYPES
@@ -99,7 +104,8 @@ def make_codec(name: str) -> Codec:
 def _a2a_raw(x_ND, send_splits, recv_splits, group, codec):
     buf = codec.encode(x_ND)
     out = buf.new_empty((sum(recv_splits),) + tuple(buf.shape[1:]))
-    dist.all_to_all_single(out, buf, recv_splits, send_splits, group=group)
+    with record_function("comm.a2a"):
+        dist.all_to_all_single(out, buf, recv_splits, send_splits, group=group)
     return codec.decode(out, x_ND.dtype, x_ND.shape[1])
 
 
@@ -129,12 +135,14 @@ class _Transfer:
     def __init__(self, x_ND, send_splits, recv_splits, group, codec):
         self.send_buf = codec.encode(x_ND)
         self.out = self.send_buf.new_empty((sum(recv_splits),) + tuple(self.send_buf.shape[1:]))
-        self.work = dist.all_to_all_single(self.out, self.send_buf, recv_splits, send_splits,
-                                           group=group, async_op=True)
+        with record_function("comm.a2a_launch"):
+            self.work = dist.all_to_all_single(self.out, self.send_buf, recv_splits,
+                                               send_splits, group=group, async_op=True)
         self.dtype, self.dim, self.codec = x_ND.dtype, x_ND.shape[1], codec
 
     def wait(self) -> torch.Tensor:
-        self.work.wait()
+        with record_function("comm.a2a_wait"):
+            self.work.wait()
         self.send_buf = None
         return self.codec.decode(self.out, self.dtype, self.dim)
 
@@ -287,7 +295,8 @@ def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
     on the host (split sizes are host ints). The collective runs on the table's device (NCCL
     needs GPU tensors)."""
     recv = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
+    with record_function("comm.counts"):
+        dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
     return recv.cpu()
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from longctx_moe.parallel.dims import Axis
 
@@ -58,7 +59,8 @@ def _all_reduce_grads(params: list[nn.Parameter], group) -> None:
     for group_params in by_dtype.values():
         flat = torch.cat([p.grad.reshape(-1) for p in group_params])
         if group is not None:
-            dist.all_reduce(flat, group=group)
+            with record_function("comm.grad"):  # profiler label (bench/moe_overlap.py)
+                dist.all_reduce(flat, group=group)
         offset = 0
         for p in group_params:
             n = p.grad.numel()
@@ -97,10 +99,12 @@ class _Bucket:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.flat = torch.cat([p.grad.reshape(-1) for p in self.params])
-        self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
+        with record_function("comm.grad_launch"):
+            self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
 
     def finish(self) -> None:
-        self.work.wait()
+        with record_function("comm.grad_wait"):
+            self.work.wait()
         offset = 0
         for p in self.params:
             n = p.grad.numel()
