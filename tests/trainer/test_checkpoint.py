@@ -346,3 +346,13 @@ def test_rank_files_are_safetensors_that_safetensors_reads_back_exactly(tmp_path
     assert back.keys() == tensors.keys()
     assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
     assert safe_open(str(path), framework="pt").metadata() == {"state": "{}"}
+
+
+def test_a_pickled_checkpoint_of_format_2_is_refused_in_one_line(tmp_path):
+    _, _, ctx = saved_steps(tmp_path, [1])
+    step_dir = ctx.ckpt_dir / "step_00000001"
+    meta = json.loads((step_dir / "meta.json").read_text())
+    (step_dir / "meta.json").write_text(json.dumps({**meta, "format": 2}))
+    with pytest.raises(CheckpointError, match=r"has format 2 \(pickled rank files of an older longctx_moe\); "
+                                              "resume it with that version or set checkpoint.resume=none$"):
+        maybe_resume(*make(tmp_path))
