@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from data_packing.packing import ALGORITHMS, OVERFLOW_MODES
-from data_packing.pipeline import SPLIT_POSITIONS, PackArgs, drop_warning, pack, report
+from data_packing.pipeline import (
+    SPLIT_POSITIONS,
+    PackArgs,
+    drop_warning,
+    pack,
+    report,
+    usable_cpus,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eos-token", help="EOS token of --tokenizer (default: a common name)")
     p.add_argument("--pad-token", help="padding token (default: <|pad|>, else EOS)")
     p.add_argument("--seed", type=int, default=0, help="seeds the order of rows inside each shard")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+    p.add_argument("--workers", type=int, default=usable_cpus(),
                    help="processes for tokenizing, writing and checksums (does not change the "
                    "output)")
     p.add_argument("--max-docs", type=int, help="only the first N input documents (dry runs)")

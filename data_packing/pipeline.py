@@ -68,7 +68,7 @@ class PackArgs:
     eos_token: str | None = None
     pad_token: str | None = None
     seed: int = 0
-    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    workers: int = field(default_factory=lambda: usable_cpus())
     max_docs: int | None = None
     num_shards: int | None = None  # None: picked by memory_budget
     memory_budget: str = "1G"
@@ -84,6 +84,14 @@ class PackArgs:
     @property
     def pad_multiple(self) -> int:
         return pad_multiple(self.cp_size, self.tp_size)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask; a container's cpuset, not the host's
+    count), the default --workers."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def validate(a: PackArgs) -> None:
