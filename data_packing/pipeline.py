@@ -1,8 +1,8 @@
 """One `longctx-pack` run: read -> tokenize -> pack -> write shards -> metadata.json.
 
 Memory: each shard is built by streaming (`build.py`): tokens go to disk as they are produced and
-packing plans over lengths only, so memory grows with the documents of one shard (a few dozen
-bytes each), never with tokens. Without --num-shards, --memory-budget picks the shard count from
+packing plans over lengths only, so memory grows with the documents of one shard (~150 bytes
+each), never with tokens. Without --num-shards, --memory-budget picks the shard count from
 the number of input records.
 Determinism: the output depends only on the inputs, the tokenizer and the packing arguments
 (never on --workers, timing or the output path), so the same run gives byte-identical files.
