@@ -537,6 +537,15 @@ def report_user_error(e: Exception) -> None:
         dist.barrier()  # torchrun stops the survivors when the first rank exits: let rank 0 print first
 
 
+def lost_peer(e: Exception) -> str | None:
+    """The transport's words when `e` is a collective that failed because a peer rank went away
+    (gloo's TCP transport: connection closed or reset), else None."""
+    text = str(e)
+    if "gloo/transport/tcp" not in text or not any(w in text for w in ("closed by peer", "reset by peer", "Broken pipe")):
+        return None
+    return text.split("] ", 1)[-1].split(". ", 1)[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run on this rank (torchrun starts one per rank). User errors: one line, exit status 2."""
     args = parse_args(argv)
@@ -546,6 +555,14 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         report_user_error(e)
         return 2
+    except RuntimeError as e:
+        if not lost_peer(e):
+            raise
+        # The peer that died is the cause (the launcher names it); this rank's traceback is noise.
+        rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "0")
+        print(f"error: rank {rank} lost a peer in a collective ({lost_peer(e)}): another rank stopped first",
+              file=sys.stderr, flush=True)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -39,6 +39,7 @@ def _train(run_dir, corpus, kill: str | None = None) -> str:
         env[KILL_ENV] = kill
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # survivors of a kill: one line each
     return proc.stdout
 
 

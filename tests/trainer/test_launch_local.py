@@ -121,3 +121,12 @@ def test_negative_max_restarts_is_one_line_with_status_2(capsys):
 
     assert cli_main(["train", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--max-restarts", "-1"]) == 2
     assert capsys.readouterr().err == "error: --max-restarts=-1 must be >= 0\n"
+
+
+def test_a_lost_peer_is_recognised_from_gloos_words():
+    from longctx_moe.train import lost_peer
+
+    closed = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                          "by peer [127.0.0.1]:3465. This is typically caused by a remote worker crashing.")
+    assert lost_peer(closed) == "Connection closed by peer [127.0.0.1]:3465"
+    assert lost_peer(RuntimeError("CUDA out of memory")) is None
