@@ -113,8 +113,10 @@ def _report_failures(failures: dict) -> int:
     codes = {f.exitcode for f in failures.values()}
     if 2 in codes and codes <= {2, -signal.SIGTERM}:
         return 2
-    ranked = sorted(failures.items(), key=lambda rf: (rf[1].exitcode in (2, -signal.SIGTERM), rf[0]))
-    rank, failure = ranked[0]  # the cause, rather than a rank torchrun stopped after it
+    # The cause, rather than a rank torchrun stopped after it, or one that lost that peer (status
+    # 1, train.lost_peer): a rank killed by a signal first.
+    ranked = sorted(failures.items(), key=lambda rf: (rf[1].exitcode in (2, -signal.SIGTERM), rf[1].exitcode >= 0, rf[0]))
+    rank, failure = ranked[0]
     how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
            else f"exited with status {failure.exitcode}")
     print(f"error: rank {rank} (pid {failure.pid}) {how}; see its output above", file=sys.stderr)

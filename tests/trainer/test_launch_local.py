@@ -130,3 +130,14 @@ def test_a_lost_peer_is_recognised_from_gloos_words():
                           "by peer [127.0.0.1]:3465. This is typically caused by a remote worker crashing.")
     assert lost_peer(closed) == "Connection closed by peer [127.0.0.1]:3465"
     assert lost_peer(RuntimeError("CUDA out of memory")) is None
+
+
+def test_the_killed_rank_is_named_not_the_peer_that_lost_it(capsys):
+    from types import SimpleNamespace
+
+    from longctx_moe.cli import _report_failures
+
+    failures = {0: SimpleNamespace(exitcode=1, pid=10), 1: SimpleNamespace(exitcode=-signal.SIGKILL, pid=11),
+                2: SimpleNamespace(exitcode=-signal.SIGTERM, pid=12)}
+    assert _report_failures(failures) == 1
+    assert capsys.readouterr().err == "error: rank 1 (pid 11) was killed by SIGKILL; see its output above\n"
