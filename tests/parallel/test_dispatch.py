@@ -4,6 +4,8 @@ Every case builds one global batch (same seed on every rank), gives each rank it
 with forced top-k choices whose weights come from a softmax router (so the router weight gets a
 gradient), and compares output, d/dx, d/d(router weight) and d/d(expert weights) with the loop
 reference. float64 end to end: the only differences are summation order, so 1e-10 is loose.
+The overlapped all-to-all dispatcher (with a shared expert) must equal the synchronous one
+bitwise in every case (empty ranks and experts, capacity drops).
 """
 
 from __future__ import annotations
@@ -74,15 +76,27 @@ def _run_reference(x, router, w1, w2, idx, g, sizes, cap, policy):
     return y.detach(), x.grad, router.grad, w1.grad, w2.grad
 
 
-def _run_sharded(dispatcher_cls, rank, x, router, w1, w2, idx, g, sizes, cap, policy):
+def _run_sharded(dispatcher_cls, rank, x, router, w1, w2, idx, g, sizes, cap, policy,
+                 overlap=None):
+    """Sharded forward / backward. `overlap` (bool): the all-to-all dispatcher with that switch
+    and a shared expert (a linear layer; shared(x) added outside the dispatcher when False)."""
     s = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
     L = E // R
     experts = LoopExperts(w1, w2, rank * L, L)
     x_loc = x[s].clone().requires_grad_()
     router = router.clone().requires_grad_()
     weight = torch.softmax(x_loc @ router, dim=1).gather(1, idx[s])
-    disp = dispatcher_cls(E, dist.group.WORLD, capacity_factor=cap, drop_policy=policy)
-    y = disp(x_loc, idx[s], weight, experts)
+    kw = {} if overlap is None else {"overlap": overlap}
+    disp = dispatcher_cls(E, dist.group.WORLD, capacity_factor=cap, drop_policy=policy, **kw)
+    if overlap is None:
+        y = disp(x_loc, idx[s], weight, experts)
+    else:
+        shared = torch.nn.Linear(D, D, dtype=x.dtype)
+        with torch.no_grad():
+            shared.weight.copy_(w1[0, :, :1].expand(D, D) + router[:, :1])
+            shared.bias.fill_(0.25)
+        y = (disp(x_loc, idx[s], weight, experts, shared) if overlap
+             else disp(x_loc, idx[s], weight, experts) + shared(x_loc))
     (y * g[s]).sum().backward()
     dist.all_reduce(router.grad)  # the router is replicated: its gradient sums over ranks
     return y.detach(), x_loc.grad, router.grad, experts.w1_LDF.grad, experts.w2_LFD.grad
@@ -106,6 +120,11 @@ def _check_all_cases(rank, world):
                 a = torch.zeros_like(b) if a is None else a
                 err = (a - b).abs().max().item() if a.numel() else 0.0
                 assert err < TOL, f"{name} {cls.__name__} {what}: max err {err}"
+        # Overlap moves the shared expert into the all-to-all window, not the arithmetic.
+        sync = _run_sharded(AllToAllDispatcher, rank, *data, sizes, cap, policy, overlap=False)
+        ovl = _run_sharded(AllToAllDispatcher, rank, *data, sizes, cap, policy, overlap=True)
+        for what, a, b in zip(("y", "dx", "drouter", "dw1", "dw2"), ovl, sync, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b), f"{name} overlap {what}"
     return True
 
 
