@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue as queue_mod
 import statistics
 import subprocess
 import sys
@@ -67,7 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cp4-length", type=int, default=32768,
                    help="document length of the 4-rank CP4 run (0: skip it)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: torch's default)")
-    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--out", help="write the results as JSON here (rewritten after every measurement)")
+    p.add_argument("--reuse", help="a JSON this bench wrote earlier (even an interrupted run's): its "
+                                   "rows are kept and their (side, length) pairs not run again")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -209,12 +212,13 @@ def run_cp4(length: int, threads: int) -> dict:
         try:
             rank, res = queue.get(timeout=5)
             results[rank] = res
-        except Exception:  # queue.Empty: a rank that died would leave the others waiting forever
+        except queue_mod.Empty:  # a rank that died would leave the others waiting forever
             dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
             if dead:
                 for p in procs:
                     p.kill()
-                raise SystemExit(f"cp4: rank {dead[0]} exited with {procs[dead[0]].exitcode}; see its traceback above")
+                raise SystemExit(f"cp4: rank {dead[0]} exited with {procs[dead[0]].exitcode}; "
+                                 "see its traceback above") from None
     for p in procs:
         p.join()
     return {"length": length, "per_rank": [results[r] for r in range(4)],
@@ -340,18 +344,21 @@ def main(argv=None) -> int:
     unknown = set(sides) - set(SIDES)
     if unknown:
         raise SystemExit(f"--sides: unknown {sorted(unknown)}; choose from {','.join(SIDES)}")
-    rows, stopped = [], set()
+    rows = json.loads(Path(args.reuse).read_text())["rows"] if args.reuse else []
+    stopped = {r["side"] for r in rows if r["over_cap"] or "error" in r}
     for n in lengths:
         for side in sides:
             done = [r for r in rows if r["side"] == side and not r["over_cap"] and "error" not in r]
-            if side in stopped:
+            if side in stopped or any(r["side"] == side and r["length"] == n for r in rows):
                 continue
             if done and predicted_seconds(done, n) > args.max_step_s:
                 print(f"{side}: {n} tokens would take ~{predicted_seconds(done, n):.0f} s > --max-step-s; stopping it")
                 stopped.add(side)
                 continue
             row = run_one(side, n, args)
+            row["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
             rows.append(row)
+            write_json(args.out, summarize(rows, None, args) | {"partial": True})
             print(f"{side:>9} {n:>7} tokens: {fmt_row(row)}", flush=True)
             if row["over_cap"] or "error" in row:
                 stopped.add(side)
@@ -369,10 +376,14 @@ def main(argv=None) -> int:
             "bytes_per_token_hf", "selective_recompute_tokens_per_s_ratio", "cp4_peak_over_single",
             "tokens_per_s_ratio_32k")
     print("\n" + "\n".join(f"{k}: {res[k]}" for k in keys))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     return 0
+
+
+def write_json(path: str | None, res: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
