@@ -26,7 +26,9 @@ from tests.model.helpers import packed_batch, tiny_config
 from tests.parallel._moe_ref import LoopExperts
 
 DOCS = [[5, 9, 1, 13], [1, 7, 3], [12, 2], [2, 2, 6], [17, 4], [3, 3, 3, 3]]
-LAYOUTS = [dict(ep=4), dict(tp=2, ep=4), dict(ep=4, dispatch_dtype="fp8")]
+# The last two recompute blocks in the backward: the all-to-alls (and the overlap) run again there.
+LAYOUTS = [dict(ep=4), dict(tp=2, ep=4), dict(ep=4, dispatch_dtype="fp8"),
+           dict(ep=4, recompute="full"), dict(tp=2, ep=4, recompute="selective")]
 
 
 def _model(seed):
@@ -40,10 +42,13 @@ def run_steps(rank, world, kw, overlap, bucket_mb, seed):
     """Losses (one per micro-batch) and {name: grad} after two accumulated micro-batches.
     `overlap`: the overlapped dispatcher, and the gradient buckets launched from the last
     backward's hooks (without: the same buckets all-reduced after the backward)."""
+    kw = dict(kw)
+    recompute = kw.pop("recompute", "none")
     cfg = ParallelConfig(moe_overlap=overlap, grad_bucket_mb=bucket_mb, **kw)
     dims = ParallelDims.from_config(cfg, world, tiny_config())
     dims.build_groups(rank)
     runtime = parallelize(_model(seed), dims, cfg)
+    runtime.model.set_recompute(recompute)
     assert all(m.dispatcher.overlaps_shared == overlap for m in runtime.model.moe_layers())
     gen = torch.Generator().manual_seed(seed + 100 * dims.rank_in("dp"))
     batches = [packed_batch(DOCS[(seed + i) % len(DOCS)], 64, pad_multiple=dims.tp, generator=gen)
