@@ -70,7 +70,28 @@ def _check(rank, world):
             err = (hooked[name] - want).abs().max().item()
             assert err < TOL, (kw, name, err)
             assert torch.equal(hooked[name], after[name]), (kw, name)
+    _check_misuse(rank, world)
     return True
+
+
+def _check_misuse(rank, world):
+    """A second backward after start_gradient_reduction() would change gradients already on the
+    wire: refused with the fix, the same way on every rank (then drained)."""
+    cfg = ParallelConfig(ep=4, grad_bucket_mb=BUCKET_MB)
+    dims = ParallelDims.from_config(cfg, world, tiny_config())
+    dims.build_groups(rank)
+    runtime = parallelize(_model(0), dims, cfg)
+    batch = packed_batch(DOCS[0], 64, generator=torch.Generator().manual_seed(rank))
+    runtime.start_gradient_reduction()
+    for i in range(2):
+        out = runtime.forward(runtime.shard(batch))
+        loss = out.ce_sum / 64 + out.aux_loss + out.z_loss
+        if i == 0:
+            loss.backward()
+            continue
+        with pytest.raises(RuntimeError, match="only before the last backward"):
+            loss.backward()
+    runtime.reduce_gradients()  # every rank launched the same buckets: nothing is left hanging
 
 
 def test_bucketed_reduction_from_hooks_matches_one_buffer_float64():
