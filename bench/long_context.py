@@ -344,7 +344,8 @@ def main(argv=None) -> int:
     unknown = set(sides) - set(SIDES)
     if unknown:
         raise SystemExit(f"--sides: unknown {sorted(unknown)}; choose from {','.join(SIDES)}")
-    rows = json.loads(Path(args.reuse).read_text())["rows"] if args.reuse else []
+    prior = json.loads(Path(args.reuse).read_text()) if args.reuse else {}
+    rows = prior.get("rows", [])
     stopped = {r["side"] for r in rows if r["over_cap"] or "error" in r}
     for n in lengths:
         for side in sides:
@@ -362,8 +363,10 @@ def main(argv=None) -> int:
             print(f"{side:>9} {n:>7} tokens: {fmt_row(row)}", flush=True)
             if row["over_cap"] or "error" in row:
                 stopped.add(side)
-    cp4 = None
-    if args.cp4_length:
+    cp4 = prior.get("cp4")
+    if cp4 and cp4["length"] != args.cp4_length:
+        cp4 = None
+    if args.cp4_length and cp4 is None:
         cp4 = run_cp4(args.cp4_length, args.threads)
         print(f"cp4 {args.cp4_length} tokens: max per-rank peak {cp4['max_peak_bytes'] / GIB:.2f} GiB, "
               f"step {cp4['step_s']:.1f} s", flush=True)
