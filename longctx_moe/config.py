@@ -62,8 +62,8 @@ class TrainConfig:
     # torch.compile each block (longctx_moe.compile): fuses the elementwise ops; the first steps
     # pay the compilation (cached on disk by inductor for later runs).
     compile: bool = False
-    # Activation recompute (longctx_moe.model.recompute): none | selective (attention core and the
-    # experts' SwiGLU recomputed in the backward) | full (whole blocks); routes stay fixed.
+    # Activation recompute (longctx_moe.model.recompute): none | selective (the experts' SwiGLU
+    # recomputed in the backward) | full (whole blocks); routes stay fixed.
     recompute: str = "none"
     host_allocator: str = "tuned"  # tuned (freed heap memory is reused; see longctx_moe.host) | default
     run_dir: str = "runs/default"

@@ -21,7 +21,6 @@ from torch import nn
 from data_packing.batch import PackedBatch
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.layers import RMSNorm, apply_rope, rope_cos_sin
-from longctx_moe.model.recompute import recompute_call
 
 
 @dataclass
@@ -108,7 +107,6 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.backend = cfg.attention_backend
-        self.recompute_core = False  # selective recompute (longctx_moe.model.recompute)
 
     def forward(self, x_TD: torch.Tensor, layout: DocLayout) -> torch.Tensor:
         t = x_TD.shape[0]
@@ -120,8 +118,5 @@ class Attention(nn.Module):
             q_THR, k_TGR = self.q_norm(q_THR), self.k_norm(k_TGR)
         cos_TR, sin_TR = layout.rope_cos_sin(self.head_dim, self.rope_theta, q_THR.dtype)
         q_THR, k_TGR = apply_rope(q_THR, cos_TR, sin_TR), apply_rope(k_TGR, cos_TR, sin_TR)
-        if self.recompute_core and torch.is_grad_enabled():
-            out_THR = recompute_call(attend, q_THR, k_TGR, v_TGR, layout, self.backend)
-        else:
-            out_THR = attend(q_THR, k_TGR, v_TGR, layout, self.backend)
+        out_THR = attend(q_THR, k_TGR, v_TGR, layout, self.backend)
         return self.wo(out_THR.reshape(t, -1))

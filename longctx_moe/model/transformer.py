@@ -88,7 +88,6 @@ class Transformer(nn.Module):
             raise ValueError(f"train.recompute={mode!r} is not allowed; choose one of {', '.join(MODES)}")
         self.recompute = mode
         for block in self.layers:
-            block.attn.recompute_core = mode == "selective"
             if block.is_moe:
                 block.ffn.experts.recompute = mode == "selective"
 
