@@ -75,6 +75,8 @@ def _full_size(cfg, name: str, dim: int) -> int:
         return h * r
     if name.endswith(("attn.wk.weight", "attn.wv.weight")):
         return g * r
+    if ".ffn.shared." in name:  # a shared expert: TP-sharded like a dense SwiGLU, its own width
+        return cfg.shared_expert_hidden_size
     return cfg.dense_hidden_size  # a dense SwiGLU's hidden units
 
 

@@ -80,3 +80,14 @@ def test_export_under_ep2_tp2_equals_one_process():
         assert [n for n, _ in got] == [n for n, _ in want]
         for (name, a), (_, b) in zip(got, want, strict=True):
             assert torch.equal(a, b), name
+
+
+def test_full_size_of_a_tp_sharded_shared_expert_is_its_own_width():
+    # Shared experts are TP-sharded like dense SwiGLUs but may be wider or narrower than them.
+    from longctx_moe.config import load_config
+    from rl_hooks.export import _full_size
+
+    cfg = load_config(None, ["model.shared_expert_hidden_size=96", "model.dense_hidden_size=64"]).model
+    assert _full_size(cfg, "layers.1.ffn.shared.w_gate.weight", 0) == 96
+    assert _full_size(cfg, "layers.1.ffn.shared.w_down.weight", 1) == 96
+    assert _full_size(cfg, "layers.0.ffn.w_up.weight", 0) == 64
