@@ -55,6 +55,7 @@ import torch  # noqa: E402
 SIDES = ("none", "selective", "full", "hf")  # the first three are ours, by train.recompute
 WARMUP_TOKENS = 2048
 GIB = 2**30
+CPU = torch.device("cpu")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,20 +83,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def reset_peak_rss() -> None:
-    # Writing 5 resets VmHWM to the current RSS (Linux >= 4.0).
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def start_watchdog(cap_bytes: int) -> None:
@@ -148,19 +135,22 @@ def build_side(side: str, cfg, dims=None):
 
         torch.manual_seed(cfg.train.seed)
         return hf_runner(cfg, build_model(cfg.model))
-    trainer = Trainer(cfg, build_runtime(cfg, dims, torch.device("cpu")))
+    trainer = Trainer(cfg, build_runtime(cfg, dims, CPU))
     return lambda batches: trainer.train_step(batches).ce_loss
 
 
 def measured_step(run, length: int, vocab: int, base: int) -> dict:
+    from longctx_moe.metrics import peak_memory_mb, reset_peak_memory
+
     run([document(WARMUP_TOKENS, vocab, seed=1)])
-    reset_peak_rss()
+    if not reset_peak_memory(CPU):
+        raise SystemExit("bench/long_context.py needs /proc/self/clear_refs (Linux) to reset the peak RSS")
     batch = document(length, vocab, seed=0)
     t0 = time.perf_counter()
     loss = run([batch])
     seconds = time.perf_counter() - t0
     return {"step_s": seconds, "tokens_per_s": length / seconds, "loss": float(loss),
-            "peak_bytes": peak_rss_bytes() - base}
+            "peak_bytes": int(peak_memory_mb(CPU) * 2**20) - base}
 
 
 def worker(args) -> None:

@@ -1,6 +1,5 @@
 """The Ray runner: a local two-CPU Ray cluster builds the same bytes as one process."""
 
-import os
 import shutil
 
 import pytest
@@ -8,15 +7,12 @@ import pytest
 from data_packing.pipeline import PackArgs
 from tests.data_packing.conftest import random_texts, run_pack, write_jsonl
 from tests.data_packing.test_cli import _same_tree
+from tests.ray_local import local_ray_cluster
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray = pytest.importorskip("ray", reason="the Ray runner needs ray (pip install 'longctx-moe[ray]')")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    yield from local_ray_cluster("the Ray runner needs ray (pip install 'longctx-moe[ray]')")
 
 
 def test_four_shards_on_ray_equal_one_process(ray_cluster, tmp_path):

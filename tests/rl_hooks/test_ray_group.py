@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from rl_hooks import PolicyLossConfig, PolicyTrainer, RolloutBatchError, make_loss
+from tests.ray_local import local_ray_cluster
 from tests.rl_hooks.helpers import EPS, config, rollout_batch
 
 TOL = 1e-10
@@ -33,12 +34,7 @@ MICRO = 24  # tokens: several micro-batches per rank
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray = pytest.importorskip("ray", reason="the Ray actor group needs ray (pip install 'longctx-moe[rl]')")
-    # Token auth is irrelevant to a cluster private to this test process.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    yield from local_ray_cluster("the Ray actor group needs ray (pip install 'longctx-moe[rl]')")
 
 
 @pytest.fixture(scope="module")
