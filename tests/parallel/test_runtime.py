@@ -15,10 +15,10 @@ from longctx_moe.config import load_config
 from longctx_moe.model import build_model
 from longctx_moe.model.moe import LocalDispatcher
 from longctx_moe.parallel.config import ParallelConfig
+from longctx_moe.parallel.context_parallel import CPGroup
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.dispatch import AllToAllDispatcher
 from longctx_moe.parallel.parallelize import parallelize
-from longctx_moe.parallel.context_parallel import CPGroup
 from longctx_moe.parallel.runtime import NO_CP
 from tests.model.helpers import packed_batch, tiny_config
 
