@@ -45,6 +45,9 @@ def _slice_of(module: torch.nn.Module, tensor: torch.Tensor, shape: tuple[int, .
     dim = getattr(tensor, "tp_dim", None)
     if dim is not None and dims.tp > 1:
         full[dim], offsets[dim] = shape[dim] * dims.tp, dims.rank_in("tp") * shape[dim]
+    dim = getattr(tensor, "etp_dim", None)  # experts' hidden units split over etp
+    if dim is not None and dims.etp > 1:
+        full[dim], offsets[dim] = shape[dim] * dims.etp, dims.rank_in("etp") * shape[dim]
     return tuple(full), tuple(offsets)
 
 

@@ -9,7 +9,8 @@ An expert's three tensors always travel in one bucket (engines load an expert as
 bucket holds whole tensors only; MoE sync time is set by the number of tensors as much as by bytes,
 which is why they travel in buckets rather than one by one.
 
-Every rank of the trainer takes part (each bucket is assembled with collectives over tp and ep) and
+Every rank of the trainer takes part (each bucket is assembled with collectives over tp, ep and
+etp: an expert's hidden units split over etp are concatenated along `etp_dim` first) and
 every rank yields every bucket, so an engine colocated with any rank can load from it; a sink that
 feeds one engine should push from one rank.
 
@@ -106,11 +107,22 @@ def _gather_ep(p: torch.Tensor, dims) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
+def _gather_etp(p: torch.Tensor, dims) -> torch.Tensor:
+    """An expert weight whose hidden units are split over etp -> all of them (etp rank r holds
+    the r-th contiguous slice along `etp_dim`, expert_parallel.shard_expert_hidden)."""
+    dim = getattr(p, "etp_dim", None)
+    if dim is None or dims.etp == 1:
+        return p.detach()
+    parts = [torch.empty_like(p) for _ in range(dims.etp)]
+    dist.all_gather(parts, p.detach().contiguous(), group=dims.group("etp"))
+    return torch.cat(parts, dim=dim)
+
+
 def _layer_experts(model, layer: int, dims, dtype) -> list[list[tuple[str, torch.Tensor]]]:
     """One layer's experts as units [(name, tensor) x 3] per global expert id."""
     experts = model.layers[layer].ffn.experts
-    w_gate_up_EDF2 = _gather_ep(experts.w_gate_up, dims)
-    w_down_EFD = _gather_ep(experts.w_down, dims)
+    w_gate_up_EDF2 = _gather_ep(_gather_etp(experts.w_gate_up, dims), dims)
+    w_down_EFD = _gather_ep(_gather_etp(experts.w_down, dims), dims)
     f = w_down_EFD.shape[1]
     base = f"model.layers.{layer}.mlp.experts"
     units = []

@@ -15,6 +15,7 @@ M = T*K routed rows, F expert hidden.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -100,7 +101,10 @@ class GroupedExperts(nn.Module):
     """SwiGLU experts held as [E, ...] parameters, run as two grouped GEMMs.
 
     w_gate_up [E, D, 2F] (gate columns first, then up), w_down [E, F, D]. EP slices dim 0 and sets
-    num_local_experts / expert_offset (the global index of local expert 0)."""
+    num_local_experts / expert_offset (the global index of local expert 0). Expert tensor
+    parallelism also slices the hidden dim and sets `gate_up_layout`: a function from the stored
+    w_gate_up (cast to the compute dtype) to [gate | up] of the hidden units this module computes
+    (parallel/expert_parallel.py); None when the stored layout is that already."""
 
     def __init__(self, num_experts: int, dim: int, hidden: int, impl: str = "auto",
                  precision: str = "auto"):
@@ -108,6 +112,7 @@ class GroupedExperts(nn.Module):
         self.num_local_experts, self.expert_offset = num_experts, 0
         self.impl, self.precision = impl, precision
         self.recompute = False  # selective recompute (longctx_moe.model.recompute)
+        self.gate_up_layout = None
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
 
@@ -120,17 +125,21 @@ class GroupedExperts(nn.Module):
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         cdtype = self.compute_dtype(x_MD)
         x_MD = x_MD.to(cdtype)
+        w_gate_up = self.w_gate_up
+        if self.gate_up_layout is not None:
+            # Outside the recompute region: the layout's collectives run once per forward.
+            w_gate_up = self.gate_up_layout(w_gate_up.to(cdtype))
         if self.recompute and torch.is_grad_enabled():
-            return recompute_call(self._padded_swiglu, x_MD, tokens_per_expert_E)
-        return self._padded_swiglu(x_MD, tokens_per_expert_E)
+            return recompute_call(self._padded_swiglu, w_gate_up, x_MD, tokens_per_expert_E)
+        return self._padded_swiglu(w_gate_up, x_MD, tokens_per_expert_E)
 
-    def _padded_swiglu(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def _padded_swiglu(self, w_gate_up, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         # On CPU in bf16, rows are padded per expert so the GEMM shapes repeat (see grouped_gemm).
-        return with_padded_groups(self._swiglu, x_MD, counts_E)
+        return with_padded_groups(partial(self._swiglu, w_gate_up), x_MD, counts_E)
 
-    def _swiglu(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def _swiglu(self, w_gate_up, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         cdtype = x_MD.dtype
-        h_MF2 = grouped_matmul(x_MD, self.w_gate_up.to(cdtype), counts_E, self.impl)
+        h_MF2 = grouped_matmul(x_MD, w_gate_up.to(cdtype), counts_E, self.impl)
         gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
         act_MF = F.silu(gate_MF) * up_MF
         return grouped_matmul(act_MF, self.w_down.to(cdtype), counts_E, self.impl)

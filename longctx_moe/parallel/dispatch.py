@@ -26,6 +26,15 @@ within one micro-batch nothing independent is left to compute by then.
 TP (ETP = 1): TP peers hold the same tokens. With `tp_group`, each peer dispatches one contiguous
 chunk of them and the outputs are all-gathered back (Megatron-Core's approach), so experts see
 each token once and expert gradients need no 1/tp correction; capacity then applies per chunk.
+
+ETP > 1 (`etp_group`): each rank of the etp group holds a slice of the hidden units of the same
+experts (expert_parallel.shard_expert_hidden). Tokens are still dispatched once, by one rank, as
+above; after the EP all-to-all the rows of the ETP peers are all-gathered, every peer runs its
+slice on all of them, and the partial outputs of each row are summed back on the peer that
+received it (Megatron-Core: all-gather, experts, reduce-scatter over ETP; `experts_over_etp`).
+So every expert slice sees each token once and the forward sum is complete. Any etp works with
+any tp: ETP peers hold distinct tokens (their dispatched chunks, or different CP / DP shares).
+Capacity and drops are decided before any communication, as without ETP.
 """
 
 from __future__ import annotations
@@ -128,8 +137,8 @@ class _EPDispatcher:
     """Shared set-up: the EP group, expert ownership, capacity and the checks on `experts`."""
 
     def __init__(self, num_experts: int, group=None, capacity_factor: float | None = None,
-                 drop_policy: str = "probs", tp_group=None):
-        self.group, self.tp_group = group, tp_group
+                 drop_policy: str = "probs", tp_group=None, etp_group=None):
+        self.group, self.tp_group, self.etp_group = group, tp_group, etp_group
         self.ep_size = 1 if group is None else dist.get_world_size(group)
         self.ep_rank = 0 if group is None else dist.get_rank(group)
         if num_experts % self.ep_size:
@@ -173,9 +182,43 @@ class _EPDispatcher:
     def _remote_rows(self, splits: list[int]) -> int:
         return sum(n for r, n in enumerate(splits) if r != self.ep_rank)
 
+    def _experts(self, experts, x_MD, counts_L):
+        """experts(x_MD, counts_L), over the ETP peers when the experts' hidden units are split."""
+        if self.etp_group is None:
+            return experts(x_MD, counts_L)
+        return experts_over_etp(experts, x_MD, counts_L, self.etp_group)
+
 
 def _call(side):
     return None if side is None else side()
+
+
+def _gather_counts(counts_L: torch.Tensor, group) -> torch.Tensor:
+    """int64 [P, L] on the host: every peer's rows per local expert, in peer order."""
+    parts = [torch.empty_like(counts_L) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, counts_L.contiguous(), group=group)
+    return torch.stack(parts).cpu()
+
+
+def experts_over_etp(experts, x_MD, counts_L, group):
+    """experts(x_MD, counts_L) for experts whose hidden units are split over the ETP `group`:
+    every peer's rows (each peer's sorted by local expert) are gathered, this peer's units run on
+    all of them, and each row's partial outputs are summed back on the peer that holds the row.
+
+    P peers, G rows gathered (peer-major, then local expert), M = this peer's rows."""
+    counts_PL = _gather_counts(counts_L, group)
+    sizes = counts_PL.sum(1).tolist()
+    if max(sizes) == 0:  # every peer knows: no row collective follows, the experts still run
+        return experts(x_MD, counts_L)  # (their weight layout is a collective over the peers)
+    P, L, M, dev = len(sizes), counts_L.numel(), x_MD.shape[0], x_MD.device
+    x_GD = all_gather_rows(x_MD, sizes, group)  # backward: the partial gradients summed
+    expert_G = torch.arange(L).repeat(P).repeat_interleave(counts_PL.flatten())
+    order_G = torch.argsort(expert_G, stable=True).to(dev)
+    y_GD = experts(x_GD.index_select(0, order_G), counts_PL.sum(0).to(dev))
+    y_GD = y_GD.index_select(0, _inverse(order_G))
+    # Reduce-scatter with uneven sizes: peer p's rows go to p, which sums the P partials.
+    y_PMD = all_to_all_rows(y_GD, sizes, [M] * P, group)
+    return y_PMD.view(P, M, y_GD.shape[1]).sum(0)
 
 
 class AllToAllDispatcher(_EPDispatcher):
@@ -188,8 +231,8 @@ class AllToAllDispatcher(_EPDispatcher):
 
     def __init__(self, num_experts: int, group=None, capacity_factor: float | None = None,
                  drop_policy: str = "probs", dispatch_dtype: str = "none", tp_group=None,
-                 overlap: bool = False):
-        super().__init__(num_experts, group, capacity_factor, drop_policy, tp_group)
+                 overlap: bool = False, etp_group=None):
+        super().__init__(num_experts, group, capacity_factor, drop_policy, tp_group, etp_group)
         self.codec = make_codec(dispatch_dtype)
         self.combine_codec = self.codec.grad()
         self.overlap = overlap
@@ -201,7 +244,8 @@ class AllToAllDispatcher(_EPDispatcher):
         x_ND = x_TD.index_select(0, routing.token_N)
         if self.ep_size == 1:
             self.wire_bytes = 0
-            return combine(experts(x_ND, routing.counts_E), routing, x_TD.shape[0]), _call(side)
+            y_ND = self._experts(experts, x_ND, routing.counts_E)
+            return combine(y_ND, routing, x_TD.shape[0]), _call(side)
         send_RL, recv_RL = self._split_table(routing)
         send, recv = send_RL.sum(1).tolist(), recv_RL.sum(1).tolist()
         x_MD, side_TD = self._send_tokens(x_ND, send, recv, side)
@@ -233,7 +277,7 @@ class AllToAllDispatcher(_EPDispatcher):
         R, L = self.ep_size, self.local_experts
         expert_M = torch.arange(L).repeat(R).repeat_interleave(recv_RL.flatten())
         order_M = torch.argsort(expert_M, stable=True).to(x_MD.device)
-        y_MD = experts(x_MD.index_select(0, order_M), recv_RL.sum(0).to(x_MD.device))
+        y_MD = self._experts(experts, x_MD.index_select(0, order_M), recv_RL.sum(0).to(x_MD.device))
         return y_MD.index_select(0, _inverse(order_M))
 
 
@@ -253,15 +297,18 @@ class AllGatherDispatcher(_EPDispatcher):
         if self.ep_size == 1:
             self.wire_bytes = 0
             x_ND = x_TD.index_select(0, routing.token_N)
-            return combine(experts(x_ND, routing.counts_E), routing, x_TD.shape[0])
+            return combine(self._experts(experts, x_ND, routing.counts_E), routing, x_TD.shape[0])
         T, R = x_TD.shape[0], self.ep_size
         sizes = gather_sizes(T, self.group, x_TD.device)
         if max(sizes) == 0:  # the whole group is empty (every rank knows: no collective follows)
             self.wire_bytes = 0
+            if self.etp_group is not None:  # ETP peers outside this EP group may hold rows
+                empty = torch.zeros(self.local_experts, dtype=torch.int64, device=x_TD.device)
+                return x_TD * 0 + self._experts(experts, x_TD[:0], empty).sum() * 0
             return x_TD * 0
         x_GD = all_gather_rows(x_TD, sizes, self.group)
         mine = self._local_assignments(routing, sizes)
-        y_ND = experts(x_GD.index_select(0, mine.token_N), mine.counts_E)
+        y_ND = self._experts(experts, x_GD.index_select(0, mine.token_N), mine.counts_E)
         part_GD = combine(y_ND, mine, x_GD.shape[0])
         # Reduce-scatter with uneven sizes: slice r goes to rank r, which sums R partials.
         y_RTD = all_to_all_rows(part_GD, sizes, [T] * R, self.group)
@@ -286,19 +333,20 @@ class AllGatherDispatcher(_EPDispatcher):
 def build_dispatcher(dims, cfg, num_experts: int):
     """The dispatcher `cfg` (ParallelConfig) asks for, over `dims`' EP group.
 
-    Dropless on one rank without TP there is nothing to route across ranks: the model's own
+    Dropless on one rank without TP or ETP there is nothing to route across ranks: the model's own
     LocalDispatcher (sort by expert, one batched combine) computes the same sum faster."""
     group = dims.group_or_none(Axis.EP)
     tp_group = dims.group_or_none(Axis.TP)  # TP peers split their shared tokens
+    etp_group = dims.group_or_none(Axis.ETP)  # ETP peers split the experts' hidden units
     if cfg.dispatcher == "allgather" and cfg.dispatch_dtype != "none":
         raise ValueError(f"dispatch_dtype={cfg.dispatch_dtype!r} compresses the all-to-all "
                          "only; use dispatcher=alltoall or dispatch_dtype=none")
-    if group is None and tp_group is None and cfg.capacity_factor is None:
+    if group is None and tp_group is None and etp_group is None and cfg.capacity_factor is None:
         from longctx_moe.model.moe import LocalDispatcher
 
         return LocalDispatcher()
     if cfg.dispatcher == "allgather":
         return AllGatherDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,
-                                   tp_group)
+                                   tp_group, etp_group)
     return AllToAllDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,
-                              cfg.dispatch_dtype, tp_group, cfg.moe_overlap)
+                              cfg.dispatch_dtype, tp_group, cfg.moe_overlap, etp_group)

@@ -191,8 +191,15 @@ def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], dims,
     """
     sharded = [p for p in dense if getattr(p, "tp_sharded", False)]
     replicated = [p for p in dense if not getattr(p, "tp_sharded", False)]
-    norm_sq = (_sum_sq(replicated) + _sum_sq_over(sharded, dims, Axis.TP)
-               + _sum_sq_over(expert, dims, Axis.EP))
+    # Experts split over etp (`etp_dim`): summed over etp as well; ETP replicas count once.
+    etp_ids = {id(p) for p in expert if dims.etp > 1 and getattr(p, "etp_dim", None) is not None}
+    expert_sq = _sum_sq_over([p for p in expert if id(p) not in etp_ids], dims, Axis.EP)
+    if etp_ids:
+        etp = [p for p in expert if id(p) in etp_ids]
+        etp_sq = _sum_sq_over(etp, dims, Axis.EP).to(etp[0].device)
+        dist.all_reduce(etp_sq, group=dims.group(Axis.ETP))
+        expert_sq = expert_sq + etp_sq.cpu()
+    norm_sq = _sum_sq(replicated) + _sum_sq_over(sharded, dims, Axis.TP) + expert_sq
     norm = norm_sq.sqrt()
     if max_norm > 0:
         coef = min(1.0, max_norm / (float(norm) + 1e-6))  # torch's clip_grad_norm_ rule

@@ -11,6 +11,9 @@ runs CP per micro-batch. What is fixed for the whole run is applied here, once:
 - EP: every MoE layer keeps its slice of the experts (shard_experts) and gets the configured
   dispatcher (capacity factor, drop policy, payload dtype): also on one rank, where it is the
   local path with the same capacity rules.
+- ETP: with parallel.etp > 1 every expert's hidden units are also split over the etp group
+  (shard_expert_hidden: gate/up column-parallel, down row-parallel) and the dispatcher sums the
+  partial outputs over it.
 
 What changes per micro-batch (the CP group and plan, router-statistics reductions) is an
 argument of the runtime's calls (runtime.py), never state patched onto the model. DP needs
@@ -24,7 +27,7 @@ from torch import nn
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import Axis, ParallelDims
 from longctx_moe.parallel.dispatch import build_dispatcher
-from longctx_moe.parallel.expert_parallel import shard_experts
+from longctx_moe.parallel.expert_parallel import shard_expert_hidden, shard_experts
 from longctx_moe.parallel.runtime import ParallelRuntime
 from longctx_moe.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -63,25 +66,27 @@ def _dynamic_cp(model: nn.Module, dims, cfg: ParallelConfig, capacity_tokens: in
     cost = DynamicCPCost.from_model(
         num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim, active_params_per_token=active_matmul_params(m),
-        flops_per_s=cfg.dcp_tflops * 1e12, bandwidth=cfg.dcp_bandwidth_gbps * 1e9)
+        flops_per_s=cfg.dcp_tflops * 1e12, bandwidth=cfg.dcp_bandwidth_gbps * 1e9,
+        ring_latency=cfg.dcp_ring_latency_us * 1e-6, attn_half_tokens=cfg.dcp_attn_half_tokens)
     return DynamicCP(dims, capacity, cost, cfg.max_cp or cfg.cp, cfg.cp_backend)
 
 
 def check_supported(dims, cfg: ParallelConfig) -> None:
     """Settings that the mesh accepts but this runtime cannot honour are refused, not ignored."""
-    if dims.etp > 1:
-        raise ValueError(f"parallel.etp={dims.etp}: tensor-parallel experts are not implemented; "
-                         "set parallel.etp=1 (experts are split over ep instead)")
     if cfg.sequence_parallel and dims.tp == 1:
         raise ValueError("parallel.sequence_parallel=true splits tokens over the TP ranks but "
                          "parallel.tp=1; set tp > 1 or sequence_parallel=false")
 
 
 def apply_expert_parallel(model: nn.Module, dims, cfg: ParallelConfig) -> None:
-    """Shard every MoE layer's experts over the EP group and give it the configured dispatcher."""
+    """Shard every MoE layer's experts over the EP group (and their hidden units over the ETP
+    group) and give it the configured dispatcher."""
     ep_rank = dims.rank_in(Axis.EP) if dims.ep > 1 else 0
     for layer in model.moe_layers():
         num_experts = layer.experts.num_local_experts
         if dims.ep > 1:
             shard_experts(layer.experts, ep_rank, dims.ep)
+        if dims.etp > 1:
+            shard_expert_hidden(layer.experts, dims.rank_in(Axis.ETP), dims.etp,
+                                dims.group(Axis.ETP))
         layer.dispatcher = build_dispatcher(dims, cfg, num_experts)

@@ -54,7 +54,7 @@ def test_one_rank_capacity_and_drop_policy_take_effect():
 
 
 @pytest.mark.parametrize("sets, needle", [
-    (["parallel.etp=2", "parallel.ep=1"], "parallel.etp=2"),
+    (["parallel.etp=2", "model.expert_hidden_size=9"], "not divisible by etp=2"),
     (["parallel.cp=2", "parallel.dynamic_cp=true", "parallel.aux_loss_scope=global_batch",
       "model.aux_loss_type=switch"], "aux_loss_scope=global_batch is not supported"),
 ])
