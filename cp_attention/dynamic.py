@@ -4,7 +4,8 @@ Python, deterministic, no communication; the runtime all-gathers the lengths and
 the same call).
 
 API
-    cost = DynamicCPCost(a, b, kv_bytes_per_token, bandwidth, overlap)
+    cost = DynamicCPCost(a, b, kv_bytes_per_token, bandwidth, overlap, ring_step_seconds,
+                         attn_half_tokens)
     cost = DynamicCPCost.h100()   or   DynamicCPCost.from_model(num_layers=..., ...)
     plan = schedule(lengths, block_size, max_cp, capacity_tokens, cost, static_cp=None,
                     tp=1, raise_cp=True) -> DynamicPlan
@@ -14,6 +15,7 @@ API
     plan.num_slots, plan.rank_cost, plan.imbalance, plan.cp_bytes, plan.modeled_step_time,
     plan.cp_sizes_used
     padded_length(n, size, tp)    physical length of a sequence sharded over `size` ranks
+    fit_attention_efficiency(lengths, flops_per_s) -> (long-tile FLOP/s, n_half)
 
 Layout. The block holds B = dp * cp ranks. For every power of two s <= max_cp the ranks are cut
 into aligned runs [j*s, (j+1)*s). A slot is one micro-batch index: in a slot every rank belongs to
@@ -21,13 +23,19 @@ exactly one run, and each run holds a packed list of sequences, each sharded (zi
 run's s ranks, its length padded to a multiple of lcm(2s, tp). Every rank runs num_slots slots.
 
 Cost model (DynamicCPCost). A sequence of padded length n on s ranks costs every one of them
-    (a*n + b*n^2) / s  +  (1 - overlap) * ring_bytes(n, s) / bandwidth  seconds,
+    (a*n + b*n^2 / eff(n/s)) / s  +  (1 - overlap) * ring_bytes(n, s) / bandwidth  seconds,
 ring_bytes(n, s) = (s-1)/s * n * kv_bytes_per_token: each rank receives the K, V of the tokens it
-does not hold. Padding is computed and sent like real tokens, so costs use the padded length.
+does not hold. eff(m) = m / (m + n_half) is the attention kernel's tile efficiency at m tokens
+per rank (the half-performance length n_half: short tiles run far below peak), so the attention
+term is b*n^2/s + b*n*n_half: the second part, the tile overhead, is paid by every rank of the
+run, whatever s. A run of s ranks busy in a slot costs each of its ranks ring_step_seconds *
+(s-1) more, once (the fixed cost of its ring steps: one ring carries all the run's sequences).
+Padding is computed and sent like real tokens, so costs use the padded length. With n_half = 0
+and ring_step_seconds = 0 (the dataclass defaults) compute divides evenly over any s.
 
 Step-time model. The MoE all-to-alls make every rank of the block wait for the others inside
 every slot, so a step takes sum over slots of (max over the slot's runs of the run's cost), and
-a run's cost is the sum of its sequences' costs. `imbalance` is max/mean of the per-rank cost.
+a run's cost is its fixed cost plus the sum of its sequences' costs. `imbalance` is max/mean of the per-rank cost.
 
 Algorithm. (1) Each sequence gets the smallest power-of-two s <= max_cp whose per-rank share fits
 capacity_tokens. (2) Sequences go, densest first (seconds per token held; ties by index), to the
@@ -60,9 +68,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # A packing on larger runs (step 4, and the later candidate plans) is adopted only if it is at
-# least this much faster: the cost model charges larger runs their ring bytes but not their
-# smaller attention tiles, extra ring steps and contention with the MoE all-to-all, so a gain
-# smaller than the model's error is not worth the traffic.
+# least this much faster: the cost model charges larger runs their ring bytes, ring steps and
+# smaller attention tiles but not their contention with the MoE all-to-all, so a gain smaller
+# than the model's error is not worth the traffic.
 _MIN_GAIN = 0.01
 _EPS = 1e-9  # relative float noise of summed costs
 
@@ -74,16 +82,38 @@ def padded_length(n: int, size: int, tp: int = 1) -> int:
     return -(-n // multiple) * multiple
 
 
+# H100-class constants of the two terms the plain compute + bytes model leaves out (cited in
+# docs/PERFORMANCE.md, Dynamic-CP). Ring-step latency: NCCL's own tuning model
+# (src/graph/tuning.cc) puts a Simple-protocol p2p hop at baseLat 8.4 us + hwLat 3.4 us over
+# NVLink (14 us over the network): ~12 us in a node, ~22 us across nodes; the attention kernel
+# launches and the merge of each step come on top, so these are low estimates. n_half: the
+# least-squares fit of eff(L) = L / (L + n_half) to FlashAttention-3's bf16 head-dim-128
+# forward (causal) + backward TFLOP/s on H100 SXM5 at sequence lengths 512..16K (Shah et al.
+# 2024, arXiv:2407.08608, figures 5-6; fwd:bwd FLOPs 1:2.5): n_half ~ 490 tokens, within 4%
+# of every point.
+H100_RING_LATENCY = 12e-6
+H100_IB_RING_LATENCY = 22e-6
+H100_ATTN_HALF_TOKENS = 490.0
+
+
 @dataclass(frozen=True)
 class DynamicCPCost:
-    """Seconds one sequence costs each rank of its run (module docstring: cost model).
+    """Seconds one sequence costs each rank of its run, and the fixed seconds of a run (module
+    docstring: cost model).
 
     a: seconds per token computed (GEMMs: attention projections, router, active experts, LM
-       head; forward + backward). b: seconds per n^2 of one sequence's attention, causal half and
-       forward + backward folded in. kv_bytes_per_token: ring bytes per token of one sequence, all
-       layers, forward K,V + backward K,V + dK,dV, i.e. 3 * 2 * kv_heads * head_dim * itemsize *
-       layers. bandwidth: bytes/s one rank receives on the ring. overlap: fraction of the ring
-       time hidden behind compute (0: none, 1: all).
+       head; forward + backward). b: seconds per n^2 of one sequence's attention at full tile
+       efficiency, causal half and forward + backward folded in. kv_bytes_per_token: ring bytes
+       per token of one sequence, all layers, forward K,V + backward K,V + dK,dV, i.e. 3 * 2 *
+       kv_heads * head_dim * itemsize * layers. bandwidth: bytes/s one rank receives on the
+       ring. overlap: fraction of the ring time hidden behind compute (0: none, 1: all).
+    ring_step_seconds: fixed cost of one ring step (kernel launches, p2p latency, the wait that
+       ends the step) summed over one micro-batch's ring passes, i.e. 2 * layers * the latency
+       of one step (forward and backward of every layer); a run of s ranks pays it s - 1 times,
+       once per run and slot whatever it holds (one ring carries all its sequences). 0: none.
+    attn_half_tokens: n_half of the attention tile efficiency eff(m) = m / (m + n_half), m the
+       tokens one rank holds of the sequence (n / s): the classic half-performance length, the
+       tile length at which attention runs at half its long-tile throughput. 0: eff = 1.
     """
 
     a: float
@@ -91,59 +121,114 @@ class DynamicCPCost:
     kv_bytes_per_token: float = 0.0
     bandwidth: float = math.inf
     overlap: float = 0.0
+    ring_step_seconds: float = 0.0
+    attn_half_tokens: float = 0.0
 
     def __post_init__(self):
-        if min(self.a, self.b, self.kv_bytes_per_token) < 0 or not self.bandwidth > 0 \
-                or not 0.0 <= self.overlap <= 1.0:
-            raise ValueError(f"DynamicCPCost: need a, b, kv_bytes_per_token >= 0, bandwidth > 0 "
-                             f"and 0 <= overlap <= 1; got {self}")
+        if min(self.a, self.b, self.kv_bytes_per_token, self.ring_step_seconds,
+               self.attn_half_tokens) < 0 or not self.bandwidth > 0 \
+                or not 0.0 <= self.overlap <= 1.0 or not math.isfinite(self.ring_step_seconds) \
+                or not math.isfinite(self.attn_half_tokens):
+            raise ValueError(f"DynamicCPCost: need a, b, kv_bytes_per_token, ring_step_seconds, "
+                             f"attn_half_tokens >= 0 (the last two finite), bandwidth > 0 and "
+                             f"0 <= overlap <= 1; got {self}")
 
-    def compute_seconds(self, n: int, size: int) -> float:
-        return (self.a * n + self.b * n * n) / size
+    def attention_efficiency(self, tokens_per_rank):
+        """eff(m) = m / (m + n_half) in (0, 1], increasing in m; 1 without n_half."""
+        if self.attn_half_tokens == 0:
+            return 1.0 + 0.0 * tokens_per_rank
+        return tokens_per_rank / (tokens_per_rank + self.attn_half_tokens)
 
-    def ring_bytes(self, n: int, size: int) -> float:
+    def compute_seconds(self, n, size: int):
+        """(a*n + b*n^2 / eff(n/size)) / size = (a*n + b*n^2) / size + b*n*n_half: the
+        inefficiency of short tiles costs every rank of the run b*n*n_half, whatever its size."""
+        return (self.a * n + self.b * n * n) / size + self.b * n * self.attn_half_tokens
+
+    def ring_bytes(self, n, size: int):
         """Bytes each of the `size` ranks receives for one sequence of padded length n."""
         return (size - 1) / size * n * self.kv_bytes_per_token
 
-    def seconds(self, n: int, size: int) -> float:
-        comm = self.ring_bytes(n, size) / self.bandwidth if size > 1 else 0.0
+    def seconds(self, n, size: int):
+        """Seconds one sequence of padded length n adds to each rank of a run of `size`."""
+        comm = self.ring_bytes(n, size) / self.bandwidth if size > 1 else 0.0 * n
         return self.compute_seconds(n, size) + (1.0 - self.overlap) * comm
+
+    def run_fixed_seconds(self, size: int) -> float:
+        """Fixed seconds of a run of `size` ranks that holds at least one sequence in a slot:
+        its s - 1 ring steps per pass."""
+        return self.ring_step_seconds * (size - 1)
+
+    def run_seconds(self, padded_lengths, size: int) -> float:
+        """Seconds of a run of `size` ranks holding sequences of these padded lengths (0 if
+        none): its fixed ring-step cost plus every sequence's seconds."""
+        padded_lengths = list(padded_lengths)
+        if not padded_lengths:
+            return 0.0
+        return self.run_fixed_seconds(size) + sum(self.seconds(n, size) for n in padded_lengths)
 
     @classmethod
     def from_model(cls, *, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                    active_params_per_token: float, flops_per_s: float, bandwidth: float,
                    attention_flops_per_s: float | None = None, itemsize: int = 2,
-                   overlap: float = 0.5) -> DynamicCPCost:
+                   overlap: float = 0.5, ring_latency: float = 0.0,
+                   attn_half_tokens: float = 0.0) -> DynamicCPCost:
         """Constants from a model description and achieved (not peak) throughputs.
 
         a = 6 * active matmul params / flops_per_s (2 FLOPs per multiply-add, backward twice the
         forward). b: attention does 4 * heads * head_dim FLOPs per query-key pair and layer
         forward (QK^T and PV), times 3 with the backward, over n^2/2 causal pairs, at
-        attention_flops_per_s (default flops_per_s). The hidden size does not enter: it is inside
-        active_params_per_token and, for attention, heads * head_dim.
+        attention_flops_per_s (default flops_per_s), the throughput on long tiles. The hidden
+        size does not enter: it is inside active_params_per_token and, for attention, heads *
+        head_dim. ring_latency: seconds of one ring step (one p2p exchange with its launch and
+        wait); every layer runs one ring forward and one backward, so ring_step_seconds = 2 *
+        num_layers * ring_latency. attn_half_tokens: the tile efficiency's n_half.
         """
         attn = attention_flops_per_s or flops_per_s
         return cls(a=6.0 * active_params_per_token / flops_per_s,
                    b=3.0 * 4 * num_heads * head_dim * num_layers / 2 / attn,
                    kv_bytes_per_token=3.0 * 2 * num_kv_heads * head_dim * itemsize * num_layers,
-                   bandwidth=bandwidth, overlap=overlap)
+                   bandwidth=bandwidth, overlap=overlap,
+                   ring_step_seconds=2.0 * num_layers * ring_latency,
+                   attn_half_tokens=attn_half_tokens)
 
     @classmethod
-    def h100(cls, bandwidth: float = 200e9, overlap: float = 0.5) -> DynamicCPCost:
+    def h100(cls, bandwidth: float = 200e9, overlap: float = 0.5,
+             ring_latency: float = H100_RING_LATENCY,
+             attn_half_tokens: float = H100_ATTN_HALF_TOKENS) -> DynamicCPCost:
         """H100/H200-class planning constants for a Qwen3-30B-A3B-shaped MoE (48 layers, 32 query
         / 4 KV heads of 128, 3.3B active params per token, bf16).
 
         400 TFLOP/s achieved: 989 TFLOP/s dense bf16 peak (H100 SXM datasheet) at ~40% MFU, what
-        large MoE runs report; used for attention too (FlashAttention-3 reaches more on long
-        tiles, less on short varlen ones). 200 GB/s: NVLink 4 is 450 GB/s per direction per GPU,
-        NCCL send/recv reaches about half; a run of <= 8 aligned ranks stays inside one 8-GPU
-        node when ranks are numbered node-major. For runs that cross nodes pass the InfiniBand
-        figure, ~25-50 GB/s per GPU (NDR 400 Gb/s). overlap 0.5: the ring hides a transfer behind
-        the attention of the block before it, almost fully for long sequences, barely for short.
+        large MoE runs report; used for attention on long tiles too. 200 GB/s: NVLink 4 is 450
+        GB/s per direction per GPU, NCCL send/recv reaches about half; a run of <= 8 aligned
+        ranks stays inside one 8-GPU node when ranks are numbered node-major. For runs that cross
+        nodes pass the InfiniBand figures, ~25-50 GB/s per GPU (NDR 400 Gb/s) and
+        H100_IB_RING_LATENCY. overlap 0.5: the ring hides a transfer behind the attention of the
+        block before it, almost fully for long sequences, barely for short. ring_latency and
+        attn_half_tokens: see H100_RING_LATENCY and H100_ATTN_HALF_TOKENS.
         """
         return cls.from_model(num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
                               active_params_per_token=3.3e9, flops_per_s=400e12,
-                              bandwidth=bandwidth, overlap=overlap)
+                              bandwidth=bandwidth, overlap=overlap, ring_latency=ring_latency,
+                              attn_half_tokens=attn_half_tokens)
+
+
+def fit_attention_efficiency(lengths: Sequence[float],
+                             flops_per_s: Sequence[float]) -> tuple[float, float]:
+    """(long-tile FLOP/s, n_half) of eff(L) = L / (L + n_half) fitted to attention throughputs
+    measured at tile lengths L: 1/T = 1/T_max + (n_half / T_max) * (1/L) is linear in 1/L, so
+    this is a least-squares line through (1/L, 1/T). Raises unless the fit gives T_max > 0 and
+    n_half >= 0 (throughput that falls with length has no half-performance length)."""
+    x = 1.0 / np.asarray(lengths, dtype=np.float64)
+    y = 1.0 / np.asarray(flops_per_s, dtype=np.float64)
+    if x.size < 2 or x.shape != y.shape:
+        raise ValueError("fit_attention_efficiency: need two or more (length, FLOP/s) pairs")
+    slope, intercept = np.polyfit(x, y, 1)
+    if not intercept > 0 or slope < 0:
+        raise ValueError(f"fit_attention_efficiency: throughputs {list(flops_per_s)} at lengths "
+                         f"{list(lengths)} do not rise towards a limit (1/T = {intercept:.3g} + "
+                         f"{slope:.3g}/L); measure longer tiles or on a quieter machine")
+    return float(1.0 / intercept), float(slope / intercept)
 
 
 @dataclass(frozen=True)
@@ -249,8 +334,9 @@ class _Slot:
         self.free[size].add(first)
         self._refresh_free_top()
 
-    def open_run(self, size: int) -> _OpenRun:
-        run = _OpenRun(self.take(size), size)
+    def open_run(self, size: int, fixed: float = 0.0) -> _OpenRun:
+        """A new run on free ranks; its load starts at the run's fixed seconds."""
+        run = _OpenRun(self.take(size), size, load=fixed)
         self.runs.append(run)
         return run
 
@@ -301,9 +387,11 @@ class _Problem:
     cost: DynamicCPCost
 
     min_room: dict[int, int] = field(init=False)  # size -> fewest tokens per rank of a sequence
+    fixed: dict[int, float] = field(init=False)  # size -> fixed seconds of a busy run
 
     def __post_init__(self):
         self.min_room = {s: math.lcm(2 * s, self.tp) // s for s in self.sizes}
+        self.fixed = {s: self.cost.run_fixed_seconds(s) for s in self.sizes}
 
 
 def schedule(lengths: Sequence[int], block_size: int, max_cp: int, capacity_tokens: int,
@@ -421,13 +509,14 @@ def _place(prob: _Problem, seqs: list[int], floor: int = 1, max_slots: int | Non
             if raised is not None and (best is None or raised[:5] < best[:5]):
                 best = raised
         size, tokens, seconds = options[0]
-        if best is None or best[0] > seconds * (1 + _EPS):  # a new slot is the cheapest place
+        alone = prob.fixed[size] + seconds  # the sequence on a new run of its own
+        if best is None or best[0] > alone * (1 + _EPS):  # a new slot is the cheapest place
             if max_slots is not None and len(slots) == max_slots:
                 return None
             slots.append(_Slot(prob.block_size, prob.sizes))
-            best = (seconds, size, len(slots) - 1, seconds, -1, None, tokens, seconds)
+            best = (alone, size, len(slots) - 1, alone, -1, None, tokens, seconds)
         _, size, m, _, _, run, tokens, seconds = best
-        run = run or slots[m].open_run(size)
+        run = run or slots[m].open_run(size, prob.fixed[size])
         slots[m].add(run, i, tokens, seconds)
     return slots
 
@@ -462,8 +551,8 @@ def _best_option(slots: list[_Slot], options: list[tuple[int, int, float]], prob
     for m, slot in enumerate(slots):
         for size, tokens, seconds in options:
             if slot.free_top >= size:
-                key = (_increase(seconds, slot.ceiling), size, m, seconds, -1, None, tokens,
-                       seconds)
+                load = prob.fixed[size] + seconds
+                key = (_increase(load, slot.ceiling), size, m, load, -1, None, tokens, seconds)
                 best = key if best is None or key[:5] < best[:5] else best
             run = None
             if slot.heaps[size] or slot.parked[size]:
@@ -487,7 +576,7 @@ def _increase(load: float, ceiling: float) -> float:
 def _run_seconds(prob: _Problem, seqs: list[int], size: int) -> tuple[int, float]:
     """(tokens per rank, seconds) of `seqs` packed on a run of `size` ranks."""
     pads = [padded_length(prob.lengths[i], size, prob.tp) for i in seqs]
-    return sum(pads) // size, sum(prob.cost.seconds(n, size) for n in pads)
+    return sum(pads) // size, prob.cost.run_seconds(pads, size)
 
 
 def _spread_idle(slot: _Slot, prob: _Problem) -> None:
@@ -550,16 +639,19 @@ def _halve(run: _OpenRun, prob: _Problem, ceiling: float) -> list[_OpenRun] | No
     if half < 1 or any(prob.options[i][0][0] > half for i in run.seqs):
         return None
     parts = [_OpenRun(run.first, half), _OpenRun(run.first + half, half)]
-    costs = {i: _run_seconds(prob, [i], half) for i in run.seqs}
+    costs = {}
+    for i in run.seqs:
+        pad = padded_length(prob.lengths[i], half, prob.tp)
+        costs[i] = pad // half, prob.cost.seconds(pad, half)
     for i in sorted(run.seqs, key=lambda i: (-costs[i][1], i)):
         tokens, seconds = costs[i]
         room = [p for p in parts if p.tokens + tokens <= prob.capacity]
         if not room:
             return None
         p = min(room, key=lambda p: (p.load, p.first))
+        p.load += seconds + (0.0 if p.seqs else prob.fixed[half])
         p.seqs.append(i)
         p.tokens += tokens
-        p.load += seconds
     return parts if max(p.load for p in parts) <= ceiling * (1 + _EPS) else None
 
 
@@ -572,7 +664,7 @@ def _finish(slots: list[_Slot], prob: _Problem) -> DynamicPlan:
         for r in slot.runs:
             seqs = tuple(sorted(r.seqs))
             pads = [padded_length(prob.lengths[i], r.size, prob.tp) for i in seqs]
-            seconds = sum(prob.cost.seconds(n, r.size) for n in pads)
+            seconds = prob.cost.run_seconds(pads, r.size)
             rank_cost[r.first:r.first + r.size] += seconds
             worst = max(worst, seconds)
             cp_bytes += sum(r.size * prob.cost.ring_bytes(n, r.size) for n in pads)

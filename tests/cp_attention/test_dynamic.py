@@ -3,6 +3,7 @@ aligned power-of-two runs, capacity, smallest fitting size, costs and bytes reco
 the definitions), the raising rules, the static-CP baseline, determinism, a case worked by hand,
 the cost presets and the one-line errors."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -12,17 +13,23 @@ from hypothesis import strategies as st
 
 from cp_attention.dynamic import (
     _MIN_GAIN,
+    H100_ATTN_HALF_TOKENS,
+    H100_RING_LATENCY,
     DynamicCPCost,
     Run,
     _finish,
     _problem,
     _shrink,
     _Slot,
+    fit_attention_efficiency,
     padded_length,
     schedule,
 )
 
 COST = DynamicCPCost(a=1e-6, b=1e-10, kv_bytes_per_token=1e4, bandwidth=1e10, overlap=0.5)
+# The same with a ring-step latency and a tile-efficiency curve (n_half = 64 tokens).
+COST_LAT = DynamicCPCost(a=1e-6, b=1e-10, kv_bytes_per_token=1e4, bandwidth=1e10, overlap=0.5,
+                         ring_step_seconds=2e-5, attn_half_tokens=64.0)
 
 
 def min_size(n, max_cp, capacity, tp=1):
@@ -36,10 +43,14 @@ def min_size(n, max_cp, capacity, tp=1):
 
 
 def seconds(n, s, cost=COST, tp=1):
-    """The cost model written out: compute / s + exposed ring time (bytes a rank receives)."""
+    """The cost model written out: (GEMMs + attention at tile efficiency eff(pad / s)) / s +
+    exposed ring time (bytes a rank receives); without the run's fixed ring-step cost."""
     pad = padded_length(n, s, tp)
     ring = (s - 1) / s * pad * cost.kv_bytes_per_token
-    return (cost.a * pad + cost.b * pad * pad) / s + (1 - cost.overlap) * ring / cost.bandwidth
+    m = pad / s
+    eff = m / (m + cost.attn_half_tokens)
+    return ((cost.a * pad + cost.b * pad * pad / eff) / s
+            + (1 - cost.overlap) * ring / cost.bandwidth)
 
 
 def check_plan(plan, lengths, block, max_cp, capacity, cost=COST, tp=1):
@@ -55,6 +66,7 @@ def check_plan(plan, lengths, block, max_cp, capacity, cost=COST, tp=1):
             pads = [padded_length(lengths[i], run.size, tp) for i in run.seq_indices]
             assert sum(pads) // run.size <= capacity, f"run {run} holds more than {capacity}"
             t = sum(seconds(lengths[i], run.size, cost, tp) for i in run.seq_indices)
+            t += cost.ring_step_seconds * (run.size - 1) if run.seq_indices else 0.0
             rank_cost[run.first_rank:run.first_rank + run.size] += t
             worst = max(worst, t)
             nbytes += sum((run.size - 1) * p * cost.kv_bytes_per_token for p in pads)
@@ -96,27 +108,28 @@ def problems(draw):
                                    longest}))
     lengths = draw(st.lists(st.one_of(edge, st.integers(1, longest)), min_size=0, max_size=150))
     mode = draw(st.sampled_from(["dynamic", "min_size", "static"]))
-    return block, max_cp, tp, capacity, lengths, mode
+    cost = draw(st.sampled_from([COST, COST_LAT]))
+    return block, max_cp, tp, capacity, lengths, mode, cost
 
 
 @settings(max_examples=150)
 @given(problems())
 def test_invariants_on_random_steps(problem):
-    block, max_cp, tp, capacity, lengths, mode = problem
+    block, max_cp, tp, capacity, lengths, mode, cost = problem
     static_cp = max_cp if mode == "static" else None
-    plan = schedule(lengths, block, max_cp, capacity, COST, static_cp, tp=tp,
+    plan = schedule(lengths, block, max_cp, capacity, cost, static_cp, tp=tp,
                     raise_cp=mode == "dynamic")
-    size_of = check_plan(plan, lengths, block, max_cp, capacity, tp=tp)
+    size_of = check_plan(plan, lengths, block, max_cp, capacity, cost, tp=tp)
     if mode == "static":
         assert set(size_of.values()) <= {max_cp}
     if mode == "min_size":
         assert all(s == min_size(lengths[i], max_cp, capacity, tp) for i, s in size_of.items())
     if mode == "dynamic":  # runs never exceed max_cp, so the static plan has the most bytes
-        static = schedule(lengths, block, max_cp, capacity, COST, static_cp=max_cp, tp=tp)
+        static = schedule(lengths, block, max_cp, capacity, cost, static_cp=max_cp, tp=tp)
         assert plan.cp_bytes <= static.cp_bytes * (1 + 1e-12)
         # the static plan is one of the candidates: never more than _MIN_GAIN faster
         assert plan.modeled_step_time * (1 - _MIN_GAIN) <= static.modeled_step_time * (1 + 1e-12)
-    again = schedule(np.asarray(lengths, dtype=np.int64), block, max_cp, capacity, COST,
+    again = schedule(np.asarray(lengths, dtype=np.int64), block, max_cp, capacity, cost,
                      static_cp, tp=tp, raise_cp=mode == "dynamic")
     assert again.slots == plan.slots and again.modeled_step_time == plan.modeled_step_time
 
@@ -260,6 +273,12 @@ def test_errors_are_one_line_and_name_the_fix():
         assert "\n" not in msg and all(w in msg for w in words), msg
     with pytest.raises(ValueError, match="overlap"):
         DynamicCPCost(a=1.0, b=0.0, overlap=1.5)
+    for bad in (dict(ring_step_seconds=-1e-6), dict(attn_half_tokens=-1.0),
+                dict(attn_half_tokens=math.inf)):
+        with pytest.raises(ValueError, match="attn_half_tokens"):
+            DynamicCPCost(a=1.0, b=0.0, **bad)
+    with pytest.raises(ValueError, match="do not rise"):
+        fit_attention_efficiency([512, 1024, 2048], [3e12, 2e12, 1e12])
     with pytest.raises(ValueError, match="outside the block"):
         schedule([1], 2, 2, 8, COST).assignment(2)
 
@@ -283,3 +302,88 @@ def test_cost_presets_follow_the_model_description():
     assert h100.a == pytest.approx(6 * 3.3e9 / 400e12)
     assert h100.kv_bytes_per_token == 3 * 2 * 4 * 128 * 2 * 48
     assert h100.bandwidth == 200e9 and 0 <= h100.overlap <= 1
+    # 48 layers, one ring forward and one backward each, at NCCL's ~12 us per p2p hop
+    assert h100.ring_step_seconds == pytest.approx(2 * 48 * H100_RING_LATENCY)
+    assert h100.attn_half_tokens == H100_ATTN_HALF_TOKENS
+    plain = DynamicCPCost.h100(ring_latency=0.0, attn_half_tokens=0.0)
+    assert plain.ring_step_seconds == 0 and plain.attn_half_tokens == 0
+    assert plain.a == h100.a and plain.b == h100.b
+
+
+def test_cost_terms_written_out():
+    # The attention term at tile efficiency eff(n/s) = (n/s) / (n/s + n_half) equals
+    # b*n^2/s + b*n*n_half; the run's fixed ring-step cost is paid once per run, not per sequence.
+    c = COST_LAT
+    for n, s in ((64, 1), (512, 2), (4096, 8)):
+        eff = (n / s) / (n / s + c.attn_half_tokens)
+        assert c.compute_seconds(n, s) == pytest.approx((c.a * n + c.b * n * n / eff) / s)
+        assert c.compute_seconds(n, s) == pytest.approx((c.a * n + c.b * n * n) / s
+                                                        + c.b * n * c.attn_half_tokens)
+    assert c.run_fixed_seconds(1) == 0 and c.run_fixed_seconds(8) == pytest.approx(7 * 2e-5)
+    assert c.run_seconds([], 8) == 0
+    assert c.run_seconds([512, 1024], 4) == pytest.approx(3 * 2e-5 + c.seconds(512, 4)
+                                                          + c.seconds(1024, 4))
+    # defaults recover the plain model: compute divides evenly over any s
+    assert COST.compute_seconds(4096, 8) * 8 == pytest.approx(COST.compute_seconds(4096, 1))
+    assert COST.run_fixed_seconds(8) == 0 and COST.attention_efficiency(10) == 1.0
+
+
+def test_tile_efficiency_is_monotone_and_fits_back():
+    c = DynamicCPCost(a=0.0, b=1.0, attn_half_tokens=490.0)
+    m = np.asarray([1, 16, 128, 490, 1024, 4096, 16384, 1 << 20], dtype=np.float64)
+    eff = c.attention_efficiency(m)
+    assert np.all(np.diff(eff) > 0) and np.all((eff > 0) & (eff < 1))
+    assert eff[3] == pytest.approx(0.5)  # half performance at n_half
+    # per rank, splitting a sequence over more ranks never lowers its rank-seconds
+    for n in (64, 4096, 131072):
+        rank_seconds = [s * c.seconds(n, s) for s in (1, 2, 4, 8)]
+        assert rank_seconds == sorted(rank_seconds)
+    # the fit recovers (peak, n_half) of exact curve points
+    lengths = [128, 512, 2048, 8192, 16384]
+    peak, half = fit_attention_efficiency(lengths, [600e12 * n / (n + 490.0) for n in lengths])
+    assert peak == pytest.approx(600e12) and half == pytest.approx(490.0)
+
+
+def test_latency_and_tile_overhead_keep_short_sequences_on_few_ranks():
+    # Ring-step latency: one short sequence alone on 8 ranks spreads over all 8 in the plain
+    # model (compute divides, the ring is cheap), stays on fewer ranks once each ring step costs
+    # 100 us; a long sequence still spreads.
+    short = [512]
+    assert schedule(short, 8, 8, 16384, COST).cp_sizes_used == {8: 1}
+    latency = dataclasses.replace(COST, ring_step_seconds=1e-4)
+    plan = schedule(short, 8, 8, 16384, latency)
+    check_plan(plan, short, 8, 8, 16384, latency)
+    assert max(plan.cp_sizes_used) < 8
+    assert plan.modeled_step_time < latency.run_seconds([padded_length(512, 8)], 8)
+    assert schedule([16384], 8, 8, 16384, COST_LAT).cp_sizes_used == {8: 1}
+    # Tile overhead: it is paid by every rank of a run, so it leaves a lone sequence's wall time
+    # ordering alone but not the packing. Three short sequences on 4 ranks with a cheap ring: the
+    # plain model puts all three on one 4-rank run (3/4 of the compute each rank would do alone);
+    # with n_half = 2048 (or the latency) each keeps a rank of its own.
+    cheap = dataclasses.replace(COST, kv_bytes_per_token=1e2)
+    lengths = [512] * 3
+    assert schedule(lengths, 4, 4, 2048, cheap).cp_sizes_used == {4: 3}
+    for cost in (dataclasses.replace(cheap, attn_half_tokens=2048.0),
+                 dataclasses.replace(cheap, ring_step_seconds=1e-4)):
+        plan = schedule(lengths, 4, 4, 2048, cost)
+        check_plan(plan, lengths, 4, 4, 2048, cost)
+        assert plan.cp_sizes_used == {1: 3}, cost
+        assert plan.modeled_step_time < 3 * cost.seconds(512, 4) + cost.run_fixed_seconds(4)
+    # A mix of short sequences (a quality check on one fixed mix, as above): the plan made with
+    # the terms is no slower under that model than the plan made without them.
+    rng = np.random.default_rng(1)
+    lengths = np.clip(rng.lognormal(6, 1.0, 200), 16, 4096).astype(int).tolist()
+    aware = schedule(lengths, 16, 8, 4096, COST_LAT)
+    blind = schedule(lengths, 16, 8, 4096, COST)
+    check_plan(aware, lengths, 16, 8, 4096, COST_LAT)
+    assert aware.modeled_step_time <= _step_time_under(blind, lengths, COST_LAT) * (1 + 1e-9)
+
+
+def _step_time_under(plan, lengths, cost):
+    """Step time of an existing plan's runs re-costed under another cost model."""
+    total = 0.0
+    for runs in plan.slots:
+        total += max((cost.run_seconds([padded_length(lengths[i], r.size)
+                                        for i in r.seq_indices], r.size) for r in runs),
+                     default=0.0)
+    return total
