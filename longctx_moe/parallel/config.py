@@ -48,9 +48,17 @@ class ParallelConfig:
     max_tokens_per_rank: int = 0  # tokens one rank holds in one slot; 0: data.micro_batch_tokens
     # The scheduler's cost model (cp_attention.dynamic.DynamicCPCost.from_model): achieved
     # throughput per rank and ring bandwidth. Defaults are H100/H200-class (about 40% MFU of the
-    # 989 TFLOP/s bf16 peak; NCCL send/recv over NVLink 4); only their ratio steers the plan.
+    # 989 TFLOP/s bf16 peak; NCCL send/recv over NVLink 4); only their ratios steer the plan.
     dcp_tflops: float = 400.0
     dcp_bandwidth_gbps: float = 200.0
+    # Fixed cost of one ring step (p2p latency, launch, wait), paid 2 * layers * (s - 1) times
+    # per slot by a run of s ranks: 12 us is NCCL's own p2p-hop estimate over NVLink (tuning.cc:
+    # 8.4 + 3.4 us); ~22 us across nodes. 0: no latency term.
+    dcp_ring_latency_us: float = 12.0
+    # Attention tile efficiency eff(m) = m / (m + n_half) at m tokens per rank of a sequence:
+    # 490 is the fit to FlashAttention-3's H100 fwd+bwd TFLOP/s at 512..16K tokens
+    # (docs/PERFORMANCE.md, Dynamic-CP). 0: full efficiency at any length.
+    dcp_attn_half_tokens: float = 490.0
     dispatcher: str = "alltoall"  # alltoall | allgather
     dispatch_dtype: str = "none"  # none | bf16 | fp8: payload compression of the expert all-to-all
     # Hide communication behind compute: the shared expert runs while the tokens' all-to-all is
@@ -73,6 +81,11 @@ class ParallelConfig:
         if not self.grad_bucket_mb >= 0:
             raise ValueError(f"parallel.grad_bucket_mb={self.grad_bucket_mb} must be >= 0 "
                              "(0: one buffer after the backward)")
+        for key in ("dcp_ring_latency_us", "dcp_attn_half_tokens"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
+                raise ValueError(f"parallel.{key}={value} must be a finite number >= 0 (0 turns "
+                                 "the Dynamic-CP cost term off)")
 
 
 def check_capacity_factor(value: float | None) -> None:
