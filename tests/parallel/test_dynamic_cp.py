@@ -169,3 +169,34 @@ def test_dynamic_cp_world4_matches_one_process_and_static_cp_float64():
 
 def test_dynamic_cp_world8_dp2_cp4_ep4_matches_one_process_float64():
     _check(8, WORLD8, block=8)
+
+
+def test_cost_settings_reach_the_runtime_cost_model():
+    """Every parallel.dcp_* key changes the scheduler's DynamicCPCost (none is accepted and
+    ignored), and out-of-range values are refused with the key's name."""
+    import pytest
+
+    from cp_attention.dynamic import DynamicCPCost
+    from longctx_moe.model.flops import active_matmul_params
+    from longctx_moe.parallel.parallelize import _dynamic_cp
+
+    sets = ["parallel.dcp_tflops=100", "parallel.dcp_bandwidth_gbps=50",
+            "parallel.dcp_ring_latency_us=30", "parallel.dcp_attn_half_tokens=1000"]
+    cfg = load_config(None, BASE + sets)
+    parallel = dataclasses.replace(cfg.parallel, dynamic_cp=True)
+    model = build_model(cfg.model)
+    cost = _dynamic_cp(model, ParallelDims.from_config(cfg.parallel, 1), parallel, 1).cost
+    m = cfg.model
+    want = DynamicCPCost.from_model(
+        num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim, active_params_per_token=active_matmul_params(m),
+        flops_per_s=100e12, bandwidth=50e9, ring_latency=30e-6, attn_half_tokens=1000.0)
+    # us -> s rounds differently from 30e-6 written out: equal to the last bit or two
+    assert dataclasses.astuple(cost) == pytest.approx(dataclasses.astuple(want), rel=1e-12)
+    assert cost.ring_step_seconds == pytest.approx(2 * m.num_layers * 30e-6)
+    default = _cost()  # the H100-class defaults of ParallelConfig
+    assert default.ring_step_seconds == pytest.approx(2 * m.num_layers * 12e-6)
+    assert default.attn_half_tokens == 490.0
+    for key in ("dcp_ring_latency_us", "dcp_attn_half_tokens"):
+        with pytest.raises(ValueError, match=f"parallel.{key}"):
+            load_config(None, BASE + [f"parallel.{key}=-1"]).parallel.validate()
