@@ -13,12 +13,11 @@ import torch
 from longctx_moe.config import OptimConfig
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: norms' gains, biases and the expert bias are 1-D and are not decayed."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+def decay_groups(tensors: list[torch.Tensor], weight_decay: float) -> list[dict]:
+    """Decay matrices only: norms' gains, biases and the expert bias are 1-D and are not decayed.
+    (A slab of the distributed optimizer keeps its parameter's ndim, so the rule holds for it.)"""
+    decay = [t for t in tensors if t.ndim >= 2]
+    no_decay = [t for t in tensors if t.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
@@ -29,7 +28,9 @@ def _impl_kwargs(impl: str, params: list[torch.Tensor]) -> dict:
     """Pick torch AdamW's implementation: fused (one kernel over all tensors) where available.
 
     Fused AdamW runs on CPU since torch 2.4 and on CUDA; when a dtype/device is unsupported the
-    constructor raises and build_optimizer falls back to foreach.
+    constructor raises and build_adamw falls back to foreach. It silently computes wrong updates
+    for non-contiguous tensors (seen on torch 2.13 CPU), which the distributed optimizer's strided
+    slabs are: "auto" takes foreach for those.
     """
     if impl == "fused":
         return {"fused": True}
@@ -38,20 +39,25 @@ def _impl_kwargs(impl: str, params: list[torch.Tensor]) -> dict:
     if impl == "for_loop":
         return {"foreach": False}
     devices = {p.device.type for p in params}
-    return {"fused": True} if devices <= {"cpu", "cuda"} else {"foreach": True}
+    fused_ok = devices <= {"cpu", "cuda"} and all(p.is_contiguous() for p in params)
+    return {"fused": True} if fused_ok else {"foreach": True}
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """torch AdamW over the model's parameters (fp32/fp64 master weights, state in that dtype)."""
-    groups = param_groups(model, cfg.weight_decay)
-    params = [p for g in groups for p in g["params"]]
+def build_adamw(tensors: list[torch.Tensor], cfg: OptimConfig) -> torch.optim.AdamW:
+    """torch AdamW over `tensors` (fp32/fp64 master weights, state in that dtype)."""
+    groups = decay_groups(tensors, cfg.weight_decay)
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     try:
-        return torch.optim.AdamW(groups, **kwargs, **_impl_kwargs(cfg.impl, params))
+        return torch.optim.AdamW(groups, **kwargs, **_impl_kwargs(cfg.impl, tensors))
     except (RuntimeError, ValueError, TypeError):
         if cfg.impl != "auto":
             raise
         return torch.optim.AdamW(groups, **kwargs, foreach=True)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """The replicated optimizer: AdamW over every trainable parameter of `model`."""
+    return build_adamw([p for p in model.parameters() if p.requires_grad], cfg)
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -9,8 +9,8 @@ back the slices it needs.
 
 Keys: `model.<state-dict name>`, and `optim.<field>.<parameter name>` for AdamW's per-parameter
 state (`exp_avg`, `exp_avg_sq`: sliced like the parameter; `step`: a scalar). Optimizer state is
-stored by the parameter's global slice, so a data-parallel sharded optimizer (each replica
-holding part of a parameter's state) writes pieces of the same keys.
+stored by the parameter's global slice, so the distributed optimizer (each replica holding a
+slab of a parameter's state) writes pieces of the same keys, and any replica count reads them.
 """
 
 from __future__ import annotations
@@ -55,23 +55,44 @@ def _param_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
+def optimizer_slices(model: torch.nn.Module, optimizer: Any, slices: dict[str, Slice]) -> list[tuple[torch.Tensor, str, Slice]]:
+    """(tensor the optimizer updates, its parameter's name, the global slice it covers) in the
+    optimizer's order: a whole parameter, or with the distributed optimizer the slab of it this
+    rank updates (`optimizer.slab_of`), whose offset along the split dim adds to the parameter's."""
+    names = _param_names(model)
+    slab_of = getattr(optimizer, "slab_of", lambda t: None)
+    out = []
+    for group in optimizer.param_groups:
+        for t in group["params"]:
+            slab = slab_of(t)
+            if slab is None:
+                name = names[id(t)]
+                out.append((t, name, slices[name]))
+                continue
+            name = names[id(slab.param)]
+            full, offsets = slices[name]
+            offsets = tuple(o + slab.start if d == slab.dim else o for d, o in enumerate(offsets))
+            out.append((t, name, (full, offsets)))
+    return out
+
+
 def trainer_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dims: Any) -> dict[str, Piece]:
     """The model's and optimizer's tensors on this rank, each with its global slice."""
     slices = global_slices(model, dims)
     pieces = {f"model.{name}": Piece(t, *slices[name]) for name, t in model.state_dict().items()}
-    names = _param_names(model)
-    for param, state in optimizer.state.items():
-        name = names[id(param)]
-        for field, value in state.items():
+    for tensor, name, where in optimizer_slices(model, optimizer, slices):
+        if tensor.numel() == 0:  # an empty slab (a dim smaller than the replica group)
+            continue
+        for field, value in optimizer.state.get(tensor, {}).items():
             if not isinstance(value, torch.Tensor):
                 continue
             if value.ndim == 0:
                 pieces[f"optim.{field}.{name}"] = Piece(value, (), ())
-            elif value.shape == param.shape:
-                pieces[f"optim.{field}.{name}"] = Piece(value, *slices[name])
+            elif value.shape == tensor.shape:
+                pieces[f"optim.{field}.{name}"] = Piece(value, *where)
             else:
                 raise CheckpointError(f"optimizer state '{field}' of '{name}' has shape {tuple(value.shape)}, "
-                                      f"neither a scalar nor the parameter's {tuple(param.shape)}; cannot checkpoint it")
+                                      f"neither a scalar nor the parameter's {tuple(tensor.shape)}; cannot checkpoint it")
     return pieces
 
 
@@ -91,27 +112,27 @@ def load_trainer_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer
 
 
 def _optimizer_state(model, optimizer, slices: dict[str, Slice], reader: CheckpointReader) -> dict:
-    """torch's optimizer state_dict (parameters by index) built from the checkpoint's slices."""
+    """torch's optimizer state_dict (tensors by index) built from the checkpoint's slices."""
     fields: dict[str, list[str]] = {}
     for key in reader.keys("optim."):
         field, name = key[len("optim."):].split(".", 1)
         fields.setdefault(name, []).append(field)
-    names = _param_names(model)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {}
-    for index, param in enumerate(params):
-        name = names[id(param)]
+    state, seen = {}, set()
+    for index, (tensor, name, where) in enumerate(optimizer_slices(model, optimizer, slices)):
+        seen.add(name)
+        if tensor.numel() == 0:
+            continue
         entry = {}
-        for field in fields.pop(name, []):
+        for field in fields.get(name, []):
             key = f"optim.{field}.{name}"
-            if reader.global_shape(key):  # exp_avg, exp_avg_sq: sliced like the parameter
-                entry[field] = reader.read(key, *slices[name], tuple(param.shape))
+            if reader.global_shape(key):  # exp_avg, exp_avg_sq: sliced like the tensor
+                entry[field] = reader.read(key, *where, tuple(tensor.shape))
             else:  # step: a scalar
                 entry[field] = reader.read(key, (), (), ())
         if entry:
             state[index] = entry
-    if fields:
-        raise CheckpointError(f"checkpoint '{reader.step_dir}' has optimizer state for '{next(iter(fields))}', "
+    extra = sorted(set(fields) - seen)
+    if extra:
+        raise CheckpointError(f"checkpoint '{reader.step_dir}' has optimizer state for '{extra[0]}', "
                               "which this model lacks; use the matching model config or set checkpoint.resume=none")
     return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
-

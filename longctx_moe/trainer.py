@@ -30,7 +30,7 @@ import torch.distributed as dist
 from data_packing.batch import PackedBatch
 from longctx_moe.config import Config
 from longctx_moe.metrics import peak_memory_mb, reset_peak_memory, step_flops
-from longctx_moe.optim import LRSchedule, build_optimizer
+from longctx_moe.optim import LRSchedule
 from longctx_moe.parallel.runtime import ParallelRuntime, Shard
 
 
@@ -107,7 +107,7 @@ class Trainer:
         self.cfg, self.runtime = cfg, runtime
         self.model, self.dims = runtime.model, runtime.dims
         self.device = torch.device(device)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.optimizer = runtime.build_optimizer(cfg.optim)  # sharded with distributed_optimizer
         self.schedule = LRSchedule(self.optimizer, cfg.optim, cfg.train.steps)
         self.step = 0  # optimizer steps completed (including skipped ones)
 

@@ -67,6 +67,10 @@ class ParallelConfig:
     # same arithmetic (bitwise equal); buckets change only how gloo/NCCL chunk the sum.
     moe_overlap: bool = True
     grad_bucket_mb: float = 25.0  # 0: one buffer per dtype after the backward
+    # AdamW state sharded over the replicas of each parameter (dense over dp x cp, experts over
+    # edp): gradients reduce-scattered, parameters all-gathered after the step
+    # (parallel/distributed_optimizer.py). Same results as the replicated optimizer.
+    distributed_optimizer: bool = False
     capacity_factor: float | None = None  # None: dropless
     drop_policy: str = "probs"  # probs | position: which assignments over capacity are dropped
     # Balance statistics of the aux / z losses: over each micro-batch (TP x CP share it), or over

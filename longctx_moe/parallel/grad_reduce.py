@@ -68,14 +68,20 @@ def _all_reduce_grads(params: list[nn.Parameter], group) -> None:
             offset += n
 
 
-def reduction_groups(dense: list[nn.Parameter], expert: list[nn.Parameter], dims) -> list:
-    """[(group or None, params)]: dense parameters over dp_cp (or the axis their `reduce_axis`
-    names), expert parameters over edp; the same list on every rank."""
+def replica_axes(dense: list[nn.Parameter], expert: list[nn.Parameter]) -> list[tuple[str, list[nn.Parameter]]]:
+    """[(axis, params)]: the group each parameter is replicated over, whose gradients are summed
+    over it: dense parameters over dp_cp (or the axis their `reduce_axis` names), expert
+    parameters over edp; the same list on every rank."""
     by_axis: dict[str, list[nn.Parameter]] = {}
     for p in dense:
         by_axis.setdefault(getattr(p, "reduce_axis", Axis.DP_CP), []).append(p)
     by_axis.setdefault(Axis.EDP, []).extend(expert)
-    return [(dims.group_or_none(axis), params) for axis, params in by_axis.items()]
+    return list(by_axis.items())
+
+
+def reduction_groups(dense: list[nn.Parameter], expert: list[nn.Parameter], dims) -> list:
+    """[(group or None, params)] of `replica_axes`."""
+    return [(dims.group_or_none(axis), params) for axis, params in replica_axes(dense, expert)]
 
 
 def reduce_gradients(dense: list[nn.Parameter], expert: list[nn.Parameter], dims) -> None:
@@ -114,17 +120,17 @@ class _Bucket:
         self.ready.clear()
 
 
-def _make_buckets(group, params: list[nn.Parameter], cap_bytes: float) -> list[_Bucket]:
+def _make_buckets(group, params: list[nn.Parameter], cap_bytes: float, bucket_cls) -> list:
     """Consecutive runs of `params` in reverse order (the order the backward finishes them), one
     dtype each, closed once they pass `cap_bytes`."""
     buckets, run, size = [], [], 0
     for p in reversed(params):
         if run and (size >= cap_bytes or p.dtype != run[-1].dtype):
-            buckets.append(_Bucket(group, run))
+            buckets.append(bucket_cls(group, run))
             run, size = [], 0
         run.append(p)
         size += p.numel() * p.element_size()
-    return buckets + ([_Bucket(group, run)] if run else [])
+    return buckets + ([bucket_cls(group, run)] if run else [])
 
 
 class GradBuckets:
@@ -136,14 +142,16 @@ class GradBuckets:
     rank even where a parameter gets no gradient on some rank (it launches at `finish`, zeros).
     `finish()` launches what is left, waits and writes the sums back; without `arm()` it is the
     plain bucketed reduction after the backward. Earlier micro-batches' backwards only accumulate.
+    `bucket_cls(group, params)` makes a bucket: `_Bucket` all-reduces; the distributed
+    optimizer's ShardedBucket reduce-scatters instead, from the same hooks.
     """
 
     def __init__(self, dense: list[nn.Parameter], expert: list[nn.Parameter], dims,
-                 bucket_mb: float):
-        self.buckets: list[_Bucket] = []
+                 bucket_mb: float, bucket_cls=_Bucket):
+        self.buckets: list = []
         for group, params in reduction_groups(dense, expert, dims):
             if group is not None:
-                self.buckets += _make_buckets(group, params, bucket_mb * 2**20)
+                self.buckets += _make_buckets(group, params, bucket_mb * 2**20, bucket_cls)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.armed, self.next = False, 0  # next: the first bucket not launched yet
         for b in self.buckets:
@@ -185,50 +193,57 @@ def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], dims,
 
     A local norm is wrong under EP: each rank holds different expert shards, so local norms and
     clip factors would differ and the replicated dense weights would drift apart. After
-    `reduce_gradients`, replicated dense gradients are identical everywhere and count once;
-    TP-sharded ones (`tp_sharded`) are summed over `tp`, expert shards over `ep` (EDP replicas
-    are identical and count once).
+    `reduce_gradients`, replicated gradients are identical everywhere and count once; shards
+    are summed over the axes that split them (`norm_axes`).
     """
-    sharded = [p for p in dense if getattr(p, "tp_sharded", False)]
-    replicated = [p for p in dense if not getattr(p, "tp_sharded", False)]
-    # Experts split over etp (`etp_dim`): summed over etp as well; ETP replicas count once.
-    etp_ids = {id(p) for p in expert if dims.etp > 1 and getattr(p, "etp_dim", None) is not None}
-    expert_sq = _sum_sq_over([p for p in expert if id(p) not in etp_ids], dims, Axis.EP)
-    if etp_ids:
-        etp = [p for p in expert if id(p) in etp_ids]
-        etp_sq = _sum_sq_over(etp, dims, Axis.EP).to(etp[0].device)
-        dist.all_reduce(etp_sq, group=dims.group(Axis.ETP))
-        expert_sq = expert_sq + etp_sq.cpu()
-    norm_sq = _sum_sq(replicated) + _sum_sq_over(sharded, dims, Axis.TP) + expert_sq
-    norm = norm_sq.sqrt()
-    if max_norm > 0:
-        coef = min(1.0, max_norm / (float(norm) + 1e-6))  # torch's clip_grad_norm_ rule
-        if coef < 1.0:
-            for p in dense + expert:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+    items = [(norm_axes(p, False, dims), p.grad) for p in dense]
+    items += [(norm_axes(p, True, dims), p.grad) for p in expert]
+    norm = global_norm(items, dims)
+    clip_(items, norm, max_norm)
     return norm
 
 
-def _sum_sq(params: list[nn.Parameter]) -> torch.Tensor:
-    """Sum of squared gradient entries, float64 on the host."""
-    total = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None:
-            total += p.grad.double().square().sum().cpu()
-    return total
+def norm_axes(p: nn.Parameter, is_expert: bool, dims) -> tuple[str, ...]:
+    """The axes over which a reduced gradient's square sum is summed for the global norm: those
+    that split the parameter (experts over ep, and over etp where `etp_dim` splits them;
+    TP-sharded weights over tp). A replicated parameter counts once."""
+    if is_expert:
+        split = dims.etp > 1 and getattr(p, "etp_dim", None) is not None
+        return (Axis.EP, Axis.ETP) if split else (Axis.EP,)
+    return (Axis.TP,) if getattr(p, "tp_sharded", False) else ()
 
 
-def _sum_sq_over(params: list[nn.Parameter], dims, axis: str) -> torch.Tensor:
-    """`_sum_sq` of shards summed over the `axis` group (collective on the gradients' device)."""
-    local = _sum_sq(params)
-    group = dims.group_or_none(axis)
-    if group is None:
-        return local
-    device = params[0].device if params else torch.device("cpu")
-    local = local.to(device)
-    dist.all_reduce(local, group=group)
-    return local.cpu()
+def global_norm(items: list[tuple[tuple[str, ...], torch.Tensor | None]], dims) -> torch.Tensor:
+    """sqrt of the sum of squared entries of every gradient, each gradient's square sum summed
+    over its axes (collectives on the gradients' device, in the same order on every rank);
+    float64 scalar on the host."""
+    by_axes: dict[tuple[str, ...], torch.Tensor] = {}
+    device = next((g.device for _, g in items if g is not None), torch.device("cpu"))
+    for axes, grad in items:
+        total = by_axes.setdefault(tuple(axes), torch.zeros((), dtype=torch.float64, device=device))
+        if grad is not None:
+            total += grad.double().square().sum()
+    norm_sq = torch.zeros((), dtype=torch.float64, device=device)
+    for axes in sorted(by_axes):
+        total = by_axes[axes]
+        for axis in axes:
+            group = dims.group_or_none(axis)
+            if group is not None:
+                dist.all_reduce(total, group=group)
+        norm_sq += total
+    return norm_sq.sqrt().cpu()
+
+
+def clip_(items: list[tuple[tuple[str, ...], torch.Tensor | None]], norm: torch.Tensor,
+          max_norm: float) -> None:
+    """Scale the gradients by torch's clip_grad_norm_ rule when `max_norm > 0`."""
+    if max_norm <= 0:
+        return
+    coef = min(1.0, max_norm / (float(norm) + 1e-6))
+    if coef < 1.0:
+        for _, grad in items:
+            if grad is not None:
+                grad.mul_(coef)
 
 
 def stats_reducer(group):

@@ -10,6 +10,11 @@ One optimizer step, as the trainer runs it (every rank, same calls in the same o
         loss(out).backward()
     runtime.reduce_gradients()                     # dense over dp_cp, experts over edp
     norm = runtime.clip_grad_norm(max_norm)        # global norm over the folded mesh
+    optimizer.step()                               # optimizer = runtime.build_optimizer(...)
+
+With parallel.distributed_optimizer the reduction is a reduce-scatter (each rank gets the summed
+gradient of its slab of every parameter), clipping runs on the slabs, and the optimizer's step
+ends with an all-gather of the updated slabs (distributed_optimizer.py).
 
 The model is never patched: what differs per micro-batch (the CP group and plan, the executor,
 the document ids global to the micro-batch, the reduction of router statistics) travels in the
@@ -40,6 +45,7 @@ from longctx_moe.parallel.comm import all_gather_rows
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.context_parallel import NO_CP, CPGroup, shard_for_cp
 from longctx_moe.parallel.dims import Axis
+from longctx_moe.parallel.distributed_optimizer import DistributedOptimizer
 from longctx_moe.parallel.grad_reduce import (
     GradBuckets,
     clip_grad_norm,
@@ -74,8 +80,30 @@ class ParallelRuntime:
         self.global_batch_aux = cfg.aux_loss_scope == "global_batch"
         self.static_cp = static_cp_group(dims)
         self.buckets = None  # parallel.grad_bucket_mb = 0: one buffer per group after backward
-        if dims.world_size > 1 and cfg.grad_bucket_mb > 0:
+        self.sharded = cfg.distributed_optimizer and dims.world_size > 1
+        self.optimizer: DistributedOptimizer | None = None  # built by build_optimizer
+        if dims.world_size > 1 and cfg.grad_bucket_mb > 0 and not self.sharded:
             self.buckets = GradBuckets(self.dense, self.expert, dims, cfg.grad_bucket_mb)
+
+    def build_optimizer(self, optim_cfg):
+        """The optimizer the trainer steps: AdamW over every parameter, or with
+        parallel.distributed_optimizer the DistributedOptimizer over this rank's slabs, which
+        then also owns the gradient reduction and clipping. Call once."""
+        from longctx_moe.optim import build_adamw, build_optimizer
+
+        if not self.sharded:
+            return build_optimizer(self.model, optim_cfg)
+        self.optimizer = DistributedOptimizer(
+            self.dense, self.expert, self.dims, self.cfg.grad_bucket_mb,
+            build=lambda tensors: build_adamw(tensors, optim_cfg),
+            contiguous_only=optim_cfg.impl == "fused")
+        return self.optimizer
+
+    def _sharded_optimizer(self) -> DistributedOptimizer:
+        if self.optimizer is None:
+            raise RuntimeError("parallel.distributed_optimizer=true: the gradients are reduced "
+                               "by the optimizer; build it with runtime.build_optimizer(cfg.optim) first")
+        return self.optimizer
 
     # ------------------------------------------------------------------ per micro-batch
 
@@ -145,14 +173,18 @@ class ParallelRuntime:
         """Call just before the step's last backward: gradient buckets then all-reduce from its
         hooks while the rest of the backward runs. Optional: without it `reduce_gradients` does
         the same sums after the backward."""
-        if self.buckets is not None:
+        if self.sharded:
+            self._sharded_optimizer().arm()
+        elif self.buckets is not None:
             self.buckets.arm()
 
     def reduce_gradients(self) -> None:
         """Sum gradients over their replicas (dense over dp_cp, experts over edp)."""
         if self.dims.world_size == 1:
             return
-        if self.buckets is None:
+        if self.sharded:
+            self._sharded_optimizer().reduce_gradients()
+        elif self.buckets is None:
             reduce_gradients(self.dense, self.expert, self.dims)
         else:
             self.buckets.finish()
@@ -163,6 +195,8 @@ class ParallelRuntime:
             from longctx_moe.optim import clip_grad_norm as local_clip
 
             return float(local_clip(self.dense + self.expert, max_norm))
+        if self.sharded:
+            return self._sharded_optimizer().clip_grad_norm(max_norm)
         return float(clip_grad_norm(self.dense, self.expert, self.dims, max_norm))
 
     def all_reduce(self, t: torch.Tensor, axis: str, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Checkpoints that change layout (issue 12): a state saved under one parallel layout loads under
 another, compared tensor by tensor with the unsharded state (model, AdamW exp_avg / exp_avg_sq /
-step, expert bias) through world 1 -> 8 (TP2 x CP2 x DP2, EP4) -> 4 (CP2 x DP2, EP2) -> 4 (TP2 x
-DP2, EP4) -> 1; and a run trained with `--nproc 2 --set parallel.ep=2` resumed with `--nproc 1`,
+step, expert bias) through world 1 -> 8 (TP2 x CP2 x DP2, EP4) -> 4 (CP2 x DP2, EP2, AdamW state
+sharded by the distributed optimizer) -> 4 (the same, replicated) -> 4 (TP2 x DP2, EP4) -> 1; and a run trained with `--nproc 2 --set parallel.ep=2` resumed with `--nproc 1`,
 then `--nproc 4 --set parallel.ep=4`, whose export loads in transformers."""
 
 import json
@@ -28,6 +28,7 @@ MODEL = ["model.vocab_size=64", "model.hidden_size=32", "model.num_layers=3", "m
          "model.expert_bias=true", "train.autocast_dtype=none", "optim.weight_decay=0.1"]
 # (world size, parallel overrides) of each stage after the unsharded save.
 STAGES = [(8, ["parallel.tp=2", "parallel.cp=2", "parallel.ep=4"]),
+          (4, ["parallel.cp=2", "parallel.ep=2", "parallel.distributed_optimizer=true"]),
           (4, ["parallel.cp=2", "parallel.ep=2"]),
           (4, ["parallel.tp=2", "parallel.ep=4"]),
           (1, [])]
@@ -59,11 +60,19 @@ def reference_state() -> dict[str, torch.Tensor]:
 
 
 def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    out = {f"model.{k}": v.clone() for k, v in trainer.model.state_dict().items()}
+    return {k: v for k, (v, _) in _state_and_slabs(trainer).items()}
+
+
+def _state_and_slabs(trainer: Trainer) -> dict[str, tuple[torch.Tensor, object]]:
+    """{key: (tensor, the distributed optimizer's slab it covers, or None)}."""
+    out = {f"model.{k}": (v.clone(), None) for k, v in trainer.model.state_dict().items()}
     names = {id(p): n for n, p in trainer.model.named_parameters()}
-    for p, st in trainer.optimizer.state.items():
+    slab_of = getattr(trainer.optimizer, "slab_of", lambda t: None)
+    for t, st in trainer.optimizer.state.items():
+        slab = slab_of(t)
+        name = names[id(t if slab is None else slab.param)]
         for field, v in st.items():
-            out[f"optim.{field}.{names[id(p)]}"] = v.clone()
+            out[f"optim.{field}.{name}"] = (v.clone(), None if v.ndim == 0 else slab)
     return out
 
 
@@ -86,10 +95,16 @@ def expected_piece(key: str, whole: torch.Tensor, dims: ParallelDims, local: tor
 def _load_check_save(rank, world, sets, src, dst, ref):
     trainer = _trainer(world, rank, sets, seed=100 + rank)
     load_trainer(trainer, None, Path(src), rank, world)
-    got = _state(trainer)
+    got = _state_and_slabs(trainer)
     assert got.keys() == ref.keys(), sorted(set(got) ^ set(ref))
     for key, whole in ref.items():
-        assert torch.equal(got[key], expected_piece(key, whole, trainer.dims, got[key])), f"rank {rank}: {key}"
+        value, slab = got[key]
+        if slab is None:
+            want = expected_piece(key, whole, trainer.dims, value)
+        else:  # distributed optimizer: this rank's slab of its piece of the parameter
+            want = expected_piece(key, whole, trainer.dims, slab.param)
+            want = want.narrow(slab.dim, slab.start, slab.sizes[slab.rank])
+        assert torch.equal(value, want), f"rank {rank}: {key}"
     assert trainer.step == 1 and trainer.schedule.step_index == 0
     return str(save_trainer(trainer, None, Path(dst), rank, world, keep_last=0))
 

@@ -1,0 +1,271 @@
+"""The distributed optimizer: AdamW state sharded over the replicas of each parameter.
+
+Legend: R ranks in a parameter's replica group (dense parameters: dp_cp, experts: edp; the
+groups grad_reduce.reduction_groups names), S elements in one rank's segment of a bucket.
+
+A replicated AdamW keeps exp_avg and exp_avg_sq of every parameter on every replica: twice the
+weights' bytes, on every rank. Here rank i of a replica group owns one slab of each parameter
+(`Slab`: a range of indices along one dim) and keeps AdamW state for its slabs only, 1/R of the
+replicated bytes. One optimizer step (the scheme of Megatron-Core's distributed optimizer and
+ZeRO stage 1):
+
+    reduce-scatter   each rank receives the gradient of its slabs, summed over the group
+    clip             the global norm from the slabs (each element counted once)
+    AdamW            on the slabs: views of the parameters, which are the fp32 master weights
+    all-gather       every rank's updated slabs back into the whole parameters
+
+The arithmetic is the replicated optimizer's: each gradient element is the same sum over the
+group, and AdamW is elementwise (tests/parallel/test_distributed_optimizer.py holds both to
+1e-10 in float64 over 20 steps). The full gradient of a parameter is freed once its bucket is
+sent, so a rank holds reduced gradients for its slabs only between backward and step.
+
+Slabs are rectangular, so a checkpoint stores each rank's AdamW state as a global slice of the
+parameter (sharded_state.py): a checkpoint written with R replicas loads under any other R,
+or into the replicated optimizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from longctx_moe.parallel.grad_reduce import (
+    GradBuckets,
+    clip_,
+    global_norm,
+    norm_axes,
+    replica_axes,
+)
+
+
+@dataclass
+class Slab:
+    """This rank's part of a parameter for the optimizer: indices [start, start + sizes[rank])
+    along `dim`, out of R parts of `sizes` (torch.tensor_split's split: the first ones larger).
+    `data` is a view of the parameter, so updating it updates the weight."""
+
+    param: nn.Parameter
+    dim: int
+    sizes: list[int]
+    rank: int
+    data: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        self.data = self.param.detach().narrow(self.dim, self.start, self.sizes[self.rank])
+
+    @property
+    def start(self) -> int:
+        return sum(self.sizes[:self.rank])
+
+    def parts(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The R parts of a tensor shaped like the parameter (views)."""
+        return torch.split(t, self.sizes, self.dim)
+
+    def numel(self, j: int) -> int:
+        """Elements of part j."""
+        return self.param.numel() // self.param.shape[self.dim] * self.sizes[j]
+
+    def shape(self, j: int) -> list[int]:
+        shape = list(self.param.shape)
+        shape[self.dim] = self.sizes[j]
+        return shape
+
+
+def slab_dim(shape: tuple[int, ...], parts: int, contiguous_only: bool) -> int:
+    """The dim to split into `parts`: dim 0 when it divides evenly (contiguous slabs), else the
+    first dim that does (even but strided slabs), else dim 0 (uneven)."""
+    if contiguous_only or shape[0] % parts == 0:
+        return 0
+    return next((d for d, n in enumerate(shape) if n % parts == 0), 0)
+
+
+def make_slab(param: nn.Parameter, rank: int, parts: int, contiguous_only: bool) -> Slab:
+    if param.ndim == 0:
+        raise ValueError("parallel.distributed_optimizer=true splits parameters along a dim, but the "
+                         "model has a 0-dim parameter; make it 1-D or set distributed_optimizer=false")
+    dim = slab_dim(tuple(param.shape), parts, contiguous_only)
+    sizes = [len(r) for r in torch.arange(param.shape[dim]).tensor_split(parts)]
+    return Slab(param, dim, sizes, rank)
+
+
+class ShardedBucket:
+    """Parameters of one replica group and dtype whose gradients are reduce-scattered as one
+    buffer [R, S] (row j: rank j's slabs of every parameter, zero padded) and whose updated
+    slabs are all-gathered back. Takes the place of grad_reduce's all-reduce bucket in
+    GradBuckets, so it launches from the same backward hooks."""
+
+    def __init__(self, group, params: list[nn.Parameter], contiguous_only: bool = False):
+        self.group, self.params = group, params
+        self.parts, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.slabs = [make_slab(p, self.rank, self.parts, contiguous_only) for p in params]
+        # starts[j][i]: where parameter i's part j begins in row j of the buffer
+        self.starts = [_cumulative([s.numel(j) for s in self.slabs]) for j in range(self.parts)]
+        self.segment = max(sum(s.numel(j) for s in self.slabs) for j in range(self.parts))  # S
+        self.ready: set[int] = set()
+        self.flat: torch.Tensor | None = None
+        self.work = None
+
+    def _row(self, buffer_S: torch.Tensor, j: int, i: int) -> torch.Tensor:
+        """Parameter i's part j inside rank j's row of a buffer, flat."""
+        return buffer_S[self.starts[j][i]:self.starts[j][i] + self.slabs[i].numel(j)]
+
+    def launch(self) -> None:
+        """Pack the gradients, free them, and start the reduce-scatter."""
+        p0 = self.params[0]
+        send_RS = torch.zeros(self.parts, self.segment, dtype=p0.dtype, device=p0.device)
+        for i, (p, slab) in enumerate(zip(self.params, self.slabs, strict=True)):
+            if p.grad is None:  # e.g. an expert no token reached on this rank: zeros
+                continue
+            for j, part in enumerate(slab.parts(p.grad)):
+                self._row(send_RS[j], j, i).copy_(part.reshape(-1))
+            p.grad = None
+        self.flat = torch.empty(self.segment, dtype=p0.dtype, device=p0.device)
+        with record_function("comm.grad_launch"):
+            self.work = dist.reduce_scatter_tensor(self.flat, send_RS.view(-1), group=self.group,
+                                                   async_op=True)
+
+    def finish(self) -> None:
+        """Wait; each slab's `data.grad` is then its summed gradient (views of one buffer)."""
+        with record_function("comm.grad_wait"):
+            self.work.wait()
+        for i, slab in enumerate(self.slabs):
+            slab.data.grad = self._row(self.flat, self.rank, i).view(slab.shape(self.rank))
+        self.flat, self.work = None, None
+        self.ready.clear()
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """All-gather the updated slabs into every rank's whole parameters."""
+        p0 = self.params[0]
+        send_S = torch.zeros(self.segment, dtype=p0.dtype, device=p0.device)
+        for i, slab in enumerate(self.slabs):
+            self._row(send_S, self.rank, i).copy_(slab.data.reshape(-1))
+        recv_RS = torch.empty(self.parts, self.segment, dtype=p0.dtype, device=p0.device)
+        with record_function("comm.param_gather"):
+            dist.all_gather_into_tensor(recv_RS.view(-1), send_S, group=self.group)
+        for i, slab in enumerate(self.slabs):
+            for j, part in enumerate(slab.parts(slab.param.detach())):
+                if j != self.rank:
+                    part.copy_(self._row(recv_RS[j], j, i).view(part.shape))
+
+    @torch.no_grad()
+    def gather_grads(self) -> list[torch.Tensor]:
+        """Each parameter's whole reduced gradient, all-gathered from the slabs (for tests and
+        debugging; the step never needs them)."""
+        p0 = self.params[0]
+        send_S = torch.zeros(self.segment, dtype=p0.dtype, device=p0.device)
+        for i, slab in enumerate(self.slabs):
+            if slab.data.grad is not None:
+                self._row(send_S, self.rank, i).copy_(slab.data.grad.reshape(-1))
+        recv_RS = torch.empty(self.parts, self.segment, dtype=p0.dtype, device=p0.device)
+        dist.all_gather_into_tensor(recv_RS.view(-1), send_S, group=self.group)
+        return [torch.cat([self._row(recv_RS[j], j, i).view(slab.shape(j)) for j in range(self.parts)],
+                          slab.dim) for i, slab in enumerate(self.slabs)]
+
+
+def _cumulative(sizes: list[int]) -> list[int]:
+    """Exclusive prefix sums: [0, s0, s0 + s1, ...]."""
+    out, total = [], 0
+    for n in sizes:
+        out.append(total)
+        total += n
+    return out
+
+
+class DistributedOptimizer:
+    """AdamW over this rank's slab of every parameter whose replica group has > 1 rank, and over
+    the whole of the others. Driven by ParallelRuntime: `arm` / `reduce_gradients` reduce-scatter
+    the gradients (in buckets launched from the backward's hooks, as the all-reduce buckets are),
+    `clip_grad_norm` clips the slabs, `step` updates them and all-gathers.
+
+    To the trainer and the LR schedule it is a torch optimizer: `param_groups`, `state`, `step`,
+    `zero_grad`, `state_dict`, `load_state_dict`; `slab_of` tells checkpoints which slice of a
+    parameter an optimizer tensor is."""
+
+    def __init__(self, dense: list[nn.Parameter], expert: list[nn.Parameter], dims,
+                 bucket_mb: float, build, contiguous_only: bool = False):
+        """`build(tensors) -> torch.optim.Optimizer` over the slabs' views and whole parameters
+        (optim.build_adamw); `contiguous_only`: split along dim 0 only (fused AdamW needs it)."""
+        self.dims = dims
+        cap = bucket_mb if bucket_mb > 0 else math.inf  # 0: one bucket per group and dtype
+        make = functools.partial(ShardedBucket, contiguous_only=contiguous_only)
+        self.buckets = GradBuckets(dense, expert, dims, cap, bucket_cls=make)
+        self.slabs = [s for b in self.buckets.buckets for s in b.slabs]
+        sharded = {id(s.param) for s in self.slabs}
+        expert_ids = {id(p) for p in expert}
+        # The axes a gradient's square sum is summed over for the global norm: the replica group
+        # for a slab (slabs partition the parameter), then those sharding the parameter itself.
+        self._norm_axes: dict[int, tuple[str, ...]] = {}
+        self.whole: list[nn.Parameter] = []  # replica group of one: nothing to split
+        for axis, params in replica_axes(dense, expert):
+            for p in params:
+                own = norm_axes(p, id(p) in expert_ids, dims)
+                self._norm_axes[id(p)] = ((axis,) + own) if id(p) in sharded else own
+                if id(p) not in sharded:
+                    self.whole.append(p)
+        self._slab_of = {id(s.data): s for s in self.slabs}
+        self.optimizer = build([s.data for s in self.slabs] + self.whole)
+        self.param_groups = self.optimizer.param_groups
+
+    # ------------------------------------------------------------------ the runtime's calls
+
+    def arm(self) -> None:
+        self.buckets.arm()
+
+    def reduce_gradients(self) -> None:
+        """Finish every reduce-scatter; each slab's `data.grad` then holds its summed gradient."""
+        self.buckets.finish()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 norm of the reduced gradients from the slabs; clipped to `max_norm` when > 0.
+        A slab's square sum is summed over its replica group first: the slabs partition the
+        parameter (grad_reduce.global_norm)."""
+        items = [(self._norm_axes[id(p)], grad) for p, grad in self._param_grads()]
+        norm = global_norm(items, self.dims)
+        clip_(items, norm, max_norm)
+        return float(norm)
+
+    def _param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor | None]]:
+        return [(s.param, s.data.grad) for s in self.slabs] + [(p, p.grad) for p in self.whole]
+
+    def gather_grads(self) -> dict[int, torch.Tensor]:
+        """{id(parameter): its whole reduced gradient} (collective; tests and debugging)."""
+        out = {id(p): p.grad for p in self.whole}
+        for bucket in self.buckets.buckets:
+            out.update({id(p): g for p, g in zip(bucket.params, bucket.gather_grads(), strict=True)})
+        return out
+
+    # ------------------------------------------------------------------ torch optimizer surface
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.optimizer.step()
+        for bucket in self.buckets.buckets:
+            bucket.gather_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for s in self.slabs:
+            s.data.grad = None
+            s.param.grad = None
+        for p in self.whole:
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def slab_of(self, t: torch.Tensor) -> Slab | None:
+        """The slab an optimizer tensor is (None: a whole parameter)."""
+        return self._slab_of.get(id(t))
