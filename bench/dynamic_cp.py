@@ -14,12 +14,19 @@ Corpora:
   rl      RL-rollout-like lengths, lognormal with median 4,096 tokens (mu = ln 4096) and
           sigma = 1.2 (mean ~8.4K, ~4% over 32K), clipped to [16, 131072].
 Constants (DynamicCPCost, all for a Qwen3-30B-A3B-shaped MoE, overlap 0.5):
-  h100      DynamicCPCost.h100(): 400 TFLOP/s achieved, 200 GB/s NVLink (runs of <= 8 ranks
-            stay in one node);
-  h100_ib   the same with 25 GB/s, as when CP runs cross nodes over InfiniBand;
-  measured  (--calibrate) GEMM (2048^3 matmul) and causal-attention (SDPA forward + backward)
-            FLOP/s, the faster of float32 and bfloat16 each, and the bandwidth of gloo send/recv
-            between 2 local processes, measured on this machine; same model shape.
+  h100       DynamicCPCost.h100(): 400 TFLOP/s achieved, 200 GB/s NVLink (runs of <= 8 ranks
+             stay in one node), 12 us per ring step (NCCL's p2p latency model over NVLink),
+             attention tile efficiency eff(m) = m / (m + 490) (the fit to FlashAttention-3's
+             H100 figures, FA3_H100; printed and stored as h100_attention_fit);
+  h100_ib    the same with 25 GB/s and 22 us per ring step, as when CP runs cross nodes over
+             InfiniBand;
+  h100_plain h100 without the two terms (no latency, eff = 1): the model before them;
+  measured   (--calibrate) on this machine, same model shape: GEMM FLOP/s (2048^3 matmul, the
+             faster of float32 and bfloat16); causal attention (SDPA forward + backward) in the
+             faster dtype at tile lengths 128..16384 (8192 tokens per call), fitted to
+             eff(L) = L / (L + n_half) for the long-tile FLOP/s and n_half; gloo send/recv
+             between 2 local processes: one-way latency of a 64-byte message (half the median
+             round trip) as the ring-step latency, 8 MB round trips for the bandwidth.
 Plans per (corpus, ranks, constants), all under the same cost model and step-time model (sum
 over micro-batch slots of the slowest run: the MoE all-to-alls sync every slot), every sequence
 padded with padded_length(n, s) for the size s it runs on:
@@ -65,8 +72,9 @@ JSON (--out): for rl at 64 ranks with h100 constants, against the idealised stat
 modeled_speedup (static / dynamic step), cp_bytes_ratio (static / dynamic bytes),
 imbalance_dynamic, imbalance_static, speedup_bound; against the loader plan:
 modeled_speedup_vs_loader, cp_bytes_ratio_vs_loader, imbalance_static_loader;
-plan_seconds_10k; calibration (measured figures and the fitted constants, or null); settings;
-rows (every comparison).
+plan_seconds_10k; calibration (measured figures and the fitted constants, or null);
+h100_attention_fit (the FA3 figures, their fwd+bwd combination and fit); constants_used (every
+constant set's DynamicCPCost fields); settings; rows (every comparison).
 """
 
 from __future__ import annotations
@@ -80,6 +88,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -88,7 +97,13 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from cp_attention.dynamic import DynamicCPCost, padded_length, schedule  # noqa: E402
+from cp_attention.dynamic import (  # noqa: E402
+    H100_IB_RING_LATENCY,
+    DynamicCPCost,
+    fit_attention_efficiency,
+    padded_length,
+    schedule,
+)
 from data_packing.balance import balance_step, doc_cost  # noqa: E402
 
 MAX_CP, CAPACITY, TOKENS_PER_RANK = 8, 16384, 65536
@@ -98,6 +113,13 @@ BYTES_PER_TOKEN = 3.5
 # The model every constant set describes: Qwen3-30B-A3B's shape (DynamicCPCost.h100).
 MODEL = dict(num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
              active_params_per_token=3.3e9)
+CURVE_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# The public figures behind H100_ATTN_HALF_TOKENS (cp_attention.dynamic): FlashAttention-3, bf16,
+# head dim 128, H100 80GB SXM5, batch x length = 16K tokens, TFLOP/s.
+FA3_H100 = {"source": "Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, figs. 5-6 (bf16, "
+                      "head dim 128, H100 SXM5): forward with causal mask, backward",
+            "lengths": [512, 1024, 2048, 4096, 8192, 16384],
+            "fwd_causal": [292, 423, 521, 579, 602, 616], "bwd": [316, 424, 501, 542, 559, 561]}
 
 
 def stdlib_lengths() -> np.ndarray:
@@ -126,13 +148,15 @@ def draw_step(corpus: str, world: int, seed: int, pool: np.ndarray | None) -> li
 
 def lower_bound(lengths: list[int], world: int, cost: DynamicCPCost) -> float:
     """No plan beats max(work at the smallest sizes / ranks, the costliest sequence): raising a
-    sequence never lowers its rank-seconds (compute is divided, ring time is added)."""
+    sequence never lowers its rank-seconds (compute is divided; ring time and the tile overhead
+    b*n*n_half of every rank are added). The runs' fixed ring-step costs are left out of the
+    work: a bound, not an estimate."""
     work = worst = 0.0
     for n in lengths:
         s = next(s for s in (1, 2, 4, 8) if padded_length(n, s) // s <= CAPACITY)
         pad = padded_length(n, s)
         work += s * cost.seconds(pad, s)
-        worst = max(worst, min(cost.seconds(padded_length(n, t), t) for t in (1, 2, 4, 8)
+        worst = max(worst, min(cost.run_seconds([padded_length(n, t)], t) for t in (1, 2, 4, 8)
                                if t >= s))
     return max(work / world, worst)
 
@@ -145,12 +169,13 @@ def summary(plan) -> dict:
 
 def loader_cost_keys(cost: DynamicCPCost) -> tuple[float, float]:
     """(data.cost_per_token, data.cost_per_token_pair) for which balance.doc_cost(L) equals
-    cost.seconds(L, MAX_CP): seconds = (a*L + b*L^2) / s + ring*L and doc_cost = per_token*L +
-    pair*L*(L+1)/2, so pair = 2b/s and per_token = a/s + ring - b/s (ring: unhidden seconds of
-    ring traffic per token)."""
+    cost.seconds(L, MAX_CP): seconds = (a*L + b*L^2) / s + b*n_half*L + ring*L and doc_cost =
+    per_token*L + pair*L*(L+1)/2, so pair = 2b/s and per_token = a/s + b*n_half + ring - b/s
+    (ring: unhidden seconds of ring traffic per token). The run's fixed ring-step cost is the
+    same for every non-empty micro-batch: nothing to balance."""
     s = MAX_CP
     ring = (1.0 - cost.overlap) * cost.ring_bytes(1, s) / cost.bandwidth
-    return cost.a / s + ring - cost.b / s, 2.0 * cost.b / s
+    return cost.a / s + cost.b * cost.attn_half_tokens + ring - cost.b / s, 2.0 * cost.b / s
 
 
 def loader_micro_batches(sizes: np.ndarray, costs: np.ndarray, dp: int,
@@ -177,7 +202,9 @@ def loader_plan(lengths: list[int], world: int, cost: DynamicCPCost) -> dict:
     sizes = np.asarray([padded_length(n, MAX_CP) for n in lengths], dtype=np.int64)
     micro = loader_micro_batches(sizes, doc_cost(sizes, *loader_cost_keys(cost)), dp, budget)
     seconds = cost.seconds(sizes.astype(np.float64), MAX_CP)  # every rank of the replica pays it
-    mb_s = np.asarray([[seconds[mb].sum() for mb in replica] for replica in micro])  # [dp, M]
+    fixed = cost.run_fixed_seconds(MAX_CP)  # the ring steps of a non-empty micro-batch
+    mb_s = np.asarray([[seconds[mb].sum() + (fixed if mb else 0.0) for mb in replica]
+                       for replica in micro])  # [dp, M]
     rank_cost = mb_s.sum(axis=1)  # per replica = per rank: its MAX_CP ranks carry the same
     return {"step_s": float(mb_s.max(axis=0).sum()), "slots": mb_s.shape[1],
             "imbalance": float(rank_cost.max() / rank_cost.mean()),
@@ -231,72 +258,107 @@ def gemm_flops(dtype, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / _median_seconds(lambda: torch.matmul(a, b), repeats)
 
 
-def attention_flops(dtype, lengths=(1024, 2048, 4096), heads: int = 8, head_dim: int = 128,
-                    repeats: int = 3) -> dict:
-    """Causal SDPA forward + backward at a few lengths; the least-squares fit t = t0 + k * n^2
-    gives the FLOP/s of the n^2 term (3 x 4 x heads x head_dim FLOPs per causal pair, the
-    count DynamicCPCost.from_model uses), free of the per-call overhead t0."""
+def attention_curve(dtype, lengths=CURVE_LENGTHS, heads: int = 4, head_dim: int = 128,
+                    tokens: int = 8192, repeats: int = 3, fit: bool = True) -> dict:
+    """Causal SDPA forward + backward FLOP/s at tile lengths L (batch max(1, tokens // L)
+    sequences of L, the FlashAttention benchmarks' fixed-token layout), counted as
+    DynamicCPCost.from_model does (3 x 4 x heads x head_dim FLOPs per causal pair, L^2/2 pairs),
+    and (fit) the fit of eff(L) = L / (L + n_half) to them (fit_attention_efficiency)."""
     import torch
     import torch.nn.functional as F
 
-    times = []
+    seconds, flops = [], []
     for n in lengths:
-        q, k, v = (torch.randn(1, heads, n, head_dim, dtype=dtype, requires_grad=True)
+        batch = max(1, tokens // n)
+        q, k, v = (torch.randn(batch, heads, n, head_dim, dtype=dtype, requires_grad=True)
                    for _ in range(3))
 
         def step(q=q, k=k, v=v):
             F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-        times.append(_median_seconds(step, repeats))
-    n2 = np.asarray(lengths, dtype=np.float64) ** 2
-    slope, _ = np.polyfit(n2, np.asarray(times), 1)
-    per_pair = 3 * 4 * heads * head_dim
-    return {"lengths": list(lengths), "seconds": times,
-            "flops_per_s": per_pair / 2 / slope if slope > 0 else float("nan")}
+        t = _median_seconds(step, repeats)
+        seconds.append(t)
+        flops.append(3 * 4 * heads * head_dim * n * n / 2 * batch / t)
+    out = {"lengths": list(lengths), "seconds": seconds, "flops_per_s": flops, "heads": heads,
+           "head_dim": head_dim, "tokens_per_call": tokens}
+    if fit:
+        out["fit_flops_per_s"], out["fit_half_tokens"] = fit_attention_efficiency(lengths, flops)
+    return out
 
 
-def _p2p_worker(rank: int, world: int, nbytes: int, rounds: int) -> list[float]:
+def _p2p_worker(rank: int, world: int, sizes: list[tuple[int, int]]) -> list[list[float]]:
+    """Round trips (send, then receive the echo) of each (bytes, rounds); the first two rounds of
+    each size set up the connection and are not timed."""
     import torch
     import torch.distributed as dist
 
-    buf = torch.zeros(nbytes // 4, dtype=torch.float32)
-    rtts = []
-    for i in range(rounds + 2):  # the first two rounds set up the connection, untimed
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
-        else:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
-        if i >= 2:
-            rtts.append(time.perf_counter() - t0)
-    return rtts
+    out = []
+    for nbytes, rounds in sizes:
+        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+        rtts = []
+        for i in range(rounds + 2):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            if i >= 2:
+                rtts.append(time.perf_counter() - t0)
+        out.append(rtts)
+    return out
 
 
-def p2p_bandwidth(nbytes: int = 8 << 20, rounds: int = 15) -> float:
-    """Bytes/s of one gloo send between 2 local processes: 2 * bytes / median round trip."""
+def p2p_latency_bandwidth(small: int = 64, big: int = 8 << 20, small_rounds: int = 300,
+                          big_rounds: int = 15) -> dict:
+    """gloo send/recv between 2 local processes: latency = median round trip of a `small`-byte
+    message / 2 (one ring step's p2p exchange); bandwidth = 2 * big / median round trip."""
     from tests.launcher import run_distributed
 
-    rtts = run_distributed(_p2p_worker, 2, args=(nbytes, rounds), timeout=300)[0]
-    return 2 * nbytes / statistics.median(rtts)
+    rtt_small, rtt_big = run_distributed(_p2p_worker, 2, args=([(small, small_rounds),
+                                                                (big, big_rounds)],),
+                                         timeout=300)[0]
+    return {"latency_s": statistics.median(rtt_small) / 2, "small_bytes": small,
+            "small_rtt_p10_p90_s": [float(np.percentile(rtt_small, 10)),
+                                    float(np.percentile(rtt_small, 90))],
+            "bytes_per_s": 2 * big / statistics.median(rtt_big), "big_bytes": big}
+
+
+def h100_attention_fit() -> dict:
+    """n_half of the cited FlashAttention-3 figures (FA3_H100): forward (causal) and backward
+    combined by their FLOPs (backward 2.5x the forward), then fitted."""
+    fwd, bwd = np.asarray(FA3_H100["fwd_causal"]), np.asarray(FA3_H100["bwd"])
+    combined = 3.5 / (1.0 / fwd + 2.5 / bwd)
+    peak, half = fit_attention_efficiency(FA3_H100["lengths"], combined * 1e12)
+    return {"source": FA3_H100["source"], "fwd_bwd_tflops": combined.round(1).tolist(),
+            "fit_tflops": peak / 1e12, "fit_half_tokens": half}
 
 
 def calibrate() -> dict:
     import torch
 
     gemm = {str(d).split(".")[1]: gemm_flops(d) for d in (torch.float32, torch.bfloat16)}
-    attn = {str(d).split(".")[1]: attention_flops(d) for d in (torch.float32, torch.bfloat16)}
-    bw = p2p_bandwidth()
-    # The faster dtype of each is what a run here would use (bf16 autocast where AMX exists).
+    # The faster dtype of each is what a run here would use (bf16 autocast where AMX exists);
+    # attention's dtype is chosen at one length, then its curve is measured in that dtype only.
+    probe = {str(d).split(".")[1]: attention_curve(d, lengths=(2048,), repeats=2,
+                                                   fit=False)
+             for d in (torch.float32, torch.bfloat16)}
+    attn_dtype = max(probe, key=lambda k: probe[k]["flops_per_s"][-1])
+    attn = attention_curve(getattr(torch, attn_dtype))
+    p2p = p2p_latency_bandwidth()
     best_gemm = max(gemm.values())
-    best_attn = max(a["flops_per_s"] for a in attn.values())
     cost = DynamicCPCost.from_model(**MODEL, flops_per_s=best_gemm,
-                                    attention_flops_per_s=best_attn, bandwidth=bw)
-    return {"gemm_flops_per_s": gemm, "attention": attn, "p2p_bytes_per_s": bw,
-            "threads": torch.get_num_threads(),
+                                    attention_flops_per_s=attn["fit_flops_per_s"],
+                                    bandwidth=p2p["bytes_per_s"], ring_latency=p2p["latency_s"],
+                                    attn_half_tokens=attn["fit_half_tokens"])
+    return {"gemm_flops_per_s": gemm, "attention_dtype": attn_dtype,
+            "attention_probe_flops_per_s": {k: v["flops_per_s"] for k, v in probe.items()},
+            "attention": attn, "p2p": p2p, "threads": torch.get_num_threads(),
             "constants": {"a": cost.a, "b": cost.b, "kv_bytes_per_token": cost.kv_bytes_per_token,
-                          "bandwidth": cost.bandwidth, "overlap": cost.overlap}}
+                          "bandwidth": cost.bandwidth, "overlap": cost.overlap,
+                          "ring_step_seconds": cost.ring_step_seconds,
+                          "attn_half_tokens": cost.attn_half_tokens}}
 
 
 # ---------------------------------------------------------------------- measured on 4 gloo ranks
@@ -363,14 +425,14 @@ def measure_wallclock(rounds: int = 2, steps: int = 8, warmup: int = 2) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'corpus':<7}{'ranks':>6} {'constants':<9}{'seqs':>6} {'slots d/s/l':>11} "
+    print(f"{'corpus':<7}{'ranks':>6} {'constants':<11}{'seqs':>6} {'slots d/s/l':>11} "
           f"{'imb dyn':>8}{'imb sta':>8}{'imb ldr':>8}{'GB dyn':>8}{'GB sta':>8}{'GB ldr':>8}"
           f"{'bytes':>7} {'step dyn':>9}{'step sta':>9}{'step ldr':>9}{'step min':>9}"
           f"{'speedup':>8}{'vs ldr':>8}{'bound':>7}")
     for r in rows:
         d, s, ld, m = r["dynamic"], r["static"], r["static_loader"], r["min_size"]
         slots = f"{d['slots']}/{s['slots']}/{ld['slots']}"
-        print(f"{r['corpus']:<7}{r['ranks']:>6} {r['constants']:<9}{r['sequences']:>6} "
+        print(f"{r['corpus']:<7}{r['ranks']:>6} {r['constants']:<11}{r['sequences']:>6} "
               f"{slots:>11} {d['imbalance']:>8.3f}{s['imbalance']:>8.3f}{ld['imbalance']:>8.3f}"
               f"{d['cp_bytes'] / 1e9:>8.1f}{s['cp_bytes'] / 1e9:>8.1f}{ld['cp_bytes'] / 1e9:>8.1f}"
               f"{r['bytes_ratio']:>6.2f}x {d['step_s']:>9.3g}{s['step_s']:>9.3g}"
@@ -384,11 +446,16 @@ def print_table(rows: list[dict]) -> None:
 
 def print_calibration(cal: dict) -> None:
     gemm = ", ".join(f"{k} {v / 1e12:.3f}" for k, v in cal["gemm_flops_per_s"].items())
-    attn = ", ".join(f"{k} {v['flops_per_s'] / 1e12:.3f}" for k, v in cal["attention"].items())
-    c = cal["constants"]
+    attn, p2p, c = cal["attention"], cal["p2p"], cal["constants"]
+    curve = ", ".join(f"{n}: {f / 1e12:.3f}" for n, f in zip(attn["lengths"], attn["flops_per_s"],
+                                                              strict=True))
     print(f"measured ({cal['threads']} threads): GEMM {gemm} TFLOP/s; causal attention fwd+bwd "
-          f"{attn} TFLOP/s; gloo p2p {cal['p2p_bytes_per_s'] / 1e9:.2f} GB/s -> a = {c['a']:.3g} "
-          f"s/token, b = {c['b']:.3g} s/token^2, {c['kv_bytes_per_token'] / 1e3:.0f} KB/token")
+          f"({cal['attention_dtype']}) TFLOP/s by tile length {{{curve}}} -> long-tile "
+          f"{attn['fit_flops_per_s'] / 1e12:.3f} TFLOP/s, n_half {attn['fit_half_tokens']:.0f} "
+          f"tokens; gloo p2p {p2p['bytes_per_s'] / 1e9:.2f} GB/s, {p2p['small_bytes']} B one-way "
+          f"latency {p2p['latency_s'] * 1e6:.0f} us -> a = {c['a']:.3g} s/token, b = "
+          f"{c['b']:.3g} s/token^2, {c['kv_bytes_per_token'] / 1e3:.0f} KB/token, ring step "
+          f"{c['ring_step_seconds'] * 1e3:.2f} ms per run rank")
 
 
 def main(argv=None) -> dict:
@@ -401,7 +468,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", help="write the results as JSON")
     args = ap.parse_args(argv)
     calibration = calibrate() if args.calibrate else None
-    constants = {"h100": DynamicCPCost.h100(), "h100_ib": DynamicCPCost.h100(bandwidth=25e9)}
+    constants = {"h100": DynamicCPCost.h100(),
+                 "h100_ib": DynamicCPCost.h100(bandwidth=25e9, ring_latency=H100_IB_RING_LATENCY),
+                 "h100_plain": DynamicCPCost.h100(ring_latency=0.0, attn_half_tokens=0.0)}
     if calibration:
         constants["measured"] = DynamicCPCost(**calibration["constants"])
     pool = stdlib_lengths()
@@ -415,6 +484,11 @@ def main(argv=None) -> dict:
           f"rank per step; step times in modeled seconds")
     print_table(rows)
     print(f"plan 10,000 rl sequences on 512 ranks: {plan_10k:.3f} s (median of 5)")
+    fa3 = h100_attention_fit()
+    print(f"h100 n_half: fit of eff(L) = L / (L + n_half) to FlashAttention-3 fwd+bwd "
+          f"{fa3['fwd_bwd_tflops']} TFLOP/s at L = {FA3_H100['lengths']}: "
+          f"{fa3['fit_half_tokens']:.0f} tokens (long-tile {fa3['fit_tflops']:.0f} TFLOP/s); "
+          f"used: {constants['h100'].attn_half_tokens:.0f}")
     if calibration:
         print_calibration(calibration)
     measured = measure_wallclock() if args.measure else None
@@ -432,6 +506,8 @@ def main(argv=None) -> dict:
               "imbalance_static_loader": head["static_loader"]["imbalance"],
               "plan_seconds_10k": plan_10k,
               "speedup_bound": head["speedup_bound"], "calibration": calibration,
+              "h100_attention_fit": fa3,
+              "constants_used": {k: dataclasses.asdict(c) for k, c in constants.items()},
               "measured_4_ranks": measured,
               "settings": {"max_cp": MAX_CP, "capacity_tokens": CAPACITY,
                            "tokens_per_rank_per_step": TOKENS_PER_RANK, "rl_mu": RL_MU,
