@@ -38,6 +38,11 @@ from torch.profiler import record_function
 from longctx_moe.choices import check_choice
 from longctx_moe.parallel.config import DISPATCH_DTYPES
 
+# Flat collectives over one buffer: torch 2.13 renamed them (`*_single`) and deprecated the old
+# names, which torch 2.11 (the GPU image) has only.
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 FP8_MAX = 448.0  # largest finite torch.float8_e4m3fn
 FP8_REL_BOUND = 2.0**-4  # half a unit in the last place of a 3-bit mantissa
 FP8_ABS_BOUND = 2.0**-10  # half the subnormal step 2^-9, times the row scale

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+from longctx_moe.parallel.comm import all_gather_flat, reduce_scatter_flat
 from longctx_moe.parallel.grad_reduce import (
     GradBuckets,
     clip_,
@@ -127,7 +128,7 @@ class ShardedBucket:
             p.grad = None
         self.flat = torch.empty(self.segment, dtype=p0.dtype, device=p0.device)
         with record_function("comm.grad_launch"):
-            self.work = dist.reduce_scatter_tensor(self.flat, send_RS.view(-1), group=self.group,
+            self.work = reduce_scatter_flat(self.flat, send_RS.view(-1), group=self.group,
                                                    async_op=True)
 
     def finish(self) -> None:
@@ -148,7 +149,7 @@ class ShardedBucket:
             self._row(send_S, self.rank, i).copy_(slab.data.reshape(-1))
         recv_RS = torch.empty(self.parts, self.segment, dtype=p0.dtype, device=p0.device)
         with record_function("comm.param_gather"):
-            dist.all_gather_into_tensor(recv_RS.view(-1), send_S, group=self.group)
+            all_gather_flat(recv_RS.view(-1), send_S, group=self.group)
         for i, slab in enumerate(self.slabs):
             for j, part in enumerate(slab.parts(slab.param.detach())):
                 if j != self.rank:
@@ -164,7 +165,7 @@ class ShardedBucket:
             if slab.data.grad is not None:
                 self._row(send_S, self.rank, i).copy_(slab.data.grad.reshape(-1))
         recv_RS = torch.empty(self.parts, self.segment, dtype=p0.dtype, device=p0.device)
-        dist.all_gather_into_tensor(recv_RS.view(-1), send_S, group=self.group)
+        all_gather_flat(recv_RS.view(-1), send_S, group=self.group)
         return [torch.cat([self._row(recv_RS[j], j, i).view(slab.shape(j)) for j in range(self.parts)],
                           slab.dim) for i, slab in enumerate(self.slabs)]
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from longctx_moe.parallel.comm import reduce_scatter_flat
 from longctx_moe.parallel.dims import Axis
 
 
@@ -51,7 +52,7 @@ def _reduce_scatter(x_TD: torch.Tensor, group) -> torch.Tensor:
         dist.all_reduce(out, group=group)
         return _own_rows(out, group).clone()
     out = x_TD.new_empty((x_TD.shape[0] // dist.get_world_size(group), *x_TD.shape[1:]))
-    dist.reduce_scatter_tensor(out, x_TD.contiguous(), group=group)
+    reduce_scatter_flat(out, x_TD.contiguous(), group=group)
     return out
 
 
