@@ -1,5 +1,6 @@
-"""End to end (issue 5 point 5): `longctx-moe train --nproc 4` on the default config with CP and
-EP folded over the same 4 ranks (attention CP2 x DP2, MoE EP4), on a small packed corpus."""
+"""End to end: `longctx-moe train --nproc 4` on the default config with CP and EP folded over the
+same 4 ranks (attention CP2 x DP2, MoE EP4) and the distributed optimizer, on a small packed
+corpus."""
 
 import json
 import math
@@ -11,7 +12,7 @@ from data_packing.cli import main as pack_main
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
-SETS = ["parallel.cp=2", "parallel.ep=4", f"train.steps={STEPS}", "data.global_batch_tokens=1024",
+SETS = ["parallel.cp=2", "parallel.ep=4", "parallel.distributed_optimizer=true", f"train.steps={STEPS}", "data.global_batch_tokens=1024",
         "data.micro_batch_tokens=512", "optim.warmup_steps=1", "logging.progress_bar=false",
         "train.num_threads=1", "checkpoint.every_steps=0", "logging.peak_tflops=1.0"]
 
@@ -35,3 +36,9 @@ def test_cli_trains_cp2_ep4_on_four_ranks(tmp_path):
     assert records[-1]["loss"] <= records[0]["loss"] * 1.05
     meta = json.loads((run_dir / "checkpoints" / f"step_{STEPS:08d}" / "meta.json").read_text())
     assert meta["world_size"] == 4
+    # Dense AdamW state lives in 4 slabs (one per dp_cp rank); expert state is split by EP only
+    # (edp = 1), like the experts themselves.
+    pieces = {k: len(v["pieces"]) for k, v in meta["tensors"].items()}
+    assert pieces["optim.exp_avg.embed.weight"] == 4 and pieces["model.embed.weight"] == 1
+    experts = [k for k in pieces if k.startswith("optim.exp_avg.") and ".experts." in k]
+    assert experts and all(pieces[k] == pieces["model." + k[len("optim.exp_avg."):]] == 4 for k in experts)
