@@ -425,9 +425,10 @@ def schedule(lengths: Sequence[int], block_size: int, max_cp: int, capacity_toke
 def _candidate(prob: _Problem, order: list[int], raise_in_place: bool | None) -> list[_Slot]:
     """Steps (2)-(4) with or without raising into existing larger runs; None: the static plan,
     every sequence on top-size runs."""
-    if raise_in_place is None:  # exactly schedule(..., static_cp=top)
-        static = _problem(prob.lengths, prob.block_size, prob.sizes[-1], prob.capacity, prob.tp,
-                          prob.cost, prob.sizes[-1], False)
+    if raise_in_place is None:  # exactly schedule(..., static_cp=top): each option list ends
+        # with the top size, so its last entry is that problem's only option
+        static = _Problem(prob.lengths, [o[-1:] for o in prob.options], prob.block_size,
+                          prob.sizes, prob.capacity, prob.tp, prob.cost)
         return _place(static, _order(static))
     slots = _place(prob, order, raise_in_place=raise_in_place)
     for k, slot in enumerate(slots):
