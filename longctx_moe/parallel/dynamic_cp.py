@@ -8,7 +8,8 @@ calls `reschedule` once per optimizer step (collective over dp_cp):
    peers of a replica hold the same ones already);
 2. every rank runs the same deterministic scheduler (cp_attention.dynamic.schedule) on their
    lengths: each document gets the smallest power-of-two CP size whose share fits
-   `max_tokens_per_rank`, runs of ranks are balanced by a compute + ring-traffic cost model,
+   `max_tokens_per_rank`, runs of ranks are balanced by a cost model of compute (with the
+   attention tile efficiency), ring traffic and ring-step latency (DynamicCPCost),
    and every rank gets the same number of slots;
 3. each rank builds one PackedBatch per slot from its run's documents (padded for that run's
    size) with the CPGroup of that run (ParallelDims.dynamic_group), or a one-token batch
