@@ -1,4 +1,6 @@
-"""TP with hierarchical CP through the real Trainer: world 8 = TP2 x CP4 (all-to-all 2 x ring 2).
+"""Hierarchical CP through the real Trainer on world 8: TP2 x CP4 (all-to-all 2 x ring 2), and
+CP8 split 4 x 2 and 2 x 4 (inner all-to-all x outer ring), the last with the distributed optimizer
+(dense AdamW state in 8 slabs).
 
 A few optimizer steps of the Trainer (float64, seq or switch aux loss, z-loss, expert bias,
 gradient clipping) on the parallelized model track the single-process run step by step: one
@@ -24,7 +26,11 @@ HIER = ["parallel.tp=2", "parallel.cp=4", "parallel.cp_backend=hierarchical",
         "parallel.hierarchical_sizes=[2, 2]"]
 WORLD8 = [HIER + ["parallel.ep=4", "parallel.sequence_parallel=true", "train.recompute=full",
                   "model.aux_loss_type=seq"],
-          HIER + ["parallel.ep=2", "model.aux_loss_type=switch"]]
+          HIER + ["parallel.ep=2", "model.aux_loss_type=switch"],
+          ["parallel.cp=8", "parallel.cp_backend=hierarchical", "parallel.hierarchical_sizes=[4, 2]",
+           "parallel.ep=4", "model.aux_loss_type=seq"],
+          ["parallel.cp=8", "parallel.cp_backend=hierarchical", "parallel.hierarchical_sizes=[2, 4]",
+           "parallel.ep=2", "parallel.distributed_optimizer=true", "model.aux_loss_type=switch"]]
 
 
 def _steps(sets):
@@ -46,7 +52,7 @@ def _rank(rank, world):
     return out
 
 
-def test_tp2_hierarchical_cp_2x2_trainer_tracks_single_process_float64():
+def test_hierarchical_cp_with_tp2_and_4x2_2x4_splits_tracks_single_process_float64():
     got = run_distributed(_rank, 8, timeout=900)
     for i, sets in enumerate(WORLD8):
         ref = _train(sets, None, _steps(sets))
