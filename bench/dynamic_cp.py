@@ -116,7 +116,7 @@ MODEL = dict(num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
 CURVE_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # The public figures behind H100_ATTN_HALF_TOKENS (cp_attention.dynamic): FlashAttention-3, bf16,
 # head dim 128, H100 80GB SXM5, batch x length = 16K tokens, TFLOP/s.
-FA3_H100 = {"source": "Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, figs. 5-6 (bf16, "
+FA3_H100 = {"source": "Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, speed figures (bf16, "
                       "head dim 128, H100 SXM5): forward with causal mask, backward",
             "lengths": [512, 1024, 2048, 4096, 8192, 16384],
             "fwd_causal": [292, 423, 521, 579, 602, 616], "bwd": [316, 424, 501, 542, 559, 561]}

@@ -89,7 +89,7 @@ def padded_length(n: int, size: int, tp: int = 1) -> int:
 # launches and the merge of each step come on top, so these are low estimates. n_half: the
 # least-squares fit of eff(L) = L / (L + n_half) to FlashAttention-3's bf16 head-dim-128
 # forward (causal) + backward TFLOP/s on H100 SXM5 at sequence lengths 512..16K (Shah et al.
-# 2024, arXiv:2407.08608, figures 5-6; fwd:bwd FLOPs 1:2.5): n_half ~ 490 tokens, within 4%
+# 2024, arXiv:2407.08608, speed figures; fwd:bwd FLOPs 1:2.5): n_half ~ 490 tokens, within 4%
 # of every point.
 H100_RING_LATENCY = 12e-6
 H100_IB_RING_LATENCY = 22e-6
