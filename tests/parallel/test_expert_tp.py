@@ -10,7 +10,7 @@ outputs are summed over ETP). Shared expert, expert bias, aux and z losses and c
     world 4: TP2 / ETP2 EP2 (the ETP group is the TP group), overlapped all-to-all, selective
              recompute; DP4 / ETP2 EP2 with the all-gather dispatcher and a capacity factor;
              CP2 DP2 / ETP2 EDP2 (TP = 1: ETP peers hold different tokens), full recompute
-    world 8: TP2 CP2 DP2 / ETP2 EP2 EDP2, and / ETP2 EP4
+    world 8: TP2 CP2 DP2 / ETP2 EP2 EDP2 with sequence parallelism, and / ETP2 EP4 overlapped
 
 The first world-4 layout also checkpoints: the step saved under ETP2 loads on one rank (ETP1)
 with the same parameters and AdamW state, and rl_hooks.export gathers the same expert tensors as
@@ -51,7 +51,7 @@ WORLD4 = [["parallel.tp=2", "parallel.etp=2", "parallel.ep=2", "parallel.moe_ove
            "model.aux_loss_type=switch"],
           ["parallel.cp=2", "parallel.etp=2", "train.recompute=full", "model.aux_loss_type=seq"]]
 WORLD8 = [["parallel.tp=2", "parallel.cp=2", "parallel.etp=2", "parallel.ep=2",
-           "model.aux_loss_type=seq"],
+           "parallel.sequence_parallel=true", "model.aux_loss_type=seq"],
           ["parallel.tp=2", "parallel.cp=2", "parallel.etp=2", "parallel.ep=4",
            "parallel.moe_overlap=true", "model.aux_loss_type=switch"]]
 
