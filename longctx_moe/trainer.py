@@ -31,6 +31,7 @@ from data_packing.batch import PackedBatch
 from longctx_moe.config import Config
 from longctx_moe.metrics import peak_memory_mb, reset_peak_memory, step_flops
 from longctx_moe.optim import LRSchedule
+from longctx_moe.parallel.dims import Axis
 from longctx_moe.parallel.runtime import ParallelRuntime, Shard
 
 
@@ -128,7 +129,7 @@ class Trainer:
         lengths = [n for mb in micro_batches for n in mb.doc_lengths()]
         flops = step_flops(self.cfg.model, lengths)
         local = [sum(mb.num_target_tokens() for mb in micro_batches), sum(lengths), flops or 0.0]
-        t = self.runtime.all_reduce(torch.tensor(local, dtype=torch.float64), "dp")
+        t = self.runtime.all_reduce(torch.tensor(local, dtype=torch.float64), Axis.DP)
         return int(t[0]), int(t[1]), (float(t[2]) if flops is not None else None)
 
     def train_step(self, micro_batches: list[PackedBatch], objective: Objective | None = None,
@@ -145,9 +146,9 @@ class Trainer:
         work, cp_sizes = self._work(micro_batches, objective)
         sums, counts, metrics = self._accumulate(work, g, objective or CrossEntropy())
         self.runtime.reduce_gradients()
-        self.runtime.all_reduce(sums, "dp_cp")
+        self.runtime.all_reduce(sums, Axis.DP_CP)
         if counts is not None:
-            self.runtime.all_reduce(counts, "dp_cp")
+            self.runtime.all_reduce(counts, Axis.DP_CP)
         metrics = self._reduce_metrics(metrics)
         grad_norm = self.runtime.clip_grad_norm(self.cfg.optim.grad_clip)
         loss = float(sums[0])
@@ -214,13 +215,13 @@ class Trainer:
         for key in sorted(metrics):
             t = metrics[key].detach().to(torch.float64).cpu().reshape(1)
             op = {"_max": dist.ReduceOp.MAX, "_min": dist.ReduceOp.MIN}.get(key[-4:], dist.ReduceOp.SUM)
-            out[key] = float(self.runtime.all_reduce(t, "dp_cp", op))
+            out[key] = float(self.runtime.all_reduce(t, Axis.DP_CP, op))
         return out
 
     def _peak_memory(self) -> float:
         # The rank that runs out of memory first sets the limit: report the maximum over ranks.
         t = torch.tensor([peak_memory_mb(self.device)], dtype=torch.float64)
-        return float(self.runtime.all_reduce(t, "world", dist.ReduceOp.MAX))
+        return float(self.runtime.all_reduce(t, Axis.WORLD, dist.ReduceOp.MAX))
 
     def _on_non_finite(self, loss: float, grad_norm: float) -> None:
         what = f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} " \

@@ -184,6 +184,8 @@ class PolicyTrainer:
                "z_loss": res.z_loss, "grad_norm": res.grad_norm, "lr": res.lr,
                "skipped": float(res.skipped), "loss_tokens": float(norm.num_tokens),
                "sequences": float(norm.num_seqs)}
+        if res.peak_memory_mb is not None:  # the step's peak on the busiest rank
+            out["peak_memory_mb_max"] = res.peak_memory_mb
         n = max(norm.num_tokens, 1)
         for key, value in m.items():
             if key.startswith("route_"):
@@ -333,5 +335,12 @@ def _wants_entropy(loss: LossFn) -> bool:
 
 
 def _summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
+    """Every step's metrics, and over the steps: the maximum / minimum of "_max" / "_min" keys,
+    the mean of the others."""
     keys = steps[0].keys() if steps else ()
-    return {"steps": steps, **{k: sum(s[k] for s in steps) / len(steps) for k in keys}}
+    out = {}
+    for k in keys:
+        values = [s[k] for s in steps]
+        reduce = {"_max": max, "_min": min}.get(k[-4:], lambda v: sum(v) / len(v))
+        out[k] = reduce(values)
+    return {"steps": steps, **out}

@@ -124,9 +124,16 @@ def test_first_mini_batch_is_exactly_on_policy(precision):
     batch = rollout_batch(rewards=True)
     old = policy.compute_logprobs(batch, mini_batches=2).logprobs
     for rollouts in (dataclasses.replace(batch, old_logprobs=old), batch):  # given, computed
-        first = policy.train_step(rollouts, make_loss(PolicyLossConfig()), mini_batches=2)["steps"][0]
+        metrics = policy.train_step(rollouts, make_loss(PolicyLossConfig()), mini_batches=2)
+        first = metrics["steps"][0]
         assert first["ratio_max"] == 1.0 and first["ratio_min"] == 1.0, first
         assert first["clip_frac"] == 0.0 and first["approx_kl"] == 0.0
+        # over the steps: "_max" keys by max, "_min" by min, the others by mean
+        steps = metrics["steps"]
+        assert metrics["ratio_max"] == max(s["ratio_max"] for s in steps)
+        assert metrics["ratio_min"] == min(s["ratio_min"] for s in steps)
+        assert metrics["loss"] == pytest.approx(sum(s["loss"] for s in steps) / len(steps))
+        assert metrics["peak_memory_mb_max"] == max(s["peak_memory_mb_max"] for s in steps) > 0
 
 
 def test_replayed_routes_agree_fully_and_match_forced_experts():
