@@ -229,7 +229,7 @@ class PolicyTrainer:
         return weights_spec(self.runtime.model, dtype)
 
     def export_weights(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype = torch.bfloat16):
-        """Buckets of (HF name, tensor) of at most `bucket_bytes`, gathered over TP and EP;
+        """Buckets of (HF name, tensor) of at most `bucket_bytes`, gathered over TP, ETP and EP;
         collective: every rank iterates it to the end (see rl_hooks/export.py)."""
         from rl_hooks.export import export_weights
 

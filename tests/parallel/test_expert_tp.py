@@ -9,7 +9,8 @@ outputs are summed over ETP). Shared expert, expert bias, aux and z losses and c
 
     world 4: TP2 / ETP2 EP2 (the ETP group is the TP group), overlapped all-to-all, selective
              recompute; DP4 / ETP2 EP2 with the all-gather dispatcher and a capacity factor;
-             CP2 DP2 / ETP2 EDP2 (TP = 1: ETP peers hold different tokens), full recompute
+             CP2 DP2 / ETP2 EDP2 (TP = 1: ETP peers hold different tokens), full recompute,
+             the distributed optimizer (AdamW state of ETP-split experts in EDP slabs)
     world 8: TP2 CP2 DP2 / ETP2 EP2 EDP2 with sequence parallelism, and / ETP2 EP4 overlapped
 
 The first world-4 layout also checkpoints: the step saved under ETP2 loads on one rank (ETP1)
@@ -49,7 +50,8 @@ WORLD4 = [["parallel.tp=2", "parallel.etp=2", "parallel.ep=2", "parallel.moe_ove
           ["parallel.etp=2", "parallel.ep=2", "parallel.dispatcher=allgather",
            "parallel.capacity_factor=0.75", "parallel.drop_policy=position",
            "model.aux_loss_type=switch"],
-          ["parallel.cp=2", "parallel.etp=2", "train.recompute=full", "model.aux_loss_type=seq"]]
+          ["parallel.cp=2", "parallel.etp=2", "train.recompute=full", "model.aux_loss_type=seq",
+           "parallel.distributed_optimizer=true"]]
 WORLD8 = [["parallel.tp=2", "parallel.cp=2", "parallel.etp=2", "parallel.ep=2",
            "parallel.sequence_parallel=true", "model.aux_loss_type=seq"],
           ["parallel.tp=2", "parallel.cp=2", "parallel.etp=2", "parallel.ep=4",
@@ -82,7 +84,11 @@ def _capture_grads(trainer: Trainer, into: list) -> None:
     step = trainer.optimizer.step
 
     def recording_step(*args, **kwargs):
-        into.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        if hasattr(trainer.optimizer, "gather_grads"):  # distributed optimizer: slabs hold them
+            full = trainer.optimizer.gather_grads()
+            into.append({n: full[id(p)].clone() for n, p in trainer.model.named_parameters()})
+        else:
+            into.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
         return step(*args, **kwargs)
 
     trainer.optimizer.step = recording_step
