@@ -1,7 +1,7 @@
 """Hugging Face interop for Qwen3-MoE (transformers >= 5, imported lazily).
 
 Our layout vs. HF's `Qwen3MoeForCausalLM` (transformers 5 fuses the experts):
-    experts.w_gate_up [E, D, 2F]  <->  mlp.experts.gate_up_proj [E, 2F, D]  (gate rows first, then up)
+    experts.w_gate_up [E, D, 2, F] <-> mlp.experts.gate_up_proj [E, 2F, D]  (gate rows first, then up)
     experts.w_down    [E, F, D]   <->  mlp.experts.down_proj    [E, D, F]
     router.weight     [E, D]      <->  mlp.gate.weight          [E, D]
 Dense first layers map to HF's `mlp_only_layers` with `intermediate_size = dense_hidden_size`.
@@ -81,7 +81,7 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
     ours = model.state_dict()
     out = {}
     for a, b, transpose in _name_map(cfg):
-        t = ours[a]
+        t = ours[a].flatten(2) if a.endswith("experts.w_gate_up") else ours[a]
         out[b] = (t.transpose(-2, -1) if transpose else t).contiguous().clone()
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
@@ -98,6 +98,9 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         raise ValueError(f"HF state dict does not match model config: missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]}; build cfg from the checkpoint's config")
     out = {a: (sd[b].transpose(-2, -1) if transpose else sd[b]).contiguous().clone() for a, b, transpose in pairs}
+    for a in out:
+        if a.endswith("experts.w_gate_up"):  # [E, D, 2F] -> [E, D, 2, F]
+            out[a] = out[a].unflatten(2, (2, cfg.expert_hidden_size))
     for i in range(cfg.first_k_dense, cfg.num_layers):
         # The aux-loss-free bias is ours alone; HF routing corresponds to a zero bias.
         out[f"layers.{i}.ffn.router.expert_bias"] = torch.zeros(cfg.num_experts, dtype=torch.float32)

@@ -121,13 +121,13 @@ def _gather_etp(p: torch.Tensor, dims) -> torch.Tensor:
 def _layer_experts(model, layer: int, dims, dtype) -> list[list[tuple[str, torch.Tensor]]]:
     """One layer's experts as units [(name, tensor) x 3] per global expert id."""
     experts = model.layers[layer].ffn.experts
-    w_gate_up_EDF2 = _gather_ep(_gather_etp(experts.w_gate_up, dims), dims)
+    w_gate_up_ED2F = _gather_ep(_gather_etp(experts.w_gate_up, dims), dims)
     w_down_EFD = _gather_ep(_gather_etp(experts.w_down, dims), dims)
     f = w_down_EFD.shape[1]
     base = f"model.layers.{layer}.mlp.experts"
     units = []
     for e in range(w_down_EFD.shape[0]):
-        gate_up_2FD = w_gate_up_EDF2[e].t()
+        gate_up_2FD = w_gate_up_ED2F[e].flatten(1).t()
         units.append([(f"{base}.{e}.gate_proj.weight", gate_up_2FD[:f].to(dtype).contiguous()),
                       (f"{base}.{e}.up_proj.weight", gate_up_2FD[f:].to(dtype).contiguous()),
                       (f"{base}.{e}.down_proj.weight", w_down_EFD[e].t().to(dtype).contiguous())])

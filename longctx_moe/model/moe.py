@@ -100,11 +100,11 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """SwiGLU experts held as [E, ...] parameters, run as two grouped GEMMs.
 
-    w_gate_up [E, D, 2F] (gate columns first, then up), w_down [E, F, D]. EP slices dim 0 and sets
-    num_local_experts / expert_offset (the global index of local expert 0). Expert tensor
-    parallelism also slices the hidden dim and sets `gate_up_layout`: a function from the stored
-    w_gate_up (cast to the compute dtype) to [gate | up] of the hidden units this module computes
-    (parallel/expert_parallel.py); None when the stored layout is that already."""
+    w_gate_up [E, D, 2, F] (index 0 of dim 2: gate, 1: up), w_down [E, F, D]. The GEMM reads
+    w_gate_up as [E, D, 2F] = [gate | up] (a free view). Keeping gate/up as their own dim makes
+    any block of hidden units one rectangular slice (dim 3), so expert tensor parallelism keeps
+    [gate | up] of its own units with no reordering (parallel/expert_parallel.py). EP slices dim
+    0 and sets num_local_experts / expert_offset (the global index of local expert 0)."""
 
     def __init__(self, num_experts: int, dim: int, hidden: int, impl: str = "auto",
                  precision: str = "auto"):
@@ -112,8 +112,7 @@ class GroupedExperts(nn.Module):
         self.num_local_experts, self.expert_offset = num_experts, 0
         self.impl, self.precision = impl, precision
         self.recompute = False  # selective recompute (longctx_moe.model.recompute)
-        self.gate_up_layout = None
-        self.w_gate_up = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden))
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, dim, 2, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
 
     def compute_dtype(self, x_MD: torch.Tensor) -> torch.dtype:
@@ -125,10 +124,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         cdtype = self.compute_dtype(x_MD)
         x_MD = x_MD.to(cdtype)
-        w_gate_up = self.w_gate_up
-        if self.gate_up_layout is not None:
-            # Outside the recompute region: the layout's collectives run once per forward.
-            w_gate_up = self.gate_up_layout(w_gate_up.to(cdtype))
+        w_gate_up = self.w_gate_up.flatten(2)  # [E, D, 2F]: gate columns, then up
         if self.recompute and torch.is_grad_enabled():
             return recompute_call(self._padded_swiglu, w_gate_up, x_MD, tokens_per_expert_E)
         return self._padded_swiglu(w_gate_up, x_MD, tokens_per_expert_E)

@@ -126,7 +126,7 @@ def _naive_moe(x_TD, idx_TK, w_TK, experts):
         acc = torch.zeros_like(x_TD[t])
         for k in range(idx_TK.shape[1]):
             e = int(idx_TK[t, k])
-            h = x_TD[t] @ experts.w_gate_up[e]
+            h = x_TD[t] @ experts.w_gate_up[e].flatten(1)
             acc = acc + w_TK[t, k] * ((torch.nn.functional.silu(h[:f]) * h[f:]) @ experts.w_down[e])
         rows.append(acc)
     return torch.stack(rows)

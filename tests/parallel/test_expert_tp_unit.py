@@ -1,7 +1,7 @@
 """ETP building blocks on 2 gloo ranks, float64, against the unsplit GroupedExperts:
 
-- GluShardLayout: each rank's stored block of [gate | up] columns becomes [gate | up] of its own
-  hidden units, exactly; and the layout's backward returns every stored column's gradient.
+- shard_expert_hidden: each rank's slice of w_gate_up [L, D, 2, F], read as [L, D, 2u], is
+  [gate | up] of its own hidden units; w_down keeps the rows of those units.
 - experts_over_etp: rows held by either peer (uneven counts, a rank or a whole group without
   rows) give the unsplit experts' outputs and input / weight gradients within 1e-12.
 """
@@ -29,26 +29,19 @@ def _experts() -> GroupedExperts:
     return ex
 
 
-def _check_layout(rank, size, group):
+def _check_layout(rank, size):
     full = _experts()
-    ex = shard_expert_hidden(_experts(), rank, size, group)
-    assert ex.w_gate_up.etp_dim == 2 and ex.w_down.etp_dim == 1
+    ex = shard_expert_hidden(_experts(), rank, size)
+    assert ex.w_gate_up.etp_dim == 3 and ex.w_down.etp_dim == 1
     u = F // size
-    want = torch.cat([full.w_gate_up[..., rank * u:(rank + 1) * u],
-                      full.w_gate_up[..., F + rank * u:F + (rank + 1) * u]], dim=2)
-    got = ex.gate_up_layout(ex.w_gate_up)
-    assert torch.equal(got, want)
-    seed_LDC = torch.randn(got.shape, generator=torch.Generator().manual_seed(rank), dtype=got.dtype)
-    (got * seed_LDC).sum().backward()
-    # The stored block's gradient: each column's seed, from whichever rank computes its unit.
-    seeds = [torch.empty_like(seed_LDC) for _ in range(size)]
-    dist.all_gather(seeds, seed_LDC, group=group)
-    whole = torch.cat([s[..., :u] for s in seeds] + [s[..., u:] for s in seeds], dim=2)
-    assert torch.equal(ex.w_gate_up.grad, whole[..., rank * 2 * u:(rank + 1) * 2 * u])
+    units = slice(rank * u, (rank + 1) * u)
+    want = torch.cat([full.w_gate_up[:, :, 0, units], full.w_gate_up[:, :, 1, units]], dim=2)
+    assert torch.equal(ex.w_gate_up.flatten(2), want)
+    assert torch.equal(ex.w_down, full.w_down[:, units])
 
 
 def _check_over_etp(rank, size, group, counts_by_rank):
-    full, ex = _experts(), shard_expert_hidden(_experts(), rank, size, group)
+    full, ex = _experts(), shard_expert_hidden(_experts(), rank, size)
     gen = torch.Generator().manual_seed(5)
     xs = [torch.randn(sum(c), D, generator=gen, dtype=torch.float64) for c in counts_by_rank]
     gs = [torch.randn(sum(c), D, generator=gen, dtype=torch.float64) for c in counts_by_rank]
@@ -67,18 +60,18 @@ def _check_over_etp(rank, size, group, counts_by_rank):
         assert (x.grad - ref_dx[rank]).abs().max() <= TOL
     u = F // size
     want_down = full.w_down.grad[:, rank * u:(rank + 1) * u]
-    want_gu = full.w_gate_up.grad[..., rank * 2 * u:(rank + 1) * 2 * u]
+    want_gu = full.w_gate_up.grad[..., rank * u:(rank + 1) * u]
     assert (ex.w_down.grad - want_down).abs().max() <= TOL
     assert (ex.w_gate_up.grad - want_gu).abs().max() <= TOL
 
 
 def _rank(rank, world):
     group = dist.group.WORLD
-    _check_layout(rank, world, group)
+    _check_layout(rank, world)
     for counts in ([[2, 0, 3], [1, 4, 0]], [[0, 0, 0], [2, 1, 1]], [[0, 0, 0], [0, 0, 0]]):
         _check_over_etp(rank, world, group, counts)
     return True
 
 
-def test_glu_layout_and_experts_over_etp_equal_unsplit_experts():
+def test_etp_slices_and_experts_over_etp_equal_unsplit_experts():
     assert run_distributed(_rank, 2, timeout=120) == [True, True]

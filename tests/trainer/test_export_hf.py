@@ -105,10 +105,9 @@ def test_export_ep2_run_loads_in_transformers_and_matches(ep_run, tmp_path, caps
     files = {}
     for p in shards:
         files.update(safetensors_torch.load_file(str(p)))
-    w_gate_up_DF2 = sd["layers.1.ffn.experts.w_gate_up"][5]
-    f = w_gate_up_DF2.shape[1] // 2
-    assert torch.equal(files["model.layers.1.mlp.experts.5.gate_proj.weight"], w_gate_up_DF2[:, :f].t())
-    assert torch.equal(files["model.layers.1.mlp.experts.5.up_proj.weight"], w_gate_up_DF2[:, f:].t())
+    w_gate_up_D2F = sd["layers.1.ffn.experts.w_gate_up"][5]
+    assert torch.equal(files["model.layers.1.mlp.experts.5.gate_proj.weight"], w_gate_up_D2F[:, 0].t())
+    assert torch.equal(files["model.layers.1.mlp.experts.5.up_proj.weight"], w_gate_up_D2F[:, 1].t())
 
     # The tokenizer loads through transformers and encodes as the corpus' tokenizer does.
     from tokenizers import Tokenizer
