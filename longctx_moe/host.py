@@ -16,6 +16,15 @@ document (bench/long_context.py's model, full recompute): the heap for every blo
 of peak RSS, this split 2.68 GiB, plain glibc 2.49 GiB; at 2K tokens the split keeps most of the
 speed (CPU seconds per step 0.97 all-heap, 1.01 split, 1.06 plain glibc). A fault per 4 KiB of a
 block that large costs little next to the arithmetic done on it.
+
+Why oneDNN's caches are capped: torch's bf16 CPU GEMMs keep two caches keyed by operand shape,
+oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep's (LRU_CACHE_CAPACITY), 1024
+entries each by default and about 270 KB per entry in each (536 KB per new GEMM shape). Packed
+micro-batches of varying lengths and the experts' padded row counts bring new shapes for hundreds of
+steps: `make train` held 190 MB of malloc'd bytes at step 1 and 686 MB at step 200, when the caches
+were full. A step uses 150-270 shapes (tiny_cpu.yaml; bench/train_throughput.py's model), so 512
+entries keep every step's shapes: 410 MB from step 60 on, at the same tokens/s. What still grows
+is heap fragmentation around those long-lived blocks (docs/PERFORMANCE.md, "Memory over a run").
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 
 import torch
 
@@ -34,6 +44,10 @@ _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 
 ALLOCATOR_MODES = ("tuned", "default")
+
+# GEMM shapes kept by each of oneDNN's primitive cache and ideep's cache (see the module docstring).
+ONEDNN_CACHE_CAPACITY = 512
+ONEDNN_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
 @functools.cache
@@ -63,9 +77,22 @@ def tune_host_allocator() -> bool:
     return bool(ok)
 
 
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """Cap oneDNN's and ideep's GEMM caches at `capacity` shapes each (see the module docstring),
+    unless the environment already sets them. Each library reads its variable once, at the
+    process's first bf16 GEMM: this must run before it (configure_cpu does, before the model is
+    built); later it changes nothing in this process."""
+    if capacity < 1:  # ideep crashes on LRU_CACHE_CAPACITY=0
+        raise ValueError(f"oneDNN cache capacity must be >= 1, got {capacity}")
+    for var in ONEDNN_CACHE_VARS:
+        os.environ.setdefault(var, str(capacity))
+
+
 def configure_cpu(threads: int, allocator: str = "tuned") -> None:
-    """Flush denormals, set the intra-op thread count, and (allocator='tuned') tune malloc."""
+    """Flush denormals, set the intra-op thread count, cap oneDNN's shape caches, and
+    (allocator='tuned') tune malloc."""
     check_choice("train.host_allocator", allocator, ALLOCATOR_MODES)
+    bound_onednn_caches()
     # Denormal fp32 values (AdamW's second moments of tiny gradients) make sqrt/div crawl on x86.
     torch.set_flush_denormal(True)
     if threads > 0:

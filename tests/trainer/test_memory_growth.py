@@ -1,0 +1,78 @@
+"""Memory across training steps: the trainer keeps no tensors alive from one step to the next, the
+CPU peak-memory window really restarts at every step, and oneDNN's shape caches are capped
+(docs/PERFORMANCE.md, "Memory over a run": the RSS growth of `make train` was those caches and the
+heap around them)."""
+
+import gc
+import os
+import sys
+
+import pytest
+import torch
+
+from cp_attention.kernels._buckets import plan_buckets
+from longctx_moe.config import load_config
+from longctx_moe.host import ONEDNN_CACHE_CAPACITY, bound_onednn_caches, configure_cpu
+from longctx_moe.metrics import peak_memory_mb, reset_peak_memory
+from longctx_moe.model import build_model
+from longctx_moe.parallel.parallelize import parallelize
+from longctx_moe.trainer import Trainer
+from tests.model.helpers import packed_batch, tiny_config
+
+
+def _live_tensors() -> int:
+    # Attention's bucket plans (index tensors per document layout) are an LRU cache of 64 by
+    # design: bounded, and not what this test looks for.
+    plan_buckets.cache_clear()
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_train_steps_keep_no_tensors_alive():
+    """Steps of new shapes each time (other documents, other micro-batch lengths) leave the
+    number of live tensors where the first steps left it: no graph, loss or metric is kept."""
+    cfg = load_config(None, ["optim.warmup_steps=0", "train.autocast_dtype=bf16"])
+    cfg.model = tiny_config(aux_loss_type="seq", expert_bias=True, z_loss_coeff=1e-3)
+    torch.manual_seed(0)
+    trainer = Trainer(cfg, parallelize(build_model(cfg.model), None, cfg.parallel))
+    gen = torch.Generator().manual_seed(0)
+    vocab = cfg.model.vocab_size
+
+    def step(i: int) -> None:
+        lens = [[5 + i, 17, 9 + 2 * i], [30 - i, 4 + i]]
+        trainer.train_step([packed_batch(d, vocab, generator=gen) for d in lens])
+
+    for i in range(2):  # optimizer state and lazily built buffers exist from here on
+        step(i)
+    before = _live_tensors()
+    for i in range(2, 6):
+        step(i)
+    assert _live_tensors() == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU peak is VmHWM, Linux only")
+def test_cpu_peak_window_restarts_after_reset():
+    """peak_memory_mb is not monotone by construction: after a 256 MiB block is freed (an
+    mmapped block: its pages leave the process), a reset brings the peak back down."""
+    cpu = torch.device("cpu")
+    if not reset_peak_memory(cpu):
+        pytest.skip("/proc/self/clear_refs is not writable here")
+    block = torch.ones(256 << 20, dtype=torch.uint8)  # touched: 256 MiB resident
+    high = peak_memory_mb(cpu)
+    del block
+    assert reset_peak_memory(cpu)
+    assert peak_memory_mb(cpu) < high - 200
+
+
+def test_onednn_cache_caps_are_set_unless_given(monkeypatch):
+    """configure_cpu caps oneDNN's and ideep's shape caches (host.py: their default 1024 entries
+    of ~270 KB each grew `make train` by ~500 MB), and leaves a value the user set alone."""
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "")  # restored (or removed) after the test
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "64")
+    threads = torch.get_num_threads()
+    configure_cpu(threads, "default")
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
+    assert os.environ["LRU_CACHE_CAPACITY"] == "64"
+    with pytest.raises(ValueError, match=">= 1"):
+        bound_onednn_caches(0)  # ideep crashes on a capacity of 0
