@@ -1,9 +1,11 @@
 """Long-context training memory and speed: one training step on a single document of 8K ... 128K
 tokens, longctx-moe with `train.recompute` none / selective / full vs Hugging Face transformers'
-Qwen3-MoE, same model, same weights, same run.
+Qwen3-MoE, same model, same weights, same run; and the same step on 4 gloo ranks in named layouts.
 
     .venv/bin/python bench/long_context.py --out bench/results/long_context.json
     .venv/bin/python bench/long_context.py --lengths 8192,16384 --cp4-length 16384   # quicker
+    .venv/bin/python bench/long_context.py --lengths 32768 --sides none \
+        --multi-layouts cp4,cp2tp2 --out bench/results/long_context.json           # 4-rank part
 
 The model is bench/train_throughput.py's (hidden 512, 4 layers, 16 experts top-2, 8 query / 4 KV
 heads of 64, vocab 16384), bf16 autocast, fp32 master weights, fused AdamW, no torch.compile on
@@ -19,19 +21,39 @@ activations, the same measure on both sides. A watchdog stops a process whose RS
 longer ones. Lengths go up until every side is over the cap or past --max-step-s (a side whose
 previous step, scaled by the quadratic growth of attention, would exceed it, stops there).
 
+Multi-rank layouts (--multi-layouts, each on 4 gloo ranks in spawned processes at --cp4-length,
+recompute none, the same warm-up and peak measure per rank; each rank's watchdog at a quarter of
+--mem-cap-gib):
+  cp4        parallel.cp=4 (ring), ep=4 (MoE Parallel Folding: a quarter of the experts per
+             rank), distributed_optimizer (AdamW state of dense weights sharded over dp*cp = 4;
+             experts have edp = 1 replica, so their state is not split further)
+  cp2tp2     cp=2 (ring) x tp=2 with sequence_parallel, ep=4, distributed_optimizer (dense
+             weights: TP halves, state sharded over dp*cp = 2; experts: edp = 1)
+  cp4_plain  cp=4 (ring), ep=1, replicated AdamW: what the two features above buy
+Each rank also reports its AdamW state bytes (numel * element_size of every tensor in
+trainer.optimizer.state, split dense / expert) and those of a replicated AdamW over the same local
+parameters (optim.build_optimizer, built and stepped once on zero gradients after the measured
+step), and its parameter bytes. --reuse keeps 4-rank rows by (layout, length).
+
 Derived figures:
   bytes per token  least-squares slope of peak memory over the lengths a side ran;
   longest in cap   the longest length a side ran under the cap; when a side never hit the cap
                    the figure is extrapolated from its line (marked "extrapolated") and is a
                    lower bound for HF only if HF did hit it;
-  cp4              the same step on 4 gloo ranks with parallel.cp=4 (ring), at --cp4-length:
-                   the largest per-rank peak over the single-rank peak at that length (recompute
-                   none on both).
+  <layout>_peak_over_single
+                   the layout's largest per-rank peak over the single-rank peak (recompute none)
+                   at --cp4-length (that single row runs if missing);
+  dist_optimizer_bytes_ratio
+                   cp4's per-rank AdamW bytes (largest rank) over a replicated AdamW's on the
+                   same rank: 1/4 for the dense share, 1 for the experts' (edp = 1).
 
 JSON (--out): longest_ours_tokens, longest_hf_tokens, longest_ratio, bytes_per_token_ours
 (recompute none), bytes_per_token_hf, selective_recompute_tokens_per_s_ratio (selective / none,
-median over the lengths both ran), cp4_peak_over_single, tokens_per_s_ratio_32k (ours none / HF at
-32K), plus every measured row, the per-mode slopes and what was extrapolated.
+median over the lengths both ran), cp4_peak_over_single, cp2tp2_peak_over_single,
+tokens_per_s_ratio_32k (ours none / HF at 32K), optimizer_bytes_per_rank {layout: bytes},
+replicated_optimizer_bytes_per_rank, dist_optimizer_bytes_ratio, dist_optimizer_replicas
+{layout: {dense, expert}}, peak_over_single {layout: ratio}, plus every measured row (rows;
+multi_rows with per-rank detail), the per-mode slopes and what was extrapolated.
 """
 
 from __future__ import annotations
@@ -67,11 +89,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-step-s", type=float, default=600.0,
                    help="do not start a step predicted to take longer than this")
     p.add_argument("--cp4-length", type=int, default=32768,
-                   help="document length of the 4-rank CP4 run (0: skip it)")
+                   help="document length of the 4-rank runs (0: skip them)")
+    p.add_argument("--multi-layouts", default=",".join(LAYOUTS),
+                   help=f"4-rank layouts to run at --cp4-length, a subset of {','.join(LAYOUTS)}")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: torch's default)")
     p.add_argument("--out", help="write the results as JSON here (rewritten after every measurement)")
     p.add_argument("--reuse", help="a JSON this bench wrote earlier (even an interrupted run's): its "
-                                   "rows are kept and their (side, length) pairs not run again")
+                                   "rows are kept and their (side, length) and 4-rank (layout, length) "
+                                   "pairs not run again")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--length", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -165,26 +190,96 @@ def worker(args) -> None:
     print("RESULT " + json.dumps(res), flush=True)
 
 
-def cp4_rank(rank: int, world: int, port: int, length: int, threads: int, queue) -> None:
+# 4-rank layouts: name -> (config overrides, what it shows). All at recompute none, 4 gloo ranks.
+LAYOUTS = {
+    "cp4": (["parallel.cp=4", "parallel.cp_backend=ring", "parallel.ep=4",
+             "parallel.distributed_optimizer=true"],
+            "CP4 ring, EP4 (Parallel Folding), distributed optimizer"),
+    "cp2tp2": (["parallel.cp=2", "parallel.cp_backend=ring", "parallel.tp=2",
+                "parallel.sequence_parallel=true", "parallel.ep=4",
+                "parallel.distributed_optimizer=true"],
+               "CP2 ring x TP2 with sequence parallelism, EP4, distributed optimizer"),
+    "cp4_plain": (["parallel.cp=4", "parallel.cp_backend=ring"],
+                  "CP4 ring, every expert on every rank, replicated AdamW"),
+}
+WORLD = 4
+
+
+def tensor_bytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def optimizer_bytes(optimizer, expert_ids: set[int]) -> dict:
+    """Bytes of every tensor in `optimizer.state` (exp_avg, exp_avg_sq, step), split by whether
+    the parameter is an expert's. A DistributedOptimizer's state is keyed by slab views: its
+    `slab_of` names the parameter."""
+    out = {"total": 0, "dense": 0, "expert": 0}
+    slab_of = getattr(optimizer, "slab_of", lambda t: None)
+    for key, state in optimizer.state.items():
+        slab = slab_of(key)
+        param = slab.param if slab is not None else key
+        n = sum(tensor_bytes(t) for t in state.values() if torch.is_tensor(t))
+        out["total"] += n
+        out["expert" if id(param) in expert_ids else "dense"] += n
+    return out
+
+
+def replicated_optimizer_bytes(trainer, expert_ids: set[int]) -> dict:
+    """The state a replicated AdamW (optim.build_optimizer, as parallel.distributed_optimizer=false
+    builds it) holds over this rank's parameters, measured: built and stepped once on zero
+    gradients. Run after the measured step (it changes the weights and allocates)."""
+    from longctx_moe.optim import build_optimizer
+
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = build_optimizer(trainer.model, trainer.cfg.optim)
+    opt.step()
+    out = optimizer_bytes(opt, expert_ids)
+    for p, g in zip(params, saved, strict=True):
+        p.grad = g
+    del opt
+    return out
+
+
+def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap_gib: float,
+               queue) -> None:
     import torch.distributed as dist
 
     from longctx_moe.host import configure_cpu
     from longctx_moe.parallel.dims import ParallelDims
+    from longctx_moe.train import build_runtime
+    from longctx_moe.trainer import Trainer
 
     configure_cpu(threads, "tuned")
+    start_watchdog(int(cap_gib * GIB))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = bench_config("none", ["parallel.cp=4", "parallel.cp_backend=ring"])
-    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    cfg = bench_config("none", LAYOUTS[layout][0])
+    dims = ParallelDims.from_config(cfg.parallel, WORLD, cfg.model)
     dims.build_groups(rank)
     base = rss_bytes()
-    res = measured_step(build_side("none", cfg, dims), length, cfg.model.vocab_size, base)
+    trainer = Trainer(cfg, build_runtime(cfg, dims, CPU))
+    res = measured_step(lambda batches: trainer.train_step(batches).ce_loss, length,
+                        cfg.model.vocab_size, base)
+    expert_ids = {id(p) for p in trainer.runtime.expert}
+    params = [p for p in trainer.model.parameters()]
+    res.update(
+        param_bytes=sum(tensor_bytes(p) for p in params),
+        expert_param_bytes=sum(tensor_bytes(p) for p in params if id(p) in expert_ids),
+        optimizer_bytes=optimizer_bytes(trainer.optimizer, expert_ids),
+        replicated_optimizer_bytes=replicated_optimizer_bytes(trainer, expert_ids),
+        replicas={"dense": dims.size("dp_cp"), "expert": dims.size("edp")},
+        local_tokens=length // dims.size("cp"))
     queue.put((rank, res))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run_cp4(length: int, threads: int) -> dict:
+def run_multi(layout: str, length: int, threads: int, cap_gib: float) -> dict:
+    """One step of `layout` on WORLD gloo ranks (spawned processes); a dict with per-rank rows,
+    or with "error" (a rank died or passed its share of the memory cap)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -194,10 +289,12 @@ def run_cp4(length: int, threads: int) -> dict:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=cp4_rank, args=(r, 4, port, length, threads, queue)) for r in range(4)]
+    procs = [ctx.Process(target=multi_rank, args=(r, layout, port, length, threads, cap_gib, queue))
+             for r in range(WORLD)]
     for p in procs:
         p.start()
     results = {}
+    row = {"layout": layout, "length": length, "sets": LAYOUTS[layout][0]}
     while len(results) < len(procs):
         try:
             rank, res = queue.get(timeout=5)
@@ -207,13 +304,19 @@ def run_cp4(length: int, threads: int) -> dict:
             if dead:
                 for p in procs:
                     p.kill()
-                raise SystemExit(f"cp4: rank {dead[0]} exited with {procs[dead[0]].exitcode}; "
-                                 "see its traceback above") from None
+                code = procs[dead[0]].exitcode
+                why = "over its share of --mem-cap-gib" if code == 3 else "see its traceback above"
+                return row | {"error": f"rank {dead[0]} exited with {code} ({why})"}
     for p in procs:
         p.join()
-    return {"length": length, "per_rank": [results[r] for r in range(4)],
-            "max_peak_bytes": max(r["peak_bytes"] for r in results.values()),
-            "step_s": max(r["step_s"] for r in results.values())}
+    per_rank = [results[r] for r in range(WORLD)]
+    peaks = [r["peak_bytes"] for r in per_rank]
+    return row | {
+        "per_rank": per_rank, "max_peak_bytes": max(peaks), "min_peak_bytes": min(peaks),
+        "step_s": max(r["step_s"] for r in per_rank),
+        "optimizer_bytes": max(r["optimizer_bytes"]["total"] for r in per_rank),
+        "replicated_optimizer_bytes": max(r["replicated_optimizer_bytes"]["total"] for r in per_rank),
+        "replicas": per_rank[0]["replicas"]}
 
 
 # ---------------------------------------------------------------------- the driver
@@ -262,7 +365,7 @@ def longest(rows: list[dict], cap: float) -> tuple[int | None, bool]:
     return int((cap - fit[1]) / fit[0]), True
 
 
-def summarize(rows: list[dict], cp4: dict | None, args) -> dict:
+def summarize(rows: list[dict], multi: list[dict], args) -> dict:
     cap = args.mem_cap_gib * GIB
     by_side = {s: [r for r in rows if r["side"] == s] for s in SIDES}
     ran = {s: [r for r in rs if not r["over_cap"] and "error" not in r] for s, rs in by_side.items()}
@@ -278,7 +381,12 @@ def summarize(rows: list[dict], cp4: dict | None, args) -> dict:
     sel = [at("selective", r["length"])["tokens_per_s"] / r["tokens_per_s"]
            for r in ran["none"] if at("selective", r["length"])]
     r32_ours, r32_hf = at("none", 32768), at("hf", 32768)
-    single = at("none", cp4["length"]) if cp4 else None
+    # 4-rank layouts at the --cp4-length (rows of other lengths, kept by --reuse, stay in
+    # multi_rows but not in the derived figures)
+    done = {m["layout"]: m for m in multi if m["length"] == args.cp4_length and "error" not in m}
+    single = at("none", args.cp4_length)
+    over = {k: m["max_peak_bytes"] / single["peak_bytes"] for k, m in done.items()} if single else {}
+    cp4 = done.get("cp4")
     return {
         "longest_ours_tokens": best_ours[0], "longest_ours_recompute": best_ours[1],
         "longest_hf_tokens": hf_len,
@@ -289,12 +397,30 @@ def summarize(rows: list[dict], cp4: dict | None, args) -> dict:
         "bytes_per_token_hf": fits["hf"][0] if fits.get("hf") else None,
         "bytes_per_token_by_side": {s: (f[0] if f else None) for s, f in fits.items()},
         "selective_recompute_tokens_per_s_ratio": statistics.median(sel) if sel else None,
-        "cp4_peak_over_single": cp4["max_peak_bytes"] / single["peak_bytes"] if cp4 and single else None,
+        "cp4_peak_over_single": over.get("cp4"),
+        "cp2tp2_peak_over_single": over.get("cp2tp2"),
+        "peak_over_single": over,
+        "single_peak_bytes_at_multi_length": single["peak_bytes"] if single else None,
+        "optimizer_bytes_per_rank": {k: m["optimizer_bytes"] for k, m in done.items()},
+        "replicated_optimizer_bytes_per_rank": {k: m["replicated_optimizer_bytes"] for k, m in done.items()},
+        "dist_optimizer_bytes_ratio": (cp4["optimizer_bytes"] / cp4["replicated_optimizer_bytes"]
+                                       if cp4 else None),
+        "dist_optimizer_bytes_ratio_by_kind": by_kind_ratio(cp4) if cp4 else None,
+        "dist_optimizer_replicas": {k: m["replicas"] for k, m in done.items()},
         "tokens_per_s_ratio_32k": r32_ours["tokens_per_s"] / r32_hf["tokens_per_s"] if r32_ours and r32_hf else None,
-        "mem_cap_gib": args.mem_cap_gib, "rows": rows, "cp4": cp4,
+        "mem_cap_gib": args.mem_cap_gib, "rows": rows, "multi_length": args.cp4_length,
+        "multi_rows": multi, "layouts": {k: {"sets": v[0], "what": v[1]} for k, v in LAYOUTS.items()},
         "threads": args.threads or torch.get_num_threads(), "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"), "machine": machine(),
     }
+
+
+def by_kind_ratio(m: dict) -> dict:
+    """Sharded / replicated AdamW bytes of the dense and the expert parameters (largest rank):
+    1 / the replicas each kind is sharded over (dims dp_cp and edp), up to the per-slab step."""
+    big = lambda key, kind: max(r[key][kind] for r in m["per_rank"])
+    return {kind: (big("optimizer_bytes", kind) / big("replicated_optimizer_bytes", kind)
+                   if big("replicated_optimizer_bytes", kind) else None) for kind in ("dense", "expert")}
 
 
 def machine() -> str:
@@ -324,6 +450,32 @@ def table(res: dict, sides: list[str], lengths: list[int]) -> str:
     return "\n".join(lines)
 
 
+def fmt_multi(m: dict) -> str:
+    if "error" in m:
+        return f"failed: {m['error']}"
+    return (f"per-rank peak {m['min_peak_bytes'] / GIB:.2f}-{m['max_peak_bytes'] / GIB:.2f} GiB, "
+            f"AdamW state {m['optimizer_bytes'] / 2**20:.0f} MiB/rank "
+            f"(replicated: {m['replicated_optimizer_bytes'] / 2**20:.0f}), step {m['step_s']:.1f} s")
+
+
+def multi_table(res: dict, layouts: list[str]) -> str:
+    n, single = res["multi_length"], res["single_peak_bytes_at_multi_length"]
+    lines = [f"{WORLD} gloo ranks, {n} tokens, recompute none; single rank: "
+             + (f"{single / GIB:.2f} GiB" if single else "not measured"),
+             "| layout | per-rank peak | over single | AdamW state per rank (replicated) |",
+             "|---|---:|---:|---:|"]
+    for k in layouts:
+        m = next((m for m in res["multi_rows"] if m["layout"] == k and m["length"] == n), None)
+        if m is None or "error" in m:
+            lines.append(f"| {k} | {'failed' if m else 'not run'} | | |")
+            continue
+        ratio = res["peak_over_single"].get(k)
+        lines.append(f"| {k} | {m['min_peak_bytes'] / GIB:.2f}-{m['max_peak_bytes'] / GIB:.2f} GiB | "
+                     + (f"{ratio:.2f}x" if ratio else "") + f" | {m['optimizer_bytes'] / 2**20:.0f} MiB "
+                     f"({m['replicated_optimizer_bytes'] / 2**20:.0f} MiB) |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -334,8 +486,15 @@ def main(argv=None) -> int:
     unknown = set(sides) - set(SIDES)
     if unknown:
         raise SystemExit(f"--sides: unknown {sorted(unknown)}; choose from {','.join(SIDES)}")
+    layouts = [x for x in args.multi_layouts.split(",") if x]
+    if set(layouts) - set(LAYOUTS):
+        raise SystemExit(f"--multi-layouts: unknown {sorted(set(layouts) - set(LAYOUTS))}; "
+                         f"choose from {','.join(LAYOUTS)}")
     prior = json.loads(Path(args.reuse).read_text()) if args.reuse else {}
     rows = prior.get("rows", [])
+    # 4-rank rows keyed by (layout, length); failed ones run again (an older file's "cp4" entry
+    # lacks the optimizer bytes: that layout runs again as cp4_plain)
+    multi = [m for m in prior.get("multi_rows", []) if "error" not in m]
     stopped = {r["side"] for r in rows if r["over_cap"] or "error" in r}
     for n in lengths:
         for side in sides:
@@ -349,25 +508,34 @@ def main(argv=None) -> int:
             row = run_one(side, n, args)
             row["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
             rows.append(row)
-            write_json(args.out, summarize(rows, None, args) | {"partial": True})
+            write_json(args.out, summarize(rows, multi, args) | {"partial": True})
             print(f"{side:>9} {n:>7} tokens: {fmt_row(row)}", flush=True)
             if row["over_cap"] or "error" in row:
                 stopped.add(side)
-    cp4 = prior.get("cp4")
-    if cp4 and cp4["length"] != args.cp4_length:
-        cp4 = None
-    if args.cp4_length and cp4 is None:
-        cp4 = run_cp4(args.cp4_length, args.threads)
-        print(f"cp4 {args.cp4_length} tokens: max per-rank peak {cp4['max_peak_bytes'] / GIB:.2f} GiB, "
-              f"step {cp4['step_s']:.1f} s", flush=True)
-        if not any(r["side"] == "none" and r["length"] == args.cp4_length for r in rows):
-            rows.append(run_one("none", args.cp4_length, args))
-    res = summarize(rows, cp4, args)
+    n = args.cp4_length
+    if n and layouts and not any(r["side"] == "none" and r["length"] == n and "error" not in r
+                                 and not r["over_cap"] for r in rows):
+        row = run_one("none", n, args)  # the single-rank peak the layouts are divided by
+        row["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        rows = [r for r in rows if not (r["side"] == "none" and r["length"] == n)] + [row]
+        print(f"{'none':>9} {n:>7} tokens: {fmt_row(row)}", flush=True)
+    for layout in layouts if n else ():
+        if any(m["layout"] == layout and m["length"] == n for m in multi):
+            continue
+        m = run_multi(layout, n, args.threads, args.mem_cap_gib / WORLD)
+        m["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        multi.append(m)
+        write_json(args.out, summarize(rows, multi, args) | {"partial": True})
+        print(f"{layout:>9} {n:>7} tokens: {fmt_multi(m)}", flush=True)
+    res = summarize(rows, multi, args)
     print()
     print(table(res, sides, lengths))
+    if n and layouts:
+        print()
+        print(multi_table(res, layouts))
     keys = ("longest_ours_tokens", "longest_hf_tokens", "longest_ratio", "bytes_per_token_ours",
             "bytes_per_token_hf", "selective_recompute_tokens_per_s_ratio", "cp4_peak_over_single",
-            "tokens_per_s_ratio_32k")
+            "cp2tp2_peak_over_single", "dist_optimizer_bytes_ratio", "tokens_per_s_ratio_32k")
     print("\n" + "\n".join(f"{k}: {res[k]}" for k in keys))
     write_json(args.out, res)
     return 0
