@@ -25,7 +25,11 @@ class RMSNorm(nn.Module):
     """y = weight * x / rms(x), normalised in at least fp32.
 
     Returns the dtype the next matmul wants: the autocast dtype for an fp32 input under autocast
-    (so q/k/v/router/experts share one cast instead of one per consumer), else x's dtype."""
+    (so q/k/v/router/experts share one cast instead of one per consumer), else x's dtype.
+
+    The backward keeps x as it came and one fp32 scale per row (_RMSNormFn), not the fp32 copy
+    and normalised tensor that autograd through the composite op keeps: at long context the
+    norms' saved tensors were a third of a layer's activations."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -33,12 +37,40 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out_dtype = autocast_dtype(x)
-        # bf16/fp16 inputs are normalised in fp32 (as HF Qwen3 does); float64 stays float64 so the
-        # float64 exactness tests are not limited by fp32 rounding.
-        x_hi = x.float() if x.dtype in _LOW_PRECISION else x
-        y = F.rms_norm(x_hi, (x.shape[-1],), self.weight.to(x_hi.dtype), eps=self.eps)
+        return _RMSNormFn.apply(x, self.weight, self.eps, autocast_dtype(x))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    # bf16/fp16 inputs are normalised in fp32 (as HF Qwen3 does); float64 stays float64 so the
+    # float64 exactness tests are not limited by fp32 rounding.
+    return torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm with a lean backward. Legend: N rows (any leading shape), D normalised dim.
+
+    forward:  r_N = rsqrt(mean(x^2) + eps),  y = w * x * r
+    backward: xh = x * r (recomputed),  dw = sum_N(g * xh),
+              dx = r * (g w - xh * mean_D(g w * xh))"""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, out_dtype: torch.dtype):
+        dtype = _compute_dtype(x)
+        x_hi = x.to(dtype)
+        r_N1 = torch.rsqrt(x_hi.square().mean(-1, keepdim=True) + eps)
+        y = x_hi * r_N1 * weight.to(dtype)
+        ctx.save_for_backward(x, weight, r_N1)
         return y.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, r_N1 = ctx.saved_tensors
+        dtype = r_N1.dtype
+        xh = x.to(dtype) * r_N1
+        gw = g.to(dtype) * weight.to(dtype)
+        dx = r_N1 * (gw - xh * (gw * xh).mean(-1, keepdim=True))
+        dw = (g.to(dtype) * xh).reshape(-1, x.shape[-1]).sum(0)
+        return dx.to(x.dtype), dw.to(weight.dtype), None, None
 
 
 def rope_cos_sin(position_ids_T: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

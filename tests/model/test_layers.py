@@ -32,6 +32,39 @@ def test_rmsnorm_matches_formula():
     assert norm(x.bfloat16()).dtype == torch.bfloat16
 
 
+def test_rmsnorm_backward_matches_autograd_of_the_formula():
+    """The hand-written backward (it keeps x and one scale per row) against autograd through the
+    formula, float64, on [2, 3, 16] inputs (leading dims as q/k norms see them)."""
+    torch.manual_seed(0)
+    norm = RMSNorm(16, eps=1e-6).double()
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(2, 3, 16, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 3, 16, dtype=torch.float64)
+    dx, dw = torch.autograd.grad((norm(x) * g).sum(), (x, norm.weight))
+    x2 = x.detach().clone().requires_grad_()
+    w2 = norm.weight.detach().clone().requires_grad_()
+    ref = w2 * x2 / torch.sqrt(x2.pow(2).mean(-1, keepdim=True) + 1e-6)
+    rdx, rdw = torch.autograd.grad((ref * g).sum(), (x2, w2))
+    torch.testing.assert_close(dx, rdx, atol=TOL64, rtol=0)
+    torch.testing.assert_close(dw, rdw, atol=TOL64, rtol=0)
+    assert torch.autograd.gradcheck(lambda t: norm(t), (x[:1, :1],))
+
+
+def test_rmsnorm_saves_input_and_row_scale_only():
+    """bf16 input (a q/k norm under autocast): the backward keeps the bf16 input and an fp32
+    scale per row, no fp32 copy of the input nor the normalised tensor."""
+    norm = RMSNorm(64)
+    x = torch.randn(128, 64).bfloat16().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = norm(x)
+    assert y.dtype == torch.bfloat16
+    big = [t for t in saved if t.numel() >= x.numel()]
+    assert len(big) == 1 and big[0].dtype == torch.bfloat16, [(t.shape, t.dtype) for t in saved]
+    assert sum(t.numel() for t in saved if t.numel() < x.numel()) == 128 + 64  # scale + weight
+
+
 def test_rope_matches_pairwise_rotation_and_restarts():
     torch.manual_seed(0)
     pos = torch.tensor([0, 1, 2, 3, 0, 1, 0, 7, 1000])
