@@ -27,6 +27,7 @@ or into the replicated optimizer.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -68,14 +69,14 @@ class Slab:
         """The R parts of a tensor shaped like the parameter (views)."""
         return torch.split(t, self.sizes, self.dim)
 
-    def numel(self, j: int) -> int:
-        """Elements of part j."""
-        return self.param.numel() // self.param.shape[self.dim] * self.sizes[j]
-
     def shape(self, j: int) -> list[int]:
+        """Shape of part j."""
         shape = list(self.param.shape)
         shape[self.dim] = self.sizes[j]
         return shape
+
+    def numel(self, j: int) -> int:
+        return math.prod(self.shape(j))
 
 
 def slab_dim(shape: tuple[int, ...], parts: int, contiguous_only: bool) -> int:
@@ -106,7 +107,8 @@ class ShardedBucket:
         self.parts, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.slabs = [make_slab(p, self.rank, self.parts, contiguous_only) for p in params]
         # starts[j][i]: where parameter i's part j begins in row j of the buffer
-        self.starts = [_cumulative([s.numel(j) for s in self.slabs]) for j in range(self.parts)]
+        self.starts = [list(itertools.accumulate((s.numel(j) for s in self.slabs[:-1]), initial=0))
+                       for j in range(self.parts)]
         self.segment = max(sum(s.numel(j) for s in self.slabs) for j in range(self.parts))  # S
         self.ready: set[int] = set()
         self.flat: torch.Tensor | None = None
@@ -129,7 +131,7 @@ class ShardedBucket:
         self.flat = torch.empty(self.segment, dtype=p0.dtype, device=p0.device)
         with record_function("comm.grad_launch"):
             self.work = reduce_scatter_flat(self.flat, send_RS.view(-1), group=self.group,
-                                                   async_op=True)
+                                            async_op=True)
 
     def finish(self) -> None:
         """Wait; each slab's `data.grad` is then its summed gradient (views of one buffer)."""
@@ -140,16 +142,23 @@ class ShardedBucket:
         self.flat, self.work = None, None
         self.ready.clear()
 
-    @torch.no_grad()
-    def gather_params(self) -> None:
-        """All-gather the updated slabs into every rank's whole parameters."""
+    def _all_gather(self, local: list[torch.Tensor | None]) -> torch.Tensor:
+        """[R, S]: every rank's row of the bucket, given this rank's slab-shaped tensors
+        (`None`: zeros), one per parameter."""
         p0 = self.params[0]
         send_S = torch.zeros(self.segment, dtype=p0.dtype, device=p0.device)
-        for i, slab in enumerate(self.slabs):
-            self._row(send_S, self.rank, i).copy_(slab.data.reshape(-1))
+        for i, t in enumerate(local):
+            if t is not None:
+                self._row(send_S, self.rank, i).copy_(t.reshape(-1))
         recv_RS = torch.empty(self.parts, self.segment, dtype=p0.dtype, device=p0.device)
         with record_function("comm.param_gather"):
             all_gather_flat(recv_RS.view(-1), send_S, group=self.group)
+        return recv_RS
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """All-gather the updated slabs into every rank's whole parameters."""
+        recv_RS = self._all_gather([slab.data for slab in self.slabs])
         for i, slab in enumerate(self.slabs):
             for j, part in enumerate(slab.parts(slab.param.detach())):
                 if j != self.rank:
@@ -159,24 +168,9 @@ class ShardedBucket:
     def gather_grads(self) -> list[torch.Tensor]:
         """Each parameter's whole reduced gradient, all-gathered from the slabs (for tests and
         debugging; the step never needs them)."""
-        p0 = self.params[0]
-        send_S = torch.zeros(self.segment, dtype=p0.dtype, device=p0.device)
-        for i, slab in enumerate(self.slabs):
-            if slab.data.grad is not None:
-                self._row(send_S, self.rank, i).copy_(slab.data.grad.reshape(-1))
-        recv_RS = torch.empty(self.parts, self.segment, dtype=p0.dtype, device=p0.device)
-        all_gather_flat(recv_RS.view(-1), send_S, group=self.group)
+        recv_RS = self._all_gather([slab.data.grad for slab in self.slabs])
         return [torch.cat([self._row(recv_RS[j], j, i).view(slab.shape(j)) for j in range(self.parts)],
                           slab.dim) for i, slab in enumerate(self.slabs)]
-
-
-def _cumulative(sizes: list[int]) -> list[int]:
-    """Exclusive prefix sums: [0, s0, s0 + s1, ...]."""
-    out, total = [], 0
-    for n in sizes:
-        out.append(total)
-        total += n
-    return out
 
 
 class DistributedOptimizer:
