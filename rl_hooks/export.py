@@ -90,32 +90,29 @@ def weights_spec(model, dtype: torch.dtype = torch.bfloat16) -> list[TensorSpec]
     return specs
 
 
-def _gather_tp(p: torch.Tensor, dims) -> torch.Tensor:
-    if not getattr(p, "tp_sharded", False) or dims.tp == 1:
+def _gather_along(p: torch.Tensor, dims, axis: str, dim: int | None) -> torch.Tensor:
+    """The whole of a tensor whose rank r of the `axis` group holds the r-th slice along `dim`
+    (None, or a group of one: `p` is whole already)."""
+    if dim is None or dims.size(axis) == 1:
         return p.detach()
-    parts = [torch.empty_like(p) for _ in range(dims.tp)]
-    dist.all_gather(parts, p.detach().contiguous(), group=dims.group("tp"))
-    return torch.cat(parts, dim=p.tp_dim)
+    parts = [torch.empty_like(p) for _ in range(dims.size(axis))]
+    dist.all_gather(parts, p.detach().contiguous(), group=dims.group(axis))
+    return torch.cat(parts, dim=dim)
+
+
+def _gather_tp(p: torch.Tensor, dims) -> torch.Tensor:
+    return _gather_along(p, dims, "tp", p.tp_dim if getattr(p, "tp_sharded", False) else None)
 
 
 def _gather_ep(p: torch.Tensor, dims) -> torch.Tensor:
     """[L, ...] expert slices of every EP rank -> [E, ...] in global expert order."""
-    if dims.ep == 1:
-        return p.detach()
-    parts = [torch.empty_like(p) for _ in range(dims.ep)]
-    dist.all_gather(parts, p.detach().contiguous(), group=dims.group("ep"))
-    return torch.cat(parts, dim=0)
+    return _gather_along(p, dims, "ep", 0)
 
 
 def _gather_etp(p: torch.Tensor, dims) -> torch.Tensor:
     """An expert weight whose hidden units are split over etp -> all of them (etp rank r holds
-    the r-th contiguous slice along `etp_dim`, expert_parallel.shard_expert_hidden)."""
-    dim = getattr(p, "etp_dim", None)
-    if dim is None or dims.etp == 1:
-        return p.detach()
-    parts = [torch.empty_like(p) for _ in range(dims.etp)]
-    dist.all_gather(parts, p.detach().contiguous(), group=dims.group("etp"))
-    return torch.cat(parts, dim=dim)
+    the r-th slice along `etp_dim`, expert_parallel.shard_expert_hidden)."""
+    return _gather_along(p, dims, "etp", getattr(p, "etp_dim", None))
 
 
 def _layer_experts(model, layer: int, dims, dtype) -> list[list[tuple[str, torch.Tensor]]]:
