@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -40,9 +37,9 @@ from longctx_moe.trainer import Trainer
 from rl_hooks.export import _layer_experts
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch
+from tests.parallel.test_train_folded_e2e import train_cli_on_four_ranks
 from tests.parallel.test_train_parallel import DOCS, SETS
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 TOL = 1e-10
 WORLD4 = [["parallel.tp=2", "parallel.etp=2", "parallel.ep=2", "parallel.moe_overlap=true",
@@ -214,24 +211,4 @@ def test_world8_tp2_cp2_dp2_etp2_tracks_single_process_float64():
 
 
 def test_cli_trains_tp2_etp2_ep2_on_four_ranks(tmp_path):
-    from data_packing.cli import main as pack_main
-
-    corpus = tmp_path / "corpus"
-    rc = pack_main(["--source", "stdlib", "--train-tokenizer", "512", "--seq-len", "256",
-                    "--max-docs", "24", "--seed", "0", "--no-progress", "--output", str(corpus)])
-    assert rc in (0, None)
-    run_dir = tmp_path / "run"
-    sets = ["parallel.tp=2", "parallel.etp=2", "parallel.ep=2", "train.steps=3",
-            "data.global_batch_tokens=1024", "data.micro_batch_tokens=512",
-            "optim.warmup_steps=1", "logging.progress_bar=false", "train.num_threads=1",
-            "checkpoint.every_steps=0", "logging.peak_tflops=1.0", f"train.run_dir={run_dir}",
-            f"data.path={corpus}"]
-    cmd = [sys.executable, "-m", "longctx_moe.cli", "train", "--nproc", "4",
-           "--config", str(ROOT / "configs/tiny_cpu.yaml")] + [a for s in sets for a in ("--set", s)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    for r in records:
-        assert math.isfinite(r["loss"]) and r["loss"] > 0 and math.isfinite(r["grad_norm"])
-    assert records[-1]["loss"] <= records[0]["loss"] * 1.05
+    train_cli_on_four_ranks(tmp_path, ["parallel.tp=2", "parallel.etp=2", "parallel.ep=2"])

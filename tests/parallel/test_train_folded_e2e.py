@@ -12,18 +12,21 @@ from data_packing.cli import main as pack_main
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
-SETS = ["parallel.cp=2", "parallel.ep=4", "parallel.distributed_optimizer=true", f"train.steps={STEPS}", "data.global_batch_tokens=1024",
-        "data.micro_batch_tokens=512", "optim.warmup_steps=1", "logging.progress_bar=false",
-        "train.num_threads=1", "checkpoint.every_steps=0", "logging.peak_tflops=1.0"]
+SHORT = [f"train.steps={STEPS}", "data.global_batch_tokens=1024", "data.micro_batch_tokens=512",
+         "optim.warmup_steps=1", "logging.progress_bar=false", "train.num_threads=1",
+         "checkpoint.every_steps=0", "logging.peak_tflops=1.0"]
 
 
-def test_cli_trains_cp2_ep4_on_four_ranks(tmp_path):
+def train_cli_on_four_ranks(tmp_path: Path, layout: list[str]) -> Path:
+    """`longctx-moe train --nproc 4` of the default config with the `layout` overrides, STEPS
+    steps on a small packed corpus; checks that it trained (finite, not blown up) and returns
+    the run directory."""
     corpus = tmp_path / "corpus"
     rc = pack_main(["--source", "stdlib", "--train-tokenizer", "512", "--seq-len", "256",
                     "--max-docs", "24", "--seed", "0", "--no-progress", "--output", str(corpus)])
     assert rc in (0, None)
     run_dir = tmp_path / "run"
-    sets = [*SETS, f"train.run_dir={run_dir}", f"data.path={corpus}"]
+    sets = [*layout, *SHORT, f"train.run_dir={run_dir}", f"data.path={corpus}"]
     cmd = [sys.executable, "-m", "longctx_moe.cli", "train", "--nproc", "4",
            "--config", str(ROOT / "configs/tiny_cpu.yaml")] + [a for s in sets for a in ("--set", s)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=400)
@@ -34,6 +37,12 @@ def test_cli_trains_cp2_ep4_on_four_ranks(tmp_path):
         assert math.isfinite(r["loss"]) and r["loss"] > 0 and math.isfinite(r["grad_norm"])
     # the loss of a random init is ~ln(vocab); training must not blow it up in 3 steps
     assert records[-1]["loss"] <= records[0]["loss"] * 1.05
+    return run_dir
+
+
+def test_cli_trains_cp2_ep4_on_four_ranks(tmp_path):
+    run_dir = train_cli_on_four_ranks(
+        tmp_path, ["parallel.cp=2", "parallel.ep=4", "parallel.distributed_optimizer=true"])
     meta = json.loads((run_dir / "checkpoints" / f"step_{STEPS:08d}" / "meta.json").read_text())
     assert meta["world_size"] == 4
     # Dense AdamW state lives in 4 slabs (one per dp_cp rank); expert state is split by EP only
