@@ -101,12 +101,12 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from cp_attention.dynamic import (  # noqa: E402
+from cp_attention.dynamic import schedule  # noqa: E402
+from cp_attention.dynamic_cost import (  # noqa: E402
     H100_IB_RING_LATENCY,
     DynamicCPCost,
     fit_attention_efficiency,
     padded_length,
-    schedule,
 )
 from data_packing.balance import balance_step, doc_cost  # noqa: E402
 

@@ -3,10 +3,7 @@ fits in, and place the sequences on the ranks of a DP x CP block, micro-batch sl
 Python, deterministic, no communication; the runtime all-gathers the lengths and every rank runs
 the same call).
 
-API
-    cost = DynamicCPCost(a, b, kv_bytes_per_token, bandwidth, overlap, ring_step_seconds,
-                         attn_half_tokens)
-    cost = DynamicCPCost.h100()   or   DynamicCPCost.from_model(num_layers=..., ...)
+API (cost: a cp_attention.dynamic_cost.DynamicCPCost)
     plan = schedule(lengths, block_size, max_cp, capacity_tokens, cost, static_cp=None,
                     tp=1, raise_cp=True) -> DynamicPlan
     plan.slots[m]             list of Run(size, first_rank, seq_indices), ordered by first_rank:
@@ -14,24 +11,14 @@ API
     plan.assignment(rank)     [(run, seq_indices)] over the slots: what `rank` runs in each slot
     plan.num_slots, plan.rank_cost, plan.imbalance, plan.cp_bytes, plan.modeled_step_time,
     plan.cp_sizes_used
-    padded_length(n, size, tp)    physical length of a sequence sharded over `size` ranks
-    fit_attention_efficiency(lengths, flops_per_s) -> (long-tile FLOP/s, n_half)
 
 Layout. The block holds B = dp * cp ranks. For every power of two s <= max_cp the ranks are cut
 into aligned runs [j*s, (j+1)*s). A slot is one micro-batch index: in a slot every rank belongs to
 exactly one run, and each run holds a packed list of sequences, each sharded (zigzag) over the
 run's s ranks, its length padded to a multiple of lcm(2s, tp). Every rank runs num_slots slots.
 
-Cost model (DynamicCPCost). A sequence of padded length n on s ranks costs every one of them
-    (a*n + b*n^2 / eff(n/s)) / s  +  (1 - overlap) * ring_bytes(n, s) / bandwidth  seconds,
-ring_bytes(n, s) = (s-1)/s * n * kv_bytes_per_token: each rank receives the K, V of the tokens it
-does not hold. eff(m) = m / (m + n_half) is the attention kernel's tile efficiency at m tokens
-per rank (the half-performance length n_half: short tiles run far below peak), so the attention
-term is b*n^2/s + b*n*n_half: the second part, the tile overhead, is paid by every rank of the
-run, whatever s. A run of s ranks busy in a slot costs each of its ranks ring_step_seconds *
-(s-1) more, once (the fixed cost of its ring steps: one ring carries all the run's sequences).
-Padding is computed and sent like real tokens, so costs use the padded length. With n_half = 0
-and ring_step_seconds = 0 (the dataclass defaults) compute divides evenly over any s.
+Cost model: cp_attention/dynamic_cost.py (DynamicCPCost): a sequence's compute, ring bytes and
+attention tile overhead on s ranks, and a run's fixed ring-step latency.
 
 Step-time model. The MoE all-to-alls make every rank of the block wait for the others inside
 every slot, so a step takes sum over slots of (max over the slot's runs of the run's cost), and
@@ -67,168 +54,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cp_attention.dynamic_cost import DynamicCPCost, padded_length
+
 # A packing on larger runs (step 4, and the later candidate plans) is adopted only if it is at
 # least this much faster: the cost model charges larger runs their ring bytes, ring steps and
 # smaller attention tiles but not their contention with the MoE all-to-all, so a gain smaller
 # than the model's error is not worth the traffic.
 _MIN_GAIN = 0.01
 _EPS = 1e-9  # relative float noise of summed costs
-
-
-def padded_length(n: int, size: int, tp: int = 1) -> int:
-    """Length of a sequence of n tokens sharded zigzag over `size` ranks (2*size chunks) with
-    TP sequence sharding inside each rank: the next multiple of lcm(2*size, tp)."""
-    multiple = math.lcm(2 * size, tp)
-    return -(-n // multiple) * multiple
-
-
-# H100-class constants of the two terms the plain compute + bytes model leaves out (cited in
-# docs/PERFORMANCE.md, Dynamic-CP). Ring-step latency: NCCL's own tuning model
-# (src/graph/tuning.cc) puts a Simple-protocol p2p hop at baseLat 8.4 us + hwLat 3.4 us over
-# NVLink (14 us over the network): ~12 us in a node, ~22 us across nodes; the attention kernel
-# launches and the merge of each step come on top, so these are low estimates. n_half: the
-# least-squares fit of eff(L) = L / (L + n_half) to FlashAttention-3's bf16 head-dim-128
-# forward (causal) + backward TFLOP/s on H100 SXM5 at sequence lengths 512..16K (Shah et al.
-# 2024, arXiv:2407.08608, speed figures; fwd:bwd FLOPs 1:2.5): n_half ~ 490 tokens, within 4%
-# of every point.
-H100_RING_LATENCY = 12e-6
-H100_IB_RING_LATENCY = 22e-6
-H100_ATTN_HALF_TOKENS = 490.0
-
-
-@dataclass(frozen=True)
-class DynamicCPCost:
-    """Seconds one sequence costs each rank of its run, and the fixed seconds of a run (module
-    docstring: cost model).
-
-    a: seconds per token computed (GEMMs: attention projections, router, active experts, LM
-       head; forward + backward). b: seconds per n^2 of one sequence's attention at full tile
-       efficiency, causal half and forward + backward folded in. kv_bytes_per_token: ring bytes
-       per token of one sequence, all layers, forward K,V + backward K,V + dK,dV, i.e. 3 * 2 *
-       kv_heads * head_dim * itemsize * layers. bandwidth: bytes/s one rank receives on the
-       ring. overlap: fraction of the ring time hidden behind compute (0: none, 1: all).
-    ring_step_seconds: fixed cost of one ring step (kernel launches, p2p latency, the wait that
-       ends the step) summed over one micro-batch's ring passes, i.e. 2 * layers * the latency
-       of one step (forward and backward of every layer); a run of s ranks pays it s - 1 times,
-       once per run and slot whatever it holds (one ring carries all its sequences). 0: none.
-    attn_half_tokens: n_half of the attention tile efficiency eff(m) = m / (m + n_half), m the
-       tokens one rank holds of the sequence (n / s): the classic half-performance length, the
-       tile length at which attention runs at half its long-tile throughput. 0: eff = 1.
-    """
-
-    a: float
-    b: float
-    kv_bytes_per_token: float = 0.0
-    bandwidth: float = math.inf
-    overlap: float = 0.0
-    ring_step_seconds: float = 0.0
-    attn_half_tokens: float = 0.0
-
-    def __post_init__(self):
-        if min(self.a, self.b, self.kv_bytes_per_token, self.ring_step_seconds,
-               self.attn_half_tokens) < 0 or not self.bandwidth > 0 \
-                or not 0.0 <= self.overlap <= 1.0 or not math.isfinite(self.ring_step_seconds) \
-                or not math.isfinite(self.attn_half_tokens):
-            raise ValueError(f"DynamicCPCost: need a, b, kv_bytes_per_token, ring_step_seconds, "
-                             f"attn_half_tokens >= 0 (the last two finite), bandwidth > 0 and "
-                             f"0 <= overlap <= 1; got {self}")
-
-    def attention_efficiency(self, tokens_per_rank):
-        """eff(m) = m / (m + n_half) in (0, 1], increasing in m; 1 without n_half."""
-        if self.attn_half_tokens == 0:
-            return 1.0 + 0.0 * tokens_per_rank
-        return tokens_per_rank / (tokens_per_rank + self.attn_half_tokens)
-
-    def compute_seconds(self, n, size: int):
-        """(a*n + b*n^2 / eff(n/size)) / size = (a*n + b*n^2) / size + b*n*n_half: the
-        inefficiency of short tiles costs every rank of the run b*n*n_half, whatever its size."""
-        return (self.a * n + self.b * n * n) / size + self.b * n * self.attn_half_tokens
-
-    def ring_bytes(self, n, size: int):
-        """Bytes each of the `size` ranks receives for one sequence of padded length n."""
-        return (size - 1) / size * n * self.kv_bytes_per_token
-
-    def seconds(self, n, size: int):
-        """Seconds one sequence of padded length n adds to each rank of a run of `size`."""
-        comm = self.ring_bytes(n, size) / self.bandwidth if size > 1 else 0.0 * n
-        return self.compute_seconds(n, size) + (1.0 - self.overlap) * comm
-
-    def run_fixed_seconds(self, size: int) -> float:
-        """Fixed seconds of a run of `size` ranks that holds at least one sequence in a slot:
-        its s - 1 ring steps per pass."""
-        return self.ring_step_seconds * (size - 1)
-
-    def run_seconds(self, padded_lengths, size: int) -> float:
-        """Seconds of a run of `size` ranks holding sequences of these padded lengths (0 if
-        none): its fixed ring-step cost plus every sequence's seconds."""
-        padded_lengths = list(padded_lengths)
-        if not padded_lengths:
-            return 0.0
-        return self.run_fixed_seconds(size) + sum(self.seconds(n, size) for n in padded_lengths)
-
-    @classmethod
-    def from_model(cls, *, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                   active_params_per_token: float, flops_per_s: float, bandwidth: float,
-                   attention_flops_per_s: float | None = None, itemsize: int = 2,
-                   overlap: float = 0.5, ring_latency: float = 0.0,
-                   attn_half_tokens: float = 0.0) -> DynamicCPCost:
-        """Constants from a model description and achieved (not peak) throughputs.
-
-        a = 6 * active matmul params / flops_per_s (2 FLOPs per multiply-add, backward twice the
-        forward). b: attention does 4 * heads * head_dim FLOPs per query-key pair and layer
-        forward (QK^T and PV), times 3 with the backward, over n^2/2 causal pairs, at
-        attention_flops_per_s (default flops_per_s), the throughput on long tiles. The hidden
-        size does not enter: it is inside active_params_per_token and, for attention, heads *
-        head_dim. ring_latency: seconds of one ring step (one p2p exchange with its launch and
-        wait); every layer runs one ring forward and one backward, so ring_step_seconds = 2 *
-        num_layers * ring_latency. attn_half_tokens: the tile efficiency's n_half.
-        """
-        attn = attention_flops_per_s or flops_per_s
-        return cls(a=6.0 * active_params_per_token / flops_per_s,
-                   b=3.0 * 4 * num_heads * head_dim * num_layers / 2 / attn,
-                   kv_bytes_per_token=3.0 * 2 * num_kv_heads * head_dim * itemsize * num_layers,
-                   bandwidth=bandwidth, overlap=overlap,
-                   ring_step_seconds=2.0 * num_layers * ring_latency,
-                   attn_half_tokens=attn_half_tokens)
-
-    @classmethod
-    def h100(cls, bandwidth: float = 200e9, overlap: float = 0.5,
-             ring_latency: float = H100_RING_LATENCY,
-             attn_half_tokens: float = H100_ATTN_HALF_TOKENS) -> DynamicCPCost:
-        """H100/H200-class planning constants for a Qwen3-30B-A3B-shaped MoE (48 layers, 32 query
-        / 4 KV heads of 128, 3.3B active params per token, bf16).
-
-        400 TFLOP/s achieved: 989 TFLOP/s dense bf16 peak (H100 SXM datasheet) at ~40% MFU, what
-        large MoE runs report; used for attention on long tiles too. 200 GB/s: NVLink 4 is 450
-        GB/s per direction per GPU, NCCL send/recv reaches about half; a run of <= 8 aligned
-        ranks stays inside one 8-GPU node when ranks are numbered node-major. For runs that cross
-        nodes pass the InfiniBand figures, ~25-50 GB/s per GPU (NDR 400 Gb/s) and
-        H100_IB_RING_LATENCY. overlap 0.5: the ring hides a transfer behind the attention of the
-        block before it, almost fully for long sequences, barely for short. ring_latency and
-        attn_half_tokens: see H100_RING_LATENCY and H100_ATTN_HALF_TOKENS.
-        """
-        return cls.from_model(num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
-                              active_params_per_token=3.3e9, flops_per_s=400e12,
-                              bandwidth=bandwidth, overlap=overlap, ring_latency=ring_latency,
-                              attn_half_tokens=attn_half_tokens)
-
-
-def fit_attention_efficiency(lengths: Sequence[float],
-                             flops_per_s: Sequence[float]) -> tuple[float, float]:
-    """(long-tile FLOP/s, n_half) of eff(L) = L / (L + n_half) fitted to attention throughputs
-    measured at tile lengths L: 1/T = 1/T_max + (n_half / T_max) * (1/L) is linear in 1/L, so
-    this is a least-squares line through (1/L, 1/T). Raises unless the fit gives T_max > 0 and
-    n_half >= 0 (throughput that falls with length has no half-performance length)."""
-    x = 1.0 / np.asarray(lengths, dtype=np.float64)
-    y = 1.0 / np.asarray(flops_per_s, dtype=np.float64)
-    if x.size < 2 or x.shape != y.shape:
-        raise ValueError("fit_attention_efficiency: need two or more (length, FLOP/s) pairs")
-    slope, intercept = np.polyfit(x, y, 1)
-    if not intercept > 0 or slope < 0:
-        raise ValueError(f"fit_attention_efficiency: throughputs {list(flops_per_s)} at lengths "
-                         f"{list(lengths)} do not rise towards a limit (1/T = {intercept:.3g} + "
-                         f"{slope:.3g}/L); measure longer tiles or on a quieter machine")
-    return float(1.0 / intercept), float(slope / intercept)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ class ParallelConfig:
     dynamic_cp: bool = False
     max_cp: int = 0  # the largest sub-group (a power of two <= dp * cp); 0: cp
     max_tokens_per_rank: int = 0  # tokens one rank holds in one slot; 0: data.micro_batch_tokens
-    # The scheduler's cost model (cp_attention.dynamic.DynamicCPCost.from_model): achieved
+    # The scheduler's cost model (cp_attention.dynamic_cost.DynamicCPCost.from_model): achieved
     # throughput per rank and ring bandwidth. Defaults are H100/H200-class (about 40% MFU of the
     # 989 TFLOP/s bf16 peak; NCCL send/recv over NVLink 4); only their ratios steer the plan.
     dcp_tflops: float = 400.0

@@ -54,7 +54,7 @@ def _dynamic_cp(model: nn.Module, dims, cfg: ParallelConfig, capacity_tokens: in
     """The Dynamic-CP scheduler of this layout, or None without parallel.dynamic_cp."""
     if not cfg.dynamic_cp:
         return None
-    from cp_attention.dynamic import DynamicCPCost
+    from cp_attention.dynamic_cost import DynamicCPCost
     from longctx_moe.model.flops import active_matmul_params
     from longctx_moe.parallel.dynamic_cp import DynamicCP
 

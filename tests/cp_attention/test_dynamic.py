@@ -13,17 +13,19 @@ from hypothesis import strategies as st
 
 from cp_attention.dynamic import (
     _MIN_GAIN,
-    H100_ATTN_HALF_TOKENS,
-    H100_RING_LATENCY,
-    DynamicCPCost,
     Run,
     _finish,
     _problem,
     _shrink,
     _Slot,
+    schedule,
+)
+from cp_attention.dynamic_cost import (
+    H100_ATTN_HALF_TOKENS,
+    H100_RING_LATENCY,
+    DynamicCPCost,
     fit_attention_efficiency,
     padded_length,
-    schedule,
 )
 
 COST = DynamicCPCost(a=1e-6, b=1e-10, kv_bytes_per_token=1e4, bandwidth=1e10, overlap=0.5)

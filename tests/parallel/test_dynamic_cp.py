@@ -176,7 +176,7 @@ def test_cost_settings_reach_the_runtime_cost_model():
     ignored), and out-of-range values are refused with the key's name."""
     import pytest
 
-    from cp_attention.dynamic import DynamicCPCost
+    from cp_attention.dynamic_cost import DynamicCPCost
     from longctx_moe.model.flops import active_matmul_params
     from longctx_moe.parallel.parallelize import _dynamic_cp
 
