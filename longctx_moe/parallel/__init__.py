@@ -9,6 +9,7 @@
     dispatch.py          AllToAllDispatcher, AllGatherDispatcher, build_dispatcher
     expert_parallel.py   shard_experts: keep this EP rank's slice of GroupedExperts
     tensor_parallel.py   Megatron-style TP of attention and dense MLPs on a built model
+    sequence_parallel.py tokens split over TP between the TP regions; MoE layers on own tokens
     context_parallel.py  CPGroup (a micro-batch's CP group and executor) and shard_for_cp (plan a
                          micro-batch, keep this rank's tokens and their DocLayout)
     dynamic_cp.py        DynamicCP: each step's documents gathered over dp and rescheduled on

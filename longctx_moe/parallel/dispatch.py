@@ -23,9 +23,12 @@ tokens' gradients travel back (comm.start_all_to_all_rows). The arithmetic is th
 synchronous path, so the results are bitwise equal. The combine all-to-all stays synchronous:
 within one micro-batch nothing independent is left to compute by then.
 
-TP (ETP = 1): TP peers hold the same tokens. With `tp_group`, each peer dispatches one contiguous
-chunk of them and the outputs are all-gathered back (Megatron-Core's approach), so experts see
-each token once and expert gradients need no 1/tp correction; capacity then applies per chunk.
+TP without sequence parallelism: TP peers hold the same tokens. With `tp_group`, each peer
+dispatches one contiguous chunk of them and the outputs are all-gathered back (Megatron-Core's
+approach), so experts see each token once and expert gradients need no 1/tp correction; capacity
+then applies per chunk. Under sequence parallelism each TP rank already holds its own tokens (the
+same chunk) and the MoE layer runs on them alone (sequence_parallel.py): the dispatcher gets no
+`tp_group`, and capacity applies per rank's own tokens, which is the same per-chunk rule.
 
 ETP > 1 (`etp_group`): each rank of the etp group holds a slice of the hidden units of the same
 experts (expert_parallel.shard_expert_hidden). Tokens are still dispatched once, by one rank, as
@@ -158,7 +161,7 @@ class _EPDispatcher:
         dispatches only its chunk of the (replicated) tokens and the outputs are gathered back,
         so no expert runs a token twice."""
         side = None if shared is None else (lambda: shared(x_TD))
-        if self.tp_group is None:  # dims.group_or_none(Axis.TP): None for one TP rank
+        if self.tp_group is None:  # one TP rank, or SP: the tokens are this rank's own
             y_TD, side_TD = self._dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts, side)
         else:
             T, g = x_TD.shape[0], self.tp_group
@@ -336,7 +339,8 @@ def build_dispatcher(dims, cfg, num_experts: int):
     Dropless on one rank without TP or ETP there is nothing to route across ranks: the model's own
     LocalDispatcher (sort by expert, one batched combine) computes the same sum faster."""
     group = dims.group_or_none(Axis.EP)
-    tp_group = dims.group_or_none(Axis.TP)  # TP peers split their shared tokens
+    # TP peers split their shared tokens; under SP each already holds only its own.
+    tp_group = None if cfg.sequence_parallel else dims.group_or_none(Axis.TP)
     etp_group = dims.group_or_none(Axis.ETP)  # ETP peers split the experts' hidden units
     if cfg.dispatcher == "allgather" and cfg.dispatch_dtype != "none":
         raise ValueError(f"dispatch_dtype={cfg.dispatch_dtype!r} compresses the all-to-all "

@@ -7,14 +7,17 @@ SUMMED, never averaged:
 
 - dense parameters: all-reduce over `dp_cp` (in buckets launched from the last backward's hooks
   with parallel.grad_bucket_mb > 0: GradBuckets); TP-sharded or TP-replicated, each rank already holds
-  the gradient of its own shard for its DP x CP slice of tokens.
+  the gradient of its own shard for its DP x CP slice of tokens. Replicated parameters that see only
+  a TP rank's heads or tokens (q/k norms; norms and routers under sequence parallelism) hold partial
+  gradients and name `world` as their `reduce_axis`.
 - expert parameters (inside GroupedExperts, duck-typed by `num_local_experts`): the dispatcher
   already summed over the tokens of the EP group; all-reduce over `edp` then covers every rank
-  once. With TP > 1 the dispatchers from `build_dispatcher` split the TP peers' shared tokens,
-  so each token reaches its experts once.
+  once. With TP > 1 the dispatchers from `build_dispatcher` split the TP peers' shared tokens
+  (under sequence parallelism each TP rank routes its own), so each token reaches its experts once.
 - router statistics of the aux / z losses (stats_reducer, run inside the model through
   DocLayout.reduce_stats): over the micro-batch's CP group, or `dp_cp` for the global-batch aux
-  loss; never over TP, whose peers already hold every token.
+  loss; over TP as well only under sequence parallelism, where each TP rank routes its own tokens
+  (sequence_parallel.py); without it TP peers route the same tokens.
 - expert-bias load counts: the trainer sums them over `dp_cp`, so every rank applies the same
   bias update.
 - the gradient norm for clipping: dense once, expert shards summed over `ep` (clip_grad_norm).
@@ -251,8 +254,10 @@ def stats_reducer(group):
     the whole data-parallel batch): sums no-grad statistics (int64 counts, any shape) over them.
     None when `group` is None (one rank: nothing to reduce).
 
-    Never over TP: TP peers route the same tokens, and a tp-fold count sum would be normalised by
-    a tp-fold token total while each rank's score sums stay local (its share would be 1/tp)."""
+    `group` must not repeat tokens: over TP peers that route the same tokens, a tp-fold count sum
+    would be normalised by a tp-fold token total while each rank's score sums stay local (its
+    share would be 1/tp). Under sequence parallelism TP ranks route distinct tokens, and the MoE
+    layer's own-rows layout adds the sum over TP (sequence_parallel.own_rows_layout)."""
     if group is None:
         return None
 

@@ -6,8 +6,8 @@ runs CP per micro-batch. What is fixed for the whole run is applied here, once:
 - TP (tensor_parallel.py): attention heads (KV heads replicated when tp > num_kv_heads), dense
   MLPs and the vocabulary (embedding and LM head) sharded, Megatron's conjugate all-reduce pair
   as module hooks; with parallel.sequence_parallel the tokens are split between the TP regions
-  (sequence_parallel.py). With TP > 1 the dispatchers split the TP peers' shared tokens, so
-  experts see each token once.
+  (sequence_parallel.py) and each MoE layer runs on its TP rank's own tokens. Without SP the
+  dispatchers split the TP peers' shared tokens. Either way experts see each token once.
 - EP: every MoE layer keeps its slice of the experts (shard_experts) and gets the configured
   dispatcher (capacity factor, drop policy, payload dtype): also on one rank, where it is the
   local path with the same capacity rules.

@@ -27,7 +27,8 @@ Loss bookkeeping stays with the trainer (trainer.py): each rank's CE sum covers 
 so sums over dp_cp give the global batch's. With `parallel.aux_loss_scope=global_batch` the
 router statistics are summed over every data-parallel rank (Megatron's global-batch aux loss),
 and `forward` rescales the aux / z losses so the trainer's weighting stays exact (see
-`_global_batch_scale`).
+`_global_batch_scale`). TP peers return the same aux / z losses, expert counts and routes: with
+sequence parallelism the MoE layers complete them over TP themselves (sequence_parallel.py).
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ class ParallelRuntime:
 
     def _stats_reducer(self, cp: CPGroup):
         """Sum of router statistics over the ranks that share them: every data-parallel rank for
-        the global-batch aux loss, else the micro-batch's CP group (None: nothing to sum)."""
+        the global-batch aux loss, else the micro-batch's CP group (None: nothing to sum). Under
+        sequence parallelism the MoE layers add the sum over TP (sequence_parallel.py)."""
         if self.global_batch_aux:
             return stats_reducer(self.dims.group_or_none(Axis.DP_CP))
         return stats_reducer(cp.group)  # None for a one-rank CPGroup

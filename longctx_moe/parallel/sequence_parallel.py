@@ -8,24 +8,44 @@ activations (kept for the backward) shrink by tp. Each TP region's conjugate pai
     exit:  reduce-scatter tokens (backward: all-gather)   instead of all-reduce (backward: copy)
 
 The vocab-parallel embedding reduce-scatters its lookup, and the final norm's output is
-all-gathered for the LM head. An MoE layer runs on every token of the group (its router and the
-dispatcher's TP split expect the shared tokens): its input is all-gathered and its output split,
-neither with a reduction, since every TP rank computes the same MoE function and holds its
-complete gradient. The norms see a rank's own tokens only: their weights' gradients are partial
-per TP rank and summed over TP as well (reduce_axis = "world").
+all-gathered for the LM head. The norms see a rank's own tokens only: their weights' gradients
+are partial per TP rank and summed over TP as well (reduce_axis = "world").
+
+An MoE layer runs on the rank's own tokens, as in Megatron-Core's MoE Parallel Folding: the
+router routes own rows, the dispatcher sends them over EP and combines them back to own rows,
+with no gather over TP (the shared expert is a TP region like a dense MLP, with the SP pair
+above). Around it (`add_moe_hooks`):
+
+- its DocLayout is that of own rows (`OwnRowsLayout`: document ids, padding mask and replayed
+  routes sliced; document count unchanged), whose `reduce_stats` sums over TP before the
+  reduction it had (CP, or dp_cp for the global-batch aux loss). The aux / z losses then come
+  out as this rank's share of the value over every token the reduction covers;
+- its statistics are completed over TP on exit (`complete_stats`): the aux / z shares summed
+  (identity backward: each rank's share depends on its own rows only), the expert counts and
+  replay counts summed, the routes all-gathered, so the layer returns what it returns on one
+  device for all T tokens;
+- the router weight sees own rows only: its gradient is partial per TP rank and summed over
+  "world" like the norms'.
 
 TP rank r holds tokens [r T/tp, (r+1) T/tp) of its (CP-local) micro-batch.
-Shapes: T tokens of the group, n = T/tp tokens of this rank, D model dim.
+Shapes: T tokens of the group, n = T/tp tokens of this rank, D model dim, K top-k, L MoE layers,
+E experts.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from longctx_moe.model.attention import DocLayout
+from longctx_moe.model.moe import MoEStats
 from longctx_moe.parallel.comm import reduce_scatter_flat
 from longctx_moe.parallel.dims import Axis
+from longctx_moe.parallel.grad_reduce import stats_reducer
 
 
 def _own_rows(x_TD: torch.Tensor, group) -> torch.Tensor:
@@ -96,28 +116,102 @@ def scatter_tokens(x_TD: torch.Tensor, group, reduce: bool) -> torch.Tensor:
     return _ScatterTokens.apply(x_TD, group, reduce)
 
 
-def add_sequence_parallel_hooks(module: nn.Module, group, sharded: bool) -> None:
-    """Tokens all-gathered on entry to `module` and split again on exit. `sharded`: the module
-    is TP-sharded (partial outputs: reduce-scatter; partial input gradients: reduce-scatter);
-    else it is replicated over TP (plain split, rows of the complete gradient). A tuple output
-    (MoE's (y, stats)) has its first element split."""
+def add_sequence_parallel_hooks(module: nn.Module, group) -> None:
+    """A TP region under SP: tokens all-gathered on entry to the TP-sharded `module` (its input
+    gradients are partial: reduce-scatter) and its partial outputs reduce-scattered on exit."""
     module.register_forward_pre_hook(
-        lambda m, args: (gather_tokens(args[0], group, sharded), *args[1:]))
+        lambda m, args: (gather_tokens(args[0], group, True), *args[1:]))
+    module.register_forward_hook(lambda m, args, out: scatter_tokens(out, group, True))
 
-    def exit_hook(m, args, out):
-        if isinstance(out, tuple):
-            return (scatter_tokens(out[0], group, sharded), *out[1:])
-        return scatter_tokens(out, group, sharded)
 
-    module.register_forward_hook(exit_hook)
+class _SumShares(torch.autograd.Function):
+    """Sum over `group` of each rank's share of a loss. Backward: identity, since the d(sum) /
+    d(own share) is 1 and a share depends on the rank's own rows only (its statistics from the
+    other ranks are no-grad counts)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def own_rows_layout(layout: DocLayout, group) -> DocLayout:
+    """The layout of this rank's own rows for an MoE layer: per-token fields sliced, document ids
+    and count kept global to the micro-batch, statistics summed over TP and then over what
+    `layout` summed them. Its attention fields (cu_attn_S, max_attn) still describe all T tokens:
+    only the MoE layer reads it."""
+    def own(t):
+        return None if t is None else _own_rows(t, group)
+
+    tp_sum, then = stats_reducer(group), layout.reduce_stats
+    reduce = tp_sum if then is None else (lambda t: then(tp_sum(t)))
+    return dataclasses.replace(
+        layout, position_ids_T=own(layout.position_ids_T), doc_id_T=own(layout.doc_id_T),
+        real_mask_T=own(layout.real_mask_T), replay_TLK=own(layout.replay_TLK),
+        reduce_stats=reduce, attend=None, rope={})
+
+
+class OwnRowsLayout:
+    """own_rows_layout of the layout the model passes, built once per micro-batch: the first MoE
+    layer builds it and the others (and a recomputed block) find it here. Holds its source by
+    weak reference, so a finished micro-batch's layout is not kept alive."""
+
+    def __init__(self, group):
+        self.group = group
+        self._source, self._own = None, None
+
+    def __call__(self, layout: DocLayout) -> DocLayout:
+        if self._source is None or self._source() is not layout:
+            self._own = own_rows_layout(layout, self.group)
+            self._source = weakref.ref(layout)
+        return self._own
+
+
+@torch.compiler.disable  # collectives, and host ints in the statistics
+def complete_stats(stats: MoEStats, group) -> MoEStats:
+    """The statistics of all T tokens of the TP group from this rank's own-rows ones: the aux
+    and z shares summed (differentiable), expert and replay counts summed, routes gathered."""
+    losses = _SumShares.apply(torch.stack([stats.aux_loss, stats.z_loss]), group)
+    replay = torch.tensor([stats.replay_known, stats.replay_agree], dtype=stats.counts_E.dtype,
+                          device=stats.counts_E.device)
+    counts = torch.cat([stats.counts_E, replay])
+    dist.all_reduce(counts, group=group)
+    known, agree = counts[-2:].tolist()
+    return dataclasses.replace(stats, aux_loss=losses[0], z_loss=losses[1], counts_E=counts[:-2],
+                               topk_idx_TK=_all_gather(stats.topk_idx_TK, group),
+                               replay_known=known, replay_agree=agree)
+
+
+def add_moe_hooks(moe: nn.Module, group, own_layout: OwnRowsLayout) -> None:
+    """Run `moe` (forward(x, layout, replay_TK) -> (y, MoEStats)) on this rank's own rows: the
+    layout and the replayed routes (given for all T tokens) become those of own rows on entry,
+    and the statistics are completed over TP on exit; x and y stay own rows."""
+
+    @torch.compiler.disable
+    def enter(m, args):
+        x_nD, layout, *rest = args
+        replay_TK = rest[0] if rest else None
+        replay_nK = None if replay_TK is None else _own_rows(replay_TK, group)
+        return x_nD, own_layout(layout), replay_nK
+
+    moe.register_forward_pre_hook(enter)
+    moe.register_forward_hook(lambda m, args, out: (out[0], complete_stats(out[1], group)))
 
 
 def apply_sequence_parallel(model: nn.Module, group) -> None:
     """The token-split pieces around the TP regions (tensor_parallel.py adds the regions' own
-    gather / reduce-scatter hooks): MoE layers, the final norm, and the norms' gradients."""
+    gather / reduce-scatter hooks, the shared experts' included): MoE layers on own rows, the
+    final norm, and the gradients that own rows leave partial (norms, routers)."""
+    own_layout = OwnRowsLayout(group)  # one per model: the layers of a micro-batch share it
     for block in model.layers:
         if block.is_moe:
-            add_sequence_parallel_hooks(block.ffn, group, sharded=False)
+            add_moe_hooks(block.ffn, group, own_layout)
+            block.ffn.router.weight.reduce_axis = Axis.WORLD  # own rows only: partial per TP rank
     model.norm.register_forward_hook(lambda m, args, out: gather_tokens(out, group, False))
     for norm in [b.attn_norm for b in model.layers] + [b.ffn_norm for b in model.layers] + [model.norm]:
         norm.weight.reduce_axis = Axis.WORLD  # own tokens only: partial per TP rank

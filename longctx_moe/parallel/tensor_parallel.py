@@ -22,8 +22,10 @@ and the exporters' one description of a TP shard).
 Vocabulary: the embedding and the LM head keep rows [r V/tp, (r+1) V/tp) (`tp_dim = 0`). The
 embedding becomes `VocabParallelEmbedding` (a lookup of the ids this rank holds, all-reduced over
 TP); the head's losses get the TP group through `model.vocab_shard` and reduce the softmax
-statistics per chunk (model/losses.py), so no rank forms [T, V]. Final norm, routers and experts
-stay replicated over TP with complete gradients.
+statistics per chunk (model/losses.py), so no rank forms [T, V]. The final norm and the routers
+are replicated over TP; without sequence parallelism their gradients are complete on every TP
+rank, with it they are partial (each rank's own tokens) and summed over "world" (see
+sequence_parallel.py). Experts are sliced by EP / ETP (expert_parallel.py), not here.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
 def _add_tp_hooks(module: nn.Module, group, sequence_parallel: bool = False) -> None:
     if sequence_parallel:  # tokens split between the regions: all-gather / reduce-scatter
-        add_sequence_parallel_hooks(module, group, sharded=True)
+        add_sequence_parallel_hooks(module, group)
         return
     module.register_forward_pre_hook(lambda m, args: (_CopyToTP.apply(args[0], group), *args[1:]))
     module.register_forward_hook(lambda m, args, out: _ReduceFromTP.apply(out, group))
@@ -236,7 +238,8 @@ def apply_tensor_parallel(model: nn.Module, dims, sequence_parallel: bool = Fals
     for block in model.layers:
         shard_attention(block.attn, rank, size, group, sp)
         for mlp in _dense_mlps(block):
-            # A shared expert runs inside its MoE layer, on the tokens gathered for it.
-            shard_swiglu(mlp, rank, size, group, sp and not block.is_moe)
+            # A shared expert runs inside its MoE layer on the rank's own tokens under SP: the
+            # same gather / reduce-scatter pair as a dense MLP.
+            shard_swiglu(mlp, rank, size, group, sp)
     if sp:
         apply_sequence_parallel(model, group)

@@ -2,7 +2,8 @@
 gloo ranks against the synchronous one, same run, same data.
 
 The real Transformer with a shared expert, EP4 (and TP2 x EP4, where the TP peers split their
-shared tokens; and fp8 payloads), fp32, two micro-batches of gradient accumulation per rank.
+shared tokens; with sequence parallelism, where the shared expert's TP all-gather and
+reduce-scatter run while the all-to-all travels; and fp8 payloads), fp32, two micro-batches of gradient accumulation per rank.
 Overlap only moves *when* the shared expert, the all-to-alls and the gradient buckets' all-reduces
 run, not what they compute, so losses and every gradient must be bitwise equal (torch.equal, no
 tolerance) for each bucket size. (Different bucket sizes chunk the all-reduce differently, hence
@@ -28,7 +29,8 @@ from tests.parallel._moe_ref import LoopExperts
 DOCS = [[5, 9, 1, 13], [1, 7, 3], [12, 2], [2, 2, 6], [17, 4], [3, 3, 3, 3]]
 # The last two recompute blocks in the backward: the all-to-alls (and the overlap) run again there.
 LAYOUTS = [dict(ep=4), dict(tp=2, ep=4), dict(ep=4, dispatch_dtype="fp8"),
-           dict(ep=4, recompute="full"), dict(tp=2, ep=4, recompute="selective")]
+           dict(ep=4, recompute="full"), dict(tp=2, ep=4, recompute="selective"),
+           dict(tp=2, ep=4, sequence_parallel=True)]
 
 
 def _model(seed):

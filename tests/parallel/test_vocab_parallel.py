@@ -2,8 +2,9 @@
 
 The losses on a vocabulary split over gloo ranks (model/losses.py VocabShard) equal the whole-
 vocabulary functions; the parallelized Transformer under TP (vocabulary rows sharded, and KV heads
-replicated when tp > num_kv_heads) gives the reference's loss, per-token log-probs, entropies and
-every gradient (this rank's slice of it). Tolerance 1e-10: float64, only the order of the sums
+replicated when tp > num_kv_heads) gives the reference's loss (aux and z included), router
+statistics (aux / z values, expert counts, routes), per-token log-probs, entropies and every
+gradient (this rank's slice of it). Tolerance 1e-10: float64, only the order of the sums
 (per-shard max / sum-exp then an all-reduce) differs from the single process.
 """
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from longctx_moe.model import build_model
+from longctx_moe.model.attention import doc_layout
 from longctx_moe.model.losses import VocabShard, chunked_cross_entropy, chunked_token_logprobs
 from longctx_moe.model.transformer import LogProbHead
 from longctx_moe.parallel.config import ParallelConfig
@@ -89,12 +91,27 @@ def _model(seed, **overrides):
     torch.manual_seed(seed)
     cfg = tiny_config(num_experts=4, top_k=2, first_k_dense=1, shared_expert_hidden_size=16,
                       aux_loss_coeff=0.1, z_loss_coeff=0.01, **overrides)
-    return build_model(cfg).double()
+    model = build_model(cfg).double()
+    if cfg.expert_bias:  # a bias that changes the selection (it starts at zero)
+        for layer in model.moe_layers():
+            layer.router.expert_bias.copy_(0.2 * torch.randn(cfg.num_experts))
+    return model
+
+
+def _replay_routes(batch, model, gen):
+    """int [T, L_moe, K] routes to force: distinct random experts for about half of the tokens,
+    -1 (route live) for the others."""
+    cfg, t = model.cfg, batch.num_tokens
+    routes_TLK = torch.rand(t, len(model.moe_layers()), cfg.num_experts, generator=gen)
+    routes_TLK = routes_TLK.argsort(-1)[..., :cfg.top_k]
+    live_T = torch.rand(t, generator=gen) < 0.5
+    return routes_TLK.masked_fill(live_T[:, None, None], -1)
 
 
 def _rl_loss(out, g_T):
     """A loss weighing every token's log-prob and entropy on its own (as RL does)."""
-    return (out.logprobs_T * g_T).sum() + 0.3 * (out.entropy_T * g_T).sum() + out.aux_loss
+    return (out.logprobs_T * g_T).sum() + 0.3 * (out.entropy_T * g_T).sum() + out.aux_loss \
+        + out.z_loss
 
 
 def _my_slice(p, want, dims):
@@ -109,7 +126,36 @@ def _my_slice(p, want, dims):
     return want
 
 
-def _check_model(rank, world, kw, overrides, head):
+def _ref_forward(ref, batch, head, replay_TLK):
+    if replay_TLK is None:
+        return ref(batch, head=head)
+    layout = doc_layout(batch)
+    layout.replay_TLK = replay_TLK
+    return ref(batch, layout, head=head)
+
+
+def _check_router_stats(runtime, shard, out, want, batch, kw):
+    """Aux / z losses and expert counts (shares over CP, summed), routes of the real tokens
+    (padding's are garbage that nothing reads) and replay counts of this rank's micro-batch
+    equal the reference's."""
+    for got, ref in ((out.aux_loss, want.aux_loss), (out.z_loss, want.z_loss)):
+        got = runtime.all_reduce(got.detach().clone(), "cp")
+        assert abs(got.item() - ref.item()) < TOL, kw
+    counts = runtime.all_reduce(out.expert_counts.clone(), "cp")
+    assert torch.equal(counts, want.expert_counts), kw
+    real_T = batch.real_token_mask()
+    routes_TLK = runtime.gather_tokens(shard, out.routes_TLK)
+    assert torch.equal(routes_TLK[real_T], want.routes_TLK[real_T]), kw
+    replay = torch.tensor([out.replay["known"], out.replay["agree"]])
+    ref_replay = [want.replay["known"], want.replay["agree"]]
+    assert runtime.all_reduce(replay, "cp").tolist() == ref_replay, kw
+
+
+def _check_model(rank, world, kw, overrides, head, replay=False, adapt_ref=None):
+    """The parallelized model of ParallelConfig(**kw) on this rank against one process: loss
+    (CE or `head`'s RL loss, plus aux and z), router statistics, logits and every gradient.
+    `replay`: force random routes for half the tokens; `adapt_ref(ref, dims)`: make the
+    reference act as the layout does where that differs from one process (per-chunk capacity)."""
     dims = ParallelDims.from_config(ParallelConfig(**kw), world, tiny_config(**overrides))
     dims.build_groups(rank)
     gen = torch.Generator().manual_seed(7)
@@ -117,24 +163,28 @@ def _check_model(rank, world, kw, overrides, head):
                             generator=gen) for d in DOCS[:dims.dp]]
     g_Ts = [torch.randn(b.num_tokens, generator=gen, dtype=torch.float64) for b in batches]
     ref = _model(3, **overrides)
-    ref_outs = [ref(b, head=head) for b in batches]
+    if adapt_ref is not None:
+        adapt_ref(ref, dims)
+    replays = [_replay_routes(b, ref, gen) if replay else None for b in batches]
+    ref_outs = [_ref_forward(ref, b, head, r) for b, r in zip(batches, replays, strict=True)]
     if head is None:
-        ref_loss = sum(o.ce_sum + o.aux_loss for o in ref_outs)
+        ref_loss = sum(o.ce_sum + o.aux_loss + o.z_loss for o in ref_outs)
     else:
         ref_loss = sum(_rl_loss(o, g) for o, g in zip(ref_outs, g_Ts, strict=True))
     ref_loss.backward()
     runtime = parallelize(_model(3, **overrides), dims)
     model, dp = runtime.model, dims.rank_in("dp")
-    shard = runtime.shard(batches[dp])
+    shard = runtime.shard(batches[dp], replay_TLK=replays[dp])
     out = runtime.forward(shard, head=head)
     # under CP this rank holds its shard of the tokens (plan order): weigh them alike
     g_T = g_Ts[dp] if shard.cp.size == 1 else shard.plan.shard(g_Ts[dp], shard.cp.rank)
-    loss = out.ce_sum + out.aux_loss if head is None else _rl_loss(out, g_T)
+    loss = out.ce_sum + out.aux_loss + out.z_loss if head is None else _rl_loss(out, g_T)
     loss.backward()
     runtime.reduce_gradients()
     total = loss.detach().clone()
     runtime.all_reduce(total, "dp_cp")  # TP peers hold the same loss
     assert abs(total.item() - ref_loss.item()) < TOL, kw
+    _check_router_stats(runtime, shard, out, ref_outs[dp], batches[dp], kw)
     if head is not None:
         for got, want in ((out.logprobs_T, ref_outs[dp].logprobs_T),
                           (out.entropy_T, ref_outs[dp].entropy_T)):
