@@ -7,6 +7,10 @@ Qwen3-MoE, same model, same weights, same run; and the same step on 4 gloo ranks
     .venv/bin/python bench/long_context.py --lengths 32768 --sides none \
         --multi-layouts cp4,cp2tp2 --out bench/results/long_context.json           # 4-rank part
 
+Ours runs with `train.host_allocator=lean` by default (--allocator; single rank and every layout
+alike): blocks above 1 MiB get their own mmap, so a CP rank's quarter-size activations do not
+fragment the heap (longctx_moe/host.py). HF runs on glibc's defaults.
+
 The model is bench/train_throughput.py's (hidden 512, 4 layers, 16 experts top-2, 8 query / 4 KV
 heads of 64, vocab 16384), bf16 autocast, fp32 master weights, fused AdamW, no torch.compile on
 either side (a compile would be charged to the single timed step). The document is random token
@@ -93,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--multi-layouts", default=",".join(LAYOUTS),
                    help=f"4-rank layouts to run at --cp4-length, a subset of {','.join(LAYOUTS)}")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: torch's default)")
+    p.add_argument("--allocator", default="lean", choices=("tuned", "lean", "default"),
+                   help="train.host_allocator of ours, single rank and every layout alike (HF runs "
+                        "on glibc's defaults)")
     p.add_argument("--out", help="write the results as JSON here (rewritten after every measurement)")
     p.add_argument("--reuse", help="a JSON this bench wrote earlier (even an interrupted run's): its "
                                    "rows are kept and their (side, length) and 4-rank (layout, length) "
@@ -181,7 +188,7 @@ def measured_step(run, length: int, vocab: int, base: int) -> dict:
 def worker(args) -> None:
     from longctx_moe.host import configure_cpu
 
-    configure_cpu(args.threads, "tuned" if args.worker != "hf" else "default")
+    configure_cpu(args.threads, args.allocator if args.worker != "hf" else "default")
     start_watchdog(int(args.mem_cap_gib * GIB))
     cfg = bench_config(args.worker)
     base = rss_bytes()
@@ -244,7 +251,7 @@ def replicated_optimizer_bytes(trainer, expert_ids: set[int]) -> dict:
 
 
 def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap_gib: float,
-               queue) -> None:
+               allocator: str, queue) -> None:
     import torch.distributed as dist
 
     from longctx_moe.host import configure_cpu
@@ -252,7 +259,7 @@ def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap
     from longctx_moe.train import build_runtime
     from longctx_moe.trainer import Trainer
 
-    configure_cpu(threads, "tuned")
+    configure_cpu(threads, allocator)
     start_watchdog(int(cap_gib * GIB))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -277,7 +284,7 @@ def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap
     dist.destroy_process_group()
 
 
-def run_multi(layout: str, length: int, threads: int, cap_gib: float) -> dict:
+def run_multi(layout: str, length: int, threads: int, cap_gib: float, allocator: str) -> dict:
     """One step of `layout` on WORLD gloo ranks (spawned processes); a dict with per-rank rows,
     or with "error" (a rank died or passed its share of the memory cap)."""
     import socket
@@ -289,7 +296,7 @@ def run_multi(layout: str, length: int, threads: int, cap_gib: float) -> dict:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=multi_rank, args=(r, layout, port, length, threads, cap_gib, queue))
+    procs = [ctx.Process(target=multi_rank, args=(r, layout, port, length, threads, cap_gib, allocator, queue))
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -324,7 +331,8 @@ def run_multi(layout: str, length: int, threads: int, cap_gib: float) -> dict:
 
 def run_one(side: str, length: int, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--length", str(length),
-           "--mem-cap-gib", str(args.mem_cap_gib), "--threads", str(args.threads)]
+           "--mem-cap-gib", str(args.mem_cap_gib), "--threads", str(args.threads),
+           "--allocator", args.allocator]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if "OVERCAP" in proc.stdout:
         return {"side": side, "length": length, "over_cap": True}
@@ -408,7 +416,7 @@ def summarize(rows: list[dict], multi: list[dict], args) -> dict:
         "dist_optimizer_bytes_ratio_by_kind": by_kind_ratio(cp4) if cp4 else None,
         "dist_optimizer_replicas": {k: m["replicas"] for k, m in done.items()},
         "tokens_per_s_ratio_32k": r32_ours["tokens_per_s"] / r32_hf["tokens_per_s"] if r32_ours and r32_hf else None,
-        "mem_cap_gib": args.mem_cap_gib, "rows": rows, "multi_length": args.cp4_length,
+        "mem_cap_gib": args.mem_cap_gib, "allocator": args.allocator, "rows": rows, "multi_length": args.cp4_length,
         "multi_rows": multi, "layouts": {k: {"sets": v[0], "what": v[1]} for k, v in LAYOUTS.items()},
         "threads": args.threads or torch.get_num_threads(), "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"), "machine": machine(),
@@ -491,6 +499,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"--multi-layouts: unknown {sorted(set(layouts) - set(LAYOUTS))}; "
                          f"choose from {','.join(LAYOUTS)}")
     prior = json.loads(Path(args.reuse).read_text()) if args.reuse else {}
+    if prior and prior.get("allocator", "tuned") != args.allocator:
+        raise SystemExit(f"--reuse {args.reuse} was measured with --allocator "
+                         f"{prior.get('allocator', 'tuned')}; pass that, or start a new file")
     rows = prior.get("rows", [])
     # 4-rank rows keyed by (layout, length); failed ones run again (an older file's "cp4" entry
     # lacks the optimizer bytes: that layout runs again as cp4_plain)
@@ -522,7 +533,7 @@ def main(argv=None) -> int:
     for layout in layouts if n else ():
         if any(m["layout"] == layout and m["length"] == n for m in multi):
             continue
-        m = run_multi(layout, n, args.threads, args.mem_cap_gib / WORLD)
+        m = run_multi(layout, n, args.threads, args.mem_cap_gib / WORLD, args.allocator)
         m["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         multi.append(m)
         write_json(args.out, summarize(rows, multi, args) | {"partial": True})

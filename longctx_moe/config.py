@@ -65,7 +65,9 @@ class TrainConfig:
     # Activation recompute (longctx_moe.model.recompute): none | selective (the experts' SwiGLU
     # recomputed in the backward) | full (whole blocks); routes stay fixed.
     recompute: str = "none"
-    host_allocator: str = "tuned"  # tuned (freed heap memory is reused; see longctx_moe.host) | default
+    # glibc malloc (longctx_moe.host): tuned (freed blocks up to 32 MiB reused: speed) | lean
+    # (blocks above 1 MiB returned on free: memory, for long context and CP ranks) | default
+    host_allocator: str = "tuned"
     run_dir: str = "runs/default"
     # A Qwen3-MoE safetensors directory (longctx-moe export-hf, or a Hugging Face download) whose
     # weights start the run; its config.json must match model.*. A checkpoint to resume wins.

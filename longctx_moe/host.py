@@ -17,6 +17,15 @@ of peak RSS, this split 2.68 GiB, plain glibc 2.49 GiB; at 2K tokens the split k
 speed (CPU seconds per step 0.97 all-heap, 1.01 split, 1.06 plain glibc). A fault per 4 KiB of a
 block that large costs little next to the arithmetic done on it.
 
+Why a `lean` mode serves blocks above 1 MiB with their own mmap: the 32 MiB split is tuned for one
+process holding a whole long document, whose activations are mostly above 32 MiB. A rank that
+holds a quarter of the tokens (context parallelism) or a short micro-batch has most activations
+between 1 and 32 MiB, so they land on the heap and fragment it the same way. Measured on a 32K-token
+document (bench/long_context.py, recompute none, peak RSS): one process 5.08 GiB with the 32 MiB
+split, 4.64 GiB with a 2 MiB one, 4.56 GiB with 0.5 MiB; the largest of 4 CP ranks 2.09, 1.56,
+1.54 GiB. Each block of a lean heap faults its pages in again at every allocation, which costs
+little next to long-context arithmetic and more on short micro-batches: `tuned` stays the default.
+
 Why oneDNN's caches are capped: torch's bf16 CPU GEMMs keep two caches keyed by operand shape,
 oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep's (LRU_CACHE_CAPACITY), 1024
 entries each by default and about 270 KB per entry in each (536 KB per new GEMM shape). Packed
@@ -43,7 +52,10 @@ _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 
-ALLOCATOR_MODES = ("tuned", "default")
+ALLOCATOR_MODES = ("tuned", "lean", "default")
+
+# Smallest block glibc serves with its own mmap, by allocator mode (see the module docstring).
+MMAP_THRESHOLD = {"tuned": 32 << 20, "lean": 1 << 20}
 
 # GEMM shapes kept by each of oneDNN's primitive cache and ideep's cache (see the module docstring).
 ONEDNN_CACHE_CAPACITY = 512
@@ -63,15 +75,16 @@ def _libc():
     return lib
 
 
-def tune_host_allocator() -> bool:
-    """Keep freed heap memory for reuse (see the module docstring). Returns False where the C
-    library has no glibc mallopt, in which case nothing changes. Idempotent."""
+def tune_host_allocator(mode: str = "tuned") -> bool:
+    """Keep freed heap memory for reuse, blocks above MMAP_THRESHOLD[mode] in their own mmap (see
+    the module docstring). Returns False where the C library has no glibc mallopt, in which case
+    nothing changes. Idempotent."""
     lib = _libc()
     if lib is None:
         return False
-    # Blocks up to 32 MiB (glibc's largest threshold) from the heap: their freed pages stay mapped.
-    # Setting it also stops glibc from moving the threshold itself.
-    ok = lib.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+    # Smaller blocks from the heap, where their freed pages stay mapped. Setting the threshold
+    # also stops glibc from moving it itself.
+    ok = lib.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD[mode])
     ok &= lib.mallopt(_M_TRIM_THRESHOLD, 1 << 30)  # give memory back only past 1 GiB of free top
     ok &= lib.mallopt(_M_TOP_PAD, 64 << 20)  # grow the heap in 64 MiB steps, not per allocation
     return bool(ok)
@@ -90,12 +103,12 @@ def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
 
 def configure_cpu(threads: int, allocator: str = "tuned") -> None:
     """Flush denormals, set the intra-op thread count, cap oneDNN's shape caches, and
-    (allocator='tuned') tune malloc."""
+    (allocator 'tuned' or 'lean') tune malloc."""
     check_choice("train.host_allocator", allocator, ALLOCATOR_MODES)
     bound_onednn_caches()
     # Denormal fp32 values (AdamW's second moments of tiny gradients) make sqrt/div crawl on x86.
     torch.set_flush_denormal(True)
     if threads > 0:
         torch.set_num_threads(threads)
-    if allocator == "tuned":
-        tune_host_allocator()
+    if allocator in MMAP_THRESHOLD:
+        tune_host_allocator(allocator)

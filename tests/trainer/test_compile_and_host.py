@@ -2,6 +2,8 @@
 allocator tuning is applied and a bad value is refused."""
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from longctx_moe.compile import apply_compile
 from longctx_moe.config import ConfigError, load_config
-from longctx_moe.host import configure_cpu, tune_host_allocator
+from longctx_moe.host import configure_cpu
 from longctx_moe.model import build_model
 from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.trainer import Trainer
@@ -48,10 +50,37 @@ def test_compiled_blocks_match_eager_float64():
         torch.testing.assert_close(sd_e[k], sd_c[k], atol=1e-10, rtol=0)
 
 
-def test_host_allocator_tuning_applies_on_glibc():
-    assert tune_host_allocator() is True  # this project's CI and dev machines run glibc
-    x = torch.empty(64 << 20, dtype=torch.uint8)  # a 64 MiB block now comes from the heap
-    del x
+_MMAPPED_BYTES = """
+import ctypes, ctypes.util, sys
+import torch
+from longctx_moe.host import tune_host_allocator
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.mallinfo2.restype = MallInfo2
+assert tune_host_allocator(sys.argv[1])
+before = libc.mallinfo2().hblkhd
+x = torch.empty(int(sys.argv[2]), dtype=torch.uint8)
+print(libc.mallinfo2().hblkhd - before)
+"""
+
+
+def _mmapped_bytes(mode: str, nbytes: int) -> int:
+    """How much glibc's mmapped bytes (mallinfo2().hblkhd) grow when a fresh process with the
+    allocator `mode` allocates one tensor of `nbytes` (a fresh heap has no free top to serve it)."""
+    out = subprocess.run([sys.executable, "-c", _MMAPPED_BYTES, mode, str(nbytes)], check=True,
+                         capture_output=True, text=True)
+    return int(out.stdout)
+
+
+def test_host_allocator_modes_move_the_mmap_threshold_on_glibc():
+    # this project's CI and dev machines run glibc; torch's CPU tensors come from its malloc
+    assert _mmapped_bytes("lean", 4 << 20) >= 4 << 20  # above 1 MiB: a block of its own
+    assert _mmapped_bytes("tuned", 4 << 20) == 0  # up to 32 MiB: from the heap
+    assert _mmapped_bytes("tuned", 64 << 20) >= 64 << 20
 
 
 def test_bad_host_allocator_value_is_refused():
