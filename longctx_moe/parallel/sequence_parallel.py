@@ -93,27 +93,27 @@ class _GatherTokens(torch.autograd.Function):
 
 
 class _ScatterTokens(torch.autograd.Function):
-    """x_TD -> this rank's x_nD: reduce-scattered when ranks hold partial sums (a TP region's
-    output), else split. Backward: all-gather."""
+    """Partial sums x_TD of every rank (a TP region's output) -> this rank's rows of their sum,
+    by reduce-scatter. Backward: all-gather."""
 
     @staticmethod
-    def forward(ctx, x_TD, group, reduce: bool):
+    def forward(ctx, x_TD, group):
         ctx.group = group
-        return _reduce_scatter(x_TD, group) if reduce else _own_rows(x_TD, group).clone()
+        return _reduce_scatter(x_TD, group)
 
     @staticmethod
     def backward(ctx, g_nD):
-        return _all_gather(g_nD, ctx.group), None, None
+        return _all_gather(g_nD, ctx.group), None
 
 
 def gather_tokens(x_nD: torch.Tensor, group, reduce_grad: bool) -> torch.Tensor:
     return _GatherTokens.apply(x_nD, group, reduce_grad)
 
 
-def scatter_tokens(x_TD: torch.Tensor, group, reduce: bool) -> torch.Tensor:
+def scatter_tokens(x_TD: torch.Tensor, group) -> torch.Tensor:
     if x_TD.shape[0] % dist.get_world_size(group):
         _own_rows(x_TD, group)  # raises the one-line error before any collective
-    return _ScatterTokens.apply(x_TD, group, reduce)
+    return _ScatterTokens.apply(x_TD, group)
 
 
 def add_sequence_parallel_hooks(module: nn.Module, group) -> None:
@@ -121,7 +121,7 @@ def add_sequence_parallel_hooks(module: nn.Module, group) -> None:
     gradients are partial: reduce-scatter) and its partial outputs reduce-scattered on exit."""
     module.register_forward_pre_hook(
         lambda m, args: (gather_tokens(args[0], group, True), *args[1:]))
-    module.register_forward_hook(lambda m, args, out: scatter_tokens(out, group, True))
+    module.register_forward_hook(lambda m, args, out: scatter_tokens(out, group))
 
 
 class _SumShares(torch.autograd.Function):

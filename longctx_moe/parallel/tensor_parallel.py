@@ -153,7 +153,7 @@ class VocabParallelEmbedding(nn.Module):
         x_TD = F.embedding(local_T.clamp(0, n - 1), self.weight)
         x_TD = torch.where(own_T[:, None], x_TD, torch.zeros_like(x_TD))
         if self.sequence_parallel:
-            return scatter_tokens(x_TD, self.group, reduce=True)
+            return scatter_tokens(x_TD, self.group)
         return _ReduceFromTP.apply(x_TD, self.group)
 
 
