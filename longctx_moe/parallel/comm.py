@@ -305,9 +305,14 @@ def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
     return recv.cpu()
 
 
+def gather_to_host(t: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's `t` (same shape on all), stacked in rank order [P, ...] on the host; the
+    collective runs on t's device (NCCL needs GPU tensors)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.stack(parts).cpu()
+
+
 def gather_sizes(n: int, group, device: torch.device | str = "cpu") -> list[int]:
     """Every rank's host int `n`, in rank order (collective on `device`)."""
-    mine = torch.tensor([n], dtype=torch.int64, device=device)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    return [int(p) for p in torch.cat(parts).cpu()]
+    return gather_to_host(torch.tensor(n, dtype=torch.int64, device=device), group).tolist()

@@ -55,6 +55,7 @@ from longctx_moe.parallel.comm import (
     exchange_counts,
     gather_replicated,
     gather_sizes,
+    gather_to_host,
     make_codec,
     split_replicated,
     start_all_to_all_rows,
@@ -196,20 +197,13 @@ def _call(side):
     return None if side is None else side()
 
 
-def _gather_counts(counts_L: torch.Tensor, group) -> torch.Tensor:
-    """int64 [P, L] on the host: every peer's rows per local expert, in peer order."""
-    parts = [torch.empty_like(counts_L) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, counts_L.contiguous(), group=group)
-    return torch.stack(parts).cpu()
-
-
 def experts_over_etp(experts, x_MD, counts_L, group):
     """experts(x_MD, counts_L) for experts whose hidden units are split over the ETP `group`:
     every peer's rows (each peer's sorted by local expert) are gathered, this peer's units run on
     all of them, and each row's partial outputs are summed back on the peer that holds the row.
 
     P peers, G rows gathered (peer-major, then local expert), M = this peer's rows."""
-    counts_PL = _gather_counts(counts_L, group)
+    counts_PL = gather_to_host(counts_L, group)  # int64 [P, L]: every peer's rows per local expert
     sizes = counts_PL.sum(1).tolist()
     if max(sizes) == 0:  # every peer knows: no row collective follows, the experts still run
         return experts(x_MD, counts_L)  # (their weight layout is a collective over the peers)
