@@ -124,11 +124,26 @@ def route(topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor, num_experts: 
                    torch.bincount(expert_N, minlength=num_experts))
 
 
+class _AddRows(torch.autograd.Function):
+    """[T, D] zeros with src_ND[i] added to row token_N[i]. Backward: the rows gathered back.
+    Autograd's own index_add keeps the whole source ([N, D], for its shape) until the backward;
+    this keeps the index only."""
+
+    @staticmethod
+    def forward(ctx, src_ND, token_N, num_tokens: int):
+        ctx.save_for_backward(token_N)
+        return src_ND.new_zeros((num_tokens, src_ND.shape[1])).index_add_(0, token_N, src_ND)
+
+    @staticmethod
+    def backward(ctx, g_TD):
+        (token_N,) = ctx.saved_tensors
+        return g_TD.index_select(0, token_N), None, None
+
+
 def combine(y_ND: torch.Tensor, routing: Routing, num_tokens: int) -> torch.Tensor:
     """y_TD[t] = sum of weight * y over the assignments of token t (zeros for unrouted tokens)."""
     w_N1 = routing.weight_N.unsqueeze(1).to(y_ND.dtype)
-    out = y_ND.new_zeros((num_tokens, y_ND.shape[1]))
-    return out.index_add(0, routing.token_N, y_ND * w_N1)
+    return _AddRows.apply(y_ND * w_N1, routing.token_N, num_tokens)
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
