@@ -155,3 +155,28 @@ def test_bad_inputs_get_one_line_errors():
         with pytest.raises(ValueError) as e:
             fn()
         assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_combine_keeps_no_copy_of_the_weighted_rows_for_the_backward():
+    # combine's backward needs y (for the weights' gradient), the weights and the token index;
+    # a second [N, D] tensor kept per MoE layer is activation memory for nothing.
+    from longctx_moe.parallel.dispatch import combine, route
+
+    gen = torch.Generator().manual_seed(0)
+    idx_TK = torch.randint(0, E, (32, 2), generator=gen)
+    w_TK = torch.rand(32, 2, generator=gen, dtype=torch.float64, requires_grad=True)
+    routing = route(idx_TK, w_TK, E)
+    y_ND = torch.randn(64, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out_TD = combine(y_ND, routing, 32)
+    rows_saved = [t for t in kept if t.dim() == 2 and t.shape[1] == 16]
+    assert len(rows_saved) == 1 and rows_saved[0].data_ptr() == y_ND.data_ptr()
+    ref_TD = torch.zeros(32, 16, dtype=torch.float64).index_add(
+        0, routing.token_N, y_ND * routing.weight_N[:, None])
+    g_TD = torch.randn(32, 16, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out_TD, (y_ND, w_TK), g_TD, retain_graph=True)  # routing is shared
+    want = torch.autograd.grad(ref_TD, (y_ND, w_TK), g_TD)
+    torch.testing.assert_close(out_TD, ref_TD, atol=0, rtol=0)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
