@@ -278,6 +278,26 @@ class _GatherReplicatedRows(torch.autograd.Function):
         return grad_TD[start:start + sizes[rank]], None, None, None
 
 
+class _SumOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_over_group(x: torch.Tensor, group) -> torch.Tensor:
+    """All-reduce (sum) of `x` over `group`; backward: the identity. Right where each rank holds
+    a part whose gradient is complete on every rank already: a row-parallel layer's partial
+    output (every TP rank then runs the same function of the sum), or a rank's share of a loss
+    that depends on its own rows only (d sum / d share = 1)."""
+    return _SumOverGroup.apply(x, group)
+
+
 def chunk_sizes(n: int, parts: int) -> list[int]:
     """Row counts of `parts` near-equal contiguous chunks of `n` rows (earlier chunks larger)."""
     return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]

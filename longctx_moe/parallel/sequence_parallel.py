@@ -43,7 +43,7 @@ from torch import nn
 
 from longctx_moe.model.attention import DocLayout
 from longctx_moe.model.moe import MoEStats
-from longctx_moe.parallel.comm import reduce_scatter_flat
+from longctx_moe.parallel.comm import reduce_scatter_flat, sum_over_group
 from longctx_moe.parallel.dims import Axis
 from longctx_moe.parallel.grad_reduce import stats_reducer
 
@@ -124,22 +124,6 @@ def add_sequence_parallel_hooks(module: nn.Module, group) -> None:
     module.register_forward_hook(lambda m, args, out: scatter_tokens(out, group))
 
 
-class _SumShares(torch.autograd.Function):
-    """Sum over `group` of each rank's share of a loss. Backward: identity, since the d(sum) /
-    d(own share) is 1 and a share depends on the rank's own rows only (its statistics from the
-    other ranks are no-grad counts)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def own_rows_layout(layout: DocLayout, group) -> DocLayout:
     """The layout of this rank's own rows for an MoE layer: per-token fields sliced, document ids
     and count kept global to the micro-batch, statistics summed over TP and then over what
@@ -176,7 +160,7 @@ class OwnRowsLayout:
 def complete_stats(stats: MoEStats, group) -> MoEStats:
     """The statistics of all T tokens of the TP group from this rank's own-rows ones: the aux
     and z shares summed (differentiable), expert and replay counts summed, routes gathered."""
-    losses = _SumShares.apply(torch.stack([stats.aux_loss, stats.z_loss]), group)
+    losses = sum_over_group(torch.stack([stats.aux_loss, stats.z_loss]), group)  # shares of own rows
     replay = torch.tensor([stats.replay_known, stats.replay_agree], dtype=stats.counts_E.dtype,
                           device=stats.counts_E.device)
     counts = torch.cat([stats.counts_E, replay])

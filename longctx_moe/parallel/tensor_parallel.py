@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longctx_moe.model.losses import VocabShard
+from longctx_moe.parallel.comm import sum_over_group
 from longctx_moe.parallel.dims import Axis
 from longctx_moe.parallel.sequence_parallel import (
     add_sequence_parallel_hooks,
@@ -57,24 +58,12 @@ class _CopyToTP(torch.autograd.Function):
         return grad, None
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def _add_tp_hooks(module: nn.Module, group, sequence_parallel: bool = False) -> None:
     if sequence_parallel:  # tokens split between the regions: all-gather / reduce-scatter
         add_sequence_parallel_hooks(module, group)
         return
     module.register_forward_pre_hook(lambda m, args: (_CopyToTP.apply(args[0], group), *args[1:]))
-    module.register_forward_hook(lambda m, args, out: _ReduceFromTP.apply(out, group))
+    module.register_forward_hook(lambda m, args, out: sum_over_group(out, group))
 
 
 class _GatherRowShards(torch.autograd.Function):
@@ -154,7 +143,7 @@ class VocabParallelEmbedding(nn.Module):
         x_TD = torch.where(own_T[:, None], x_TD, torch.zeros_like(x_TD))
         if self.sequence_parallel:
             return scatter_tokens(x_TD, self.group)
-        return _ReduceFromTP.apply(x_TD, self.group)
+        return sum_over_group(x_TD, self.group)
 
 
 def shard_vocabulary(model: nn.Module, rank: int, size: int, group,
