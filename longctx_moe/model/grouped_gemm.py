@@ -81,6 +81,18 @@ def grouped_matmul(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
     return torch.cat([p @ w_EDF[e] for e, p in enumerate(pieces)])
 
 
+
+def grouped_weight_grad(x_MD: torch.Tensor, g_MF: torch.Tensor, counts_E: torch.Tensor,
+                        impl: str) -> torch.Tensor:
+    """dw_EDF[e] = x[rows of e]^T @ g[rows of e], the weight gradient of grouped_matmul(x, w) for
+    an output gradient g: the product `_grouped_mm`'s own backward forms (zeros for an expert with
+    no rows). `impl` as resolved for the forward."""
+    if impl == "grouped_mm":
+        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        return torch._grouped_mm(x_MD.t(), g_MF, offs=offs_E)
+    pieces = zip(torch.split(x_MD, counts_E.tolist()), torch.split(g_MF, counts_E.tolist()), strict=True)
+    return torch.stack([p.t() @ q for p, q in pieces])
+
 # ---------------------------------------------------------------------- row padding per group
 #
 # On CPU, torch's bf16 GEMMs go through oneDNN, which JIT-builds and caches a kernel per operand

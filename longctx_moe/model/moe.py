@@ -24,7 +24,12 @@ from torch import nn
 from cp_attention.kernels import accumulate_dtype
 from longctx_moe.model.attention import DocLayout
 from longctx_moe.model.config import ModelConfig
-from longctx_moe.model.grouped_gemm import grouped_matmul, with_padded_groups
+from longctx_moe.model.grouped_gemm import (
+    grouped_matmul,
+    grouped_weight_grad,
+    resolve_impl,
+    with_padded_groups,
+)
 from longctx_moe.model.layers import SwiGLU, autocast_dtype
 from longctx_moe.model.losses import router_z_loss, sequence_aux_loss, switch_aux_loss
 from longctx_moe.model.recompute import recompute_call
@@ -136,9 +141,44 @@ class GroupedExperts(nn.Module):
     def _swiglu(self, w_gate_up, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         cdtype = x_MD.dtype
         h_MF2 = grouped_matmul(x_MD, w_gate_up.to(cdtype), counts_E, self.impl)
+        return _SwiGLUDown.apply(h_MF2, self.w_down.to(cdtype), counts_E, self.impl)
+
+
+def _silu_and_act(h_MF2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate), silu(gate) * up) of [gate | up] rows."""
+    gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
+    silu_MF = F.silu(gate_MF)
+    return silu_MF, silu_MF * up_MF
+
+
+class _SwiGLUDown(torch.autograd.Function):
+    """grouped_matmul(silu(gate) * up, w_down) keeping only h = [gate | up] (and the weights) for
+    the backward. Autograd through the three ops would also keep silu(gate) and the activation
+    ([M, F] each, 2 of the 5 bytes-per-row units an expert row holds when F = D); the backward
+    recomputes both from h (two elementwise ops), then forms exactly the products autograd would:
+    the same aten kernels in the same order (silu_backward, the GEMMs `_grouped_mm`'s backward
+    runs), so gradients are bitwise those of the plain composition."""
+
+    @staticmethod
+    def forward(ctx, h_MF2, w_EFD, counts_E, impl):
+        _, act_MF = _silu_and_act(h_MF2)
+        ctx.impl = resolve_impl(impl, act_MF, w_EFD)
+        ctx.save_for_backward(h_MF2, w_EFD, counts_E)
+        return grouped_matmul(act_MF, w_EFD, counts_E, ctx.impl)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_MD):
+        h_MF2, w_EFD, counts_E = ctx.saved_tensors
+        g_MD = g_MD.contiguous()
+        silu_MF, act_MF = _silu_and_act(h_MF2)
         gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
-        act_MF = F.silu(gate_MF) * up_MF
-        return grouped_matmul(act_MF, self.w_down.to(cdtype), counts_E, self.impl)
+        dw_EFD = grouped_weight_grad(act_MF, g_MD, counts_E, ctx.impl) if ctx.needs_input_grad[1] else None
+        del act_MF
+        dact_MF = grouped_matmul(g_MD, w_EFD.transpose(-2, -1), counts_E, ctx.impl)
+        dgate_MF = torch.ops.aten.silu_backward(dact_MF * up_MF, gate_MF)
+        dup_MF = dact_MF * silu_MF
+        return torch.cat([dgate_MF, dup_MF], dim=-1), dw_EFD, None, None
 
 
 class _GatherRows(torch.autograd.Function):

@@ -232,3 +232,55 @@ def test_padded_groups_match_unpadded_in_bf16():
         outs.append((y, *grads))
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def _plain_swiglu_down(experts, x_MD, counts_E):
+    """The experts' SwiGLU as three autograd ops (what _SwiGLUDown replaces)."""
+    cdtype = x_MD.dtype
+    h = grouped_matmul(x_MD, experts.w_gate_up.flatten(2).to(cdtype), counts_E, experts.impl)
+    gate, up = h.chunk(2, dim=-1)
+    return grouped_matmul(torch.nn.functional.silu(gate) * up, experts.w_down.to(cdtype), counts_E,
+                          experts.impl)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_swiglu_down_is_bitwise_the_plain_composition(dtype):
+    """The hand-written backward forms the products autograd forms (same kernels, same order):
+    outputs and every gradient bitwise equal, float64 (loop GEMMs) and bf16 (`_grouped_mm` where
+    torch has it), with an expert that gets no rows."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 32, 16)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    if dtype == torch.float64:
+        experts.double()
+    cnt = torch.tensor([9, 0, 30, 25])
+    x = torch.randn(64, 32, dtype=dtype, requires_grad=True)
+    g = torch.randn(64, 32, dtype=dtype)
+    params = [x, *experts.parameters()]
+    with mock.patch("longctx_moe.model.grouped_gemm.wants_padding", return_value=False):
+        y = experts(x, cnt)
+        grads = torch.autograd.grad(y, params, g)
+        ref = _plain_swiglu_down(experts, x, cnt)
+        ref_grads = torch.autograd.grad(ref, params, g)
+    for a, b in zip((y, *grads), (ref, *ref_grads), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert grads[-1][1].abs().max() == 0 and grads[-2][1].abs().max() == 0  # the idle expert
+
+
+def test_experts_keep_only_their_input_and_the_gate_up_rows():
+    """Per routed row the backward keeps x [D] and h = [gate | up] [2F]; not silu(gate) nor the
+    activation [F] each (the weights' bf16 casts and the counts are the rest)."""
+    experts = GroupedExperts(2, 32, 48)
+    cnt = torch.tensor([40, 24])
+    x = torch.randn(64, 32).bfloat16().requires_grad_()
+    storages = {}
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with mock.patch("longctx_moe.model.grouped_gemm.wants_padding", return_value=False), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        experts(x, cnt)
+    weights = sum(p.numel() for p in experts.parameters()) * 2  # their bf16 copies
+    rows = 64 * (32 + 2 * 48) * 2
+    assert sum(storages.values()) <= rows + weights + cnt.numel() * 8 + 64, sorted(storages.values())
