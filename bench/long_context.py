@@ -458,19 +458,27 @@ def table(res: dict, sides: list[str], lengths: list[int]) -> str:
     return "\n".join(lines)
 
 
+def peak_range(m: dict) -> str:
+    return f"{m['min_peak_bytes'] / GIB:.2f}-{m['max_peak_bytes'] / GIB:.2f} GiB"
+
+
+def adamw_bytes(m: dict) -> str:
+    return (f"{m['optimizer_bytes'] / 2**20:.0f} MiB "
+            f"(replicated: {m['replicated_optimizer_bytes'] / 2**20:.0f} MiB)")
+
+
 def fmt_multi(m: dict) -> str:
+    """The progress line of one 4-rank layout."""
     if "error" in m:
         return f"failed: {m['error']}"
-    return (f"per-rank peak {m['min_peak_bytes'] / GIB:.2f}-{m['max_peak_bytes'] / GIB:.2f} GiB, "
-            f"AdamW state {m['optimizer_bytes'] / 2**20:.0f} MiB/rank "
-            f"(replicated: {m['replicated_optimizer_bytes'] / 2**20:.0f}), step {m['step_s']:.1f} s")
+    return f"per-rank peak {peak_range(m)}, AdamW state {adamw_bytes(m)}/rank, step {m['step_s']:.1f} s"
 
 
 def multi_table(res: dict, layouts: list[str]) -> str:
     n, single = res["multi_length"], res["single_peak_bytes_at_multi_length"]
     lines = [f"{WORLD} gloo ranks, {n} tokens, recompute none; single rank: "
              + (f"{single / GIB:.2f} GiB" if single else "not measured"),
-             "| layout | per-rank peak | over single | AdamW state per rank (replicated) |",
+             "| layout | per-rank peak | largest over single | AdamW state per rank |",
              "|---|---:|---:|---:|"]
     for k in layouts:
         m = next((m for m in res["multi_rows"] if m["layout"] == k and m["length"] == n), None)
@@ -478,9 +486,8 @@ def multi_table(res: dict, layouts: list[str]) -> str:
             lines.append(f"| {k} | {'failed' if m else 'not run'} | | |")
             continue
         ratio = res["peak_over_single"].get(k)
-        lines.append(f"| {k} | {m['min_peak_bytes'] / GIB:.2f}-{m['max_peak_bytes'] / GIB:.2f} GiB | "
-                     + (f"{ratio:.2f}x" if ratio else "") + f" | {m['optimizer_bytes'] / 2**20:.0f} MiB "
-                     f"({m['replicated_optimizer_bytes'] / 2**20:.0f} MiB) |")
+        lines.append(f"| {k} | {peak_range(m)} | " + (f"{ratio:.3f}x" if ratio else "")
+                     + f" | {adamw_bytes(m)} |")
     return "\n".join(lines)
 
 
