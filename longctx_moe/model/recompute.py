@@ -2,8 +2,9 @@
 
     none       every activation is kept for the backward
     selective  the experts' SwiGLU is recomputed in the backward: its saved tensors (the [M, 2F]
-               gate/up projections and [M, F] activations, M = tokens x top-k) are the largest
-               per-token activations of an MoE block, and recomputing them costs two grouped GEMMs.
+               gate/up projections, M = tokens x top-k; `none` already recomputes silu and the
+               activation from them) are the largest per-token activations of an MoE block, and
+               recomputing them costs two grouped GEMMs.
                The attention core is not recomputed: a flash-style kernel saves only q, k, v, its
                output and the logsumexp, and all but the logsumexp are kept anyway as inputs of the
                projections around it, so recomputing it would cost a whole attention forward (the
