@@ -176,9 +176,15 @@ class _SwiGLUDown(torch.autograd.Function):
         dw_EFD = grouped_weight_grad(act_MF, g_MD, counts_E, ctx.impl) if ctx.needs_input_grad[1] else None
         del act_MF
         dact_MF = grouped_matmul(g_MD, w_EFD.transpose(-2, -1), counts_E, ctx.impl)
-        dgate_MF = torch.ops.aten.silu_backward(dact_MF * up_MF, gate_MF)
-        dup_MF = dact_MF * silu_MF
-        return torch.cat([dgate_MF, dup_MF], dim=-1), dw_EFD, None, None
+        # Both halves are written into one [M, 2F] buffer and d silu is formed in dact's storage:
+        # four [M, F] units live at once instead of the six a cat of fresh tensors needs (the
+        # largest transient of the backward on a rank whose experts got many rows).
+        dh_MF2 = torch.empty_like(h_MF2)
+        dgate_MF, dup_MF = dh_MF2.chunk(2, dim=-1)
+        torch.mul(dact_MF, silu_MF, out=dup_MF)
+        del silu_MF
+        torch.ops.aten.silu_backward.grad_input(dact_MF.mul_(up_MF), gate_MF, grad_input=dgate_MF)
+        return dh_MF2, dw_EFD, None, None
 
 
 class _GatherRows(torch.autograd.Function):
