@@ -11,6 +11,11 @@ Ours runs with `train.host_allocator=lean` by default (--allocator; single rank 
 alike): blocks above 1 MiB get their own mmap, so a CP rank's quarter-size activations do not
 fragment the heap (longctx_moe/host.py). HF runs on glibc's defaults.
 
+--routes uniform (ours only) replays every token's top-k experts from a uniform draw through the
+trainer's router-replay seam, so expert loads are balanced as a router trained with a balance loss
+keeps them. The default, live, lets the fresh router choose: on one long random document it sends
+most tokens to a few experts, and under EP the ranks holding those experts keep more activations.
+
 The model is bench/train_throughput.py's (hidden 512, 4 layers, 16 experts top-2, 8 query / 4 KV
 heads of 64, vocab 16384), bf16 autocast, fp32 master weights, fused AdamW, no torch.compile on
 either side (a compile would be charged to the single timed step). The document is random token
@@ -51,7 +56,7 @@ Derived figures:
                    cp4's per-rank AdamW bytes (largest rank) over a replicated AdamW's on the
                    same rank: 1/4 for the dense share, 1 for the experts' (edp = 1).
 
-JSON (--out): longest_ours_tokens, longest_hf_tokens, longest_ratio, bytes_per_token_ours
+JSON (--out): routes, allocator, longest_ours_tokens, longest_hf_tokens, longest_ratio, bytes_per_token_ours
 (recompute none), bytes_per_token_hf, selective_recompute_tokens_per_s_ratio (selective / none,
 median over the lengths both ran), cp4_peak_over_single, cp2tp2_peak_over_single,
 tokens_per_s_ratio_32k (ours none / HF at 32K), optimizer_bytes_per_rank {layout: bytes},
@@ -79,6 +84,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 SIDES = ("none", "selective", "full", "hf")  # the first three are ours, by train.recompute
+ROUTES = ("live", "uniform")
 WARMUP_TOKENS = 2048
 GIB = 2**30
 CPU = torch.device("cpu")
@@ -100,6 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--allocator", default="lean", choices=("tuned", "lean", "default"),
                    help="train.host_allocator of ours, single rank and every layout alike (HF runs "
                         "on glibc's defaults)")
+    p.add_argument("--routes", default="live", choices=ROUTES,
+                   help="live: the fresh router picks the experts; uniform: every token's top-k experts "
+                        "drawn uniformly (router replay), the balanced load of a trained router (ours only)")
     p.add_argument("--out", help="write the results as JSON here (rewritten after every measurement)")
     p.add_argument("--reuse", help="a JSON this bench wrote earlier (even an interrupted run's): its "
                                    "rows are kept and their (side, length) and 4-rank (layout, length) "
@@ -154,7 +163,7 @@ def bench_config(side: str, extra=()):
     return model_config(sets)
 
 
-def build_side(side: str, cfg, dims=None):
+def build_side(side: str, cfg, dims=None, routes: str = "live"):
     """The step function of one side: ours through the trainer, HF through bench/train_throughput's
     HF runner (same architecture, same weights)."""
     from train_throughput import hf_runner
@@ -168,7 +177,40 @@ def build_side(side: str, cfg, dims=None):
         torch.manual_seed(cfg.train.seed)
         return hf_runner(cfg, build_model(cfg.model))
     trainer = Trainer(cfg, build_runtime(cfg, dims, CPU))
-    return lambda batches: trainer.train_step(batches).ce_loss
+    return step_fn(trainer, routes)
+
+
+def step_fn(trainer, routes: str):
+    """One optimizer step of the trainer on a list of micro-batches, returning the CE loss; with
+    routes "uniform", every token's experts are replayed from a uniform draw."""
+    if routes == "live":
+        return lambda batches: trainer.train_step(batches).ce_loss
+    return lambda batches: trainer.train_step(batches, UniformRoutes(trainer.cfg.model, batches)).ce_loss
+
+
+class UniformRoutes:
+    """The supervised objective with router replay: each token's top-k distinct experts in every
+    MoE layer drawn uniformly (seeded, so every rank draws the same routes for the whole batch
+    and shards them as it shards the tokens). Expert loads are then balanced up to sampling noise,
+    as a router trained with a balance loss keeps them; a fresh router on one long document is
+    not (it sends most tokens to a few experts)."""
+
+    head = None
+
+    def __init__(self, model_cfg, batches):
+        from longctx_moe.trainer import CrossEntropy
+
+        self._ce = CrossEntropy()
+        layers = model_cfg.num_layers - model_cfg.first_k_dense
+        g = torch.Generator().manual_seed(0)
+        self.routes = [torch.rand(b.tokens.numel(), layers, model_cfg.num_experts, generator=g)
+                       .argsort(-1)[..., :model_cfg.top_k].contiguous() for b in batches]
+
+    def replay(self, i: int) -> torch.Tensor:
+        return self.routes[i]
+
+    def micro_loss(self, i, out, shard, g):
+        return self._ce.micro_loss(i, out, shard, g)
 
 
 def measured_step(run, length: int, vocab: int, base: int) -> dict:
@@ -192,7 +234,7 @@ def worker(args) -> None:
     start_watchdog(int(args.mem_cap_gib * GIB))
     cfg = bench_config(args.worker)
     base = rss_bytes()
-    run = build_side(args.worker, cfg)
+    run = build_side(args.worker, cfg, routes=args.routes)
     res = measured_step(run, args.length, cfg.model.vocab_size, base)
     print("RESULT " + json.dumps(res), flush=True)
 
@@ -251,7 +293,7 @@ def replicated_optimizer_bytes(trainer, expert_ids: set[int]) -> dict:
 
 
 def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap_gib: float,
-               allocator: str, queue) -> None:
+               allocator: str, routes: str, queue) -> None:
     import torch.distributed as dist
 
     from longctx_moe.host import configure_cpu
@@ -268,8 +310,7 @@ def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap
     dims.build_groups(rank)
     base = rss_bytes()
     trainer = Trainer(cfg, build_runtime(cfg, dims, CPU))
-    res = measured_step(lambda batches: trainer.train_step(batches).ce_loss, length,
-                        cfg.model.vocab_size, base)
+    res = measured_step(step_fn(trainer, routes), length, cfg.model.vocab_size, base)
     expert_ids = {id(p) for p in trainer.runtime.expert}
     params = [p for p in trainer.model.parameters()]
     res.update(
@@ -284,7 +325,8 @@ def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap
     dist.destroy_process_group()
 
 
-def run_multi(layout: str, length: int, threads: int, cap_gib: float, allocator: str) -> dict:
+def run_multi(layout: str, length: int, threads: int, cap_gib: float, allocator: str,
+              routes: str = "live") -> dict:
     """One step of `layout` on WORLD gloo ranks (spawned processes); a dict with per-rank rows,
     or with "error" (a rank died or passed its share of the memory cap)."""
     import socket
@@ -296,7 +338,8 @@ def run_multi(layout: str, length: int, threads: int, cap_gib: float, allocator:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=multi_rank, args=(r, layout, port, length, threads, cap_gib, allocator, queue))
+    procs = [ctx.Process(target=multi_rank, args=(r, layout, port, length, threads, cap_gib, allocator, routes,
+                                                         queue))
              for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -332,7 +375,7 @@ def run_multi(layout: str, length: int, threads: int, cap_gib: float, allocator:
 def run_one(side: str, length: int, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--length", str(length),
            "--mem-cap-gib", str(args.mem_cap_gib), "--threads", str(args.threads),
-           "--allocator", args.allocator]
+           "--allocator", args.allocator, "--routes", args.routes]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if "OVERCAP" in proc.stdout:
         return {"side": side, "length": length, "over_cap": True}
@@ -416,7 +459,7 @@ def summarize(rows: list[dict], multi: list[dict], args) -> dict:
         "dist_optimizer_bytes_ratio_by_kind": by_kind_ratio(cp4) if cp4 else None,
         "dist_optimizer_replicas": {k: m["replicas"] for k, m in done.items()},
         "tokens_per_s_ratio_32k": r32_ours["tokens_per_s"] / r32_hf["tokens_per_s"] if r32_ours and r32_hf else None,
-        "mem_cap_gib": args.mem_cap_gib, "allocator": args.allocator, "rows": rows, "multi_length": args.cp4_length,
+        "mem_cap_gib": args.mem_cap_gib, "allocator": args.allocator, "routes": args.routes, "rows": rows, "multi_length": args.cp4_length,
         "multi_rows": multi, "layouts": {k: {"sets": v[0], "what": v[1]} for k, v in LAYOUTS.items()},
         "threads": args.threads or torch.get_num_threads(), "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"), "machine": machine(),
@@ -509,6 +552,12 @@ def main(argv=None) -> int:
     if prior and prior.get("allocator", "tuned") != args.allocator:
         raise SystemExit(f"--reuse {args.reuse} was measured with --allocator "
                          f"{prior.get('allocator', 'tuned')}; pass that, or start a new file")
+    if prior and prior.get("routes", "live") != args.routes:
+        raise SystemExit(f"--reuse {args.reuse} was measured with --routes {prior.get('routes', 'live')}; "
+                         "pass that, or start a new file")
+    if args.routes != "live" and "hf" in sides:
+        raise SystemExit("--routes uniform replays routes through our trainer, which HF's model has no "
+                         "seam for; leave hf out of --sides")
     rows = prior.get("rows", [])
     # 4-rank rows keyed by (layout, length); failed ones run again (an older file's "cp4" entry
     # lacks the optimizer bytes: that layout runs again as cp4_plain)
@@ -540,7 +589,7 @@ def main(argv=None) -> int:
     for layout in layouts if n else ():
         if any(m["layout"] == layout and m["length"] == n for m in multi):
             continue
-        m = run_multi(layout, n, args.threads, args.mem_cap_gib / WORLD, args.allocator)
+        m = run_multi(layout, n, args.threads, args.mem_cap_gib / WORLD, args.allocator, args.routes)
         m["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         multi.append(m)
         write_json(args.out, summarize(rows, multi, args) | {"partial": True})
