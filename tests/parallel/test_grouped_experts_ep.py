@@ -5,6 +5,9 @@
    entry: the same products summed in another order (dispatch rows vs LocalDispatcher's bmm, token
    sums over 24 rows), a few fp32 ulps (6e-8) times the number of terms.
 2. fp8 payloads over 50 Adam steps: the loss stays within 1e-2 of the uncompressed run.
+3. ETP2 x EP2 on 4 ranks where one EP group holds no token at all (a Dynamic-CP empty slot): its
+   ranks still run their halves of the hidden units for the ETP peers that hold tokens, so outputs
+   and every gradient slice equal LocalDispatcher on the full experts (float64, 1e-10).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from torch import nn
 
 from longctx_moe.model.moe import GroupedExperts, LocalDispatcher
 from longctx_moe.parallel.dispatch import AllGatherDispatcher, AllToAllDispatcher
-from longctx_moe.parallel.expert_parallel import shard_experts
+from longctx_moe.parallel.expert_parallel import shard_expert_hidden, shard_experts
 from tests.launcher import run_distributed
 
 E, D, F, K, T = 4, 16, 8, 2, 12
@@ -91,3 +94,38 @@ def _check_all(rank, world):
 def test_grouped_experts_under_ep_and_fp8_training():
     res = run_distributed(_check_all, world_size=2, timeout=300)
     assert all(b != f for b, f in res)  # fp8 really changed the numbers
+
+
+def _check_empty_ep_group(rank, world):
+    """Ranks 0, 1 (EP group 0) hold no token; ranks 2, 3 (EP group 1) hold T each. ETP pairs
+    {0, 2} and {1, 3}: rank r holds experts of EP rank r % 2, hidden half r // 2."""
+    dtype = torch.float64
+    ep_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    etp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    ep_rank, etp_rank = rank % 2, rank // 2
+    x = torch.randn(2 * T, D, generator=torch.Generator().manual_seed(11), dtype=dtype)
+    ref = Layer(0, dtype)
+    y_ref = ref(x, LocalDispatcher())
+    (y_ref.square().sum() / 2).backward()
+    mine = slice(0, 0) if rank < 2 else slice((rank - 2) * T, (rank - 1) * T)
+    experts, units = slice(ep_rank * E // 2, (ep_rank + 1) * E // 2), slice(etp_rank * F // 2, (etp_rank + 1) * F // 2)
+    r_w, r_gate_up, r_down = _grads(ref)
+    want = [r_w, r_gate_up[experts][..., units], r_down[experts][:, units]]
+    for cls in (AllToAllDispatcher, AllGatherDispatcher):
+        layer = Layer(0, dtype)
+        shard_expert_hidden(shard_experts(layer.experts, ep_rank, 2), etp_rank, 2)
+        y = layer(x[mine], cls(E, ep_groups[rank // 2], etp_group=etp_groups[ep_rank]))
+        (y.square().sum() / 2).backward()
+        if layer.router.weight.grad is None:  # no token here: the router saw nothing
+            layer.router.weight.grad = torch.zeros_like(layer.router.weight)
+        dist.all_reduce(layer.router.weight.grad)
+        assert y.shape == (mine.stop - mine.start, D)
+        assert y.numel() == 0 or (y - y_ref[mine]).abs().max() < 1e-10, cls.__name__
+        for got, w in zip(_grads(layer), want, strict=True):
+            assert got.shape == w.shape and (got - w).abs().max() < 1e-10 * max(1.0, w.abs().max()), \
+                (cls.__name__, rank, got.shape)
+            assert w.abs().max() > 0  # every slice, the empty group's included, got work
+
+
+def test_etp_peers_of_an_empty_ep_group_still_run_their_units():
+    run_distributed(_check_empty_ep_group, world_size=4, timeout=300)
