@@ -33,6 +33,28 @@ def cpu_has_avx512_bf16() -> bool:
     return all(f in flags for f in ("avx512_bf16", "avx512bw", "avx512vl"))
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """Hold an flock on `build_dir` while torch builds or loads the extension there.
+
+    torch's own lock is a file that a build creates and deletes: a build killed half-way (Ctrl-C
+    during the first run's compile) leaves it behind, and every later process then waits on it
+    forever. The kernel drops an flock when its holder dies, and every build of ours takes this
+    one first, so a torch lock file found while holding it was left by a dead build and is
+    removed."""
+    import fcntl
+
+    with open(build_dir / "build.flock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                stale.unlink()
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 class CppKernel:
     """source: the .cpp beside this file; cache_prefix: the build's name (one cache entry per
     Python environment: two venvs, other torch headers, sharing one name would rebuild over each
@@ -47,11 +69,15 @@ class CppKernel:
         self.state: dict = {}
 
     def build(self):
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import get_default_build_root, load
 
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+        build_dir = Path(root) / self.name
+        build_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        mod = load(name=self.name, sources=[str(self.source)], extra_cflags=_FLAGS,
-                   extra_ldflags=["-fopenmp"], verbose=False)
+        with build_lock(build_dir):
+            mod = load(name=self.name, sources=[str(self.source)], extra_cflags=_FLAGS,
+                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
         if time.perf_counter() - t0 > 5:  # a compile, not a cache hit: say where the pause went
             print(f"cp_attention: built the {self.label} in {time.perf_counter() - t0:.0f} s "
                   "(cached for later runs)", file=sys.stderr, flush=True)

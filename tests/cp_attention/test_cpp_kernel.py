@@ -1,15 +1,21 @@
 """The life cycle both C++ attention kernels share (cp_attention/kernels/_cpp_kernel.py): the
-environment switch, and a first use inside a model's bf16 autocast region (where a self-check
-that was itself autocast once failed on a dtype mismatch and switched the kernel off)."""
+environment switch, a first use inside a model's bf16 autocast region (where a self-check
+that was itself autocast once failed on a dtype mismatch and switched the kernel off), and a build
+directory holding the lock file of a build that was killed half-way."""
 
 from __future__ import annotations
 
+import os
+import threading
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.cpp_extension import get_default_build_root
 
 from cp_attention.kernels import amx_backward, brgemm_forward
+from cp_attention.kernels._cpp_kernel import cpu_has_avx512_bf16
 
 ADAPTERS = [pytest.param(brgemm_forward, id="forward"), pytest.param(amx_backward, id="backward")]
 
@@ -29,3 +35,20 @@ def test_first_use_inside_autocast_still_builds_and_runs(adapter, monkeypatch):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if not adapter.available():
                 pytest.skip("no AVX512-BF16 here, or no compiler: the kernel is not built")
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next(adapter, monkeypatch):
+    """torch's build lock is a plain file: a build killed mid-compile leaves it, and torch's
+    load() then waits on it forever. The build takes an flock first and removes such a file."""
+    if not cpu_has_avx512_bf16():
+        pytest.skip("no AVX512-BF16 here: the kernel is never built")
+    monkeypatch.setattr(adapter.KERNEL, "state", {})
+    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / adapter.KERNEL.name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    (build_dir / "lock").touch()
+    worker = threading.Thread(target=adapter.available, daemon=True)
+    worker.start()
+    worker.join(timeout=600)  # a compile takes ~30 s here; the stale lock alone waits forever
+    assert not worker.is_alive(), "the build waited on the stale lock file"
+    assert not (build_dir / "lock").exists()
