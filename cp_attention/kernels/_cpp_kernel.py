@@ -68,11 +68,17 @@ class CppKernel:
         self.env, self.label, self.aten_half, self.self_check = env, label, aten_half, self_check
         self.state: dict = {}
 
-    def build(self):
-        from torch.utils.cpp_extension import get_default_build_root, load
+    @property
+    def build_dir(self) -> Path:
+        """Where the build and its cache live: torch's extensions root, one folder per name."""
+        from torch.utils.cpp_extension import get_default_build_root
 
-        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-        build_dir = Path(root) / self.name
+        return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / self.name
+
+    def build(self):
+        from torch.utils.cpp_extension import load
+
+        build_dir = self.build_dir
         build_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with build_lock(build_dir):

@@ -74,12 +74,15 @@ def grouped_matmul(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
 
     x and w must share a dtype (callers cast once per forward). Returns x's dtype."""
     if resolve_impl(impl, x_MD, w_EDF) == "grouped_mm":
-        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        return _ContiguousGrad.apply(torch._grouped_mm(x_MD, w_EDF, offs=offs_E))
+        return _ContiguousGrad.apply(torch._grouped_mm(x_MD, w_EDF, offs=_group_ends(counts_E)))
     # Loop fallback (float64 tests, old torch): one GEMM per expert; the host sync is the price.
     pieces = torch.split(x_MD, counts_E.tolist())
     return torch.cat([p @ w_EDF[e] for e, p in enumerate(pieces)])
 
+
+def _group_ends(counts_E: torch.Tensor) -> torch.Tensor:
+    """`_grouped_mm`'s offs: int32 end row of each group."""
+    return torch.cumsum(counts_E, 0, dtype=torch.int32)
 
 
 def grouped_weight_grad(x_MD: torch.Tensor, g_MF: torch.Tensor, counts_E: torch.Tensor,
@@ -88,10 +91,11 @@ def grouped_weight_grad(x_MD: torch.Tensor, g_MF: torch.Tensor, counts_E: torch.
     an output gradient g: the product `_grouped_mm`'s own backward forms (zeros for an expert with
     no rows). `impl` as resolved for the forward."""
     if impl == "grouped_mm":
-        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        return torch._grouped_mm(x_MD.t(), g_MF, offs=offs_E)
-    pieces = zip(torch.split(x_MD, counts_E.tolist()), torch.split(g_MF, counts_E.tolist()), strict=True)
+        return torch._grouped_mm(x_MD.t(), g_MF, offs=_group_ends(counts_E))
+    counts = counts_E.tolist()
+    pieces = zip(torch.split(x_MD, counts), torch.split(g_MF, counts), strict=True)
     return torch.stack([p.t() @ q for p, q in pieces])
+
 
 # ---------------------------------------------------------------------- row padding per group
 #

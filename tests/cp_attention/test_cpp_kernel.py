@@ -5,14 +5,11 @@ directory holding the lock file of a build that was killed half-way."""
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.cpp_extension import get_default_build_root
 
 from cp_attention.kernels import amx_backward, brgemm_forward
 from cp_attention.kernels._cpp_kernel import cpu_has_avx512_bf16
@@ -44,7 +41,7 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next(adapter, monkeypat
     if not cpu_has_avx512_bf16():
         pytest.skip("no AVX512-BF16 here: the kernel is never built")
     monkeypatch.setattr(adapter.KERNEL, "state", {})
-    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / adapter.KERNEL.name
+    build_dir = adapter.KERNEL.build_dir
     build_dir.mkdir(parents=True, exist_ok=True)
     (build_dir / "lock").touch()
     worker = threading.Thread(target=adapter.available, daemon=True)
