@@ -82,6 +82,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from long_context_report import fmt_multi, fmt_row, multi_table, table  # noqa: E402
 
 SIDES = ("none", "selective", "full", "hf")  # the first three are ours, by train.recompute
 ROUTES = ("live", "uniform")
@@ -484,56 +485,6 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / GIB:.0f} GiB"
 
 
-def fmt_row(r: dict) -> str:
-    if r["over_cap"]:
-        return "over cap"
-    if "error" in r:
-        return "failed"
-    return f"{r['peak_bytes'] / GIB:.2f} GiB, {r['tokens_per_s']:.0f} tok/s"
-
-
-def table(res: dict, sides: list[str], lengths: list[int]) -> str:
-    cells = {(r["side"], r["length"]): fmt_row(r) for r in res["rows"]}
-    head = "| tokens | " + " | ".join(f"ours {s}" if s != "hf" else "HF Qwen3-MoE" for s in sides) + " |"
-    lines = [head, "|---:" + "|---:" * len(sides) + "|"]
-    for n in lengths:
-        lines.append(f"| {n} | " + " | ".join(cells.get((s, n), "not run") for s in sides) + " |")
-    return "\n".join(lines)
-
-
-def peak_range(m: dict) -> str:
-    return f"{m['min_peak_bytes'] / GIB:.2f}-{m['max_peak_bytes'] / GIB:.2f} GiB"
-
-
-def adamw_bytes(m: dict) -> str:
-    return (f"{m['optimizer_bytes'] / 2**20:.0f} MiB "
-            f"(replicated: {m['replicated_optimizer_bytes'] / 2**20:.0f} MiB)")
-
-
-def fmt_multi(m: dict) -> str:
-    """The progress line of one 4-rank layout."""
-    if "error" in m:
-        return f"failed: {m['error']}"
-    return f"per-rank peak {peak_range(m)}, AdamW state {adamw_bytes(m)}/rank, step {m['step_s']:.1f} s"
-
-
-def multi_table(res: dict, layouts: list[str]) -> str:
-    n, single = res["multi_length"], res["single_peak_bytes_at_multi_length"]
-    lines = [f"{WORLD} gloo ranks, {n} tokens, recompute none; single rank: "
-             + (f"{single / GIB:.2f} GiB" if single else "not measured"),
-             "| layout | per-rank peak | largest over single | AdamW state per rank |",
-             "|---|---:|---:|---:|"]
-    for k in layouts:
-        m = next((m for m in res["multi_rows"] if m["layout"] == k and m["length"] == n), None)
-        if m is None or "error" in m:
-            lines.append(f"| {k} | {'failed' if m else 'not run'} | | |")
-            continue
-        ratio = res["peak_over_single"].get(k)
-        lines.append(f"| {k} | {peak_range(m)} | " + (f"{ratio:.3f}x" if ratio else "")
-                     + f" | {adamw_bytes(m)} |")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -599,7 +550,7 @@ def main(argv=None) -> int:
     print(table(res, sides, lengths))
     if n and layouts:
         print()
-        print(multi_table(res, layouts))
+        print(multi_table(res, layouts, WORLD))
     keys = ("longest_ours_tokens", "longest_hf_tokens", "longest_ratio", "bytes_per_token_ours",
             "bytes_per_token_hf", "selective_recompute_tokens_per_s_ratio", "cp4_peak_over_single",
             "cp2tp2_peak_over_single", "dist_optimizer_bytes_ratio", "tokens_per_s_ratio_32k")
