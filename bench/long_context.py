@@ -31,7 +31,7 @@ longer ones. Lengths go up until every side is over the cap or past --max-step-s
 previous step, scaled by the quadratic growth of attention, would exceed it, stops there).
 
 Multi-rank layouts (--multi-layouts, each on 4 gloo ranks in spawned processes at --cp4-length,
-recompute none, the same warm-up and peak measure per rank; each rank's watchdog at a quarter of
+with --multi-recompute (default none), the same warm-up and peak measure per rank; each rank's watchdog at a quarter of
 --mem-cap-gib):
   cp4        parallel.cp=4 (ring), ep=4 (MoE Parallel Folding: a quarter of the experts per
              rank), distributed_optimizer (AdamW state of dense weights sharded over dp*cp = 4;
@@ -50,8 +50,9 @@ Derived figures:
                    the figure is extrapolated from its line (marked "extrapolated") and is a
                    lower bound for HF only if HF did hit it;
   <layout>_peak_over_single
-                   the layout's largest per-rank peak over the single-rank peak (recompute none)
-                   at --cp4-length (that single row runs if missing);
+                   the layout's largest per-rank peak over the single-rank peak of the same
+                   recompute mode (--multi-recompute) at --cp4-length (that single row runs if
+                   missing);
   dist_optimizer_bytes_ratio
                    cp4's per-rank AdamW bytes (largest rank) over a replicated AdamW's on the
                    same rank: 1/4 for the dense share, 1 for the experts' (edp = 1).
@@ -59,7 +60,7 @@ Derived figures:
 JSON (--out): routes, allocator, longest_ours_tokens, longest_hf_tokens, longest_ratio, bytes_per_token_ours
 (recompute none), bytes_per_token_hf, selective_recompute_tokens_per_s_ratio (selective / none,
 median over the lengths both ran), cp4_peak_over_single, cp2tp2_peak_over_single,
-tokens_per_s_ratio_32k (ours none / HF at 32K), optimizer_bytes_per_rank {layout: bytes},
+tokens_per_s_ratio_32k (ours none / HF at 32K), multi_recompute, optimizer_bytes_per_rank {layout: bytes},
 replicated_optimizer_bytes_per_rank, dist_optimizer_bytes_ratio, dist_optimizer_replicas
 {layout: {dense, expert}}, peak_over_single {layout: ratio}, plus every measured row (rows;
 multi_rows with per-rank detail), the per-mode slopes and what was extrapolated.
@@ -85,6 +86,7 @@ import torch  # noqa: E402
 from long_context_report import fmt_multi, fmt_row, multi_table, table  # noqa: E402
 
 SIDES = ("none", "selective", "full", "hf")  # the first three are ours, by train.recompute
+RECOMPUTE = SIDES[:3]
 ROUTES = ("live", "uniform")
 WARMUP_TOKENS = 2048
 GIB = 2**30
@@ -103,6 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="document length of the 4-rank runs (0: skip them)")
     p.add_argument("--multi-layouts", default=",".join(LAYOUTS),
                    help=f"4-rank layouts to run at --cp4-length, a subset of {','.join(LAYOUTS)}")
+    p.add_argument("--multi-recompute", default="none", choices=RECOMPUTE,
+                   help="train.recompute of the 4-rank layouts and of the single-rank row they are "
+                        "divided by")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per process (0: torch's default)")
     p.add_argument("--allocator", default="lean", choices=("tuned", "lean", "default"),
                    help="train.host_allocator of ours, single rank and every layout alike (HF runs "
@@ -240,7 +245,7 @@ def worker(args) -> None:
     print("RESULT " + json.dumps(res), flush=True)
 
 
-# 4-rank layouts: name -> (config overrides, what it shows). All at recompute none, 4 gloo ranks.
+# 4-rank layouts: name -> (config overrides, what it shows), 4 gloo ranks, --multi-recompute.
 LAYOUTS = {
     "cp4": (["parallel.cp=4", "parallel.cp_backend=ring", "parallel.ep=4",
              "parallel.distributed_optimizer=true"],
@@ -294,7 +299,7 @@ def replicated_optimizer_bytes(trainer, expert_ids: set[int]) -> dict:
 
 
 def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap_gib: float,
-               allocator: str, routes: str, queue) -> None:
+               allocator: str, routes: str, recompute: str, queue) -> None:
     import torch.distributed as dist
 
     from longctx_moe.host import configure_cpu
@@ -306,7 +311,7 @@ def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap
     start_watchdog(int(cap_gib * GIB))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    cfg = bench_config("none", LAYOUTS[layout][0])
+    cfg = bench_config(recompute, LAYOUTS[layout][0])
     dims = ParallelDims.from_config(cfg.parallel, WORLD, cfg.model)
     dims.build_groups(rank)
     base = rss_bytes()
@@ -327,7 +332,7 @@ def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap
 
 
 def run_multi(layout: str, length: int, threads: int, cap_gib: float, allocator: str,
-              routes: str = "live") -> dict:
+              routes: str = "live", recompute: str = "none") -> dict:
     """One step of `layout` on WORLD gloo ranks (spawned processes); a dict with per-rank rows,
     or with "error" (a rank died or passed its share of the memory cap)."""
     import socket
@@ -340,12 +345,12 @@ def run_multi(layout: str, length: int, threads: int, cap_gib: float, allocator:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=multi_rank, args=(r, layout, port, length, threads, cap_gib, allocator, routes,
-                                                         queue))
+                                                         recompute, queue))
              for r in range(WORLD)]
     for p in procs:
         p.start()
     results = {}
-    row = {"layout": layout, "length": length, "sets": LAYOUTS[layout][0]}
+    row = {"layout": layout, "length": length, "sets": LAYOUTS[layout][0], "recompute": recompute}
     while len(results) < len(procs):
         try:
             rank, res = queue.get(timeout=5)
@@ -436,7 +441,7 @@ def summarize(rows: list[dict], multi: list[dict], args) -> dict:
     # 4-rank layouts at the --cp4-length (rows of other lengths, kept by --reuse, stay in
     # multi_rows but not in the derived figures)
     done = {m["layout"]: m for m in multi if m["length"] == args.cp4_length and "error" not in m}
-    single = at("none", args.cp4_length)
+    single = at(args.multi_recompute, args.cp4_length)
     over = {k: m["max_peak_bytes"] / single["peak_bytes"] for k, m in done.items()} if single else {}
     cp4 = done.get("cp4")
     return {
@@ -460,7 +465,8 @@ def summarize(rows: list[dict], multi: list[dict], args) -> dict:
         "dist_optimizer_bytes_ratio_by_kind": by_kind_ratio(cp4) if cp4 else None,
         "dist_optimizer_replicas": {k: m["replicas"] for k, m in done.items()},
         "tokens_per_s_ratio_32k": r32_ours["tokens_per_s"] / r32_hf["tokens_per_s"] if r32_ours and r32_hf else None,
-        "mem_cap_gib": args.mem_cap_gib, "allocator": args.allocator, "routes": args.routes, "rows": rows, "multi_length": args.cp4_length,
+        "mem_cap_gib": args.mem_cap_gib, "allocator": args.allocator, "routes": args.routes,
+        "multi_recompute": args.multi_recompute, "rows": rows, "multi_length": args.cp4_length,
         "multi_rows": multi, "layouts": {k: {"sets": v[0], "what": v[1]} for k, v in LAYOUTS.items()},
         "threads": args.threads or torch.get_num_threads(), "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"), "machine": machine(),
@@ -506,6 +512,9 @@ def main(argv=None) -> int:
     if prior and prior.get("routes", "live") != args.routes:
         raise SystemExit(f"--reuse {args.reuse} was measured with --routes {prior.get('routes', 'live')}; "
                          "pass that, or start a new file")
+    if prior and prior.get("multi_recompute", "none") != args.multi_recompute and prior.get("multi_rows"):
+        raise SystemExit(f"--reuse {args.reuse} ran its 4-rank layouts with --multi-recompute "
+                         f"{prior.get('multi_recompute', 'none')}; pass that, or start a new file")
     if args.routes != "live" and "hf" in sides:
         raise SystemExit("--routes uniform replays routes through our trainer, which HF's model has no "
                          "seam for; leave hf out of --sides")
@@ -531,16 +540,17 @@ def main(argv=None) -> int:
             if row["over_cap"] or "error" in row:
                 stopped.add(side)
     n = args.cp4_length
-    if n and layouts and not any(r["side"] == "none" and r["length"] == n and "error" not in r
+    mode = args.multi_recompute
+    if n and layouts and not any(r["side"] == mode and r["length"] == n and "error" not in r
                                  and not r["over_cap"] for r in rows):
-        row = run_one("none", n, args)  # the single-rank peak the layouts are divided by
+        row = run_one(mode, n, args)  # the single-rank peak the layouts are divided by
         row["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        rows = [r for r in rows if not (r["side"] == "none" and r["length"] == n)] + [row]
-        print(f"{'none':>9} {n:>7} tokens: {fmt_row(row)}", flush=True)
+        rows = [r for r in rows if not (r["side"] == mode and r["length"] == n)] + [row]
+        print(f"{mode:>9} {n:>7} tokens: {fmt_row(row)}", flush=True)
     for layout in layouts if n else ():
         if any(m["layout"] == layout and m["length"] == n for m in multi):
             continue
-        m = run_multi(layout, n, args.threads, args.mem_cap_gib / WORLD, args.allocator, args.routes)
+        m = run_multi(layout, n, args.threads, args.mem_cap_gib / WORLD, args.allocator, args.routes, mode)
         m["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         multi.append(m)
         write_json(args.out, summarize(rows, multi, args) | {"partial": True})

@@ -41,7 +41,7 @@ def fmt_multi(m: dict) -> str:
 
 def multi_table(res: dict, layouts: list[str], world: int) -> str:
     n, single = res["multi_length"], res["single_peak_bytes_at_multi_length"]
-    lines = [f"{world} gloo ranks, {n} tokens, recompute none; single rank: "
+    lines = [f"{world} gloo ranks, {n} tokens, recompute {res.get('multi_recompute', 'none')}; single rank: "
              + (f"{single / GIB:.2f} GiB" if single else "not measured"),
              "| layout | per-rank peak | largest over single | AdamW state per rank |",
              "|---|---:|---:|---:|"]
