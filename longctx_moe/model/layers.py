@@ -104,4 +104,40 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x_TD)) * self.w_up(x_TD))
+        gate_TF, up_TF = self.w_gate(x_TD), self.w_up(x_TD)
+        if torch.compiler.is_compiling():
+            # Inductor's partitioner already recomputes the pointwise silu and product in the
+            # backward instead of saving them; the plain ops let it fuse them.
+            return self.w_down(F.silu(gate_TF) * up_TF)
+        # The weight's cast is the one autocast would make, outside the function so its gradient
+        # reaches the fp32 parameter through autograd.
+        return _GatedDown.apply(gate_TF, up_TF, self.w_down.weight.to(gate_TF.dtype))
+
+
+class _GatedDown(torch.autograd.Function):
+    """linear(silu(gate) * up, w) keeping only gate, up and w for the backward. Autograd through
+    the three ops also keeps silu(gate) and the activation ([T, F] each: 2 of the D + 4F values a
+    token holds per dense MLP); the backward recomputes both (two pointwise ops) and forms the
+    products autograd's linear, mul and silu backward form, in their order, so every gradient is
+    bitwise the plain composition's. The experts' version is moe._SwiGLUDown. Legend: N rows
+    (any leading shape), F hidden, D model dim."""
+
+    @staticmethod
+    def forward(ctx, gate_NF, up_NF, w_DF):
+        ctx.save_for_backward(gate_NF, up_NF, w_DF)
+        return F.linear(F.silu(gate_NF) * up_NF, w_DF)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_ND):
+        gate_NF, up_NF, w_DF = ctx.saved_tensors
+        silu_NF = F.silu(gate_NF)
+        act_NF = silu_NF * up_NF
+        g_2D = g_ND.reshape(-1, g_ND.shape[-1])
+        dw_DF = g_2D.t().mm(act_NF.reshape(-1, act_NF.shape[-1])) if ctx.needs_input_grad[2] else None
+        del act_NF
+        dact_NF = g_2D.mm(w_DF).view(gate_NF.shape)
+        dup_NF = dact_NF * silu_NF
+        del silu_NF
+        dgate_NF = torch.ops.aten.silu_backward(dact_NF.mul_(up_NF), gate_NF)
+        return dgate_NF, dup_NF, dw_DF

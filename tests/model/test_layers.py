@@ -13,7 +13,7 @@ from longctx_moe.model.grouped_gemm import (
     padded_size,
     resolve_impl,
 )
-from longctx_moe.model.layers import RMSNorm, apply_rope, rope_cos_sin
+from longctx_moe.model.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 from longctx_moe.model.moe import GroupedExperts, LocalDispatcher
 from tests.model.helpers import dense_attention, packed_batch, tiny_config
 
@@ -284,3 +284,48 @@ def test_experts_keep_only_their_input_and_the_gate_up_rows():
     weights = sum(p.numel() for p in experts.parameters()) * 2  # their bf16 copies
     rows = 64 * (32 + 2 * 48) * 2
     assert sum(storages.values()) <= rows + weights + cnt.numel() * 8 + 64, sorted(storages.values())
+
+
+def _plain_dense_swiglu(mlp, x):
+    return mlp.w_down(torch.nn.functional.silu(mlp.w_gate(x)) * mlp.w_up(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_dense_swiglu_is_bitwise_the_plain_composition(dtype):
+    """The dense MLP's hand-written backward forms the products autograd's linear, mul and silu
+    backward form: output and every gradient bitwise equal, float64 and fp32 weights under bf16
+    autocast (the trainer's mode, where the weight's gradient passes the autocast-style cast)."""
+    torch.manual_seed(0)
+    mlp = SwiGLU(32, 48)
+    if dtype == torch.float64:
+        mlp.double()
+    x = torch.randn(40, 32, dtype=torch.float64 if dtype == torch.float64 else torch.bfloat16,
+                    requires_grad=True)
+    g = torch.randn(40, 32, dtype=x.dtype)
+    params = [x, *mlp.parameters()]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        y, ref = mlp(x), _plain_dense_swiglu(mlp, x)
+    assert y.dtype == ref.dtype == x.dtype
+    grads = torch.autograd.grad(y, params, g)
+    ref_grads = torch.autograd.grad(ref, params, g)
+    for a, b in zip((y, *grads), (ref, *ref_grads), strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_dense_swiglu_keeps_its_input_gate_and_up():
+    """Per token the backward keeps x [D] (shared by the gate and up projections), gate and up
+    [F] each, not silu(gate) nor the activation; the rest is the three weights' bf16 casts."""
+    mlp = SwiGLU(32, 48)
+    x = torch.randn(64, 32).bfloat16().requires_grad_()
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mlp(x)
+    weights = sum(p.numel() for p in mlp.parameters()) * 2
+    rows = 64 * (32 + 2 * 48) * 2
+    assert sum(storages.values()) <= rows + weights, sorted(storages.values())
