@@ -56,6 +56,8 @@ Derived figures:
   dist_optimizer_bytes_ratio
                    cp4's per-rank AdamW bytes (largest rank) over a replicated AdamW's on the
                    same rank: 1/4 for the dense share, 1 for the experts' (edp = 1).
+  ep_rank_shares   (per layout row) per MoE layer, the share of the step's routed rows the
+                   experts of each EP rank received: what puts one rank's peak above the others'.
 
 JSON (--out): routes, allocator, longest_ours_tokens, longest_hf_tokens, longest_ratio, bytes_per_token_ours
 (recompute none), bytes_per_token_hf, selective_recompute_tokens_per_s_ratio (selective / none,
@@ -63,7 +65,7 @@ median over the lengths both ran), cp4_peak_over_single, cp2tp2_peak_over_single
 tokens_per_s_ratio_32k (ours none / HF at 32K), multi_recompute, optimizer_bytes_per_rank {layout: bytes},
 replicated_optimizer_bytes_per_rank, dist_optimizer_bytes_ratio, dist_optimizer_replicas
 {layout: {dense, expert}}, peak_over_single {layout: ratio}, plus every measured row (rows;
-multi_rows with per-rank detail), the per-mode slopes and what was extrapolated.
+multi_rows with per-rank detail and ep_rank_shares; every row's expert_counts), the per-mode slopes and what was extrapolated.
 """
 
 from __future__ import annotations
@@ -187,11 +189,11 @@ def build_side(side: str, cfg, dims=None, routes: str = "live"):
 
 
 def step_fn(trainer, routes: str):
-    """One optimizer step of the trainer on a list of micro-batches, returning the CE loss; with
+    """One optimizer step of the trainer on a list of micro-batches, returning its StepResult; with
     routes "uniform", every token's experts are replayed from a uniform draw."""
     if routes == "live":
-        return lambda batches: trainer.train_step(batches).ce_loss
-    return lambda batches: trainer.train_step(batches, UniformRoutes(trainer.cfg.model, batches)).ce_loss
+        return trainer.train_step
+    return lambda batches: trainer.train_step(batches, UniformRoutes(trainer.cfg.model, batches))
 
 
 class UniformRoutes:
@@ -227,10 +229,20 @@ def measured_step(run, length: int, vocab: int, base: int) -> dict:
         raise SystemExit("bench/long_context.py needs /proc/self/clear_refs (Linux) to reset the peak RSS")
     batch = document(length, vocab, seed=0)
     t0 = time.perf_counter()
-    loss = run([batch])
+    out = run([batch])  # ours: a StepResult; HF: the loss
     seconds = time.perf_counter() - t0
-    return {"step_s": seconds, "tokens_per_s": length / seconds, "loss": float(loss),
-            "peak_bytes": int(peak_memory_mb(CPU) * 2**20) - base}
+    counts = getattr(out, "expert_counts", None)
+    return {"step_s": seconds, "tokens_per_s": length / seconds, "loss": float(getattr(out, "ce_loss", out)),
+            "peak_bytes": int(peak_memory_mb(CPU) * 2**20) - base,
+            "expert_counts": counts.tolist() if counts is not None else None}
+
+
+def ep_rank_shares(counts_LE: list[list[int]], ep: int) -> list[list[float]]:
+    """Per MoE layer, the share of the routed rows each EP rank's experts received (EP rank r
+    holds the r-th contiguous block of experts)."""
+    c_LE = torch.tensor(counts_LE, dtype=torch.float64)
+    per_rank = c_LE.view(c_LE.shape[0], ep, -1).sum(-1)
+    return (per_rank / per_rank.sum(-1, keepdim=True)).tolist()
 
 
 def worker(args) -> None:
@@ -325,7 +337,7 @@ def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap
         optimizer_bytes=optimizer_bytes(trainer.optimizer, expert_ids),
         replicated_optimizer_bytes=replicated_optimizer_bytes(trainer, expert_ids),
         replicas={"dense": dims.size("dp_cp"), "expert": dims.size("edp")},
-        local_tokens=length // dims.size("cp"))
+        local_tokens=length // dims.size("cp"), ep=dims.ep)
     queue.put((rank, res))
     dist.barrier()
     dist.destroy_process_group()
@@ -367,7 +379,9 @@ def run_multi(layout: str, length: int, threads: int, cap_gib: float, allocator:
         p.join()
     per_rank = [results[r] for r in range(WORLD)]
     peaks = [r["peak_bytes"] for r in per_rank]
+    counts = per_rank[0]["expert_counts"]  # the step's global counts, the same on every rank
     return row | {
+        "ep_rank_shares": ep_rank_shares(counts, per_rank[0]["ep"]) if counts else None,
         "per_rank": per_rank, "max_peak_bytes": max(peaks), "min_peak_bytes": min(peaks),
         "step_s": max(r["step_s"] for r in per_rank),
         "optimizer_bytes": max(r["optimizer_bytes"]["total"] for r in per_rank),

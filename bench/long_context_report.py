@@ -32,6 +32,13 @@ def adamw_bytes(m: dict) -> str:
             f"(replicated: {m['replicated_optimizer_bytes'] / 2**20:.0f} MiB)")
 
 
+def busiest_ep_rank(m: dict) -> str:
+    shares = m.get("ep_rank_shares")
+    if not shares or len(shares[0]) == 1:
+        return ""
+    return " / ".join(f"{max(s):.2f}" for s in shares)
+
+
 def fmt_multi(m: dict) -> str:
     """The progress line of one 4-rank layout."""
     if "error" in m:
@@ -43,14 +50,15 @@ def multi_table(res: dict, layouts: list[str], world: int) -> str:
     n, single = res["multi_length"], res["single_peak_bytes_at_multi_length"]
     lines = [f"{world} gloo ranks, {n} tokens, recompute {res.get('multi_recompute', 'none')}; single rank: "
              + (f"{single / GIB:.2f} GiB" if single else "not measured"),
-             "| layout | per-rank peak | largest over single | AdamW state per rank |",
-             "|---|---:|---:|---:|"]
+             "| layout | per-rank peak | largest over single | AdamW state per rank "
+             "| busiest EP rank's share of routed rows, by MoE layer |",
+             "|---|---:|---:|---:|---|"]
     for k in layouts:
         m = next((m for m in res["multi_rows"] if m["layout"] == k and m["length"] == n), None)
         if m is None or "error" in m:
-            lines.append(f"| {k} | {'failed' if m else 'not run'} | | |")
+            lines.append(f"| {k} | {'failed' if m else 'not run'} | | | |")
             continue
         ratio = res["peak_over_single"].get(k)
         lines.append(f"| {k} | {peak_range(m)} | " + (f"{ratio:.3f}x" if ratio else "")
-                     + f" | {adamw_bytes(m)} |")
+                     + f" | {adamw_bytes(m)} | {busiest_ep_rank(m)} |")
     return "\n".join(lines)
