@@ -386,6 +386,9 @@ def _check_trainer(cfg: Config) -> None:
     _require(t.param_dtype != "fp64" or t.autocast_dtype == "none",
              f"train.param_dtype=fp64 with train.autocast_dtype={t.autocast_dtype} would compute in low precision; "
              "set train.autocast_dtype=none")
+    _require(not (t.compile and cfg.parallel.micro_batches_in_flight == 2),
+             "train.compile=true with parallel.micro_batches_in_flight=2: compiled blocks are not run from "
+             "two threads here; set one of them off")
     _require(t.num_threads >= 0, f"train.num_threads={t.num_threads} must be >= 0 (0 = automatic)")
     _require(0 < t.process_group_timeout_s < float("inf"),
              f"train.process_group_timeout_s={t.process_group_timeout_s} must be a number of seconds > 0, e.g. 600")

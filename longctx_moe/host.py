@@ -27,6 +27,14 @@ split, 4.64 GiB with a 2 MiB one, 4.56 GiB with 0.5 MiB; the largest of 4 CP ran
 rank, alternating modes, 3 rounds, quiet machine: 4K tokens 0.71x the tokens/s of `tuned` for
 0.84x its peak, 16K tokens 0.90x for 0.82x. Speed is the common case: `tuned` stays the default.
 
+Why one arena: glibc gives threads other than the main one heaps of their own ("arenas"), which
+the trim threshold above keeps from shrinking too. With two micro-batches in flight
+(parallel/interleave.py) each step's forwards run in fresh threads, and every rank's peak RSS grew
+by ~155 MB per step on 4 ranks (tiny_cpu.yaml, EP4, 10 steps: 616 -> 2006 MB, against 510 -> 774
+MB with one micro-batch at a time); with every thread on the main heap it grew as the one-at-a-time
+run did (514 -> 779 MB). Only one of those threads computes at a time, so they do not contend for
+the heap's lock.
+
 Why oneDNN's caches are capped: torch's bf16 CPU GEMMs keep two caches keyed by operand shape,
 oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep's (LRU_CACHE_CAPACITY), 1024
 entries each by default and about 270 KB per entry in each (536 KB per new GEMM shape). Packed
@@ -52,6 +60,7 @@ from longctx_moe.choices import check_choice
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 ALLOCATOR_MODES = ("tuned", "lean", "default")
 
@@ -88,6 +97,7 @@ def tune_host_allocator(mode: str = "tuned") -> bool:
     ok = lib.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD[mode])
     ok &= lib.mallopt(_M_TRIM_THRESHOLD, 1 << 30)  # give memory back only past 1 GiB of free top
     ok &= lib.mallopt(_M_TOP_PAD, 64 << 20)  # grow the heap in 64 MiB steps, not per allocation
+    ok &= lib.mallopt(_M_ARENA_MAX, 1)  # every thread on that one heap (module docstring)
     return bool(ok)
 
 

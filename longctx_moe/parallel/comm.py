@@ -23,7 +23,9 @@ step is 2^-9 in scaled units):
 
 Communication a rank waits for is labelled for the profiler (torch.profiler.record_function):
 `comm.a2a` a synchronous all-to-all, `comm.a2a_launch` / `comm.a2a_wait` the two halves of an
-asynchronous one, `comm.counts` the split-size exchange; bench/moe_overlap.py sums them.
+asynchronous one, `comm.counts` the split-size exchange; bench/moe_overlap.py sums them. Before
+blocking on an asynchronous one, a micro-batch in flight with another hands over to it
+(interleave.py): the wait then starts after the other's compute, which it overlapped.
 
 Quantisation is treated as the identity in backward (straight-through); gradients travel in the
 codec's `grad` codec (bf16 for the fp8 codec: e4m3 is for activations, as in DeepEP / MegaScale).
@@ -37,6 +39,7 @@ from torch.profiler import record_function
 
 from longctx_moe.choices import check_choice
 from longctx_moe.parallel.config import DISPATCH_DTYPES
+from longctx_moe.parallel.interleave import hand_over
 
 # Flat collectives over one buffer: torch 2.13 renamed them (`*_single`) and deprecated the old
 # names, which torch 2.11 (the GPU image) has only.
@@ -146,6 +149,7 @@ class _Transfer:
         self.dtype, self.dim, self.codec = x_ND.dtype, x_ND.shape[1], codec
 
     def wait(self) -> torch.Tensor:
+        hand_over()  # with two micro-batches in flight, the other one computes meanwhile
         with record_function("comm.a2a_wait"):
             self.work.wait()
         self.send_buf = None

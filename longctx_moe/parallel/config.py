@@ -67,6 +67,10 @@ class ParallelConfig:
     # same arithmetic (bitwise equal); buckets change only how gloo/NCCL chunk the sum.
     moe_overlap: bool = True
     grad_bucket_mb: float = 25.0  # 0: one buffer per dtype after the backward
+    # 2: the forwards of two micro-batches run interleaved, each computing while the other's
+    # expert all-to-alls travel (parallel/interleave.py); bitwise the results of 1, with both
+    # micro-batches' activations live until their backward. Needs ep > 1 and the all-to-all.
+    micro_batches_in_flight: int = 1
     # AdamW state sharded over the replicas of each parameter (dense over dp x cp, experts over
     # edp): gradients reduce-scattered, parameters all-gathered after the step
     # (parallel/distributed_optimizer.py). Same results as the replicated optimizer.
@@ -82,6 +86,9 @@ class ParallelConfig:
         for key, allowed in CHOICES.items():
             check_choice(f"parallel.{key}", getattr(self, key), allowed)
         check_capacity_factor(self.capacity_factor)
+        if self.micro_batches_in_flight not in (1, 2):
+            raise ValueError(f"parallel.micro_batches_in_flight={self.micro_batches_in_flight} must be "
+                             "1 or 2 (2: two micro-batches' forwards interleaved around the expert all-to-alls)")
         if not self.grad_bucket_mb >= 0:
             raise ValueError(f"parallel.grad_bucket_mb={self.grad_bucket_mb} must be >= 0 "
                              "(0: one buffer after the backward)")

@@ -21,7 +21,9 @@ Called with `shared` (the MoE layer's shared expert), it computes shared(x_TD) w
 travel and returns routed + shared; in the backward the shared expert's backward runs while the
 tokens' gradients travel back (comm.start_all_to_all_rows). The arithmetic is the same as the
 synchronous path, so the results are bitwise equal. The combine all-to-all stays synchronous:
-within one micro-batch nothing independent is left to compute by then.
+within one micro-batch nothing independent is left to compute by then. With two micro-batches in
+flight (parallel.micro_batches_in_flight=2, interleave.py) both all-to-alls are asynchronous and
+the other micro-batch computes while they travel.
 
 TP without sequence parallelism: TP peers hold the same tokens. With `tp_group`, each peer
 dispatches one contiguous chunk of them and the outputs are all-gathered back (Megatron-Core's
@@ -62,6 +64,7 @@ from longctx_moe.parallel.comm import (
 )
 from longctx_moe.parallel.config import DROP_POLICIES, check_capacity_factor
 from longctx_moe.parallel.dims import Axis
+from longctx_moe.parallel.interleave import interleaving
 
 
 @dataclass
@@ -262,7 +265,7 @@ class AllToAllDispatcher(_EPDispatcher):
         send, recv = send_RL.sum(1).tolist(), recv_RL.sum(1).tolist()
         x_MD, side_TD = self._send_tokens(x_ND, send, recv, side)
         y_MD = self._run_experts(x_MD, recv_RL, experts)
-        y_ND = all_to_all_rows(y_MD, recv, send, self.group, self.combine_codec)
+        y_ND = self._send_back(y_MD, recv, send)
         D, dtype = x_TD.shape[1], x_TD.dtype
         self.wire_bytes = (self._remote_rows(send) * self.codec.wire_bytes_per_row(D, dtype)
                            + self._remote_rows(recv) * self.combine_codec.wire_bytes_per_row(D, dtype))
@@ -276,12 +279,21 @@ class AllToAllDispatcher(_EPDispatcher):
         return send_RL, exchange_counts(send_RL, self.group)
 
     def _send_tokens(self, x_ND, send, recv, side):
-        """Dispatch stage: (rows for my experts x_MD, side() if it ran while they travelled)."""
-        if not self.overlap or side is None:
+        """Dispatch stage: (rows for my experts x_MD, side() if it ran while they travelled).
+        With another micro-batch in flight (interleave.py) the all-to-all is asynchronous even
+        without side work: the other micro-batch computes while it travels."""
+        overlap_side = self.overlap and side is not None
+        if not (overlap_side or interleaving()):
             return all_to_all_rows(x_ND, send, recv, self.group, self.codec), None
         in_flight = start_all_to_all_rows(x_ND, send, recv, self.group, self.codec)
-        side_TD = side()
+        side_TD = side() if overlap_side else None
         return in_flight.wait(), side_TD
+
+    def _send_back(self, y_MD, recv, send):
+        """Combine stage's all-to-all (asynchronous with another micro-batch in flight)."""
+        if interleaving():
+            return start_all_to_all_rows(y_MD, recv, send, self.group, self.combine_codec).wait()
+        return all_to_all_rows(y_MD, recv, send, self.group, self.combine_codec)
 
     def _run_experts(self, x_MD, recv_RL, experts):
         """Experts stage: rows arrive grouped by source rank, then local expert; experts() wants

@@ -76,6 +76,10 @@ def check_supported(dims, cfg: ParallelConfig) -> None:
     if cfg.sequence_parallel and dims.tp == 1:
         raise ValueError("parallel.sequence_parallel=true splits tokens over the TP ranks but "
                          "parallel.tp=1; set tp > 1 or sequence_parallel=false")
+    if cfg.micro_batches_in_flight == 2 and (dims.ep == 1 or cfg.dispatcher != "alltoall"):
+        raise ValueError("parallel.micro_batches_in_flight=2 hides the expert all-to-all of one micro-batch "
+                         f"behind the other's compute, but ep={dims.ep}, dispatcher={cfg.dispatcher}; "
+                         "use ep > 1 with dispatcher=alltoall, or micro_batches_in_flight=1")
 
 
 def apply_expert_parallel(model: nn.Module, dims, cfg: ParallelConfig) -> None:

@@ -12,6 +12,10 @@ One optimizer step, as the trainer runs it (every rank, same calls in the same o
     norm = runtime.clip_grad_norm(max_norm)        # global norm over the folded mesh
     optimizer.step()                               # optimizer = runtime.build_optimizer(...)
 
+With parallel.micro_batches_in_flight=2 the trainer shards two micro-batches, runs their forwards
+together (`runtime.forward_in_flight([a, b])`, interleaved around the expert all-to-alls,
+interleave.py) and then their backwards one after the other, as above.
+
 With parallel.distributed_optimizer the reduction is a reduce-scatter (each rank gets the summed
 gradient of its slab of every parameter), clipping runs on the slabs, and the optimizer's step
 ends with an all-gather of the updated slabs (distributed_optimizer.py).
@@ -33,6 +37,7 @@ sequence parallelism the MoE layers complete them over TP themselves (sequence_p
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +59,7 @@ from longctx_moe.parallel.grad_reduce import (
     split_params,
     stats_reducer,
 )
+from longctx_moe.parallel.interleave import run_interleaved
 
 
 @dataclass
@@ -139,6 +145,17 @@ class ParallelRuntime:
             scale = self._global_batch_scale(shard.num_targets, shard.batch.tokens.device)
             out.aux_loss, out.z_loss = out.aux_loss * scale, out.z_loss * scale
         return out
+
+    def forward_in_flight(self, shards: list[Shard], head=None, context=contextlib.nullcontext) -> list:
+        """forward() of each shard, under `context()` (the trainer's autocast); two shards run
+        interleaved, one computing while the other's expert all-to-alls travel (interleave.py),
+        with the same results as one after the other."""
+        def job(shard):
+            def run():
+                with context():
+                    return self.forward(shard, head)
+            return run
+        return run_interleaved([job(s) for s in shards])
 
     def gather_tokens(self, shard: Shard, x_L: torch.Tensor) -> torch.Tensor:
         """A per-token tensor of this rank's shard [L, ...] -> the whole micro-batch's [T, ...] in

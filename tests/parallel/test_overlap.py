@@ -1,5 +1,7 @@
 """Communication hidden behind compute: the overlapped MoE dispatcher (parallel.moe_overlap) on 4
-gloo ranks against the synchronous one, same run, same data.
+gloo ranks against the synchronous one, same run, same data; and two micro-batches in flight
+(parallel.micro_batches_in_flight=2: their forwards interleaved around the all-to-alls) against
+one at a time, through the runtime and through the trainer.
 
 The real Transformer with a shared expert, EP4 (and TP2 x EP4, where the TP peers split their
 shared tokens; with sequence parallelism, where the shared expert's TP all-gather and
@@ -11,6 +13,8 @@ a different summation order: tests/parallel/test_grad_buckets.py checks those in
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.distributed as dist
@@ -40,10 +44,11 @@ def _model(seed):
     return build_model(cfg)
 
 
-def run_steps(rank, world, kw, overlap, bucket_mb, seed):
+def run_steps(rank, world, kw, overlap, bucket_mb, seed, in_flight=1):
     """Losses (one per micro-batch) and {name: grad} after two accumulated micro-batches.
     `overlap`: the overlapped dispatcher, and the gradient buckets launched from the last
-    backward's hooks (without: the same buckets all-reduced after the backward)."""
+    backward's hooks (without: the same buckets all-reduced after the backward). `in_flight` 2:
+    both forwards first, interleaved, then the two backwards."""
     kw = dict(kw)
     recompute = kw.pop("recompute", "none")
     cfg = ParallelConfig(moe_overlap=overlap, grad_bucket_mb=bucket_mb, **kw)
@@ -56,9 +61,10 @@ def run_steps(rank, world, kw, overlap, bucket_mb, seed):
     batches = [packed_batch(DOCS[(seed + i) % len(DOCS)], 64, pad_multiple=dims.tp, generator=gen)
                for i in range(2)]
     losses = []
-    for i, batch in enumerate(batches):
-        shard = runtime.shard(batch)
-        out = runtime.forward(shard)
+    shards = [runtime.shard(b) for b in batches]
+    outs = runtime.forward_in_flight(shards) if in_flight == 2 else [None, None]
+    for i, shard in enumerate(shards):
+        out = outs[i] or runtime.forward(shard)
         loss = out.ce_sum / 64 + out.aux_loss + out.z_loss
         if overlap and i == len(batches) - 1:
             runtime.start_gradient_reduction()  # buckets launch from this backward's hooks
@@ -72,29 +78,40 @@ def _check_bitwise(rank, world):
     for seed, kw in enumerate(LAYOUTS):
         for bucket_mb in (0.0, 25.0, 0.002):
             loss_sync, grads_sync = run_steps(rank, world, kw, False, bucket_mb, seed)
-            loss_ovl, grads_ovl = run_steps(rank, world, kw, True, bucket_mb, seed)
-            assert torch.equal(loss_sync, loss_ovl), (kw, loss_sync, loss_ovl)
-            assert grads_sync.keys() == grads_ovl.keys()
-            for name, g in grads_sync.items():
-                assert torch.equal(g, grads_ovl[name]), (kw, bucket_mb, name,
-                                                         (g - grads_ovl[name]).abs().max())
+            runs = [(True, 1)] + ([(True, 2)] if bucket_mb == 25.0 else []) + \
+                ([(False, 2)] if bucket_mb == 25.0 and seed == 0 else [])
+            for overlap, in_flight in runs:
+                loss_ovl, grads_ovl = run_steps(rank, world, kw, overlap, bucket_mb, seed, in_flight)
+                what = (kw, bucket_mb, overlap, in_flight)
+                assert torch.equal(loss_sync, loss_ovl), (what, loss_sync, loss_ovl)
+                assert grads_sync.keys() == grads_ovl.keys()
+                for name, g in grads_sync.items():
+                    assert torch.equal(g, grads_ovl[name]), (what, name, (g - grads_ovl[name]).abs().max())
     _check_start_wait(rank, world)
     _check_schedule(rank, world)
+    _check_interleaved_schedule(rank, world)
+    _check_trainer_in_flight(rank, world)
     return True
 
 
 class _Recorder:
-    """Stands in for comm._Transfer: records when all-to-alls launch and complete."""
+    """Stands in for comm._Transfer: records when all-to-alls launch and complete (and, with
+    `threads`, in which micro-batch's thread)."""
 
-    events: list[str] = []
+    events: list = []
+    threads = False
 
     def __init__(self, *args):
-        self.events.append("launch")
+        self._log("launch")
         self.inner = _TRANSFER(*args)
 
     def wait(self):
-        self.events.append("wait")
-        return self.inner.wait()
+        out = self.inner.wait()  # hands over to the other micro-batch in flight first
+        self._log("wait")
+        return out
+
+    def _log(self, what):
+        self.events.append((threading.current_thread().name, what) if self.threads else what)
 
 
 _TRANSFER = comm._Transfer
@@ -124,6 +141,52 @@ def _check_schedule(rank, world):
         assert events == ["launch", "shared_bwd", "wait"], events
     finally:
         comm._Transfer, _Recorder.events[:] = _TRANSFER, []
+
+
+def _check_interleaved_schedule(rank, world):
+    """Two micro-batches in flight really take turns around the all-to-alls: the second one's
+    tokens are launched before the first one's complete, and its experts' combine before the
+    first one's (each "wait" is logged after the hand-over, so B's launch sits inside A's
+    window). Two MoE layers, EP4: 4 all-to-alls per micro-batch."""
+    cfg = ParallelConfig(ep=4, micro_batches_in_flight=2)
+    dims = ParallelDims.from_config(cfg, world, tiny_config())
+    dims.build_groups(rank)
+    runtime = parallelize(_model(0), dims, cfg)
+    gen = torch.Generator().manual_seed(rank)
+    shards = [runtime.shard(packed_batch(DOCS[i], 64, generator=gen)) for i in range(2)]
+    comm._Transfer, _Recorder.threads = _Recorder, True
+    try:
+        runtime.forward_in_flight(shards)
+        a, b = "micro-batch-0", "micro-batch-1"
+        turn = [(a, "launch"), (b, "launch"), (a, "wait"), (a, "launch"), (b, "wait"), (b, "launch"),
+                (a, "wait")]
+        assert _Recorder.events[:7] == turn, _Recorder.events
+        assert len(_Recorder.events) == 2 * 2 * 2 * 2  # 2 mbs x 2 layers x 2 a2as x (launch, wait)
+    finally:
+        comm._Transfer, _Recorder.threads, _Recorder.events[:] = _TRANSFER, False, []
+
+
+def _check_trainer_in_flight(rank, world):
+    """Through the Trainer (autocast off, fp32): three micro-batches (a pair, then one alone)
+    with micro_batches_in_flight 2 give bitwise the step of 1: loss, norm, counts, parameters."""
+    from longctx_moe.config import load_config
+    from longctx_moe.trainer import Trainer
+
+    results = []
+    for in_flight in (1, 2):
+        cfg = load_config(None, ["train.autocast_dtype=none", "optim.warmup_steps=0", "parallel.ep=4",
+                                 f"parallel.micro_batches_in_flight={in_flight}"])
+        cfg.model = _model(0).cfg
+        dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+        dims.build_groups(rank)
+        trainer = Trainer(cfg, parallelize(_model(0), dims, cfg.parallel))
+        gen = torch.Generator().manual_seed(rank)
+        step = trainer.train_step([packed_batch(DOCS[i], 64, generator=gen) for i in range(3)])
+        results.append((step, [p.detach().clone() for p in trainer.model.parameters()]))
+    (one, params_one), (two, params_two) = results
+    assert (one.loss, one.grad_norm) == (two.loss, two.grad_norm)
+    assert torch.equal(one.expert_counts, two.expert_counts)
+    assert all(torch.equal(p, q) for p, q in zip(params_one, params_two, strict=True))
 
 
 def _check_start_wait(rank, world):
