@@ -7,14 +7,21 @@ reduction. Two parallelized copies of the same model alternate round by round:
 - sync:       parallel.moe_overlap=false; gradient buckets all-reduced after the backward
 - overlapped: parallel.moe_overlap=true (shared expert while tokens travel, both passes);
               the same buckets launched from the last backward's hooks
+- in_flight:  overlapped, and parallel.micro_batches_in_flight=2: the two micro-batches'
+              forwards run interleaved (each computes while the other's all-to-alls travel,
+              parallel/interleave.py), then their backwards one after the other
 
-Each step runs under torch.profiler. Exposed communication is the time the main thread spends
-inside the labelled communication ranges (longctx_moe.parallel.comm / grad_reduce): `comm.a2a`,
-`comm.a2a_launch`, `comm.a2a_wait` and `comm.counts` for the all-to-all, `comm.grad*` for the
-gradient all-reduce. Per round: the mean over ranks of the exposed times, the slowest rank's step
-time; the table gives medians and min..max over rounds, the ratio of the medians overlapped /
-sync, and the per-round paired ratios (the modes alternate ABBA, back to back). Every round
-checks that both copies' losses and gradients are bitwise equal (exit status 1 if not).
+Exposed communication is the wall time the rank's threads (the main thread; in_flight's two
+forward threads, which never compute at once) spend inside the labelled communication ranges
+(longctx_moe.parallel.comm / grad_reduce): `comm.a2a`, `comm.a2a_launch`, `comm.a2a_wait` and
+`comm.counts` for the all-to-all, `comm.grad*` for the gradient all-reduce, timed by wrapping the
+`record_function` that labels them (torch.profiler records the main thread only, so it would miss
+in_flight's forward waits). Per round: the mean over ranks of the exposed times, the slowest
+rank's step time; the table gives medians and min..max over rounds, the ratio of the medians overlapped /
+sync, and the per-round paired ratios (the modes run back to back, their order reversed every
+other round). Every round checks that the copies' losses and gradients are bitwise equal (exit
+status 1 if not). JSON: `ratios` / `paired_ratios` overlapped over sync, `ratios_in_flight` /
+`paired_ratios_in_flight` in_flight over sync, `summary` per mode.
 
     python bench/moe_overlap.py --rounds 15 --out overlap.json
 """
@@ -22,27 +29,30 @@ checks that both copies' losses and gradients are bitwise equal (exit status 1 i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
+import threading
 import time
+from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from longctx_moe.model import build_model  # noqa: E402
 from longctx_moe.model.config import ModelConfig  # noqa: E402
+from longctx_moe.parallel import comm, grad_reduce  # noqa: E402
 from longctx_moe.parallel.config import ParallelConfig  # noqa: E402
 from longctx_moe.parallel.dims import ParallelDims  # noqa: E402
 from longctx_moe.parallel.parallelize import parallelize  # noqa: E402
 from tests.launcher import run_distributed  # noqa: E402
 from tests.model.helpers import packed_batch  # noqa: E402
 
-MODES = ("sync", "overlapped")
+MODES = ("sync", "overlapped", "in_flight")
 A2A = ("comm.a2a", "comm.a2a_launch", "comm.a2a_wait", "comm.counts")
 GRAD = ("comm.grad", "comm.grad_launch", "comm.grad_wait")
 
@@ -64,8 +74,8 @@ def _runtimes(rank, world, args):
     out = {}
     for mode in MODES:
         torch.manual_seed(0)
-        cfg = ParallelConfig(ep=world, grad_bucket_mb=args.bucket_mb,
-                             moe_overlap=mode == "overlapped")
+        cfg = ParallelConfig(ep=world, grad_bucket_mb=args.bucket_mb, moe_overlap=mode != "sync",
+                             micro_batches_in_flight=2 if mode == "in_flight" else 1)
         out[mode] = parallelize(build_model(mcfg), dims, cfg)
     return out
 
@@ -88,8 +98,11 @@ def _step(runtime, batches, overlap: bool):
     """One step's forward / backward / gradient reduction; the losses [micro-batches]."""
     runtime.model.zero_grad(set_to_none=True)
     losses = []
-    for i, batch in enumerate(batches):
-        out = runtime.forward(runtime.shard(batch))
+    shards = [runtime.shard(b) for b in batches]
+    outs = (runtime.forward_in_flight(shards) if runtime.cfg.micro_batches_in_flight == 2
+            else [None] * len(shards))
+    for i, (batch, shard, out) in enumerate(zip(batches, shards, outs, strict=True)):
+        out = out or runtime.forward(shard)
         loss = out.ce_sum / batch.num_target_tokens() + out.aux_loss + out.z_loss
         if overlap and i == len(batches) - 1:
             runtime.start_gradient_reduction()
@@ -99,17 +112,39 @@ def _step(runtime, batches, overlap: bool):
     return torch.stack(losses)
 
 
-def _profiled_step(runtime, batches, overlap: bool):
+class _LabelTimer:
+    """Wall seconds spent inside each labelled range, summed over every thread: stands in for
+    the `record_function` of the communication modules (and still enters it)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._lock = threading.Lock()
+        self._real = comm.record_function
+
+    @contextlib.contextmanager
+    def __call__(self, label: str):
+        t0 = time.perf_counter()
+        try:
+            with self._real(label):
+                yield
+        finally:
+            with self._lock:
+                self.seconds[label] += time.perf_counter() - t0
+
+    def install(self) -> None:
+        comm.record_function = grad_reduce.record_function = self
+
+
+def _timed_step(runtime, batches, overlap: bool, timer: _LabelTimer):
     """(losses, step seconds of the slowest rank, {label: this rank's exposed seconds})."""
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        losses = _step(runtime, batches, overlap)
-        dt = time.perf_counter() - t0
+    timer.seconds.clear()
+    t0 = time.perf_counter()
+    losses = _step(runtime, batches, overlap)
+    dt = time.perf_counter() - t0
     step = torch.tensor([dt])
     dist.all_reduce(step, op=dist.ReduceOp.MAX)
-    exposed = {e.key: e.cpu_time_total * 1e-6 for e in prof.key_averages()
-               if e.key.startswith("comm.")}
+    exposed = {k: v for k, v in timer.seconds.items() if k.startswith("comm.")}
     return losses, float(step), exposed
 
 
@@ -121,18 +156,19 @@ def _bitwise_equal(a, b, la, lb) -> bool:
 def _bench_rank(rank, world, args):
     torch.set_num_threads(args.threads)
     runtimes, batches = _runtimes(rank, world, args), _batches(rank, args)
+    timer = _LabelTimer()
+    timer.install()
     for mode in MODES:  # warm-up: allocator, gloo pairs, kernels
-        _step(runtimes[mode], batches, mode == "overlapped")
+        _step(runtimes[mode], batches, mode != "sync")
     rounds = []
     for i in range(args.rounds):
         row, losses = {}, {}
         for mode in MODES if i % 2 == 0 else MODES[::-1]:  # ABBA: drift hits both modes alike
-            losses[mode], step, exposed = _profiled_step(runtimes[mode], batches,
-                                                         mode == "overlapped")
+            losses[mode], step, exposed = _timed_step(runtimes[mode], batches, mode != "sync", timer)
             row[mode] = {"step_s": step, "a2a_s": sum(exposed.get(k, 0.0) for k in A2A),
                          "grad_s": sum(exposed.get(k, 0.0) for k in GRAD), "labels": exposed}
-        row["bitwise_equal"] = _bitwise_equal(runtimes["sync"], runtimes["overlapped"],
-                                              losses["sync"], losses["overlapped"])
+        row["bitwise_equal"] = all(_bitwise_equal(runtimes["sync"], runtimes[m], losses["sync"], losses[m])
+                                   for m in MODES[1:])
         rounds.append(row)
     return rounds
 
@@ -151,12 +187,15 @@ def summarize(per_rank: list[list[dict]], args) -> dict:
     for mode in MODES:
         out["summary"][mode] = {k: _stats([r[mode][k] for r in out["rounds"]])
                                 for k in ("step_s", "a2a_s", "grad_s")}
-    s, o = out["summary"]["sync"], out["summary"]["overlapped"]
-    out["ratios"] = {k: o[k]["median"] / s[k]["median"] if s[k]["median"] else None
-                     for k in ("step_s", "a2a_s", "grad_s")}
-    # Paired per round (the two modes ran back to back): robust to load that drifts over rounds.
-    out["paired_ratios"] = {k: _stats([r["overlapped"][k] / r["sync"][k] for r in out["rounds"]
-                                       if r["sync"][k]]) for k in ("step_s", "a2a_s", "grad_s")}
+    s = out["summary"]["sync"]
+    for mode, suffix in (("overlapped", ""), ("in_flight", "_in_flight")):
+        o = out["summary"][mode]
+        out["ratios" + suffix] = {k: o[k]["median"] / s[k]["median"] if s[k]["median"] else None
+                                  for k in ("step_s", "a2a_s", "grad_s")}
+        # Paired per round (the modes ran back to back): robust to load that drifts over rounds.
+        out["paired_ratios" + suffix] = {
+            k: _stats([r[mode][k] / r["sync"][k] for r in out["rounds"] if r["sync"][k]])
+            for k in ("step_s", "a2a_s", "grad_s")}
     out["bitwise_equal"] = all(r["bitwise_equal"] for r in out["rounds"])
     return out
 
@@ -173,16 +212,16 @@ def format_table(res: dict) -> str:
         s = res["summary"][mode]
         lines.append(f"{mode:<11} {cell(s['step_s']):>22} {cell(s['a2a_s']):>22} "
                      f"{cell(s['grad_s']):>22}")
-    r = res["ratios"]
     fmt = lambda v: "n/a" if v is None else f"{v:.2f}"
-    lines.append(f"{'ovl / sync':<11} {fmt(r['step_s']):>22} {fmt(r['a2a_s']):>22} "
-                 f"{fmt(r['grad_s']):>22}")
-    pr = res["paired_ratios"]
     pair = lambda st: f"{st['median']:.2f} ({st['min']:.2f}..{st['max']:.2f})"
-    lines.append(f"{'paired':<11} {pair(pr['step_s']):>22} {pair(pr['a2a_s']):>22} "
-                 f"{pair(pr['grad_s']):>22}")
+    for name, suffix in (("ovl", ""), ("inf", "_in_flight")):
+        r, pr = res["ratios" + suffix], res["paired_ratios" + suffix]
+        lines.append(f"{name + ' / sync':<11} {fmt(r['step_s']):>22} {fmt(r['a2a_s']):>22} "
+                     f"{fmt(r['grad_s']):>22}")
+        lines.append(f"{'  paired':<11} {pair(pr['step_s']):>22} {pair(pr['a2a_s']):>22} "
+                     f"{pair(pr['grad_s']):>22}")
     lines.append(f"median (min..max) over {len(res['rounds'])} rounds; exposed = mean over ranks "
-                 f"of profiled time blocked in communication; bitwise equal: "
+                 f"of wall time blocked in communication; bitwise equal: "
                  f"{'yes' if res['bitwise_equal'] else 'NO'}")
     return "\n".join(lines)
 
