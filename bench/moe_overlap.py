@@ -2,7 +2,7 @@
 
 R gloo ranks (CPU), the real Transformer with a shared expert, EP = R (attention DP = R), one
 optimizer step's work: forward + backward of two micro-batches per rank, then the gradient
-reduction. Two parallelized copies of the same model alternate round by round:
+reduction. Three parallelized copies of the same model take turns round by round:
 
 - sync:       parallel.moe_overlap=false; gradient buckets all-reduced after the backward
 - overlapped: parallel.moe_overlap=true (shared expert while tokens travel, both passes);
@@ -17,8 +17,8 @@ forward threads, which never compute at once) spend inside the labelled communic
 `comm.counts` for the all-to-all, `comm.grad*` for the gradient all-reduce, timed by wrapping the
 `record_function` that labels them (torch.profiler records the main thread only, so it would miss
 in_flight's forward waits). Per round: the mean over ranks of the exposed times, the slowest
-rank's step time; the table gives medians and min..max over rounds, the ratio of the medians overlapped /
-sync, and the per-round paired ratios (the modes run back to back, their order reversed every
+rank's step time; the table gives medians and min..max over rounds, the ratio of the medians
+(mode / sync), and the per-round paired ratios (the modes run back to back, their order reversed every
 other round). Every round checks that the copies' losses and gradients are bitwise equal (exit
 status 1 if not). JSON: `ratios` / `paired_ratios` overlapped over sync, `ratios_in_flight` /
 `paired_ratios_in_flight` in_flight over sync, `summary` per mode.
