@@ -22,9 +22,12 @@ The price is memory: both micro-batches' activations are live until their backwa
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 _local = threading.local()
 
@@ -73,9 +76,10 @@ def interleaving() -> bool:
 
 
 def run_interleaved(fns: list[Callable[[], Any]]) -> list[Any]:
-    """[fn() for fn in fns] for one or two callables; two run in turns (module doc). torch's
-    thread-local state (grad mode, autocast) starts at its defaults in each thread: `fns` set
-    what they need. An exception in either is raised here after both threads have ended."""
+    """[fn() for fn in fns] for one or two callables; two run in turns (module doc), each in a
+    copy of the caller's context variables (cp_attention's batch-invariant switch) and grad
+    mode. Autocast is not carried over: `fns` enter what they need. An exception in either is
+    raised here after both threads have ended."""
     if len(fns) == 1:
         return [fns[0]()]
     if len(fns) != 2:
@@ -83,12 +87,15 @@ def run_interleaved(fns: list[Callable[[], Any]]) -> list[Any]:
     turns = _Turns()
     results: list[Any] = [None, None]
     errors: list[BaseException | None] = [None, None]
+    contexts = [contextvars.copy_context() for _ in fns]  # one each: a context runs in one thread
+    grad = torch.is_grad_enabled()
 
     def body(me: int) -> None:
         _local.slot = (turns, me)
         turns.wait_turn(me)
         try:
-            results[me] = fns[me]()
+            with torch.set_grad_enabled(grad):
+                results[me] = contexts[me].run(fns[me])
         except BaseException as e:  # re-raised in the caller's thread
             errors[me] = e
         finally:

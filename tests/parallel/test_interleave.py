@@ -1,7 +1,10 @@
 """interleave.run_interleaved: two callables take strict turns at hand_over(); a finished one
 leaves the turn to the other; errors surface in the caller; outside it hand_over is a no-op."""
 
+import contextvars
+
 import pytest
+import torch
 
 from longctx_moe.parallel.interleave import hand_over, interleaving, run_interleaved
 
@@ -41,3 +44,15 @@ def test_an_error_in_one_is_raised_after_both_ended():
     assert log == ["x", "b0", "b1", "b2"]
     with pytest.raises(ValueError, match="one or two"):
         run_interleaved([fails] * 3)
+
+
+def test_the_callers_context_variables_and_grad_mode_reach_both_threads():
+    var = contextvars.ContextVar("v", default="unset")
+    token = var.set("caller")
+    try:
+        with torch.no_grad():
+            seen = run_interleaved([lambda: (var.get(), torch.is_grad_enabled())] * 2)
+    finally:
+        var.reset(token)
+    assert seen == [("caller", False)] * 2
+    assert run_interleaved([torch.is_grad_enabled] * 2) == [True, True]

@@ -1,8 +1,8 @@
 """PolicyTrainer on 4 gloo ranks against one process, float64: log-probs, entropies and routes
 under CP2 x EP2 (ring, hierarchical, Ulysses), TP2 x DP2 (with and without sequence parallelism)
-and EP4 (with the distributed optimizer); one optimizer step's parameter updates (which reveal
-the gradients, see helpers.py) equal the single-process ones for every loss kind and
-aggregation, with routes replayed.
+and EP4 (with the distributed optimizer, and with two micro-batches in flight); one optimizer
+step's parameter updates (which reveal the gradients, see helpers.py) equal the single-process
+ones for every loss kind and aggregation, with routes replayed.
 
 Every rank passes the same RolloutBatch; the trainer splits it over its DP ranks, so DP 1 (the
 reference), 2 and 4 are compared on the same sequences. Tolerance 1e-10: float64, only the
@@ -29,6 +29,8 @@ LAYOUTS = [
     ["parallel.tp=2"],
     ["parallel.tp=2", "parallel.sequence_parallel=true"],
     ["parallel.ep=4", "parallel.distributed_optimizer=true"],
+    # two micro-batches' forwards interleaved, in compute_logprobs and in train_step
+    ["parallel.ep=4", "parallel.micro_batches_in_flight=2"],
 ]
 # Every loss kind with every aggregation (KL and the train-inference corrections on the PPO ones)
 LOSSES = [PolicyLossConfig(kind=k, agg=a, kl_coef=0.1 if k == "ppo" else 0.0,
