@@ -31,8 +31,8 @@ longer ones. Lengths go up until every side is over the cap or past --max-step-s
 previous step, scaled by the quadratic growth of attention, would exceed it, stops there).
 
 Multi-rank layouts (--multi-layouts, each on 4 gloo ranks in spawned processes at --cp4-length,
-with --multi-recompute (default none), the same warm-up and peak measure per rank; each rank's watchdog at a quarter of
---mem-cap-gib):
+with --multi-recompute (default none), the same warm-up and peak measure per rank; each rank's
+watchdog at a quarter of --mem-cap-gib):
   cp4        parallel.cp=4 (ring), ep=4 (MoE Parallel Folding: a quarter of the experts per
              rank), distributed_optimizer (AdamW state of dense weights sharded over dp*cp = 4;
              experts have edp = 1 replica, so their state is not split further)
@@ -62,10 +62,11 @@ Derived figures:
 JSON (--out): routes, allocator, longest_ours_tokens, longest_hf_tokens, longest_ratio, bytes_per_token_ours
 (recompute none), bytes_per_token_hf, selective_recompute_tokens_per_s_ratio (selective / none,
 median over the lengths both ran), cp4_peak_over_single, cp2tp2_peak_over_single,
-tokens_per_s_ratio_32k (ours none / HF at 32K), multi_recompute, optimizer_bytes_per_rank {layout: bytes},
-replicated_optimizer_bytes_per_rank, dist_optimizer_bytes_ratio, dist_optimizer_replicas
-{layout: {dense, expert}}, peak_over_single {layout: ratio}, plus every measured row (rows;
-multi_rows with per-rank detail and ep_rank_shares; every row's expert_counts), the per-mode slopes and what was extrapolated.
+tokens_per_s_ratio_32k (ours none / HF at 32K), multi_recompute, optimizer_bytes_per_rank
+{layout: bytes}, replicated_optimizer_bytes_per_rank, dist_optimizer_bytes_ratio,
+dist_optimizer_replicas {layout: {dense, expert}}, peak_over_single {layout: ratio}, plus every
+measured row (rows; multi_rows with per-rank detail and ep_rank_shares; every row's
+expert_counts), the per-mode slopes and what was extrapolated.
 """
 
 from __future__ import annotations

@@ -98,11 +98,7 @@ def _step(runtime, batches, overlap: bool):
     """One step's forward / backward / gradient reduction; the losses [micro-batches]."""
     runtime.model.zero_grad(set_to_none=True)
     losses = []
-    shards = [runtime.shard(b) for b in batches]
-    outs = (runtime.forward_in_flight(shards) if runtime.cfg.micro_batches_in_flight == 2
-            else [None] * len(shards))
-    for i, (batch, shard, out) in enumerate(zip(batches, shards, outs, strict=True)):
-        out = out or runtime.forward(shard)
+    for i, (batch, _, out) in enumerate(runtime.forwards(batches, runtime.shard)):
         loss = out.ce_sum / batch.num_target_tokens() + out.aux_loss + out.z_loss
         if overlap and i == len(batches) - 1:
             runtime.start_gradient_reduction()

@@ -188,7 +188,11 @@ class Trainer:
         summed expert counts [L_moe, E] (fp64) of this rank, and the objective's metrics."""
         sums = torch.zeros(4, dtype=torch.float64)
         counts, metrics = None, {}
-        for i, shard, out in self._forwards(work, objective):
+        def shard_of(item):
+            i, (mb, cp) = item
+            return self.runtime.shard(mb.to(self.device), cp, replay_TLK=objective.replay(i))
+        for (i, _), shard, out in self.runtime.forwards(list(enumerate(work)), shard_of, objective.head,
+                                                        self.autocast):
             n = shard.num_targets
             main = objective.micro_loss(i, out, shard, g)
             aux = (out.aux_loss + out.z_loss) * (n / g)
@@ -205,18 +209,6 @@ class Trainer:
                 counts = c if counts is None else counts + c
             _merge_metrics(metrics, {**main.metrics, **_replay_metrics(out)})
         return sums, counts, metrics
-
-    def _forwards(self, work: list, objective: Objective):
-        """(index, shard, ForwardOutput) of each work item, in order; with
-        parallel.micro_batches_in_flight=2 the forwards of consecutive pairs run together
-        (runtime.forward_in_flight) and the caller's backward of the first follows both."""
-        step = self.runtime.cfg.micro_batches_in_flight
-        for start in range(0, len(work), step):
-            items = list(enumerate(work))[start:start + step]
-            shards = [self.runtime.shard(mb.to(self.device), cp, replay_TLK=objective.replay(i))
-                      for i, (mb, cp) in items]
-            outs = self.runtime.forward_in_flight(shards, objective.head, self.autocast)
-            yield from ((i, shard, out) for (i, _), shard, out in zip(items, shards, outs, strict=True))
 
     def _reduce_metrics(self, metrics: dict[str, torch.Tensor]) -> dict[str, float]:
         """Sums over dp_cp ("_max" / "_min" keys by max / min); the same keys on every rank."""

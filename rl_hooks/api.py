@@ -124,8 +124,13 @@ class PolicyTrainer:
         ent = torch.zeros(t, dtype=torch.float64) if return_entropy else None
         routes, dtype = None, torch.float32
         head = LogProbHead(temperature, return_entropy)
+        # Given routes are replayed here as in train_step, so old log-probs and the first
+        # mini-batch's forward route every token alike (ratio exactly 1).
+        def shard_of(mb):
+            return self.runtime.shard(mb.packed.to(self.ctx.device), replay_TLK=replay_routes(batch, mb))
         for seqs in _split(batch.num_seqs, mini_batches):
-            for mb, shard, out in self._forwards(batch, self._my_micro_batches(batch, seqs)[1], head):
+            for mb, shard, out in self.runtime.forwards(self._my_micro_batches(batch, seqs)[1], shard_of,
+                                                        head, self.trainer.autocast):
                 dtype = out.logprobs_T.dtype
                 _scatter(logp, mb.target_src_P, self.runtime.gather_tokens(shard, out.logprobs_T))
                 if ent is not None:
@@ -137,19 +142,6 @@ class PolicyTrainer:
                 self.runtime.all_reduce(x, "dp")  # each token was scored by one DP replica
         return LogProbs(logp.to(dtype), None if ent is None else ent.to(dtype),
                         None if routes is None else (routes - 1).to(torch.int16))
-
-    def _forwards(self, batch: RolloutBatch, mbs: list[MicroBatch], head):
-        """(micro-batch, shard, ForwardOutput) of each of `mbs`, in order; with
-        parallel.micro_batches_in_flight=2 consecutive pairs run interleaved (runtime.forward_in_flight).
-        Given routes are replayed as in train_step, so old log-probs and the first mini-batch's
-        forward route every token alike (ratio exactly 1)."""
-        step = self.runtime.cfg.micro_batches_in_flight
-        for start in range(0, len(mbs), step):
-            group = mbs[start:start + step]
-            shards = [self.runtime.shard(mb.packed.to(self.ctx.device), replay_TLK=replay_routes(batch, mb))
-                      for mb in group]
-            outs = self.runtime.forward_in_flight(shards, head, self.trainer.autocast)
-            yield from zip(group, shards, outs, strict=True)
 
     def _record(self, routes, mb: MicroBatch, shard, out, t: int) -> torch.Tensor:
         """Accumulate routes + 1 (so that a sum over DP replicas keeps them) at owned tokens."""

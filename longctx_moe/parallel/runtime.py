@@ -157,6 +157,16 @@ class ParallelRuntime:
             return run
         return run_interleaved([job(s) for s in shards])
 
+    def forwards(self, items: list, shard_of, head=None, context=contextlib.nullcontext):
+        """(item, shard, ForwardOutput) for each of `items`, in order: `shard_of(item)` gives
+        its Shard, sharded and run parallel.micro_batches_in_flight at a time (forward_in_flight),
+        so a caller's backward of one item follows the forwards of its group."""
+        step = self.cfg.micro_batches_in_flight
+        for start in range(0, len(items), step):
+            group = items[start:start + step]
+            shards = [shard_of(item) for item in group]
+            yield from zip(group, shards, self.forward_in_flight(shards, head, context), strict=True)
+
     def gather_tokens(self, shard: Shard, x_L: torch.Tensor) -> torch.Tensor:
         """A per-token tensor of this rank's shard [L, ...] -> the whole micro-batch's [T, ...] in
         physical order, on every rank of the CP group (identity without CP).

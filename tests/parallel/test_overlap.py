@@ -51,7 +51,7 @@ def run_steps(rank, world, kw, overlap, bucket_mb, seed, in_flight=1):
     both forwards first, interleaved, then the two backwards."""
     kw = dict(kw)
     recompute = kw.pop("recompute", "none")
-    cfg = ParallelConfig(moe_overlap=overlap, grad_bucket_mb=bucket_mb, **kw)
+    cfg = ParallelConfig(moe_overlap=overlap, grad_bucket_mb=bucket_mb, micro_batches_in_flight=in_flight, **kw)
     dims = ParallelDims.from_config(cfg, world, tiny_config())
     dims.build_groups(rank)
     runtime = parallelize(_model(seed), dims, cfg)
@@ -61,10 +61,7 @@ def run_steps(rank, world, kw, overlap, bucket_mb, seed, in_flight=1):
     batches = [packed_batch(DOCS[(seed + i) % len(DOCS)], 64, pad_multiple=dims.tp, generator=gen)
                for i in range(2)]
     losses = []
-    shards = [runtime.shard(b) for b in batches]
-    outs = runtime.forward_in_flight(shards) if in_flight == 2 else [None, None]
-    for i, shard in enumerate(shards):
-        out = outs[i] or runtime.forward(shard)
+    for i, (_, _, out) in enumerate(runtime.forwards(batches, runtime.shard)):
         loss = out.ce_sum / 64 + out.aux_loss + out.z_loss
         if overlap and i == len(batches) - 1:
             runtime.start_gradient_reduction()  # buckets launch from this backward's hooks
