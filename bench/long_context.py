@@ -42,7 +42,14 @@ watchdog at a quarter of --mem-cap-gib):
 Each rank also reports its AdamW state bytes (numel * element_size of every tensor in
 trainer.optimizer.state, split dense / expert) and those of a replicated AdamW over the same local
 parameters (optim.build_optimizer, built and stepped once on zero gradients after the measured
-step), and its parameter bytes. --reuse keeps 4-rank rows by (layout, length).
+step), and its parameter bytes. --reuse keeps 4-rank rows by (layout, length) where their settings
+are the current ones.
+
+--ep-spare-slots N (default 2) adds parallel.ep_spare_slots=N to the layouts with ep > 1: EP
+ranks whose experts got more than their share of the routed rows lend rows of their hottest
+experts to lighter ranks for the step (longctx_moe/parallel/expert_lending.py). The rows then
+report, per MoE layer, both the share of rows each EP rank's own experts got (ep_rank_shares)
+and the share each rank ran (ep_rank_run_shares). --ep-spare-slots 0 measures without lending.
 
 Derived figures:
   bytes per token  least-squares slope of peak memory over the lengths a side ran;
@@ -59,13 +66,13 @@ Derived figures:
   ep_rank_shares   (per layout row) per MoE layer, the share of the step's routed rows the
                    experts of each EP rank received: what puts one rank's peak above the others'.
 
-JSON (--out): routes, allocator, longest_ours_tokens, longest_hf_tokens, longest_ratio, bytes_per_token_ours
+JSON (--out): routes, allocator, ep_spare_slots, longest_ours_tokens, longest_hf_tokens, longest_ratio, bytes_per_token_ours
 (recompute none), bytes_per_token_hf, selective_recompute_tokens_per_s_ratio (selective / none,
 median over the lengths both ran), cp4_peak_over_single, cp2tp2_peak_over_single,
 tokens_per_s_ratio_32k (ours none / HF at 32K), multi_recompute, optimizer_bytes_per_rank
 {layout: bytes}, replicated_optimizer_bytes_per_rank, dist_optimizer_bytes_ratio,
 dist_optimizer_replicas {layout: {dense, expert}}, peak_over_single {layout: ratio}, plus every
-measured row (rows; multi_rows with per-rank detail and ep_rank_shares; every row's
+measured row (rows; multi_rows with per-rank detail, ep_rank_shares and ep_rank_run_shares; every row's
 expert_counts), the per-mode slopes and what was extrapolated.
 """
 
@@ -118,6 +125,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--routes", default="live", choices=ROUTES,
                    help="live: the fresh router picks the experts; uniform: every token's top-k experts "
                         "drawn uniformly (router replay), the balanced load of a trained router (ours only)")
+    p.add_argument("--ep-spare-slots", type=int, default=2,
+                   help="parallel.ep_spare_slots of the layouts with ep > 1: overloaded EP ranks lend "
+                        "rows of their hottest experts to lighter ones (0: off)")
     p.add_argument("--out", help="write the results as JSON here (rewritten after every measurement)")
     p.add_argument("--reuse", help="a JSON this bench wrote earlier (even an interrupted run's): its "
                                    "rows are kept and their (side, length) and 4-rank (layout, length) "
@@ -311,8 +321,15 @@ def replicated_optimizer_bytes(trainer, expert_ids: set[int]) -> dict:
     return out
 
 
+def layout_sets(layout: str, spare_slots: int) -> list[str]:
+    """The layout's settings, with expert lending where it has an EP group to lend over."""
+    sets = LAYOUTS[layout][0]
+    ep = int(next((x.split("=")[1] for x in sets if x.startswith("parallel.ep=")), 1))
+    return sets + ([f"parallel.ep_spare_slots={spare_slots}"] if spare_slots and ep > 1 else [])
+
+
 def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap_gib: float,
-               allocator: str, routes: str, recompute: str, queue) -> None:
+               allocator: str, routes: str, recompute: str, spare_slots: int, queue) -> None:
     import torch.distributed as dist
 
     from longctx_moe.host import configure_cpu
@@ -324,7 +341,7 @@ def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap
     start_watchdog(int(cap_gib * GIB))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    cfg = bench_config(recompute, LAYOUTS[layout][0])
+    cfg = bench_config(recompute, layout_sets(layout, spare_slots))
     dims = ParallelDims.from_config(cfg.parallel, WORLD, cfg.model)
     dims.build_groups(rank)
     base = rss_bytes()
@@ -338,14 +355,16 @@ def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap
         optimizer_bytes=optimizer_bytes(trainer.optimizer, expert_ids),
         replicated_optimizer_bytes=replicated_optimizer_bytes(trainer, expert_ids),
         replicas={"dense": dims.size("dp_cp"), "expert": dims.size("edp")},
-        local_tokens=length // dims.size("cp"), ep=dims.ep)
+        local_tokens=length // dims.size("cp"), ep=dims.ep,
+        # with lending: the rows each EP rank ran per MoE layer (the plan's, the same on all ranks)
+        ep_rank_rows=[getattr(m.dispatcher, "rank_rows", None) for m in trainer.model.moe_layers()])
     queue.put((rank, res))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def run_multi(layout: str, length: int, threads: int, cap_gib: float, allocator: str,
-              routes: str = "live", recompute: str = "none") -> dict:
+              routes: str = "live", recompute: str = "none", spare_slots: int = 0) -> dict:
     """One step of `layout` on WORLD gloo ranks (spawned processes); a dict with per-rank rows,
     or with "error" (a rank died or passed its share of the memory cap)."""
     import socket
@@ -358,12 +377,12 @@ def run_multi(layout: str, length: int, threads: int, cap_gib: float, allocator:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=multi_rank, args=(r, layout, port, length, threads, cap_gib, allocator, routes,
-                                                         recompute, queue))
+                                                         recompute, spare_slots, queue))
              for r in range(WORLD)]
     for p in procs:
         p.start()
     results = {}
-    row = {"layout": layout, "length": length, "sets": LAYOUTS[layout][0], "recompute": recompute}
+    row = {"layout": layout, "length": length, "sets": layout_sets(layout, spare_slots), "recompute": recompute}
     while len(results) < len(procs):
         try:
             rank, res = queue.get(timeout=5)
@@ -381,8 +400,11 @@ def run_multi(layout: str, length: int, threads: int, cap_gib: float, allocator:
     per_rank = [results[r] for r in range(WORLD)]
     peaks = [r["peak_bytes"] for r in per_rank]
     counts = per_rank[0]["expert_counts"]  # the step's global counts, the same on every rank
+    ran = per_rank[0]["ep_rank_rows"]
     return row | {
         "ep_rank_shares": ep_rank_shares(counts, per_rank[0]["ep"]) if counts else None,
+        "ep_rank_run_shares": ([[n / max(sum(r), 1) for n in r] for r in ran]
+                               if ran and all(r is not None for r in ran) else None),
         "per_rank": per_rank, "max_peak_bytes": max(peaks), "min_peak_bytes": min(peaks),
         "step_s": max(r["step_s"] for r in per_rank),
         "optimizer_bytes": max(r["optimizer_bytes"]["total"] for r in per_rank),
@@ -481,6 +503,7 @@ def summarize(rows: list[dict], multi: list[dict], args) -> dict:
         "dist_optimizer_replicas": {k: m["replicas"] for k, m in done.items()},
         "tokens_per_s_ratio_32k": r32_ours["tokens_per_s"] / r32_hf["tokens_per_s"] if r32_ours and r32_hf else None,
         "mem_cap_gib": args.mem_cap_gib, "allocator": args.allocator, "routes": args.routes,
+        "ep_spare_slots": args.ep_spare_slots,
         "multi_recompute": args.multi_recompute, "rows": rows, "multi_length": args.cp4_length,
         "multi_rows": multi, "layouts": {k: {"sets": v[0], "what": v[1]} for k, v in LAYOUTS.items()},
         "threads": args.threads or torch.get_num_threads(), "torch": torch.__version__,
@@ -534,9 +557,11 @@ def main(argv=None) -> int:
         raise SystemExit("--routes uniform replays routes through our trainer, which HF's model has no "
                          "seam for; leave hf out of --sides")
     rows = prior.get("rows", [])
-    # 4-rank rows keyed by (layout, length); failed ones run again (an older file's "cp4" entry
-    # lacks the optimizer bytes: that layout runs again as cp4_plain)
-    multi = [m for m in prior.get("multi_rows", []) if "error" not in m]
+    # 4-rank rows keyed by (layout, length), kept where they ran the layout's current settings
+    # (not another --ep-spare-slots, nor an older file's layout of the same name); failed ones
+    # run again
+    multi = [m for m in prior.get("multi_rows", []) if "error" not in m and m["layout"] in LAYOUTS
+             and m["sets"] == layout_sets(m["layout"], args.ep_spare_slots)]
     stopped = {r["side"] for r in rows if r["over_cap"] or "error" in r}
     for n in lengths:
         for side in sides:
@@ -565,7 +590,8 @@ def main(argv=None) -> int:
     for layout in layouts if n else ():
         if any(m["layout"] == layout and m["length"] == n for m in multi):
             continue
-        m = run_multi(layout, n, args.threads, args.mem_cap_gib / WORLD, args.allocator, args.routes, mode)
+        m = run_multi(layout, n, args.threads, args.mem_cap_gib / WORLD, args.allocator, args.routes, mode,
+                      args.ep_spare_slots)
         m["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         multi.append(m)
         write_json(args.out, summarize(rows, multi, args) | {"partial": True})

@@ -33,10 +33,14 @@ def adamw_bytes(m: dict) -> str:
 
 
 def busiest_ep_rank(m: dict) -> str:
-    shares = m.get("ep_rank_shares")
+    """Per MoE layer, the largest share of routed rows one EP rank's experts got; with expert
+    lending, "-> x" adds the largest share one EP rank ran."""
+    shares, ran = m.get("ep_rank_shares"), m.get("ep_rank_run_shares")
     if not shares or len(shares[0]) == 1:
         return ""
-    return " / ".join(f"{max(s):.2f}" for s in shares)
+    if not ran:
+        return " / ".join(f"{max(s):.2f}" for s in shares)
+    return " / ".join(f"{max(s):.2f} -> {max(r):.2f}" for s, r in zip(shares, ran, strict=True))
 
 
 def fmt_multi(m: dict) -> str:
@@ -51,7 +55,7 @@ def multi_table(res: dict, layouts: list[str], world: int) -> str:
     lines = [f"{world} gloo ranks, {n} tokens, recompute {res.get('multi_recompute', 'none')}; single rank: "
              + (f"{single / GIB:.2f} GiB" if single else "not measured"),
              "| layout | per-rank peak | largest over single | AdamW state per rank "
-             "| busiest EP rank's share of routed rows, by MoE layer |",
+             "| busiest EP rank's share of routed rows (-> with lending), by MoE layer |",
              "|---|---:|---:|---:|---|"]
     for k in layouts:
         m = next((m for m in res["multi_rows"] if m["layout"] == k and m["length"] == n), None)

@@ -39,6 +39,23 @@ def expert_load_stats(counts_LE: torch.Tensor) -> dict[str, list[float]]:
     }
 
 
+def ep_load_stats(counts_LE: torch.Tensor, ep: int, ran_LR: list | None = None) -> dict[str, list[float]]:
+    """Per MoE layer, the busiest EP rank's rows relative to an even split over `ep` ranks (1.0 =
+    even, ep = one rank got everything): `ep_load_max` from the counts, by the rank owning each
+    expert (E / ep consecutive experts per rank); with expert lending, `ep_run_max` from the rows
+    each rank ran (`ran_LR`, this rank's EP group). Layers that routed nothing report zeros."""
+    def busiest(rows_LR: torch.Tensor) -> list[float]:
+        mean = rows_LR.mean(dim=1)
+        ratio = torch.where(mean > 0, rows_LR.max(dim=1).values / mean.clamp_min(1e-30), torch.zeros_like(mean))
+        return [round(v, 4) for v in ratio.tolist()]
+
+    c = counts_LE.detach().to(torch.float64).cpu()
+    out = {"ep_load_max": busiest(c.view(c.shape[0], ep, -1).sum(-1))}
+    if ran_LR is not None:
+        out["ep_run_max"] = busiest(torch.tensor(ran_LR, dtype=torch.float64))
+    return out
+
+
 def measure_peak_tflops(device: torch.device, size: int = 2048, repeats: int = 5) -> float:
     """Median TFLOP/s of a bf16 `size`^3 matmul on `device` (the MFU denominator when none is
     configured). Uses the current thread count, so on CPU it is the peak of this rank's share."""

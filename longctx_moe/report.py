@@ -46,6 +46,9 @@ PANELS = (
           ("peak_memory_mb",)),
     Panel("expert_load_cv", "Expert load imbalance per MoE layer", "CV of tokens per expert",
           ("expert_load_cv/",)),
+    # EP > 1 only: by expert owner, and (expert lending) as the ranks ran them
+    Panel("ep_load", "Busiest EP rank per MoE layer", "rows over an even split",
+          ("ep_load_max/", "ep_run_max/")),
 )
 
 

@@ -421,6 +421,8 @@ def step_record(res: StepResult, seconds: float, peak: float, world: int, step: 
               "peak_memory_mb": res.peak_memory_mb, "skipped": res.skipped, "epoch": epoch}
     if res.expert_counts is not None:
         record.update(expert_load_stats(res.expert_counts))
+    if res.ep_load is not None:
+        record.update(res.ep_load)
     if res.cp_sizes is not None:  # Dynamic-CP: how many documents ran at each CP size
         record["cp_sizes"] = {str(size): n for size, n in sorted(res.cp_sizes.items())}
     return record

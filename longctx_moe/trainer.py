@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from data_packing.batch import PackedBatch
 from longctx_moe.config import Config
-from longctx_moe.metrics import peak_memory_mb, reset_peak_memory, step_flops
+from longctx_moe.metrics import ep_load_stats, peak_memory_mb, reset_peak_memory, step_flops
 from longctx_moe.optim import LRSchedule
 from longctx_moe.parallel.dims import Axis
 from longctx_moe.parallel.runtime import ParallelRuntime, Shard
@@ -94,6 +94,8 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)  # the objective's, reduced globally
     cp_sizes: dict[int, int] | None = None  # Dynamic-CP: documents run at each CP size this step
     peak_memory_mb: float | None = None  # the step's peak on the busiest rank (metrics.peak_memory_mb)
+    # EP > 1: the busiest EP rank's routed rows per MoE layer over an even split (metrics.ep_load_stats)
+    ep_load: dict[str, list[float]] | None = None
 
 
 class Trainer:
@@ -144,12 +146,14 @@ class Trainer:
             raise ValueError(f"step {self.step + 1}: the global batch has no target tokens (all labels are -100); "
                              "check the data (documents of length >= 2) and data.global_batch_tokens")
         work, cp_sizes = self._work(micro_batches, objective)
+        self._lent_rows()  # forget what forwards outside a step (compute_logprobs) ran
         sums, counts, metrics = self._accumulate(work, g, objective or CrossEntropy())
         self.runtime.reduce_gradients()
         self.runtime.all_reduce(sums, Axis.DP_CP)
         if counts is not None:
             self.runtime.all_reduce(counts, Axis.DP_CP)
         metrics = self._reduce_metrics(metrics)
+        ep_load = self._ep_load(counts)
         grad_norm = self.runtime.clip_grad_norm(self.cfg.optim.grad_clip)
         loss = float(sums[0])
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
@@ -165,7 +169,19 @@ class Trainer:
         return StepResult(loss=loss, ce_loss=float(sums[1]), aux_loss=float(sums[2]), z_loss=float(sums[3]),
                           grad_norm=grad_norm, lr=lr, num_targets=g, num_tokens=num_tokens, skipped=skipped,
                           expert_counts=counts, flops=flops, metrics=metrics, cp_sizes=cp_sizes,
-                          peak_memory_mb=self._peak_memory())
+                          peak_memory_mb=self._peak_memory(), ep_load=ep_load)
+
+    def _ep_load(self, counts_LE) -> dict[str, list[float]] | None:
+        """EP balance of this step: by expert owner, and as run where experts were lent."""
+        ran = self._lent_rows()
+        if self.dims.ep == 1 or counts_LE is None:
+            return None
+        return ep_load_stats(counts_LE, self.dims.ep, ran)
+
+    def _lent_rows(self) -> list | None:
+        """[L_moe][ep] rows each EP rank ran since the last call, where every MoE layer lends."""
+        ran = [getattr(m.dispatcher, "take_step_rows", lambda: None)() for m in self.model.moe_layers()]
+        return ran if ran and all(r is not None for r in ran) else None
 
     def _set_lr(self, lr: float) -> float:
         for group in self.optimizer.param_groups:

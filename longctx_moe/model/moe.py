@@ -126,22 +126,29 @@ class GroupedExperts(nn.Module):
         # _grouped_mm is not on autocast's list: we cast by hand, once per forward per weight.
         return autocast_dtype(x_MD)
 
-    def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor,
+                borrowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`borrowed` (w_gate_up [B, ...], w_down [B, ...]): other ranks' experts lent for this
+        call (parallel/expert_lending.py), run after the local ones; tokens_per_expert then has
+        E + B entries."""
         cdtype = self.compute_dtype(x_MD)
         x_MD = x_MD.to(cdtype)
-        w_gate_up = self.w_gate_up.flatten(2)  # [E, D, 2F]: gate columns, then up
+        w_gate_up, w_down = self.w_gate_up, self.w_down
+        if borrowed is not None:
+            w_gate_up, w_down = torch.cat([w_gate_up, borrowed[0]]), torch.cat([w_down, borrowed[1]])
+        w_gate_up = w_gate_up.flatten(2)  # [E, D, 2F]: gate columns, then up
         if self.recompute and torch.is_grad_enabled():
-            return recompute_call(self._padded_swiglu, w_gate_up, x_MD, tokens_per_expert_E)
-        return self._padded_swiglu(w_gate_up, x_MD, tokens_per_expert_E)
+            return recompute_call(self._padded_swiglu, w_gate_up, w_down, x_MD, tokens_per_expert_E)
+        return self._padded_swiglu(w_gate_up, w_down, x_MD, tokens_per_expert_E)
 
-    def _padded_swiglu(self, w_gate_up, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def _padded_swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         # On CPU in bf16, rows are padded per expert so the GEMM shapes repeat (see grouped_gemm).
-        return with_padded_groups(partial(self._swiglu, w_gate_up), x_MD, counts_E)
+        return with_padded_groups(partial(self._swiglu, w_gate_up, w_down), x_MD, counts_E)
 
-    def _swiglu(self, w_gate_up, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def _swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         cdtype = x_MD.dtype
         h_MF2 = grouped_matmul(x_MD, w_gate_up.to(cdtype), counts_E, self.impl)
-        return _SwiGLUDown.apply(h_MF2, self.w_down.to(cdtype), counts_E, self.impl)
+        return _SwiGLUDown.apply(h_MF2, w_down.to(cdtype), counts_E, self.impl)
 
 
 def _silu_and_act(h_MF2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,7 +238,7 @@ class LocalDispatcher:
         counts_E = torch.bincount(flat_M, minlength=experts.num_local_experts)
         x_MD = _GatherRows.apply(x_TD, order_M // k, inv_order_M, k)
         y_MD = experts(x_MD, counts_E)
-        y_TKD = _Permute.apply(y_MD, inv_order_M, order_M).view(t, k, -1)
+        y_TKD = _Permute.apply(y_MD, inv_order_M, order_M).view(t, k, y_MD.shape[-1])
         y_T1D = torch.bmm(topk_weight_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD)
         return y_T1D.squeeze(1)
 

@@ -75,6 +75,11 @@ class ParallelConfig:
     # edp): gradients reduce-scattered, parameters all-gathered after the step
     # (parallel/distributed_optimizer.py). Same results as the replicated optimizer.
     distributed_optimizer: bool = False
+    # Expert lending (parallel/expert_lending.py): each EP rank may run, per MoE layer and
+    # micro-batch, up to this many borrowed copies of other ranks' overloaded experts, so every
+    # rank processes about its share of the routed rows; results equal no lending up to the order
+    # of each expert's gradient sum. 0: off. Needs ep > 1, etp = 1 and the all-to-all dispatcher.
+    ep_spare_slots: int = 0
     capacity_factor: float | None = None  # None: dropless
     drop_policy: str = "probs"  # probs | position: which assignments over capacity are dropped
     # Balance statistics of the aux / z losses: over each micro-batch (TP x CP share it), or over
@@ -89,6 +94,9 @@ class ParallelConfig:
         if self.micro_batches_in_flight not in (1, 2):
             raise ValueError(f"parallel.micro_batches_in_flight={self.micro_batches_in_flight} must be "
                              "1 or 2 (2: two micro-batches' forwards interleaved around the expert all-to-alls)")
+        if not (isinstance(self.ep_spare_slots, int) and self.ep_spare_slots >= 0):
+            raise ValueError(f"parallel.ep_spare_slots={self.ep_spare_slots} must be an integer >= 0 "
+                             "(0: no expert lending)")
         if not self.grad_bucket_mb >= 0:
             raise ValueError(f"parallel.grad_bucket_mb={self.grad_bucket_mb} must be >= 0 "
                              "(0: one buffer after the backward)")

@@ -64,6 +64,7 @@ from longctx_moe.parallel.comm import (
 )
 from longctx_moe.parallel.config import DROP_POLICIES, check_capacity_factor
 from longctx_moe.parallel.dims import Axis
+from longctx_moe.parallel.expert_lending import lend_weights, make_plan, source_tables, weight_bytes
 from longctx_moe.parallel.interleave import interleaving
 
 
@@ -242,36 +243,79 @@ class AllToAllDispatcher(_EPDispatcher):
     `dispatch_dtype` compresses the payloads: "bf16" both ways; "fp8" sends the tokens as e4m3
     with per-token scales and brings the outputs back in bf16 (see comm.py for the bound).
     `overlap`: the tokens' all-to-all is asynchronous and hides the shared expert (module doc).
+    `spare_slots` > 0: overloaded ranks lend rows of their hottest experts to lighter ranks, which
+    borrow the weights for the call (expert_lending.py), in lends of at least `min_lend_rows`
+    rows (default 3F); `rank_rows` then records the rows each EP rank ran in the last forward.
     """
 
     def __init__(self, num_experts: int, group=None, capacity_factor: float | None = None,
                  drop_policy: str = "probs", dispatch_dtype: str = "none", tp_group=None,
-                 overlap: bool = False, etp_group=None):
+                 overlap: bool = False, etp_group=None, spare_slots: int = 0,
+                 min_lend_rows: int | None = None):
         super().__init__(num_experts, group, capacity_factor, drop_policy, tp_group, etp_group)
         self.codec = make_codec(dispatch_dtype)
         self.combine_codec = self.codec.grad()
         self.overlap = overlap
         self.overlaps_shared = overlap and self.ep_size > 1
+        if spare_slots and (self.ep_size == 1 or etp_group is not None):
+            raise ValueError(f"parallel.ep_spare_slots={spare_slots} lends experts between EP ranks; "
+                             "it needs ep > 1 and etp = 1 (set ep_spare_slots=0)")
+        self.spare_slots = spare_slots
+        self.min_lend_rows = min_lend_rows  # None: 3F, the rows worth one expert's weights
+        self.rank_rows: list[int] | None = None
+        self.step_rows: list[int] | None = None  # rank_rows summed until take_step_rows()
 
     def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, experts, side=None):
         """(routed y_TD, side() or None): dispatch / experts / combine."""
         routing = self._route(x_TD, topk_idx_TK, topk_weight_TK, experts)
-        x_ND = x_TD.index_select(0, routing.token_N)
         if self.ep_size == 1:
             self.wire_bytes = 0
+            x_ND = x_TD.index_select(0, routing.token_N)
             y_ND = self._experts(experts, x_ND, routing.counts_E)
             return combine(y_ND, routing, x_TD.shape[0]), _call(side)
-        send_RL, recv_RL = self._split_table(routing)
-        send, recv = send_RL.sum(1).tolist(), recv_RL.sum(1).tolist()
+        borrowed, lent_bytes = None, 0
+        if self.spare_slots:
+            routing, send, recv_RS, borrowed, lent_bytes = self._lend(routing, experts)
+        else:
+            send_RS, recv_RS = self._split_table(routing)
+            send = send_RS.sum(1).tolist()
+        recv = recv_RS.sum(1).tolist()
+        x_ND = x_TD.index_select(0, routing.token_N)
         x_MD, side_TD = self._send_tokens(x_ND, send, recv, side)
-        y_MD = self._run_experts(x_MD, recv_RL, experts)
+        y_MD = self._run_experts(x_MD, recv_RS, experts, borrowed)
         y_ND = self._send_back(y_MD, recv, send)
         D, dtype = x_TD.shape[1], x_TD.dtype
         self.wire_bytes = (self._remote_rows(send) * self.codec.wire_bytes_per_row(D, dtype)
-                           + self._remote_rows(recv) * self.combine_codec.wire_bytes_per_row(D, dtype))
+                           + self._remote_rows(recv) * self.combine_codec.wire_bytes_per_row(D, dtype)
+                           + lent_bytes)
         if side_TD is None:  # synchronous: the side work runs where it would without EP, after
             side_TD = _call(side)
         return combine(y_ND, routing, x_TD.shape[0]), side_TD
+
+    def _lend(self, routing: Routing, experts):
+        """(routing in send order, send splits, recv table [R, L + B], borrowed weights or None,
+        weight bytes sent): the lending plan of expert_lending.py for this layer's counts."""
+        counts_RE = gather_to_host(routing.counts_E, self.group)
+        min_rows = 3 * experts.w_down.shape[1] if self.min_lend_rows is None else self.min_lend_rows
+        plan = make_plan(counts_RE, self.spare_slots, min_rows)
+        order_N, send, recv_RS = source_tables(plan, counts_RE, self.ep_rank, self.ep_size)
+        self.rank_rows = plan.rank_rows(self.ep_size)
+        self.step_rows = [a + b for a, b in zip(self.step_rows or [0] * self.ep_size, self.rank_rows,
+                                                strict=True)]
+        if not plan.lends:  # every rank knows: no weight moves, rows go to their owners
+            return routing, send, recv_RS, None, 0
+        order_N = order_N.to(routing.token_N.device)
+        routing = Routing(routing.token_N[order_N], routing.expert_N[order_N],
+                          routing.weight_N[order_N], routing.counts_E)
+        lent = sum(1 for b, ids in enumerate(plan.borrowed) if b != self.ep_rank
+                   for e in ids if e // self.local_experts == self.ep_rank)
+        return (routing, send, recv_RS, lend_weights(experts, plan, self.ep_rank, self.group),
+                weight_bytes(experts, lent))
+
+    def take_step_rows(self) -> list[int] | None:
+        """Rows each EP rank ran under lending since the last call (None without lending)."""
+        rows, self.step_rows = self.step_rows, None
+        return rows
 
     def _split_table(self, routing: Routing):
         """(send_RL, recv_RL) int64 host tables: row s of recv is what rank s sends my experts."""
@@ -295,13 +339,19 @@ class AllToAllDispatcher(_EPDispatcher):
             return start_all_to_all_rows(y_MD, recv, send, self.group, self.combine_codec).wait()
         return all_to_all_rows(y_MD, recv, send, self.group, self.combine_codec)
 
-    def _run_experts(self, x_MD, recv_RL, experts):
-        """Experts stage: rows arrive grouped by source rank, then local expert; experts() wants
-        them expert-major, and the combine all-to-all wants them back in arrival order."""
-        R, L = self.ep_size, self.local_experts
-        expert_M = torch.arange(L).repeat(R).repeat_interleave(recv_RL.flatten())
-        order_M = torch.argsort(expert_M, stable=True).to(x_MD.device)
-        y_MD = self._experts(experts, x_MD.index_select(0, order_M), recv_RL.sum(0).to(x_MD.device))
+    def _run_experts(self, x_MD, recv_RS, experts, borrowed=None):
+        """Experts stage: rows arrive grouped by source rank, then local slot (owned experts, then
+        borrowed ones); experts() wants them slot-major, and the combine all-to-all wants them
+        back in arrival order."""
+        R, S = recv_RS.shape
+        slot_M = torch.arange(S).repeat(R).repeat_interleave(recv_RS.flatten())
+        order_M = torch.argsort(slot_M, stable=True).to(x_MD.device)
+        counts_S = recv_RS.sum(0).to(x_MD.device)
+        x_MD = x_MD.index_select(0, order_M)
+        if borrowed is None:
+            y_MD = self._experts(experts, x_MD, counts_S)
+        else:  # etp = 1 here (the constructor refuses lending over ETP)
+            y_MD = experts(x_MD, counts_S, borrowed)
         return y_MD.index_select(0, _inverse(order_M))
 
 
@@ -374,4 +424,5 @@ def build_dispatcher(dims, cfg, num_experts: int):
         return AllGatherDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,
                                    tp_group, etp_group)
     return AllToAllDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,
-                              cfg.dispatch_dtype, tp_group, cfg.moe_overlap, etp_group)
+                              cfg.dispatch_dtype, tp_group, cfg.moe_overlap, etp_group,
+                              cfg.ep_spare_slots)

@@ -80,6 +80,10 @@ def check_supported(dims, cfg: ParallelConfig) -> None:
         raise ValueError("parallel.micro_batches_in_flight=2 hides the expert all-to-all of one micro-batch "
                          f"behind the other's compute, but ep={dims.ep}, dispatcher={cfg.dispatcher}; "
                          "use ep > 1 with dispatcher=alltoall, or micro_batches_in_flight=1")
+    if cfg.ep_spare_slots and (dims.ep == 1 or dims.etp > 1 or cfg.dispatcher != "alltoall"):
+        raise ValueError(f"parallel.ep_spare_slots={cfg.ep_spare_slots} lends overloaded experts between "
+                         f"EP ranks, but ep={dims.ep}, etp={dims.etp}, dispatcher={cfg.dispatcher}; use "
+                         "ep > 1, etp = 1 and dispatcher=alltoall, or ep_spare_slots=0")
 
 
 def apply_expert_parallel(model: nn.Module, dims, cfg: ParallelConfig) -> None:

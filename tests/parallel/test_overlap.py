@@ -34,7 +34,9 @@ DOCS = [[5, 9, 1, 13], [1, 7, 3], [12, 2], [2, 2, 6], [17, 4], [3, 3, 3, 3]]
 # The last two recompute blocks in the backward: the all-to-alls (and the overlap) run again there.
 LAYOUTS = [dict(ep=4), dict(tp=2, ep=4), dict(ep=4, dispatch_dtype="fp8"),
            dict(ep=4, recompute="full"), dict(tp=2, ep=4, recompute="selective"),
-           dict(tp=2, ep=4, sequence_parallel=True)]
+           dict(tp=2, ep=4, sequence_parallel=True),
+           # expert lending (every imbalance lent, however small): deterministic, so bitwise too
+           dict(ep=4, ep_spare_slots=2, lend_rows=1, recompute="full")]
 
 
 def _model(seed):
@@ -50,12 +52,14 @@ def run_steps(rank, world, kw, overlap, bucket_mb, seed, in_flight=1):
     backward's hooks (without: the same buckets all-reduced after the backward). `in_flight` 2:
     both forwards first, interleaved, then the two backwards."""
     kw = dict(kw)
-    recompute = kw.pop("recompute", "none")
+    recompute, lend_rows = kw.pop("recompute", "none"), kw.pop("lend_rows", None)
     cfg = ParallelConfig(moe_overlap=overlap, grad_bucket_mb=bucket_mb, micro_batches_in_flight=in_flight, **kw)
     dims = ParallelDims.from_config(cfg, world, tiny_config())
     dims.build_groups(rank)
     runtime = parallelize(_model(seed), dims, cfg)
     runtime.model.set_recompute(recompute)
+    for layer in runtime.model.moe_layers() if lend_rows else ():
+        layer.dispatcher.min_lend_rows = lend_rows
     assert all(m.dispatcher.overlaps_shared == overlap for m in runtime.model.moe_layers())
     gen = torch.Generator().manual_seed(seed + 100 * dims.rank_in("dp"))
     batches = [packed_batch(DOCS[(seed + i) % len(DOCS)], 64, pad_multiple=dims.tp, generator=gen)

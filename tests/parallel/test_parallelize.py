@@ -34,7 +34,10 @@ LAYOUTS = [dict(ep=2), dict(ep=4, dispatcher="allgather"), dict(tp=2), dict(tp=2
            dict(cp=4, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 2]),
            # Megatron's global-batch aux loss (switch): statistics over every replica's tokens
            dict(ep=4, aux_loss_scope="global_batch", aux="switch"),
-           dict(cp=2, ep=2, aux_loss_scope="global_batch", aux="switch")]
+           dict(cp=2, ep=2, aux_loss_scope="global_batch", aux="switch"),
+           # expert lending: the bias sends every token to experts 0 and 1 (EP ranks 0, 1 of 4),
+           # which lend rows to ranks 2 and 3
+           dict(cp=2, tp=2, ep=4, ep_spare_slots=2, skew=True)]
 AUX = ("seq", "switch")  # layout i runs AUX[i % 2] unless it names aux: layouts 5 and 8 run both
 COLUMN_SHARDED = ("wo.weight", "w_down.weight")  # row-parallel layers keep input columns
 
@@ -44,7 +47,7 @@ def _loss(out, n, g):
     return out.ce_sum / g + (out.aux_loss + out.z_loss) * (n / g)
 
 
-def _model(seed, aux="seq"):
+def _model(seed, aux="seq", skew=False):
     torch.manual_seed(seed)
     # first layer dense and a shared expert: both dense-MLP kinds get TP-sharded.
     cfg = tiny_config(num_experts=4, top_k=2, first_k_dense=1, shared_expert_hidden_size=16,
@@ -52,6 +55,8 @@ def _model(seed, aux="seq"):
     model = build_model(cfg).double()
     for layer in model.moe_layers():  # a non-zero bias changes the selection: exercise it
         layer.router.expert_bias.copy_(0.05 * torch.randn(cfg.num_experts))
+        if skew:  # scores are below 1: experts 0 and 1 win every token's selection
+            layer.router.expert_bias.copy_(torch.tensor([1.0, 1.0, 0.0, 0.0]))
     return model
 
 
@@ -67,7 +72,7 @@ def _expected_grad(name, p, want, dims):
     return want
 
 
-def _check_layout(rank, world, kw, seed, aux="seq"):
+def _check_layout(rank, world, kw, seed, aux="seq", skew=False):
     dims = ParallelDims.from_config(ParallelConfig(**kw), world, tiny_config(aux_loss_type=aux))
     dims.build_groups(rank)
     gen = torch.Generator().manual_seed(seed)
@@ -77,15 +82,20 @@ def _check_layout(rank, world, kw, seed, aux="seq"):
     g = sum(b.num_target_tokens() for b in batches)  # G of the trainer: one micro-batch each
     # global_batch: the reference is one forward over the whole batch (one balance statistic)
     ref_batches = [concat_batches(batches)] if kw.get("aux_loss_scope") == "global_batch" else batches
-    ref = _model(seed, aux)
+    ref = _model(seed, aux, skew)
     ref_out = [ref(b) for b in ref_batches]
     ref_loss = sum(_loss(o, b.num_target_tokens(), g) for o, b in zip(ref_out, ref_batches,
                                                                        strict=True))
     ref_loss.backward()
-    runtime = parallelize(_model(seed, aux), dims)
+    runtime = parallelize(_model(seed, aux, skew), dims)
     model = runtime.model
+    for layer in model.moe_layers() if skew else ():  # tiny batches: lend however few rows
+        layer.dispatcher.min_lend_rows = 1
     mine = batches[dims.rank_in("dp")]
     out = runtime.forward(runtime.shard(mine))
+    if skew:  # the plan really lent: each of the 4 EP ranks ran about a quarter of the rows
+        rows = [layer.dispatcher.rank_rows for layer in model.moe_layers()]
+        assert all(max(r) - min(r) <= 1 for r in rows), rows
     loss, counts = _loss(out, mine.num_target_tokens(), g), out.expert_counts.clone()
     loss.backward()
     dense, expert = split_params(model)
@@ -109,7 +119,7 @@ def _check_layout(rank, world, kw, seed, aux="seq"):
 def _check_all(rank, world):
     for seed, kw in enumerate(LAYOUTS):
         kw = dict(kw)
-        _check_layout(rank, world, kw, seed, kw.pop("aux", AUX[seed % 2]))
+        _check_layout(rank, world, kw, seed, kw.pop("aux", AUX[seed % 2]), kw.pop("skew", False))
     # A CP layout describes one rank's shard: the full batch with it is refused, not wrong.
     dims = ParallelDims.from_config(ParallelConfig(cp=2), world, tiny_config())
     dims.build_groups(rank)

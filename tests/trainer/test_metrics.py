@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from longctx_moe.cli import main as cli_main
-from longctx_moe.metrics import MetricsLogger, expert_load_stats, step_flops
+from longctx_moe.metrics import MetricsLogger, ep_load_stats, expert_load_stats, step_flops
 from longctx_moe.model.config import ModelConfig
 
 
@@ -17,6 +17,14 @@ def test_expert_load_stats_per_layer():
     assert s["expert_load_max"] == [1.0, 4.0, 0.0]
     assert s["expert_load_cv"][0] == 0.0 and s["expert_load_cv"][1] == pytest.approx(3**0.5, abs=1e-4)
     assert s["expert_load_cv"][2] == 0.0  # a layer that routed nothing is not NaN
+
+
+def test_ep_load_stats_by_owner_and_as_run():
+    # 2 EP ranks: experts 0-1 on rank 0, 2-3 on rank 1
+    counts = torch.tensor([[10, 10, 10, 10], [30, 10, 0, 0], [0, 0, 0, 0]])
+    assert ep_load_stats(counts, 2) == {"ep_load_max": [1.0, 2.0, 0.0]}
+    ran = [[20, 20], [25, 15], [0, 0]]  # lending moved 15 of rank 0's rows in layer 1
+    assert ep_load_stats(counts, 2, ran)["ep_run_max"] == [1.0, 1.25, 0.0]
 
 
 def test_metrics_file_is_json_lines_even_for_nan(tmp_path):
