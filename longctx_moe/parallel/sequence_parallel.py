@@ -116,12 +116,64 @@ def scatter_tokens(x_TD: torch.Tensor, group) -> torch.Tensor:
     return _ScatterTokens.apply(x_TD, group)
 
 
-def add_sequence_parallel_hooks(module: nn.Module, group) -> None:
+class _Regather:
+    """Saved-tensor hooks for one forward of a TP region under SP: whatever the region saves for
+    its backward that is (a view of) its all-gathered input is kept as this rank's own rows and
+    all-gathered again when the backward first needs it (Megatron-LM's sequence-parallel linears
+    do the same), so between forward and backward a rank holds n rows of it instead of T.
+
+    The re-gathered tensor is shared by the region's consumers (q, k and v read one input) and
+    dropped after the last of them unpacks it: every saved tensor is unpacked once per backward.
+    The values are the forward's, so gradients are bitwise those of keeping the gathered tensor;
+    every TP rank re-gathers at the same point of the same backward graph."""
+
+    def __init__(self, x_nD: torch.Tensor, x_TD: torch.Tensor, group):
+        self.own, self.group = x_nD, group
+        self.storage = x_TD.untyped_storage().data_ptr()
+        self.pending, self.full = 0, None
+
+    def pack(self, t: torch.Tensor):
+        if t.untyped_storage().data_ptr() != self.storage:
+            return t
+        self.pending += 1
+        return self, t.size(), t.stride(), t.storage_offset()
+
+    def unpack(self, packed):
+        if not isinstance(packed, tuple):
+            return packed
+        _, size, stride, offset = packed
+        if self.full is None:
+            self.full = _all_gather(self.own, self.group)
+        full = self.full
+        self.pending -= 1
+        if self.pending == 0:
+            self.full = None  # the last consumer holds it until its backward is done
+        return full.as_strided(size, stride, offset)
+
+
+def add_sequence_parallel_hooks(module: nn.Module, group, regather=None) -> None:
     """A TP region under SP: tokens all-gathered on entry to the TP-sharded `module` (its input
-    gradients are partial: reduce-scatter) and its partial outputs reduce-scattered on exit."""
-    module.register_forward_pre_hook(
-        lambda m, args: (gather_tokens(args[0], group, True), *args[1:]))
+    gradients are partial: reduce-scatter) and its partial outputs reduce-scattered on exit.
+    `regather()` true (checked per forward, e.g. not under full recompute): the gathered tokens
+    the region saves are kept as own rows and gathered again in the backward (_Regather)."""
+    active = []  # the saved-tensor hooks entered for the forward in progress
+
+    def enter(m, args):
+        x_TD = gather_tokens(args[0], group, True)
+        if regather is not None and regather() and torch.is_grad_enabled() \
+                and not torch.compiler.is_compiling():
+            hooks = _Regather(args[0], x_TD, group)
+            active.append(torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack))
+            active[-1].__enter__()
+        return (x_TD, *args[1:])
+
+    def leave(m, args, out):
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
     module.register_forward_hook(lambda m, args, out: scatter_tokens(out, group))
+    module.register_forward_hook(leave, always_call=True)  # also when the forward raises
 
 
 def own_rows_layout(layout: DocLayout, group) -> DocLayout:

@@ -58,9 +58,9 @@ class _CopyToTP(torch.autograd.Function):
         return grad, None
 
 
-def _add_tp_hooks(module: nn.Module, group, sequence_parallel: bool = False) -> None:
+def _add_tp_hooks(module: nn.Module, group, sequence_parallel: bool = False, regather=None) -> None:
     if sequence_parallel:  # tokens split between the regions: all-gather / reduce-scatter
-        add_sequence_parallel_hooks(module, group)
+        add_sequence_parallel_hooks(module, group, regather)
         return
     module.register_forward_pre_hook(lambda m, args: (_CopyToTP.apply(args[0], group), *args[1:]))
     module.register_forward_hook(lambda m, args, out: sum_over_group(out, group))
@@ -157,9 +157,10 @@ def shard_vocabulary(model: nn.Module, rank: int, size: int, group,
 
 
 def shard_attention(attn: nn.Module, rank: int, size: int, group,
-                    sequence_parallel: bool = False) -> None:
+                    sequence_parallel: bool = False, regather=None) -> None:
     """Heads [rank*H/size, (rank+1)*H/size) and their kv heads; GQA grouping is preserved. With
-    size > G, the one KV head of this rank's query heads (replicated over size/G ranks)."""
+    size > G, the one KV head of this rank's query heads (replicated over size/G ranks).
+    `regather`: see sequence_parallel.add_sequence_parallel_hooks."""
     h, g, r = attn.num_heads, attn.num_kv_heads, attn.head_dim
     hq = h // size
     _keep(attn.wq, 0, rank * hq * r, (rank + 1) * hq * r)
@@ -175,18 +176,18 @@ def shard_attention(attn: nn.Module, rank: int, size: int, group,
     for norm in (attn.q_norm, attn.k_norm):
         for p in norm.parameters() if norm is not None else ():
             p.reduce_axis = Axis.WORLD  # partial per TP rank: sums over TP as well as DP x CP
-    _add_tp_hooks(attn, group, sequence_parallel)
+    _add_tp_hooks(attn, group, sequence_parallel, regather)
 
 
 def shard_swiglu(mlp: nn.Module, rank: int, size: int, group,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, regather=None) -> None:
     """Hidden units [rank*F/size, (rank+1)*F/size) of a dense SwiGLU."""
     f = mlp.w_gate.out_features
     lo, hi = rank * f // size, (rank + 1) * f // size
     _keep(mlp.w_gate, 0, lo, hi)
     _keep(mlp.w_up, 0, lo, hi)
     _keep(mlp.w_down, 1, lo, hi)
-    _add_tp_hooks(mlp, group, sequence_parallel)
+    _add_tp_hooks(mlp, group, sequence_parallel, regather)
 
 
 def _dense_mlps(block: nn.Module) -> list[nn.Module]:
@@ -223,12 +224,14 @@ def apply_tensor_parallel(model: nn.Module, dims, sequence_parallel: bool = Fals
     check_tensor_parallel(model, dims.tp)
     rank, size, group = dims.rank_in(Axis.TP), dims.tp, dims.group(Axis.TP)
     sp = sequence_parallel
+    # Under full recompute a block keeps nothing of its forward: nothing to re-gather.
+    regather = (lambda: model.recompute != "full") if sp else None
     shard_vocabulary(model, rank, size, group, sp)
     for block in model.layers:
-        shard_attention(block.attn, rank, size, group, sp)
+        shard_attention(block.attn, rank, size, group, sp, regather)
         for mlp in _dense_mlps(block):
             # A shared expert runs inside its MoE layer on the rank's own tokens under SP: the
             # same gather / reduce-scatter pair as a dense MLP.
-            shard_swiglu(mlp, rank, size, group, sp)
+            shard_swiglu(mlp, rank, size, group, sp, regather)
     if sp:
         apply_sequence_parallel(model, group)
