@@ -179,8 +179,10 @@ class Trainer:
         return ep_load_stats(counts_LE, self.dims.ep, ran)
 
     def _lent_rows(self) -> list | None:
-        """[L_moe][ep] rows each EP rank ran since the last call, where every MoE layer lends."""
-        ran = [getattr(m.dispatcher, "take_step_rows", lambda: None)() for m in self.model.moe_layers()]
+        """[L_moe][ep] rows each EP rank ran since the last call, where every MoE layer lends
+        (expert lending needs ep > 1; a model without `moe_layers` has nothing to lend)."""
+        layers = self.model.moe_layers() if self.dims.ep > 1 and hasattr(self.model, "moe_layers") else []
+        ran = [getattr(m.dispatcher, "take_step_rows", lambda: None)() for m in layers]
         return ran if ran and all(r is not None for r in ran) else None
 
     def _set_lr(self, lr: float) -> float:
