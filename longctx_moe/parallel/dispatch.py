@@ -307,8 +307,7 @@ class AllToAllDispatcher(_EPDispatcher):
         order_N = order_N.to(routing.token_N.device)
         routing = Routing(routing.token_N[order_N], routing.expert_N[order_N],
                           routing.weight_N[order_N], routing.counts_E)
-        lent = sum(1 for b, ids in enumerate(plan.borrowed) if b != self.ep_rank
-                   for e in ids if e // self.local_experts == self.ep_rank)
+        lent = sum(e // self.local_experts == self.ep_rank for ids in plan.borrowed for e in ids)
         return (routing, send, recv_RS, lend_weights(experts, plan, self.ep_rank, self.group),
                 weight_bytes(experts, lent))
 
