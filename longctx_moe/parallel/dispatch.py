@@ -64,7 +64,7 @@ from longctx_moe.parallel.comm import (
 )
 from longctx_moe.parallel.config import DROP_POLICIES, check_capacity_factor
 from longctx_moe.parallel.dims import Axis
-from longctx_moe.parallel.expert_lending import lend_weights, make_plan, source_tables, weight_bytes
+from longctx_moe.parallel.expert_lending import lend_weights, make_plan, source_tables
 from longctx_moe.parallel.interleave import interleaving
 
 
@@ -307,9 +307,8 @@ class AllToAllDispatcher(_EPDispatcher):
         order_N = order_N.to(routing.token_N.device)
         routing = Routing(routing.token_N[order_N], routing.expert_N[order_N],
                           routing.weight_N[order_N], routing.counts_E)
-        lent = sum(e // self.local_experts == self.ep_rank for ids in plan.borrowed for e in ids)
-        return (routing, send, recv_RS, lend_weights(experts, plan, self.ep_rank, self.group),
-                weight_bytes(experts, lent))
+        borrowed, sent_bytes = lend_weights(experts, plan, self.ep_rank, self.group)
+        return routing, send, recv_RS, borrowed, sent_bytes
 
     def take_step_rows(self) -> list[int] | None:
         """Rows each EP rank ran under lending since the last call (None without lending)."""

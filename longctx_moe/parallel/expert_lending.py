@@ -160,9 +160,9 @@ def source_tables(plan: LendingPlan, counts_RE: torch.Tensor, me: int, num_ranks
 
 
 def lend_weights(experts, plan: LendingPlan, me: int, group):
-    """(w_gate_up [B, D, 2, F], w_down [B, F, D]): the weights of the experts this rank borrows,
-    received from their owners (autograd: their gradients go back to the owners' parameters).
-    Every rank of the group calls it when the plan lends anything."""
+    """((w_gate_up [B, D, 2, F], w_down [B, F, D]), bytes this rank sent): the weights of the
+    experts this rank borrows, received from their owners (autograd: their gradients go back to
+    the owners' parameters). Every rank of the group calls it when the plan lends anything."""
     R = len(plan.borrowed)
     L = experts.num_local_experts
     gate_up, down = experts.w_gate_up, experts.w_down
@@ -176,11 +176,5 @@ def lend_weights(experts, plan: LendingPlan, me: int, group):
     rows = torch.cat([gate_up.index_select(0, idx).flatten(1), down.index_select(0, idx).flatten(1)], 1)
     got = all_to_all_rows(rows, send, recv, group)
     n_gu = gate_up[0].numel()
-    return (got[:, :n_gu].reshape(-1, *gate_up.shape[1:]),
-            got[:, n_gu:].reshape(-1, *down.shape[1:]))
-
-
-def weight_bytes(experts, count: int) -> int:
-    """Bytes of `count` experts' weights (one lend's payload each way)."""
-    per = experts.w_gate_up[0].numel() + experts.w_down[0].numel()
-    return count * per * experts.w_gate_up.element_size()
+    borrowed = (got[:, :n_gu].reshape(-1, *gate_up.shape[1:]), got[:, n_gu:].reshape(-1, *down.shape[1:]))
+    return borrowed, rows.numel() * rows.element_size()  # every lent row goes to another rank
