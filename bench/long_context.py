@@ -30,9 +30,9 @@ activations, the same measure on both sides. A watchdog stops a process whose RS
 longer ones. Lengths go up until every side is over the cap or past --max-step-s (a side whose
 previous step, scaled by the quadratic growth of attention, would exceed it, stops there).
 
-Multi-rank layouts (long_context_multi.py; --multi-layouts, each on 4 gloo ranks in spawned processes at --cp4-length,
-with --multi-recompute (default none), the same warm-up and peak measure per rank; each rank's
-watchdog at a quarter of --mem-cap-gib):
+Multi-rank layouts (long_context_multi.py; --multi-layouts, each on 4 gloo ranks in spawned
+processes at --cp4-length, with --multi-recompute (default none), the same warm-up and peak
+measure per rank; each rank's watchdog at a quarter of --mem-cap-gib):
   cp4        parallel.cp=4 (ring), ep=4 (MoE Parallel Folding: a quarter of the experts per
              rank), distributed_optimizer (AdamW state of dense weights sharded over dp*cp = 4;
              experts have edp = 1 replica, so their state is not split further)
@@ -66,8 +66,8 @@ Derived figures:
   ep_rank_shares   (per layout row) per MoE layer, the share of the step's routed rows the
                    experts of each EP rank received: what puts one rank's peak above the others'.
 
-JSON (--out): routes, allocator, ep_spare_slots, longest_ours_tokens, longest_hf_tokens, longest_ratio, bytes_per_token_ours
-(recompute none), bytes_per_token_hf, selective_recompute_tokens_per_s_ratio (selective / none,
+JSON (--out): routes, allocator, ep_spare_slots, longest_ours_tokens, longest_hf_tokens,
+longest_ratio, bytes_per_token_ours (recompute none), bytes_per_token_hf, selective_recompute_tokens_per_s_ratio (selective / none,
 median over the lengths both ran), cp4_peak_over_single, cp2tp2_peak_over_single,
 tokens_per_s_ratio_32k (ours none / HF at 32K), multi_recompute, optimizer_bytes_per_rank
 {layout: bytes}, replicated_optimizer_bytes_per_rank, dist_optimizer_bytes_ratio,
