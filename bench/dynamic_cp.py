@@ -1,12 +1,15 @@
-"""Benchmark: Dynamic-CP scheduling (cp_attention.dynamic.schedule) against two static CP = 8
-baselines, an idealised one and the one our trainer runs, on simulated DP x CP blocks of 8, 64
-and 512 ranks (tp = 1).
+"""Benchmark: Dynamic-CP scheduling (cp_attention.dynamic.schedule) against three static CP = 8
+baselines (an idealised one, the one our trainer runs, and token-balanced packing) on simulated
+DP x CP blocks of 8, 64 and 512 ranks (tp = 1).
 
-    .venv/bin/python bench/dynamic_cp.py [--calibrate] [--out FILE]
+    .venv/bin/python bench/dynamic_cp.py [--calibrate] [--measure] [--steps K] [--out FILE]
 
 Steps. Every step holds 65,536 tokens per rank (a global batch of 64K x ranks tokens: sequences
 are drawn, seeded, until that total is reached); a rank holds at most 16,384 tokens per slot
-(micro-batch), so a 128K sequence needs the largest CP size, 8.
+(micro-batch), so a 128K sequence needs the largest CP size, 8. K steps (default 16, seeds
+seed + ranks + 1000 k) are drawn per corpus and size and every plan is made for each: one step is
+one sample (its few longest sequences set most of its time), so figures are medians over the K
+steps, and ratios come with their min and max.
 Corpora:
   stdlib  the running Python's standard-library .py files (data_packing.sources.stdlib_files),
           length = file bytes / 3.5 (a tokenize-free proxy: byte-level BPE tokenizers average
@@ -57,11 +60,17 @@ padded with padded_length(n, s) for the size s it runs on:
            so the missing micro-batches are left empty (zero-token, zero-cost placeholders:
            that replica idles through the slot's all-to-alls) and counted in the row's
            empty_micro_batches (0 in every row of the default run);
+  tokens   static CP = 8 with token-balanced packing: the loader plan with TOKEN_KEYS
+           (data.cost_per_token_pair = 0), so balance_step evens out tokens, not work, as
+           trainers do that pack every micro-batch to the same token count: equal tokens,
+           unequal attention work across replicas (the static baseline of Megatron-Core's
+           published Dynamic-CP gains);
   min      schedule(raise_cp=False): every sequence on its smallest fitting size.
-Columns: slots = slots (micro-batches per rank) of dynamic / static / loader; imb = max/mean
-per-rank cost; GB = ring bytes received by all ranks (loader = static by construction: the same
-sequences on 8 ranks with the same padding); bytes = static / dynamic GB; step = modeled step
-time in seconds; speedup = static / dynamic step; vs ldr = loader / dynamic step; bound = static
+Columns (medians over the steps; ratios "median [min-max]"): imb d/s/l/t = max/mean per-rank
+cost of dynamic / static / loader / tokens; GB = ring bytes received by all ranks (loader and
+tokens = static by construction: the same sequences on 8 ranks with the same padding); bytes =
+static / dynamic GB; step = modeled step time in seconds; speedup = static / dynamic step;
+vs ldr = loader / dynamic step; vs tok = tokens / dynamic step; bound = static
 step / a lower bound on any plan's step (max of total work at the smallest sizes / ranks and the
 costliest single sequence), i.e. the most any scheduler could gain over the idealised static
 plan under this model.
@@ -72,13 +81,16 @@ where the wall time on a shared one grows with the load.
 tokens), static CP=4 against Dynamic-CP (max CP 4, 2048 tokens per rank), alternating per round;
 a 2-core machine running 4 ranks says little about GPUs: reported as measured.
 
-JSON (--out): for rl at 64 ranks with h100 constants, against the idealised static plan:
-modeled_speedup (static / dynamic step), cp_bytes_ratio (static / dynamic bytes),
-imbalance_dynamic, imbalance_static, speedup_bound; against the loader plan:
-modeled_speedup_vs_loader, cp_bytes_ratio_vs_loader, imbalance_static_loader;
-plan_seconds_10k, plan_cpu_seconds_10k; calibration (measured figures and the fitted constants, or null);
-h100_attention_fit (the FA3 figures, their fwd+bwd combination and fit); constants_used (every
-constant set's DynamicCPCost fields); settings; rows (every comparison).
+JSON (--out): for rl at 64 ranks with h100 constants, medians over the steps, against the
+idealised static plan: modeled_speedup (static / dynamic step), cp_bytes_ratio (static / dynamic
+bytes), imbalance_dynamic, imbalance_static, speedup_bound, with modeled_speedup_range and
+cp_bytes_ratio_range ([min, max]); against the loader plan: modeled_speedup_vs_loader,
+cp_bytes_ratio_vs_loader, imbalance_static_loader; against token-balanced packing:
+modeled_speedup_vs_token_packing (and _range), imbalance_static_token_packing; steps_drawn;
+plan_seconds_10k, plan_cpu_seconds_10k; calibration (measured figures and the fitted constants,
+or null); h100_attention_fit (the FA3 figures, their fwd+bwd combination and fit);
+constants_used (every constant set's DynamicCPCost fields); settings; rows (per corpus, size
+and constants: the spreads, and every step's comparison under "steps").
 """
 
 from __future__ import annotations
@@ -90,6 +102,7 @@ _HERE = Path(__file__).resolve().parent
 # bench/cp_attention.py would shadow the cp_attention package: keep bench/ off the import path.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
+sys.path.append(str(_HERE))  # last: finds dynamic_cp_measure, never bench/cp_attention.py
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -100,6 +113,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
+from dynamic_cp_measure import calibrate, measure_wallclock, print_calibration  # noqa: E402
 
 from cp_attention.dynamic import schedule  # noqa: E402
 from cp_attention.dynamic_cost import (  # noqa: E402
@@ -117,7 +131,6 @@ BYTES_PER_TOKEN = 3.5
 # The model every constant set describes: Qwen3-30B-A3B's shape (DynamicCPCost.h100).
 MODEL = dict(num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
              active_params_per_token=3.3e9)
-CURVE_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # The public figures behind H100_ATTN_HALF_TOKENS (cp_attention.dynamic): FlashAttention-3, bf16,
 # head dim 128, H100 80GB SXM5, batch x length = 16K tokens, TFLOP/s.
 FA3_H100 = {"source": "Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, speed figures (bf16, "
@@ -199,12 +212,19 @@ def loader_micro_batches(sizes: np.ndarray, costs: np.ndarray, dp: int,
     return [[[i for i in mb if i < n] for mb in replica] for replica in assign.micro]
 
 
-def loader_plan(lengths: list[int], world: int, cost: DynamicCPCost) -> dict:
+# data.cost_per_token, data.cost_per_token_pair of a balancer that evens out tokens only.
+TOKEN_KEYS = (1.0, 0.0)
+
+
+def loader_plan(lengths: list[int], world: int, cost: DynamicCPCost,
+                keys: tuple[float, float] | None = None) -> dict:
     """The trainer's static CP = MAX_CP (module docstring, loader): step time, per-rank
-    imbalance and ring bytes under the same cost model as the schedule() plans."""
+    imbalance and ring bytes under the same cost model as the schedule() plans. keys: the
+    balancer's cost keys (default: those that match `cost`; TOKEN_KEYS: the tokens plan)."""
     dp, budget = world // MAX_CP, CAPACITY * MAX_CP
     sizes = np.asarray([padded_length(n, MAX_CP) for n in lengths], dtype=np.int64)
-    micro = loader_micro_batches(sizes, doc_cost(sizes, *loader_cost_keys(cost)), dp, budget)
+    keys = keys or loader_cost_keys(cost)
+    micro = loader_micro_batches(sizes, doc_cost(sizes, *keys), dp, budget)
     seconds = cost.seconds(sizes.astype(np.float64), MAX_CP)  # every rank of the replica pays it
     fixed = cost.run_fixed_seconds(MAX_CP)  # the ring steps of a non-empty micro-batch
     mb_s = np.asarray([[seconds[mb].sum() + (fixed if mb else 0.0) for mb in replica]
@@ -223,15 +243,39 @@ def compare(corpus: str, world: int, lengths: list[int], name: str, cost: Dynami
     static = schedule(lengths, world, MAX_CP, CAPACITY, cost, static_cp=MAX_CP)
     small = schedule(lengths, world, MAX_CP, CAPACITY, cost, raise_cp=False)
     loader = loader_plan(lengths, world, cost)
+    tokens = loader_plan(lengths, world, cost, TOKEN_KEYS)
     bound = lower_bound(lengths, world, cost)
     return {"corpus": corpus, "ranks": world, "constants": name, "sequences": len(lengths),
             "tokens": int(sum(lengths)), "dynamic": summary(dyn), "static": summary(static),
-            "static_loader": loader, "min_size": summary(small), "lower_bound_s": bound,
+            "static_loader": loader, "static_tokens": tokens, "min_size": summary(small),
+            "lower_bound_s": bound,
             "speedup": static.modeled_step_time / dyn.modeled_step_time,
             "bytes_ratio": static.cp_bytes / max(dyn.cp_bytes, 1.0),
             "speedup_vs_loader": loader["step_s"] / dyn.modeled_step_time,
             "bytes_ratio_vs_loader": loader["cp_bytes"] / max(dyn.cp_bytes, 1.0),
+            "speedup_vs_tokens": tokens["step_s"] / dyn.modeled_step_time,
             "speedup_bound": static.modeled_step_time / bound}
+
+
+RATIOS = ("speedup", "bytes_ratio", "speedup_vs_loader", "bytes_ratio_vs_loader",
+          "speedup_vs_tokens", "speedup_bound")
+PLANS = ("dynamic", "static", "static_loader", "static_tokens", "min_size")
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def aggregate(steps: list[dict]) -> dict:
+    """One (corpus, ranks, constants) over its drawn steps: median, min and max of every ratio
+    and of each plan's step time, imbalance, ring bytes and slots; the steps themselves too."""
+    out = {k: steps[0][k] for k in ("corpus", "ranks", "constants")}
+    out["sequences"] = spread([s["sequences"] for s in steps])
+    out.update({k: spread([s[k] for s in steps]) for k in RATIOS})
+    out.update({p: {f: spread([s[p][f] for s in steps])
+                    for f in ("step_s", "imbalance", "cp_bytes", "slots")} for p in PLANS})
+    out["steps"] = steps
+    return out
 
 
 def plan_seconds_10k(cost: DynamicCPCost, repeats: int = 5) -> tuple[float, float]:
@@ -248,95 +292,6 @@ def plan_seconds_10k(cost: DynamicCPCost, repeats: int = 5) -> tuple[float, floa
     return statistics.median(wall), statistics.median(cpu)
 
 
-def _best_seconds(fn, repeats: int) -> float:
-    """Fastest of `repeats` timed calls after one warm-up (first-call kernel selection and
-    allocation): on a machine shared with other jobs the slower calls time their load, not
-    this machine."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def gemm_flops(dtype, n: int = 2048, repeats: int = 5) -> float:
-    import torch
-
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / _best_seconds(lambda: torch.matmul(a, b), repeats)
-
-
-def attention_curve(dtype, lengths=CURVE_LENGTHS, heads: int = 4, head_dim: int = 128,
-                    tokens: int = 8192, repeats: int = 3, fit: bool = True) -> dict:
-    """Causal SDPA forward + backward FLOP/s at tile lengths L (batch max(1, tokens // L)
-    sequences of L, the FlashAttention benchmarks' fixed-token layout), counted as
-    DynamicCPCost.from_model does (3 x 4 x heads x head_dim FLOPs per causal pair, L^2/2 pairs),
-    and (fit) the fit of eff(L) = L / (L + n_half) to them (fit_attention_efficiency)."""
-    import torch
-    import torch.nn.functional as F
-
-    seconds, flops = [], []
-    for n in lengths:
-        batch = max(1, tokens // n)
-        q, k, v = (torch.randn(batch, heads, n, head_dim, dtype=dtype, requires_grad=True)
-                   for _ in range(3))
-
-        def step(q=q, k=k, v=v):
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-
-        t = _best_seconds(step, repeats)
-        seconds.append(t)
-        flops.append(3 * 4 * heads * head_dim * n * n / 2 * batch / t)
-    out = {"lengths": list(lengths), "seconds": seconds, "flops_per_s": flops, "heads": heads,
-           "head_dim": head_dim, "tokens_per_call": tokens}
-    if fit:
-        out["fit_flops_per_s"], out["fit_half_tokens"] = fit_attention_efficiency(lengths, flops)
-    return out
-
-
-def _p2p_worker(rank: int, world: int, sizes: list[tuple[int, int]]) -> list[list[float]]:
-    """Round trips (send, then receive the echo) of each (bytes, rounds); the first two rounds of
-    each size set up the connection and are not timed."""
-    import torch
-    import torch.distributed as dist
-
-    out = []
-    for nbytes, rounds in sizes:
-        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-        rtts = []
-        for i in range(rounds + 2):
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            if i >= 2:
-                rtts.append(time.perf_counter() - t0)
-        out.append(rtts)
-    return out
-
-
-def p2p_latency_bandwidth(small: int = 64, big: int = 8 << 20, small_rounds: int = 300,
-                          big_rounds: int = 15) -> dict:
-    """gloo send/recv between 2 local processes: latency = 10th percentile of the round trips
-    of a `small`-byte message / 2 (one ring step's p2p exchange); bandwidth = 2 * big / the 10th
-    percentile of its round trips. A low percentile, not the median: on a shared machine the
-    slow round trips wait for other jobs' time slices (medians kept in the result)."""
-    from tests.launcher import run_distributed
-
-    rtt_small, rtt_big = run_distributed(_p2p_worker, 2, args=([(small, small_rounds),
-                                                                (big, big_rounds)],),
-                                         timeout=300)[0]
-    return {"latency_s": float(np.percentile(rtt_small, 10)) / 2, "small_bytes": small,
-            "small_rtt_p10_p50_p90_s": [float(np.percentile(rtt_small, q)) for q in (10, 50, 90)],
-            "bytes_per_s": 2 * big / float(np.percentile(rtt_big, 10)), "big_bytes": big,
-            "big_rtt_p10_p50_p90_s": [float(np.percentile(rtt_big, q)) for q in (10, 50, 90)]}
-
-
 def h100_attention_fit() -> dict:
     """n_half of the cited FlashAttention-3 figures (FA3_H100): forward (causal) and backward
     combined by their FLOPs (backward 2.5x the forward), then fitted."""
@@ -347,127 +302,29 @@ def h100_attention_fit() -> dict:
             "fit_tflops": peak / 1e12, "fit_half_tokens": half}
 
 
-def calibrate() -> dict:
-    import torch
-
-    gemm = {str(d).split(".")[1]: gemm_flops(d) for d in (torch.float32, torch.bfloat16)}
-    # The faster dtype of each is what a run here would use (bf16 autocast where AMX exists);
-    # attention's dtype is chosen at one length, then its curve is measured in that dtype only.
-    probe = {str(d).split(".")[1]: attention_curve(d, lengths=(2048,), repeats=2,
-                                                   fit=False)
-             for d in (torch.float32, torch.bfloat16)}
-    attn_dtype = max(probe, key=lambda k: probe[k]["flops_per_s"][-1])
-    attn = attention_curve(getattr(torch, attn_dtype))
-    p2p = p2p_latency_bandwidth()
-    best_gemm = max(gemm.values())
-    cost = DynamicCPCost.from_model(**MODEL, flops_per_s=best_gemm,
-                                    attention_flops_per_s=attn["fit_flops_per_s"],
-                                    bandwidth=p2p["bytes_per_s"], ring_latency=p2p["latency_s"],
-                                    attn_half_tokens=attn["fit_half_tokens"])
-    return {"gemm_flops_per_s": gemm, "attention_dtype": attn_dtype,
-            "attention_probe_flops_per_s": {k: v["flops_per_s"] for k, v in probe.items()},
-            "attention": attn, "p2p": p2p, "threads": torch.get_num_threads(),
-            "constants": {"a": cost.a, "b": cost.b, "kv_bytes_per_token": cost.kv_bytes_per_token,
-                          "bandwidth": cost.bandwidth, "overlap": cost.overlap,
-                          "ring_step_seconds": cost.ring_step_seconds,
-                          "attn_half_tokens": cost.attn_half_tokens}}
-
-
-# ---------------------------------------------------------------------- measured on 4 gloo ranks
-
-
-def _pack_long_corpus(root: Path, out: Path) -> None:
-    """The stdlib corpus packed at 8192 tokens per row (documents up to 8192: a mix that needs
-    CP 1 to 4 at 2048 tokens per rank), with the tokenizer of `make data`."""
-    import subprocess
-
-    if (out / "metadata.json").is_file():
-        return
-    tok = root / "data" / "stdlib_tiny" / "tokenizer.json"
-    if not tok.is_file():
-        raise SystemExit("--measure needs the bundled corpus: run `make data` first")
-    subprocess.run([sys.executable, "-m", "data_packing.cli", "--source", "stdlib",
-                    "--tokenizer", str(tok), "--seq-len", "8192", "--max-docs", "400", "--seed",
-                    "0", "--output", str(out)], check=True, cwd=root, stdout=subprocess.DEVNULL)
-
-
-def _train_steps(root: Path, data: Path, run_dir: Path, sets: list[str], steps: int) -> list[dict]:
-    import subprocess
-
-    argv = [sys.executable, "-m", "longctx_moe.cli", "train", "--config", "configs/tiny_cpu.yaml",
-            "--nproc", "4", "--set", f"data.path={data}", "--set", f"train.run_dir={run_dir}",
-            "--set", f"train.steps={steps}", "--set", "data.global_batch_tokens=16384",
-            "--set", "data.micro_batch_tokens=8192", "--set", "logging.progress_bar=false",
-            "--set", "checkpoint.save_final=false", "--set", "checkpoint.every_steps=0",
-            "--set", "parallel.cp=4"] + [x for s in sets for x in ("--set", s)]
-    subprocess.run(argv, check=True, cwd=root, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
-    with open(run_dir / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
-
-
-def measure_wallclock(rounds: int = 2, steps: int = 8, warmup: int = 2) -> dict:
-    """Static CP=4 vs Dynamic-CP (max CP 4, 2048 tokens per rank) training the tiny config on 4
-    gloo ranks here, alternating the two per round; median step time over the steps after
-    `warmup` of every round, and the spread of the per-round medians."""
-    import tempfile
-
-    root = _HERE.parent
-    tmp = Path(tempfile.mkdtemp(prefix="dcp_measure_"))
-    data = tmp / "stdlib_8k"
-    _pack_long_corpus(root, data)
-    sides = {"static": [], "dynamic": ["parallel.dynamic_cp=true",
-                                       "parallel.max_tokens_per_rank=2048"]}
-    per_round: dict[str, list[float]] = {k: [] for k in sides}
-    sizes: dict[str, int] = {}
-    for r in range(rounds):
-        for name, sets in sides.items():
-            recs = _train_steps(root, data, tmp / f"{name}{r}", sets, steps)[warmup:]
-            per_round[name].append(statistics.median(x["step_time_s"] for x in recs))
-            for x in recs:
-                for size, n in (x.get("cp_sizes") or {}).items():
-                    sizes[size] = sizes.get(size, 0) + n
-    med = {k: statistics.median(v) for k, v in per_round.items()}
-    return {"static_step_s": med["static"], "dynamic_step_s": med["dynamic"],
-            "speedup": med["static"] / med["dynamic"], "rounds": per_round,
-            "dynamic_cp_sizes": sizes, "steps_per_round": steps, "warmup_steps": warmup,
-            "setting": "tiny_cpu config, 4 gloo ranks on this machine, 16384 tokens per step, "
-                       "stdlib packed at 8192 tokens, static cp=4 vs dynamic max_cp=4 with "
-                       "2048 tokens per rank"}
+def _med_range(x: dict, width: int = 6) -> str:
+    return f"{x['median']:.3f} [{x['min']:.2f}-{x['max']:.2f}]".rjust(width)
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'corpus':<7}{'ranks':>6} {'constants':<11}{'seqs':>6} {'slots d/s/l':>11} "
-          f"{'imb dyn':>8}{'imb sta':>8}{'imb ldr':>8}{'GB dyn':>8}{'GB sta':>8}{'GB ldr':>8}"
-          f"{'bytes':>7} {'step dyn':>9}{'step sta':>9}{'step ldr':>9}{'step min':>9}"
-          f"{'speedup':>8}{'vs ldr':>8}{'bound':>7}")
+    """One line per (corpus, ranks, constants): medians over the drawn steps, and for the
+    ratios their [min-max] too."""
+    print(f"{'corpus':<7}{'ranks':>6} {'constants':<11}{'imb d/s/l/t':>24}{'GB dyn':>8}"
+          f"{'GB sta':>8} {'bytes':>19} {'step d/s/l/t':>24} {'speedup':>19} {'vs ldr':>19} "
+          f"{'vs tok':>19} {'bound':>6}")
     for r in rows:
-        d, s, ld, m = r["dynamic"], r["static"], r["static_loader"], r["min_size"]
-        slots = f"{d['slots']}/{s['slots']}/{ld['slots']}"
-        print(f"{r['corpus']:<7}{r['ranks']:>6} {r['constants']:<11}{r['sequences']:>6} "
-              f"{slots:>11} {d['imbalance']:>8.3f}{s['imbalance']:>8.3f}{ld['imbalance']:>8.3f}"
-              f"{d['cp_bytes'] / 1e9:>8.1f}{s['cp_bytes'] / 1e9:>8.1f}{ld['cp_bytes'] / 1e9:>8.1f}"
-              f"{r['bytes_ratio']:>6.2f}x {d['step_s']:>9.3g}{s['step_s']:>9.3g}"
-              f"{ld['step_s']:>9.3g}{m['step_s']:>9.3g}{r['speedup']:>7.3f}x"
-              f"{r['speedup_vs_loader']:>7.3f}x{r['speedup_bound']:>6.2f}x")
-    empty = [(r["corpus"], r["ranks"], r["constants"], r["static_loader"]["empty_micro_batches"])
-             for r in rows if r["static_loader"]["empty_micro_batches"]]
+        imb = "/".join(f"{r[p]['imbalance']['median']:.3f}" for p in PLANS[:4])
+        step = "/".join(f"{r[p]['step_s']['median']:.3g}" for p in PLANS[:4])
+        print(f"{r['corpus']:<7}{r['ranks']:>6} {r['constants']:<11}{imb:>24}"
+              f"{r['dynamic']['cp_bytes']['median'] / 1e9:>8.0f}"
+              f"{r['static']['cp_bytes']['median'] / 1e9:>8.0f} {_med_range(r['bytes_ratio'], 19)}"
+              f" {step:>24} {_med_range(r['speedup'], 19)} {_med_range(r['speedup_vs_loader'], 19)}"
+              f" {_med_range(r['speedup_vs_tokens'], 19)} {r['speedup_bound']['median']:>5.2f}x")
+    empty = [(r["corpus"], r["ranks"], r["constants"], k) for r in rows
+             for k, step in enumerate(r["steps"]) for p in ("static_loader", "static_tokens")
+             if step[p]["empty_micro_batches"]]
     if empty:
         print(f"loader plans with empty micro-batches (too few documents): {empty}")
-
-
-def print_calibration(cal: dict) -> None:
-    gemm = ", ".join(f"{k} {v / 1e12:.3f}" for k, v in cal["gemm_flops_per_s"].items())
-    attn, p2p, c = cal["attention"], cal["p2p"], cal["constants"]
-    curve = ", ".join(f"{n}: {f / 1e12:.3f}" for n, f in zip(attn["lengths"], attn["flops_per_s"],
-                                                              strict=True))
-    print(f"measured ({cal['threads']} threads): GEMM {gemm} TFLOP/s; causal attention fwd+bwd "
-          f"({cal['attention_dtype']}) TFLOP/s by tile length {{{curve}}} -> long-tile "
-          f"{attn['fit_flops_per_s'] / 1e12:.3f} TFLOP/s, n_half {attn['fit_half_tokens']:.0f} "
-          f"tokens; gloo p2p {p2p['bytes_per_s'] / 1e9:.2f} GB/s, {p2p['small_bytes']} B one-way "
-          f"latency {p2p['latency_s'] * 1e6:.0f} us -> a = {c['a']:.3g} s/token, b = "
-          f"{c['b']:.3g} s/token^2, {c['kv_bytes_per_token'] / 1e3:.0f} KB/token, ring step "
-          f"{c['ring_step_seconds'] * 1e3:.2f} ms per run rank")
 
 
 def main(argv=None) -> dict:
@@ -477,9 +334,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--measure", action="store_true",
                     help="also train static CP=4 vs Dynamic-CP on 4 gloo ranks here (minutes)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=16,
+                    help="steps drawn per corpus and size (seeds seed + ranks + 1000 k)")
     ap.add_argument("--out", help="write the results as JSON")
     args = ap.parse_args(argv)
-    calibration = calibrate() if args.calibrate else None
+    calibration = calibrate(MODEL) if args.calibrate else None
     constants = {"h100": DynamicCPCost.h100(),
                  "h100_ib": DynamicCPCost.h100(bandwidth=25e9, ring_latency=H100_IB_RING_LATENCY),
                  "h100_plain": DynamicCPCost.h100(ring_latency=0.0, attn_half_tokens=0.0)}
@@ -489,11 +348,15 @@ def main(argv=None) -> dict:
     rows = []
     for corpus in ("stdlib", "rl"):
         for world in WORLDS:
-            lengths = draw_step(corpus, world, args.seed + world, pool)
-            rows += [compare(corpus, world, lengths, name, cost) for name, cost in constants.items()]
+            steps = [draw_step(corpus, world, args.seed + world + 1000 * k, pool)
+                     for k in range(args.steps)]
+            rows += [aggregate([compare(corpus, world, lengths, name, cost) for lengths in steps])
+                     for name, cost in constants.items()]
     plan_10k, plan_10k_cpu = plan_seconds_10k(constants["h100"])
     print(f"max CP {MAX_CP}, {CAPACITY} tokens per rank per slot, {TOKENS_PER_RANK} tokens per "
-          f"rank per step; step times in modeled seconds")
+          f"rank per step; medians over {args.steps} drawn steps, ratios with [min-max]; plans "
+          f"d(ynamic) / s(tatic, idealised) / l(oader) / t(oken-balanced loader); step times in "
+          f"modeled seconds")
     print_table(rows)
     print(f"plan 10,000 rl sequences on 512 ranks: {plan_10k:.3f} s wall, {plan_10k_cpu:.3f} s "
           f"CPU (medians of 5)")
@@ -511,14 +374,22 @@ def main(argv=None) -> dict:
               f"{measured['speedup']:.2f}x; per-round medians {measured['rounds']}; dynamic CP "
               f"sizes used (documents) {measured['dynamic_cp_sizes']}")
     head = next(r for r in rows if (r["corpus"], r["ranks"], r["constants"]) == ("rl", 64, "h100"))
-    result = {"modeled_speedup": head["speedup"], "cp_bytes_ratio": head["bytes_ratio"],
-              "imbalance_dynamic": head["dynamic"]["imbalance"],
-              "imbalance_static": head["static"]["imbalance"],
-              "modeled_speedup_vs_loader": head["speedup_vs_loader"],
-              "cp_bytes_ratio_vs_loader": head["bytes_ratio_vs_loader"],
-              "imbalance_static_loader": head["static_loader"]["imbalance"],
+    med = {k: v["median"] for k, v in head.items() if isinstance(v, dict) and "median" in v}
+    result = {"modeled_speedup": med["speedup"], "cp_bytes_ratio": med["bytes_ratio"],
+              "imbalance_dynamic": head["dynamic"]["imbalance"]["median"],
+              "imbalance_static": head["static"]["imbalance"]["median"],
+              "modeled_speedup_range": [head["speedup"]["min"], head["speedup"]["max"]],
+              "cp_bytes_ratio_range": [head["bytes_ratio"]["min"], head["bytes_ratio"]["max"]],
+              "modeled_speedup_vs_loader": med["speedup_vs_loader"],
+              "cp_bytes_ratio_vs_loader": med["bytes_ratio_vs_loader"],
+              "imbalance_static_loader": head["static_loader"]["imbalance"]["median"],
+              "modeled_speedup_vs_token_packing": med["speedup_vs_tokens"],
+              "modeled_speedup_vs_token_packing_range": [head["speedup_vs_tokens"]["min"],
+                                                         head["speedup_vs_tokens"]["max"]],
+              "imbalance_static_token_packing": head["static_tokens"]["imbalance"]["median"],
+              "steps_drawn": args.steps,
               "plan_seconds_10k": plan_10k, "plan_cpu_seconds_10k": plan_10k_cpu,
-              "speedup_bound": head["speedup_bound"], "calibration": calibration,
+              "speedup_bound": med["speedup_bound"], "calibration": calibration,
               "h100_attention_fit": fa3,
               "constants_used": {k: dataclasses.asdict(c) for k, c in constants.items()},
               "measured_4_ranks": measured,
@@ -526,7 +397,7 @@ def main(argv=None) -> dict:
                            "tokens_per_rank_per_step": TOKENS_PER_RANK, "rl_mu": RL_MU,
                            "rl_sigma": RL_SIGMA, "rl_clip": RL_CLIP,
                            "stdlib_bytes_per_token": BYTES_PER_TOKEN, "model": MODEL,
-                           "seed": args.seed},
+                           "seed": args.seed, "steps": args.steps},
               "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
