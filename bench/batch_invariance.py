@@ -42,12 +42,12 @@ sys.path.insert(0, str(_HERE.parent))
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import json  # noqa: E402
 import platform  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from bench.bench_io import write_json  # noqa: E402
 from bench.train_throughput import MODEL, model_config  # noqa: E402
 
 PRECISIONS = {"bf16": ["train.autocast_dtype=bf16"],
@@ -334,9 +334,7 @@ def main(argv=None) -> int:
         res["probes"] = run_probes(args, seqs)
         print("\nmax |target output rows - alone| per piece (bf16: autocast; kernels in that dtype)\n")
         print(probes_table(res["probes"]))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     return 0
 
 

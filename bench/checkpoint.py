@@ -24,7 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
@@ -33,6 +32,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
+from bench.bench_io import write_json  # noqa: E402
 from longctx_moe import host  # noqa: E402
 from longctx_moe.config import load_config  # noqa: E402
 from longctx_moe.model import build_model  # noqa: E402
@@ -161,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.dir) as work:
         rows = [bench_size(name, args.reps, Path(work)) for name in args.sizes.split(",")]
     print_table(rows)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"reps": args.reps, "threads": args.threads, "rows": rows}, indent=1) + "\n")
+    write_json(args.out, {"reps": args.reps, "threads": args.threads, "rows": rows})
     return 0
 
 

@@ -45,6 +45,7 @@ import tempfile  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench.bench_io import write_json  # noqa: E402
 from cp_attention.plan import plan_cp  # noqa: E402
 
 KV_HEADS, HEAD_DIM, ITEM, ACC_ITEM = 8, 128, 2, 4
@@ -202,9 +203,7 @@ def main(argv=None) -> dict:
         "mem_ratio_cp4_over_cp1": (peaks[4] / peaks[1]) if peaks and 1 in peaks and 4 in peaks
         else None,
     }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result, indent=2)
     return result
 
 

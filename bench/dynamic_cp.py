@@ -106,7 +106,6 @@ sys.path.append(str(_HERE))  # last: finds dynamic_cp_measure, never bench/cp_at
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
@@ -115,6 +114,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 from dynamic_cp_measure import calibrate, measure_wallclock, print_calibration  # noqa: E402
 
+from bench.bench_io import write_json  # noqa: E402
 from cp_attention.dynamic import schedule  # noqa: E402
 from cp_attention.dynamic_cost import (  # noqa: E402
     H100_IB_RING_LATENCY,
@@ -399,9 +399,7 @@ def main(argv=None) -> dict:
                            "stdlib_bytes_per_token": BYTES_PER_TOKEN, "model": MODEL,
                            "seed": args.seed, "steps": args.steps},
               "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result, indent=2)
     return result
 
 

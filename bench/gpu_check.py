@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bench_io import write_json  # noqa: E402
 from cp_attention.kernels import BACKENDS, attn_backward, attn_forward, resolve_backend  # noqa: E402
 from data_packing.batch import PackedBatch, labels_from_tokens, position_ids_from_cu  # noqa: E402
 from longctx_moe.model import ModelConfig, build_model  # noqa: E402
@@ -204,8 +205,7 @@ def main(argv=None) -> int:
     _guarded(res, "model_bf16", check_model_bf16, device)
     if not args.quick:
         _guarded(res, "time.train_step", time_train_step, device, 5)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
+    write_json(args.out, res, indent=2)
     failed = [k for k, v in res.items() if isinstance(v, dict) and v.get("ok") is False]
     print("FAILED: " + ", ".join(failed) if failed else "all checks passed")
     return 1 if failed else 0

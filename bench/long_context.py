@@ -95,6 +95,8 @@ import torch  # noqa: E402
 from long_context_multi import LAYOUTS, WORLD, layout_sets, run_multi  # noqa: E402
 from long_context_report import fmt_multi, fmt_row, multi_table, table  # noqa: E402
 
+from bench.bench_io import write_json  # noqa: E402
+
 SIDES = ("none", "selective", "full", "hf")  # the first three are ours, by train.recompute
 RECOMPUTE = SIDES[:3]
 ROUTES = ("live", "uniform")
@@ -456,12 +458,6 @@ def main(argv=None) -> int:
     print("\n" + "\n".join(f"{k}: {res[k]}" for k in keys))
     write_json(args.out, res)
     return 0
-
-
-def write_json(path: str | None, res: dict) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

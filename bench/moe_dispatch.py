@@ -13,7 +13,6 @@ a2a_fp8_tokens_per_s, allgather_tokens_per_s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.bench_io import write_json  # noqa: E402
 from longctx_moe.model.moe import GroupedExperts  # noqa: E402
 from longctx_moe.parallel.dispatch import AllGatherDispatcher, AllToAllDispatcher  # noqa: E402
 from longctx_moe.parallel.expert_parallel import shard_experts  # noqa: E402
@@ -116,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = run_distributed(_bench_rank, args.ranks, args=(args,), timeout=1800)
     res = summarize(per_rank, args)
     print(format_table(res))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(args.out, res, indent=2)
     return 0
 
 

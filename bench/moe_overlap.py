@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -43,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.bench_io import write_json  # noqa: E402
 from longctx_moe.model import build_model  # noqa: E402
 from longctx_moe.model.config import ModelConfig  # noqa: E402
 from longctx_moe.parallel import comm, grad_reduce  # noqa: E402
@@ -241,9 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = run_distributed(_bench_rank, args.ranks, args=(args,), timeout=3600)
     res = summarize(per_rank, args)
     print(format_table(res))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(args.out, res, indent=2)
     return 0 if res["bitwise_equal"] else 1
 
 

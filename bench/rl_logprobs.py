@@ -58,6 +58,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
+from bench.bench_io import write_json  # noqa: E402
 from bench.train_throughput import MODEL, model_config, rss_mb  # noqa: E402
 
 ROOT = _HERE.parent
@@ -402,9 +403,7 @@ def main(argv=None) -> int:
     if parts:
         res["breakdown_table"] = parts
         print("\n" + parts)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     return 0
 
 

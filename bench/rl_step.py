@@ -62,6 +62,7 @@ import warnings  # noqa: E402
 
 import torch  # noqa: E402
 
+from bench.bench_io import write_json  # noqa: E402
 from bench.rl_logprobs import machine, peak_mb, reset_peak, trim_and_reset_peak  # noqa: E402
 from bench.train_throughput import MODEL, model_config  # noqa: E402
 
@@ -422,9 +423,7 @@ def main(argv=None) -> int:
           f"{check['ours_loss']:.9f}, TRL {check['trl_loss']:.9f}, |diff| {check['loss_diff_fp32']:.2e}; "
           f"grad norm rel diff {check['grad_norm_rel_diff_fp32']:.2e}; with TRL's own advantages "
           f"(std eps 1e-4) |diff| {check['loss_diff_trl_own_advantages']:.2e}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     return 0
 
 

@@ -46,6 +46,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_io import write_json  # noqa: E402
+
 MODEL = dict(vocab_size=16384, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64,
              num_experts=16, top_k=2, expert_hidden_size=512, router_score="softmax", qk_norm=True)
 
@@ -364,9 +366,7 @@ def main(argv=None) -> int:
     if parts:
         res["breakdown_table"] = parts
         print("\n" + parts)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     if args.markdown:
         Path(args.markdown).write_text(table(res) + "\n" + (f"\n{parts}\n" if parts else ""))
     return 0

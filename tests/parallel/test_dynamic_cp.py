@@ -171,6 +171,33 @@ def test_dynamic_cp_world8_dp2_cp4_ep4_matches_one_process_float64():
     _check(8, WORLD8, block=8)
 
 
+def _in_flight_rank(rank, world):
+    """Two steps of Dynamic-CP (aux, z-loss and expert bias on) one slot at a time and with two
+    slots in flight, whose forwards interleave around the all-to-alls while each runs its
+    attention on its own sub-groups: (loss, norm, CP sizes) per step and the parameters."""
+    sets, max_cp = WORLD4[0]
+    out = []
+    for in_flight in (1, 2):
+        extra = AUX_ON + DYNAMIC + [f"parallel.max_cp={max_cp}",
+                                    f"parallel.micro_batches_in_flight={in_flight}"]
+        cfg = load_config(None, BASE + sets + extra)
+        dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+        dims.build_groups(rank)
+        trainer = _trainer(sets + extra, dims)
+        results = [trainer.train_step(step[dims.rank_in("dp")]) for step in _steps()[:2]]
+        out.append(([(r.loss, r.grad_norm, r.cp_sizes) for r in results],
+                    [p.detach().clone() for p in trainer.model.parameters()]))
+    return out
+
+
+def test_dynamic_cp_two_slots_in_flight_equal_one_at_a_time_bitwise():
+    """Interleaving only moves when each slot's work runs, not what it computes: bitwise."""
+    for (one, params_one), (two, params_two) in run_distributed(_in_flight_rank, 4, timeout=600):
+        assert one == two, (one, two)
+        assert any(max(sizes) > 1 and min(sizes) == 1 for _, _, sizes in one)  # mixed CP sizes
+        assert all(torch.equal(p, q) for p, q in zip(params_one, params_two, strict=True))
+
+
 def test_cost_settings_reach_the_runtime_cost_model():
     """Every parallel.dcp_* key changes the scheduler's DynamicCPCost (none is accepted and
     ignored), and out-of-range values are refused with the key's name."""
