@@ -175,8 +175,12 @@ def _in_flight_rank(rank, world):
     """Two steps of Dynamic-CP (aux, z-loss and expert bias on) one slot at a time and with two
     slots in flight, whose forwards interleave around the all-to-alls while each runs its
     attention on its own sub-groups: (loss, norm, CP sizes) per step and the parameters."""
+    from longctx_moe.parallel import runtime
+
     sets, max_cp = WORLD4[0]
-    out = []
+    out, pairs = [], []
+    interleave = runtime.run_interleaved
+    runtime.run_interleaved = lambda jobs: pairs.append(len(jobs)) or interleave(jobs)
     for in_flight in (1, 2):
         extra = AUX_ON + DYNAMIC + [f"parallel.max_cp={max_cp}",
                                     f"parallel.micro_batches_in_flight={in_flight}"]
@@ -186,13 +190,17 @@ def _in_flight_rank(rank, world):
         trainer = _trainer(sets + extra, dims)
         results = [trainer.train_step(step[dims.rank_in("dp")]) for step in _steps()[:2]]
         out.append(([(r.loss, r.grad_norm, r.cp_sizes) for r in results],
-                    [p.detach().clone() for p in trainer.model.parameters()]))
+                    [p.detach().clone() for p in trainer.model.parameters()],
+                    pairs.count(2)))  # slots that really ran in flight together
+    runtime.run_interleaved = interleave
     return out
 
 
 def test_dynamic_cp_two_slots_in_flight_equal_one_at_a_time_bitwise():
     """Interleaving only moves when each slot's work runs, not what it computes: bitwise."""
-    for (one, params_one), (two, params_two) in run_distributed(_in_flight_rank, 4, timeout=600):
+    for (one, params_one, _), (two, params_two, paired) in run_distributed(_in_flight_rank, 4,
+                                                                           timeout=600):
+        assert paired >= 2  # a pair of slots per step
         assert one == two, (one, two)
         assert any(max(sizes) > 1 and min(sizes) == 1 for _, _, sizes in one)  # mixed CP sizes
         assert all(torch.equal(p, q) for p, q in zip(params_one, params_two, strict=True))
