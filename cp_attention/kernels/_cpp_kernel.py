@@ -55,18 +55,36 @@ def build_lock(build_dir: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def build_key(source: Path) -> str:
+    """What the built binary depends on: torch's release and build, the Python ABI, the flags
+    and the source. Environments and clones that agree on all of them share one cache entry (a
+    fresh clone builds nothing); any that differ get their own instead of rebuilding over each
+    other's on every switch."""
+    import torch
+
+    parts = [torch.__version__, str(getattr(torch.version, "git_version", "")),
+             sys.implementation.cache_tag or "", " ".join(_FLAGS)]
+    digest = hashlib.sha1("\n".join(parts).encode())
+    digest.update(source.read_bytes())
+    return digest.hexdigest()[:10]
+
+
 class CppKernel:
-    """source: the .cpp beside this file; cache_prefix: the build's name (one cache entry per
-    Python environment: two venvs, other torch headers, sharing one name would rebuild over each
-    other on every switch); env: the switch; label: the kernel in messages; aten_half: "forward"
-    or "backward", what runs instead; self_check(mod) raises if the kernel is wrong here."""
+    """source: the .cpp beside this file; cache_prefix: the build's name, to which build_key is
+    appended; env: the switch; label: the kernel in messages; aten_half: "forward" or
+    "backward", what runs instead; self_check(mod) raises if the kernel is wrong here."""
 
     def __init__(self, source: str, cache_prefix: str, env: str, label: str, aten_half: str,
                  self_check: Callable):
         self.source = Path(__file__).with_name(source)
-        self.name = cache_prefix + hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+        self.cache_prefix = cache_prefix
         self.env, self.label, self.aten_half, self.self_check = env, label, aten_half, self_check
         self.state: dict = {}
+
+    @property
+    def name(self) -> str:
+        """The extension's module name and cache folder (importing torch waits for first use)."""
+        return self.cache_prefix + build_key(self.source)
 
     @property
     def build_dir(self) -> Path:

@@ -1,7 +1,8 @@
 """The life cycle both C++ attention kernels share (cp_attention/kernels/_cpp_kernel.py): the
 environment switch, a first use inside a model's bf16 autocast region (where a self-check
 that was itself autocast once failed on a dtype mismatch and switched the kernel off), and a build
-directory holding the lock file of a build that was killed half-way."""
+directory holding the lock file of a build that was killed half-way; the cache key a fresh clone
+shares."""
 
 from __future__ import annotations
 
@@ -49,3 +50,18 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next(adapter, monkeypat
     worker.join(timeout=600)  # a compile takes ~30 s here; the stale lock alone waits forever
     assert not worker.is_alive(), "the build waited on the stale lock file"
     assert not (build_dir / "lock").exists()
+
+
+def test_build_key_follows_the_source_not_the_checkout(tmp_path):
+    """Two clones (or venvs) with the same torch and the same source share one built kernel;
+    a changed source gets its own cache entry."""
+    from cp_attention.kernels._cpp_kernel import build_key
+
+    source = brgemm_forward.KERNEL.source
+    copy = tmp_path / "elsewhere" / source.name
+    copy.parent.mkdir()
+    copy.write_bytes(source.read_bytes())
+    assert build_key(copy) == build_key(source)
+    copy.write_bytes(source.read_bytes() + b"\n// changed\n")
+    assert build_key(copy) != build_key(source)
+    assert brgemm_forward.KERNEL.name.endswith(build_key(source))
