@@ -18,6 +18,9 @@ Group names (each rank belongs to exactly one group of each name):
     dcp<s>              Dynamic-CP: consecutive runs of s ranks of each dp_cp group, for every
                         power of two 1 < s < dp*cp up to parallel.max_cp (s = dp*cp is dp_cp
                         itself; s = 1 needs no group)
+    dcp<s>_outer        Dynamic-CP with the hierarchical backend: the ring of a run of s >
+                        cp_inner ranks, every cp_inner-th rank of the run (its all-to-all is the
+                        run's cp_inner groups, which are the mesh's: inner is fastest)
 
 This is the ONLY module that creates process groups. `table()` is pure (no process group is
 touched), so layouts can be planned and tested on one process (`longctx-moe plan-groups`).
@@ -75,7 +78,7 @@ _GROUP_SPECS: tuple[tuple[Axis, str, tuple[Axis, ...]], ...] = (
 _HIER_SPECS = ((Axis.CP_INNER, "hier", (Axis.CP_INNER,)), (Axis.CP_OUTER, "hier", (Axis.CP_OUTER,)))
 # The fields the group table is computed from: fixed once a ParallelDims exists.
 _LAYOUT_FIELDS = frozenset({"world_size", "tp", "cp", "dp", "ep", "etp", "edp", "cp_backend",
-                            "cp_inner", "cp_outer", "dynamic_cp_sizes"})
+                            "cp_inner", "cp_outer", "dynamic_cp_sizes", "dynamic_outer_sizes"})
 
 
 def _fail(msg: str) -> None:
@@ -134,9 +137,6 @@ def _check_dynamic_cp(cfg: ParallelConfig, block: int) -> tuple[int, ...]:
     if block & (block - 1):
         _fail(f"Dynamic-CP cuts the DP x CP block into power-of-two runs, but dp*cp={block}; "
               "choose tp, cp and the world size so that world / tp is a power of two")
-    if cfg.cp_backend == "hierarchical":
-        _fail("parallel.dynamic_cp=true runs ring or Ulysses attention on each sub-group; "
-              "set parallel.cp_backend=ring or ulysses")
     if cfg.aux_loss_scope == "global_batch":
         _fail("parallel.dynamic_cp=true with aux_loss_scope=global_batch is not supported (slots "
               "mix runs of different sizes); use aux_loss_scope=micro_batch")
@@ -146,6 +146,15 @@ def _check_dynamic_cp(cfg: ParallelConfig, block: int) -> tuple[int, ...]:
         _fail(f"parallel.max_tokens_per_rank={cfg.max_tokens_per_rank} must be >= 0 (0: "
               "data.micro_batch_tokens)")
     return tuple(s for s in (2 ** i for i in range(1, max_cp.bit_length())) if s < block)
+
+
+def _dynamic_outer_sizes(cfg: ParallelConfig, inner: int) -> tuple[int, ...]:
+    """Run sizes that need ring groups of their own under hierarchical Dynamic-CP: the powers of
+    two cp_inner < s <= max_cp (a run of s <= cp_inner ranks runs Ulysses on its own group)."""
+    if not (cfg.dynamic_cp and cfg.cp_backend == "hierarchical"):
+        return ()
+    max_cp = cfg.max_cp or cfg.cp
+    return tuple(2 ** i for i in range(max_cp.bit_length()) if inner < 2 ** i <= max_cp)
 
 
 def _check_model(cfg: ParallelConfig, model_cfg: Any, cp_a2a: int) -> None:
@@ -205,6 +214,7 @@ class ParallelDims:
     cp_inner: int = 1
     cp_outer: int = 1
     dynamic_cp_sizes: tuple[int, ...] = ()
+    dynamic_outer_sizes: tuple[int, ...] = ()
     config: ParallelConfig | None = field(default=None, repr=False)  # what it was built from
     rank: int | None = None
     _groups: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -235,7 +245,8 @@ class ParallelDims:
         return cls(world_size=world_size, tp=cfg.tp, cp=cfg.cp, dp=world_size // (cfg.tp * cfg.cp),
                    ep=cfg.ep, etp=cfg.etp, edp=world_size // (cfg.etp * cfg.ep),
                    cp_backend=cfg.cp_backend, cp_inner=inner, cp_outer=outer,
-                   dynamic_cp_sizes=dyn, config=cfg)
+                   dynamic_cp_sizes=dyn, dynamic_outer_sizes=_dynamic_outer_sizes(cfg, inner),
+                   config=cfg)
 
     @property
     def hierarchical(self) -> bool:
@@ -263,6 +274,9 @@ class ParallelDims:
         block = self.dp * self.cp
         for s in self.dynamic_cp_sizes:
             table[f"dcp{s}"] = [g[i:i + s] for g in table[Axis.DP_CP] for i in range(0, block, s)]
+        for s in self.dynamic_outer_sizes:
+            table[f"dcp{s}_outer"] = [g[i + j:i + s:self.cp_inner] for g in table[Axis.DP_CP]
+                                      for i in range(0, block, s) for j in range(self.cp_inner)]
         return table
 
     def dynamic_group(self, size: int) -> tuple[Any, int]:
@@ -272,6 +286,11 @@ class ParallelDims:
             return None, 0
         name = Axis.DP_CP if size == self.dp * self.cp else f"dcp{size}"
         return self.group(name), self.rank_in(name)
+
+    def dynamic_hierarchical_groups(self, size: int) -> tuple[Any, Any]:
+        """(inner all-to-all group, outer ring group) of this rank's hierarchical Dynamic-CP run
+        of `size` > cp_inner ranks."""
+        return self.group(Axis.CP_INNER), self.group(f"dcp{size}_outer")
 
     def size(self, name: str) -> int:
         """Number of ranks in each group called `name` (an Axis or its string)."""

@@ -153,8 +153,18 @@ class DynamicCP:
         return slots, dict(plan.cp_sizes_used)
 
     def _cp_group(self, size: int, rank: int) -> CPGroup:
+        """The CPGroup of this rank's run. Hierarchical: a run no larger than cp_inner is one
+        all-to-all group (Ulysses); a larger one is whole cp_inner groups (aligned, inner
+        fastest) joined by a ring of every cp_inner-th rank."""
         if size == 1:
             return NO_CP
         group, pos = self.dims.dynamic_group(size)
         assert pos == rank, (pos, rank)  # the plan's runs are the dims' aligned runs
-        return CPGroup(size=size, rank=rank, backend=self.backend, group=group)
+        if self.backend != "hierarchical":
+            return CPGroup(size=size, rank=rank, backend=self.backend, group=group)
+        inner = self.dims.cp_inner
+        if size <= inner:
+            return CPGroup(size=size, rank=rank, backend="ulysses", group=group)
+        inner_group, outer_group = self.dims.dynamic_hierarchical_groups(size)
+        return CPGroup(size=size, rank=rank, backend="hierarchical", group=group,
+                       inner=inner_group, outer=outer_group, sizes=(inner, size // inner))

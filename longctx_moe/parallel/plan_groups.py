@@ -41,8 +41,10 @@ def format_table(dims: ParallelDims) -> str:
     if dims.hierarchical:
         head += f" | cp = inner {dims.cp_inner} x outer {dims.cp_outer}"
     lines = [head]
-    for name, groups in dims.table().items():
-        lines.append(f"  {name:<9} " + " ".join("{" + ",".join(map(str, g)) + "}" for g in groups))
+    table = dims.table()
+    width = max(9, *map(len, table))
+    for name, groups in table.items():
+        lines.append(f"  {name:<{width}} " + " ".join("{" + ",".join(map(str, g)) + "}" for g in groups))
     return "\n".join(lines)
 
 

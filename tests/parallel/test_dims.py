@@ -71,6 +71,25 @@ def test_dynamic_cp_subgroups():
     assert _dims(8, cp=2, dynamic_cp=True, max_cp=4).table()["dcp4"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
+def test_hierarchical_dynamic_cp_rings():
+    """A hierarchical run of s > cp_inner ranks is whole cp_inner groups (inner fastest) joined by
+    a ring of every cp_inner-th rank of the run; smaller runs need no ring of their own."""
+    # world 16, TP2, CP4 = inner 2 x outer 2, DP2: blocks of 8 ranks (even and odd ranks)
+    d = _dims(16, tp=2, cp=4, dynamic_cp=True, max_cp=8, cp_backend="hierarchical",
+              hierarchical_sizes=[2, 2])
+    t = d.table()
+    assert d.dynamic_outer_sizes == (4, 8) and "dcp2_outer" not in t
+    assert t["cp_inner"][:2] == [[0, 2], [1, 3]]
+    assert t["dcp4"][:2] == [[0, 2, 4, 6], [8, 10, 12, 14]]
+    assert t["dcp4_outer"][:4] == [[0, 4], [2, 6], [8, 12], [10, 14]]
+    assert t["dcp8_outer"][:2] == [[0, 4, 8, 12], [2, 6, 10, 14]]
+    for s in (4, 8):  # each ring holds one rank of each of the run's inner groups
+        inner_of = {r: i for i, g in enumerate(t["cp_inner"]) for r in g}
+        assert all(len({inner_of[r] for r in ring}) == s // 2 for ring in t[f"dcp{s}_outer"])
+    assert _dims(8, cp=4, dynamic_cp=True, cp_backend="hierarchical",
+                 hierarchical_sizes=[4, 1]).dynamic_outer_sizes == ()
+
+
 def test_every_rank_in_exactly_one_group_per_name():
     d = _dims(16, tp=2, cp=4, ep=4, dynamic_cp=True, max_cp=4)
     for name, groups in d.table().items():
@@ -100,8 +119,6 @@ def test_every_rank_in_exactly_one_group_per_name():
     (4, dict(cp=2, dynamic_cp=True, max_cp=8), None, "must be a power of two <= dp*cp=4"),
     (6, dict(cp=2, dynamic_cp=True), None, "dp*cp=6"),
     (4, dict(cp=2, max_cp=2), None, "parallel.max_cp is set but parallel.dynamic_cp is false"),
-    (4, dict(cp=4, dynamic_cp=True, cp_backend="hierarchical", hierarchical_sizes=[2, 2]), None,
-     "set parallel.cp_backend=ring or ulysses"),
     (4, dict(cp=2, dynamic_cp=True, max_cp=4, cp_backend="ulysses"), dict(num_heads=2),
      "num_heads/tp=2 is not divisible by 4"),
     (4, dict(aux_loss_scope="global"), None, "parallel.aux_loss_scope='global' is not allowed"),

@@ -46,10 +46,13 @@ AUX_ON = ["model.aux_loss_type=seq", "model.aux_loss_coeff=0.1", "model.z_loss_c
           "model.expert_bias=true"]
 AUX_OFF = ["model.aux_loss_coeff=0", "model.z_loss_coeff=0"]
 DYNAMIC = ["parallel.dynamic_cp=true", f"parallel.max_tokens_per_rank={CAPACITY}"]
-# (layout, max_cp). world 4: DP2 x CP2 attention, EP2 experts (ring and Ulysses), sub-groups up
-# to the whole block; world 8: DP2 x CP4 / EP4, sub-groups up to 8 ranks (the block)
+# (layout, max_cp). world 4: DP2 x CP2 attention, EP2 experts (ring, Ulysses, and hierarchical
+# with an all-to-all of 2: runs of 2 ranks run Ulysses, the whole block 2 x a ring of 2 across
+# DP), sub-groups up to the whole block; world 8: DP2 x CP4 / EP4, sub-groups up to 8 ranks
 WORLD4 = [(["parallel.cp=2", "parallel.ep=2"], 4),
-          (["parallel.cp=2", "parallel.ep=2", "parallel.cp_backend=ulysses"], 4)]
+          (["parallel.cp=2", "parallel.ep=2", "parallel.cp_backend=ulysses"], 4),
+          (["parallel.cp=2", "parallel.ep=2", "parallel.cp_backend=hierarchical",
+            "parallel.hierarchical_sizes=[2, 1]"], 4)]
 WORLD8 = [(["parallel.cp=4", "parallel.ep=4"], 8)]
 
 
