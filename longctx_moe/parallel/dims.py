@@ -137,9 +137,6 @@ def _check_dynamic_cp(cfg: ParallelConfig, block: int) -> tuple[int, ...]:
     if block & (block - 1):
         _fail(f"Dynamic-CP cuts the DP x CP block into power-of-two runs, but dp*cp={block}; "
               "choose tp, cp and the world size so that world / tp is a power of two")
-    if cfg.aux_loss_scope == "global_batch":
-        _fail("parallel.dynamic_cp=true with aux_loss_scope=global_batch is not supported (slots "
-              "mix runs of different sizes); use aux_loss_scope=micro_batch")
     if not (cfg.dcp_tflops > 0 and cfg.dcp_bandwidth_gbps > 0):
         _fail("parallel.dcp_tflops and parallel.dcp_bandwidth_gbps must be > 0")
     if cfg.max_tokens_per_rank < 0:

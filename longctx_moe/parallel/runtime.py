@@ -142,7 +142,7 @@ class ParallelRuntime:
             kwargs["layout"] = shard.layout
         out = self.model(shard.batch, **kwargs)
         if self.global_batch_aux:
-            scale = self._global_batch_scale(shard.num_targets, shard.batch.tokens.device)
+            scale = self._global_batch_scale(shard)
             out.aux_loss, out.z_loss = out.aux_loss * scale, out.z_loss * scale
         return out
 
@@ -187,13 +187,16 @@ class ParallelRuntime:
             return stats_reducer(self.dims.group_or_none(Axis.DP_CP))
         return stats_reducer(cp.group)  # None for a one-rank CPGroup
 
-    def _global_batch_scale(self, n: int, device: torch.device) -> float:
-        """The global value of micro-batch i weighs N_i / G (N_i: targets of the i-th micro-batches
-        summed over DP), while the trainer weighs this rank's share by n / G: scale by N_i / n.
-        A replica micro-batch without targets (n = 0) gets weight 0 there, so its share of the
-        statistic is lost (documented approximation)."""
-        total = torch.tensor(n, dtype=torch.int64, device=device)
-        self.all_reduce(total, Axis.DP)
+    def _global_batch_scale(self, shard: Shard) -> float:
+        """The global value of micro-batch (or Dynamic-CP slot) i weighs N_i / G (N_i: the targets
+        of every micro-batch run i-th over dp_cp, each counted once: by the first rank of its CP
+        group, static or a slot's run), while the trainer weighs this rank's share by n / G:
+        scale by N_i / n. A micro-batch without targets (n = 0) gets weight 0 there, so its share
+        of the statistic is lost (documented approximation)."""
+        n = shard.num_targets
+        mine = n if shard.cp.rank == 0 else 0
+        total = torch.tensor(mine, dtype=torch.int64, device=shard.batch.tokens.device)
+        self.all_reduce(total, Axis.DP_CP)
         return int(total) / n if n else 1.0
 
     # ------------------------------------------------------------------ per optimizer step

@@ -90,12 +90,25 @@ def _grads(trainer):
     return out
 
 
+def _plan(replicas, block, max_cp):
+    """(the step's documents, the Dynamic-CP plan every rank makes of them)."""
+    docs = [d for replica in replicas for d in documents(replica)]
+    return docs, schedule([d.tokens.numel() for d in docs], block, max_cp, CAPACITY, _cost(), tp=1)
+
+
 def _plan_micro_batches(replicas, block, max_cp):
     """The single-process equivalent of one Dynamic-CP step: one micro-batch per run."""
-    docs = [d for replica in replicas for d in documents(replica)]
-    plan = schedule([d.tokens.numel() for d in docs], block, max_cp, CAPACITY, _cost(), tp=1)
+    docs, plan = _plan(replicas, block, max_cp)
     runs = [run for slot in plan.slots for run in slot if run.seq_indices]
     return [pack_documents([docs[i] for i in run.seq_indices], 1) for run in runs], plan
+
+
+def _slot_micro_batches(replicas, block, max_cp):
+    """The single-process equivalent of one Dynamic-CP step with the global-batch aux loss: one
+    micro-batch per slot, holding every run's documents (the slot's statistics are global)."""
+    docs, plan = _plan(replicas, block, max_cp)
+    return [pack_documents([docs[i] for run in slot for i in run.seq_indices], 1)
+            for slot in plan.slots]
 
 
 def _cost():
@@ -207,6 +220,37 @@ def test_dynamic_cp_two_slots_in_flight_equal_one_at_a_time_bitwise():
         assert one == two, (one, two)
         assert any(max(sizes) > 1 and min(sizes) == 1 for _, _, sizes in one)  # mixed CP sizes
         assert all(torch.equal(p, q) for p, q in zip(params_one, params_two, strict=True))
+
+
+GLOBAL_AUX = ["model.aux_loss_type=switch", "model.aux_loss_coeff=0.1", "model.z_loss_coeff=0.01",
+              "model.expert_bias=true", "parallel.aux_loss_scope=global_batch"]
+GLOBAL_STEPS = 3
+
+
+def _global_aux_rank(rank, world):
+    sets, max_cp = WORLD4[0]
+    extra = GLOBAL_AUX + DYNAMIC + [f"parallel.max_cp={max_cp}"]
+    cfg = load_config(None, BASE + sets + extra)
+    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+    dims.build_groups(rank)
+    trainer = _trainer(sets + extra, dims)
+    grads = _grads(trainer)
+    results = [trainer.train_step(step[dims.rank_in("dp")]) for step in _steps()[:GLOBAL_STEPS]]
+    return [(r.loss, r.grad_norm) for r in results], grads, dims.rank_in("ep"), dims.ep
+
+
+def test_dynamic_cp_global_batch_aux_loss_matches_one_process_per_slot_float64():
+    """aux_loss_scope=global_batch under Dynamic-CP: the router statistics of a slot are summed
+    over every rank of the block (all its runs, idle ranks adding nothing) and the slot weighs its
+    targets over the global batch's: one process running one micro-batch per slot."""
+    per_step = [_slot_micro_batches(step, 4, WORLD4[0][1]) for step in _steps()[:GLOBAL_STEPS]]
+    assert max(len(mbs) for mbs in per_step) > 1  # several slots: the weighting matters
+    ref, ref_grads = _reference(GLOBAL_AUX, per_step)
+    for losses, grads, ep_rank, ep in run_distributed(_global_aux_rank, 4, timeout=600):
+        assert abs(losses[0][0] - ref[0][0]) < TOL_STEP
+        _close_grads(grads, ref_grads, ep_rank, ep, TOL_STEP)
+        for (loss, norm), (ref_loss, ref_norm) in zip(losses, ref, strict=True):
+            assert abs(loss - ref_loss) < TOL_RUN and abs(norm - ref_norm) < TOL_RUN
 
 
 def test_cost_settings_reach_the_runtime_cost_model():
