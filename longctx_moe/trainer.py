@@ -123,29 +123,35 @@ class Trainer:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
         return torch.autocast(self.device.type, dtype=dtype)
 
-    def step_totals(self, micro_batches: list[PackedBatch]) -> tuple[int, int, float | None]:
-        """(G target tokens, real tokens, model FLOPs) of this step over all DP ranks.
+    def step_totals(self, micro_batches: list[PackedBatch],
+                    cp_groups: list | None = None) -> tuple[int, int, float | None]:
+        """(G target tokens, real tokens, model FLOPs) of this step over the DP x CP block.
 
-        Every CP/TP rank of one DP replica holds the same (unsharded) micro-batches, so the sums
-        run over the dp axis only (one collective)."""
-        lengths = [n for mb in micro_batches for n in mb.doc_lengths()]
+        Every rank of a CP group (the static one, or a Dynamic-CP run's) holds the same
+        (unsharded) micro-batch: only the group's first rank counts it (one collective)."""
+        groups = cp_groups or [None] * len(micro_batches)
+        mine = [mb for mb, cp in zip(micro_batches, groups, strict=True)
+                if (cp or self.runtime.static_cp).rank == 0]
+        lengths = [n for mb in mine for n in mb.doc_lengths()]
         flops = step_flops(self.cfg.model, lengths)
-        local = [sum(mb.num_target_tokens() for mb in micro_batches), sum(lengths), flops or 0.0]
-        t = self.runtime.all_reduce(torch.tensor(local, dtype=torch.float64), Axis.DP)
+        local = [sum(mb.num_target_tokens() for mb in mine), sum(lengths), flops or 0.0]
+        t = self.runtime.all_reduce(torch.tensor(local, dtype=torch.float64), Axis.DP_CP)
         return int(t[0]), int(t[1]), (float(t[2]) if flops is not None else None)
 
     def train_step(self, micro_batches: list[PackedBatch], objective: Objective | None = None,
-                   lr: float | None = None) -> StepResult:
+                   lr: float | None = None, cp_groups: list | None = None) -> StepResult:
         """Forward/backward over every micro-batch, reduce, clip, and (unless non-finite) update.
         `objective` defaults to the supervised cross-entropy; `lr` overrides the schedule's
-        learning rate for this step (RL frameworks set it per call)."""
+        learning rate for this step (RL frameworks set it per call); `cp_groups`: the CPGroup of
+        each micro-batch where the caller placed them on Dynamic-CP runs itself (rl_hooks),
+        default the static CP group, or the trainer's own Dynamic-CP schedule."""
         reset_peak_memory(self.device)
         lr = self.schedule.apply() if lr is None else self._set_lr(lr)
-        g, num_tokens, flops = self.step_totals(micro_batches)
+        work, cp_sizes = self._work(micro_batches, objective, cp_groups)
+        g, num_tokens, flops = self.step_totals([mb for mb, _ in work], [cp for _, cp in work])
         if g == 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no target tokens (all labels are -100); "
                              "check the data (documents of length >= 2) and data.global_batch_tokens")
-        work, cp_sizes = self._work(micro_batches, objective)
         self._lent_rows()  # forget what forwards outside a step (compute_logprobs) ran
         sums, counts, metrics = self._accumulate(work, g, objective or CrossEntropy())
         self.runtime.reduce_gradients()
@@ -190,9 +196,16 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def _work(self, micro_batches: list[PackedBatch], objective: Objective | None):
+    def _work(self, micro_batches: list[PackedBatch], objective: Objective | None,
+              cp_groups: list | None = None):
         """(micro-batch, CP group) pairs this rank runs, and Dynamic-CP's size histogram: the
-        loader's micro-batches on the static CP group, or the Dynamic-CP slots."""
+        caller's groups, the loader's micro-batches on the static CP group, or the Dynamic-CP
+        slots."""
+        if cp_groups is not None:
+            if len(cp_groups) != len(micro_batches):
+                raise ValueError(f"train_step: {len(cp_groups)} cp_groups for {len(micro_batches)} "
+                                 "micro-batches; give one CPGroup per micro-batch")
+            return list(zip(micro_batches, cp_groups, strict=True)), None
         if self.runtime.dynamic is None:
             return [(mb, None) for mb in micro_batches], None
         if objective is not None and not isinstance(objective, CrossEntropy):

@@ -15,6 +15,12 @@ per-token log-probs are gathered back to whole sequences before the loss (sequen
 such as GSPO need them whole): every CP rank computes the same loss, and the gather's backward
 keeps each rank's own tokens (ParallelRuntime.gather_tokens).
 
+Dynamic-CP (parallel.dynamic_cp): each mini-batch's sequences are scheduled on power-of-two
+sub-groups of the DP x CP block (cp_attention.dynamic; every rank holds the whole batch, so
+nothing is gathered), each micro-batch runs on its run's CPGroup (Trainer.train_step's
+`cp_groups`), and the first rank of each group keeps the gathered log-probs before the sum over
+dp_cp.
+
 On-policy ratio: `compute_logprobs` packs sequences exactly as the training pass does for the
 same `mini_batches` (the plan depends on lengths only, and both passes score every token), so
 the first mini-batch's ratio is exactly 1 in any precision. train_step computes the old
@@ -75,12 +81,18 @@ class PolicyTrainer:
         self.trainer = Trainer(cfg, self.runtime, self.ctx.device)
         self.pad_multiple = pad_multiple(cfg.parallel.cp, cfg.parallel.tp,
                                          cfg.parallel.sequence_parallel)
+        self.dynamic = self.runtime.dynamic  # DynamicCP, or None for the static CP group
         self.budget = micro_batch_tokens or cfg.data.micro_batch_tokens
+        if self.dynamic is not None:
+            # Under Dynamic-CP the budget is what one rank holds in one slot of a run.
+            limit = cfg.parallel.max_tokens_per_rank
+            if micro_batch_tokens and limit and micro_batch_tokens != limit:
+                raise ConfigError(f"micro_batch_tokens={micro_batch_tokens} and parallel."
+                                  f"max_tokens_per_rank={limit} both set the tokens one rank holds "
+                                  "under Dynamic-CP; set one of them")
+            self.budget = micro_batch_tokens or self.dynamic.capacity
         self.estimator = advantage_estimator
         self.batch_invariant = batch_invariant
-        if cfg.parallel.dynamic_cp:
-            raise ConfigError("parallel.dynamic_cp=true is for supervised training; the policy "
-                              "trainer packs rollouts itself: set parallel.dynamic_cp=false")
         if self.budget < self.pad_multiple:
             raise ConfigError(f"micro_batch_tokens={self.budget} is below the padding multiple "
                               f"{self.pad_multiple} of this layout; raise it")
@@ -126,28 +138,36 @@ class PolicyTrainer:
         head = LogProbHead(temperature, return_entropy)
         # Given routes are replayed here as in train_step, so old log-probs and the first
         # mini-batch's forward route every token alike (ratio exactly 1).
-        def shard_of(mb):
-            return self.runtime.shard(mb.packed.to(self.ctx.device), replay_TLK=replay_routes(batch, mb))
+        def shard_of(item):
+            mb, cp = item
+            return self.runtime.shard(mb.packed.to(self.ctx.device), cp,
+                                      replay_TLK=replay_routes(batch, mb))
         for seqs in _split(batch.num_seqs, mini_batches):
-            for mb, shard, out in self.runtime.forwards(self._my_micro_batches(batch, seqs)[1], shard_of,
-                                                        head, self.trainer.autocast):
+            _, mine, groups = self._my_micro_batches(batch, seqs)
+            for (mb, _), shard, out in self.runtime.forwards(list(zip(mine, groups, strict=True)),
+                                                             shard_of, head, self.trainer.autocast):
                 dtype = out.logprobs_T.dtype
-                _scatter(logp, mb.target_src_P, self.runtime.gather_tokens(shard, out.logprobs_T))
+                # the gathers are collective over the CP group; its first rank keeps the values
+                keep = shard.cp.rank == 0
+                _scatter(logp, mb.target_src_P, self.runtime.gather_tokens(shard, out.logprobs_T), keep)
                 if ent is not None:
-                    _scatter(ent, mb.target_src_P, self.runtime.gather_tokens(shard, out.entropy_T))
+                    _scatter(ent, mb.target_src_P, self.runtime.gather_tokens(shard, out.entropy_T), keep)
                 if record_routes:
-                    routes = self._record(routes, mb, shard, out, t)
+                    routes = self._record(routes, mb, shard, out, t, keep)
         for x in (logp, ent, routes):
             if x is not None:
-                self.runtime.all_reduce(x, "dp")  # each token was scored by one DP replica
+                self.runtime.all_reduce(x, "dp_cp")  # each token was kept by one rank
         return LogProbs(logp.to(dtype), None if ent is None else ent.to(dtype),
                         None if routes is None else (routes - 1).to(torch.int16))
 
-    def _record(self, routes, mb: MicroBatch, shard, out, t: int) -> torch.Tensor:
-        """Accumulate routes + 1 (so that a sum over DP replicas keeps them) at owned tokens."""
+    def _record(self, routes, mb: MicroBatch, shard, out, t: int, keep: bool) -> torch.Tensor:
+        """Accumulate routes + 1 (so that a sum over ranks keeps them) at the micro-batch's tokens
+        where `keep` (the gather is collective over the CP group either way)."""
         r_PLK = self.runtime.gather_tokens(shard, out.routes_TLK).cpu()
         if routes is None:
             routes = torch.zeros(t, *r_PLK.shape[1:], dtype=torch.int64)
+        if not keep:
+            return routes
         src = mb.token_src_P
         keep = src >= 0
         routes[src[keep]] = r_PLK[keep] + 1
@@ -172,12 +192,13 @@ class PolicyTrainer:
         return _summarise(steps)
 
     def _optimizer_step(self, batch, seqs, loss, lr, temperature, entropy) -> dict[str, float]:
-        plan, mine = self._my_micro_batches(batch, seqs)
+        tokens, mine, groups = self._my_micro_batches(batch, seqs)
         norm = _normalizers(batch, seqs)
         objective = _PolicyObjective(batch, mine, loss, norm, LogProbHead(temperature, entropy),
                                      self.runtime)
         with batch_invariant(self.batch_invariant):
-            res = self.trainer.train_step([mb.packed for mb in mine], objective, lr=lr)
+            res = self.trainer.train_step([mb.packed for mb in mine], objective, lr=lr,
+                                          cp_groups=groups if self.dynamic is not None else None)
         m = dict(res.metrics)
         out = {"loss": res.loss, "policy_loss": res.ce_loss, "aux_loss": res.aux_loss,
                "z_loss": res.z_loss, "grad_norm": res.grad_norm, "lr": res.lr,
@@ -192,7 +213,6 @@ class PolicyTrainer:
             out[key] = value if key.endswith(("_max", "_min")) else value / n
         if m.get("route_known"):
             out["route_agreement"] = m["route_agree"] / m["route_known"]
-        tokens = [sum(batch.seq_lengths()[i] for mb in rank for i in mb) for rank in plan]
         out["tokens_per_dp_rank_max"], out["tokens_per_dp_rank_min"] = max(tokens), min(tokens)
         return out
 
@@ -213,11 +233,26 @@ class PolicyTrainer:
                                    data.cost_per_token_pair)
         return [[[seqs[i] for i in mb] for mb in rank] for rank in local]
 
-    def _my_micro_batches(self, batch, seqs) -> tuple[list[list[list[int]]], list[MicroBatch]]:
-        """(the plan of every DP rank, this rank's micro-batches)."""
-        plan = self._plan(batch, seqs)
-        return plan, [build_micro_batch(batch, s, self.pad_multiple)
-                      for s in plan[self.dims.rank_in("dp")]]
+    def _my_micro_batches(self, batch, seqs) -> tuple[list[float], list[MicroBatch], list]:
+        """(the tokens every rank runs, this rank's micro-batches, their CP groups: None for the
+        static group). Under Dynamic-CP the mini-batch's sequences are scheduled on the DP x CP
+        block's sub-groups (every rank holds the whole batch: nothing to gather) and a rank's
+        tokens are its share of each run it belongs to."""
+        lengths = batch.seq_lengths()
+        if self.dynamic is None:
+            plan = self._plan(batch, seqs)
+            tokens = [sum(lengths[i] for mb in rank for i in mb) for rank in plan]
+            mine = [build_micro_batch(batch, s, self.pad_multiple) for s in plan[self.dims.rank_in("dp")]]
+            return tokens, mine, [None] * len(mine)
+        plan = self.dynamic.plan([lengths[i] for i in seqs], self.budget)
+        tokens = [0.0] * len(plan.rank_cost)
+        for slot in plan.slots:
+            for run in slot:
+                for r in run.ranks:
+                    tokens[r] += sum(lengths[seqs[i]] for i in run.seq_indices) / run.size
+        runs = self.dynamic.my_runs(plan)
+        mine = [build_micro_batch(batch, [seqs[i] for i in idx], multiple) for idx, multiple, _ in runs]
+        return tokens, mine, [cp for _, _, cp in runs]
 
     # ------------------------------------------------------------------ weights out
 
@@ -319,7 +354,9 @@ def _split(num_seqs: int, parts: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def _scatter(dst_T: torch.Tensor, src_P: torch.Tensor, val_P: torch.Tensor) -> None:
+def _scatter(dst_T: torch.Tensor, src_P: torch.Tensor, val_P: torch.Tensor, keep_any: bool) -> None:
+    if not keep_any:
+        return
     keep = src_P >= 0
     dst_T[src_P[keep]] = val_P.detach().cpu()[keep].to(dst_T.dtype)
 

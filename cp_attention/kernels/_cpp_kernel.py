@@ -55,6 +55,16 @@ def build_lock(build_dir: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _import_extension(name: str, path: Path):
+    """The Python extension module built at `path` (as torch's load() imports it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def build_key(source: Path) -> str:
     """What the built binary depends on: torch's release and build, the Python ABI, the flags
     and the source. Environments and clones that agree on all of them share one cache entry (a
@@ -94,12 +104,21 @@ class CppKernel:
         return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / self.name
 
     def build(self):
+        """The extension: imported from the cache when built there already, else compiled.
+
+        A cached build is imported directly, not through torch's load(): load() rebuilds when
+        its build arguments change, and they hold the include paths of the torch that asks
+        (inside each venv), so two clones with the same torch would rebuild over each other's
+        binary in turn; the binary itself depends only on what build_key hashes."""
         from torch.utils.cpp_extension import load
 
         build_dir = self.build_dir
         build_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with build_lock(build_dir):
+            built = build_dir / f"{self.name}.so"
+            if built.is_file():
+                return _import_extension(self.name, built)
             mod = load(name=self.name, sources=[str(self.source)], extra_cflags=_FLAGS,
                        extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
         if time.perf_counter() - t0 > 5:  # a compile, not a cache hit: say where the pause went

@@ -135,22 +135,31 @@ class DynamicCP:
 
     def reschedule(self, micro_batches: list[PackedBatch]) -> tuple[list[Slot], dict[int, int]]:
         """This rank's slots for the step and the histogram {CP size: documents} (collective)."""
+        docs = gather_documents(documents(micro_batches), self.dims.group_or_none(Axis.DP))
+        plan = self.plan([d.tokens.numel() for d in docs])
+        slots = [Slot(pack_documents([docs[i] for i in seqs], multiple), cp)
+                 for seqs, multiple, cp in self.my_runs(plan)]
+        return slots, dict(plan.cp_sizes_used)
+
+    def plan(self, lengths: list[int], capacity: int | None = None):
+        """The schedule of sequences of these lengths on the block (pure, the same on every rank);
+        `capacity`: tokens per rank and slot (default parallel.max_tokens_per_rank)."""
         from cp_attention.dynamic import schedule
 
-        docs = gather_documents(documents(micro_batches), self.dims.group_or_none(Axis.DP))
-        lengths = [d.tokens.numel() for d in docs]
         try:
-            plan = schedule(lengths, self.block, self.max_cp, self.capacity, self.cost,
+            return schedule(lengths, self.block, self.max_cp, capacity or self.capacity, self.cost,
                             tp=self.dims.tp)
-        except ValueError as e:  # a document no sub-group can hold: name the keys to change
+        except ValueError as e:  # a sequence no sub-group can hold: name the keys to change
             raise ValueError(f"Dynamic-CP: {e}") from None
+
+    def my_runs(self, plan) -> list[tuple[tuple[int, ...], int, CPGroup]]:
+        """For every slot of `plan`, what this rank runs: (sequence indices, padding multiple of
+        the run's size, the run's CPGroup); no sequences where the rank idles."""
         me = self.dims.rank_in(Axis.DP_CP)
-        slots = []
         sp = self.dims.config is not None and self.dims.config.sequence_parallel
-        for run, seqs in plan.assignment(me):
-            batch = pack_documents([docs[i] for i in seqs], pad_multiple(run.size, self.dims.tp, sp))
-            slots.append(Slot(batch, self._cp_group(run.size, me - run.first_rank)))
-        return slots, dict(plan.cp_sizes_used)
+        return [(seqs, pad_multiple(run.size, self.dims.tp, sp),
+                 self._cp_group(run.size, me - run.first_rank))
+                for run, seqs in plan.assignment(me)]
 
     def _cp_group(self, size: int, rank: int) -> CPGroup:
         """The CPGroup of this rank's run. Hierarchical: a run no larger than cp_inner is one

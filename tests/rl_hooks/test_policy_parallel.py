@@ -1,6 +1,6 @@
 """PolicyTrainer on 4 gloo ranks against one process, float64: log-probs, entropies and routes
-under CP2 x EP2 (ring, hierarchical, Ulysses), TP2 x DP2 (with and without sequence parallelism)
-and EP4 (with the distributed optimizer, and with two micro-batches in flight); one optimizer
+under CP2 x EP2 (ring, hierarchical, Ulysses, Dynamic-CP), TP2 x DP2 (with and without sequence
+parallelism) and EP4 (with the distributed optimizer, and with two micro-batches in flight); one optimizer
 step's parameter updates (which reveal the gradients, see helpers.py) equal the single-process
 ones for every loss kind and aggregation, with routes replayed.
 
@@ -31,7 +31,12 @@ LAYOUTS = [
     ["parallel.ep=4", "parallel.distributed_optimizer=true"],
     # two micro-batches' forwards interleaved, in compute_logprobs and in train_step
     ["parallel.ep=4", "parallel.micro_batches_in_flight=2"],
+    # Dynamic-CP: each mini-batch's sequences on runs of 1, 2 and 4 ranks of the DP2 x CP2 block
+    ["parallel.cp=2", "parallel.ep=2", "parallel.dynamic_cp=true", "parallel.max_cp=4"],
 ]
+# Tokens one rank holds per micro-batch; under Dynamic-CP 6 sends the 8..13-token sequences to
+# runs of 2 and 4 ranks (the split does not change the results: aux losses are off).
+BUDGET, DYNAMIC_BUDGET = 24, 6
 # Every loss kind with every aggregation (KL and the train-inference corrections on the PPO ones)
 LOSSES = [PolicyLossConfig(kind=k, agg=a, kl_coef=0.1 if k == "ppo" else 0.0,
                            tis_cap=2.0 if k == "ppo" else None,
@@ -43,7 +48,8 @@ COLUMN_SHARDED = ("wo.weight", "w_down.weight")  # TP's row-parallel layers keep
 def _run(sets, rank_info=False):
     """compute_logprobs, then one step per loss; the updates of this rank's parameters."""
     batch = rollout_batch()
-    policy = PolicyTrainer(config(*sets), micro_batch_tokens=24)
+    dynamic = "parallel.dynamic_cp=true" in sets
+    policy = PolicyTrainer(config(*sets), micro_batch_tokens=DYNAMIC_BUDGET if dynamic else BUDGET)
     out = policy.compute_logprobs(batch, return_entropy=True, record_routes=True)
     steps = []
     for cfg in LOSSES:
@@ -58,6 +64,8 @@ def _run(sets, rank_info=False):
                 p.copy_(before[n])
     dims = policy.dims
     where = {"tp": dims.rank_in("tp"), "ep": dims.rank_in("ep")} if rank_info else None
+    if dynamic:  # the schedule really mixes CP sizes
+        assert set(policy.dynamic.plan(batch.seq_lengths(), DYNAMIC_BUDGET).cp_sizes_used) == {1, 2, 4}
     return out, steps, where
 
 
