@@ -143,7 +143,7 @@ class PolicyTrainer:
             return self.runtime.shard(mb.packed.to(self.ctx.device), cp,
                                       replay_TLK=replay_routes(batch, mb))
         for seqs in _split(batch.num_seqs, mini_batches):
-            _, mine, groups = self._my_micro_batches(batch, seqs)
+            _, mine, groups, _ = self._my_micro_batches(batch, seqs)
             for (mb, _), shard, out in self.runtime.forwards(list(zip(mine, groups, strict=True)),
                                                              shard_of, head, self.trainer.autocast):
                 dtype = out.logprobs_T.dtype
@@ -192,7 +192,7 @@ class PolicyTrainer:
         return _summarise(steps)
 
     def _optimizer_step(self, batch, seqs, loss, lr, temperature, entropy) -> dict[str, float]:
-        tokens, mine, groups = self._my_micro_batches(batch, seqs)
+        tokens, mine, groups, sizes = self._my_micro_batches(batch, seqs)
         norm = _normalizers(batch, seqs)
         objective = _PolicyObjective(batch, mine, loss, norm, LogProbHead(temperature, entropy),
                                      self.runtime)
@@ -204,6 +204,9 @@ class PolicyTrainer:
                "z_loss": res.z_loss, "grad_norm": res.grad_norm, "lr": res.lr,
                "skipped": float(res.skipped), "loss_tokens": float(norm.num_tokens),
                "sequences": float(norm.num_seqs)}
+        if sizes is not None:  # sequences per CP size (every size, for _summarise)
+            for size in (1 << k for k in range(self.dynamic.max_cp.bit_length())):
+                out[f"sequences_cp{size}"] = float(sizes.get(size, 0))
         if res.peak_memory_mb is not None:  # the step's peak on the busiest rank
             out["peak_memory_mb_max"] = res.peak_memory_mb
         n = max(norm.num_tokens, 1)
@@ -233,9 +236,10 @@ class PolicyTrainer:
                                    data.cost_per_token_pair)
         return [[[seqs[i] for i in mb] for mb in rank] for rank in local]
 
-    def _my_micro_batches(self, batch, seqs) -> tuple[list[float], list[MicroBatch], list]:
+    def _my_micro_batches(self, batch, seqs) -> tuple[list[float], list[MicroBatch], list,
+                                                      dict[int, int] | None]:
         """(the tokens every rank runs, this rank's micro-batches, their CP groups: None for the
-        static group). Under Dynamic-CP the mini-batch's sequences are scheduled on the DP x CP
+        static group, Dynamic-CP's {CP size: sequences} or None). Under Dynamic-CP the mini-batch's sequences are scheduled on the DP x CP
         block's sub-groups (every rank holds the whole batch: nothing to gather) and a rank's
         tokens are its share of each run it belongs to."""
         lengths = batch.seq_lengths()
@@ -243,7 +247,7 @@ class PolicyTrainer:
             plan = self._plan(batch, seqs)
             tokens = [sum(lengths[i] for mb in rank for i in mb) for rank in plan]
             mine = [build_micro_batch(batch, s, self.pad_multiple) for s in plan[self.dims.rank_in("dp")]]
-            return tokens, mine, [None] * len(mine)
+            return tokens, mine, [None] * len(mine), None
         plan = self.dynamic.plan([lengths[i] for i in seqs], self.budget)
         tokens = [0.0] * len(plan.rank_cost)
         for slot in plan.slots:
@@ -252,7 +256,7 @@ class PolicyTrainer:
                     tokens[r] += sum(lengths[seqs[i]] for i in run.seq_indices) / run.size
         runs = self.dynamic.my_runs(plan)
         mine = [build_micro_batch(batch, [seqs[i] for i in idx], multiple) for idx, multiple, _ in runs]
-        return tokens, mine, [cp for _, _, cp in runs]
+        return tokens, mine, [cp for _, _, cp in runs], dict(plan.cp_sizes_used)
 
     # ------------------------------------------------------------------ weights out
 

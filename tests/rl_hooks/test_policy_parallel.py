@@ -56,7 +56,10 @@ def _run(sets, rank_info=False):
         perturbed = out.logprobs + 0.05 * torch.cos(torch.arange(out.logprobs.numel()))
         rollouts = dataclasses.replace(batch, old_logprobs=perturbed, routed_experts=out.routes)
         before = params(policy)
-        policy.train_step(rollouts, make_loss(cfg), lr=EPS)
+        metrics = policy.train_step(rollouts, make_loss(cfg), lr=EPS)
+        if dynamic:  # every sequence counted once, at the size it ran
+            sizes = [metrics[f"sequences_cp{s}"] for s in (1, 2, 4)]
+            assert sum(sizes) == batch.num_seqs and min(sizes) > 0, sizes
         steps.append({n: u for n, u in updates(policy, before).items()})
         # undo the step so each loss starts from the same weights
         with torch.no_grad():
