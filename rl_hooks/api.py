@@ -198,7 +198,7 @@ class PolicyTrainer:
                                      self.runtime)
         with batch_invariant(self.batch_invariant):
             res = self.trainer.train_step([mb.packed for mb in mine], objective, lr=lr,
-                                          cp_groups=groups if self.dynamic is not None else None)
+                                          cp_groups=groups)
         m = dict(res.metrics)
         out = {"loss": res.loss, "policy_loss": res.ce_loss, "aux_loss": res.aux_loss,
                "z_loss": res.z_loss, "grad_norm": res.grad_norm, "lr": res.lr,
@@ -238,10 +238,10 @@ class PolicyTrainer:
 
     def _my_micro_batches(self, batch, seqs) -> tuple[list[float], list[MicroBatch], list,
                                                       dict[int, int] | None]:
-        """(the tokens every rank runs, this rank's micro-batches, their CP groups: None for the
-        static group, Dynamic-CP's {CP size: sequences} or None). Under Dynamic-CP the mini-batch's sequences are scheduled on the DP x CP
-        block's sub-groups (every rank holds the whole batch: nothing to gather) and a rank's
-        tokens are its share of each run it belongs to."""
+        """(the tokens every rank runs, this rank's micro-batches, their CP groups (None: the
+        static group), Dynamic-CP's {CP size: sequences} or None). Under Dynamic-CP the
+        mini-batch's sequences are scheduled on the DP x CP block's sub-groups (every rank holds
+        the whole batch: nothing to gather) and a rank's tokens are its share of each run."""
         lengths = batch.seq_lengths()
         if self.dynamic is None:
             plan = self._plan(batch, seqs)
@@ -358,11 +358,12 @@ def _split(num_seqs: int, parts: int) -> list[list[int]]:
     return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def _scatter(dst_T: torch.Tensor, src_P: torch.Tensor, val_P: torch.Tensor, keep_any: bool) -> None:
-    if not keep_any:
+def _scatter(dst_T: torch.Tensor, src_P: torch.Tensor, val_P: torch.Tensor, keep: bool) -> None:
+    """dst[src[p]] = val[p] at the scored positions p, where this rank keeps the values."""
+    if not keep:
         return
-    keep = src_P >= 0
-    dst_T[src_P[keep]] = val_P.detach().cpu()[keep].to(dst_T.dtype)
+    scored = src_P >= 0
+    dst_T[src_P[scored]] = val_P.detach().cpu()[scored].to(dst_T.dtype)
 
 
 def _wants_entropy(loss: LossFn) -> bool:

@@ -11,6 +11,7 @@ leaves the caller on aten's kernel, as does a later failing call (`disable`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import platform
@@ -91,9 +92,10 @@ class CppKernel:
         self.env, self.label, self.aten_half, self.self_check = env, label, aten_half, self_check
         self.state: dict = {}
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
-        """The extension's module name and cache folder (importing torch waits for first use)."""
+        """The extension's module name and cache folder, hashed once (importing torch waits for
+        first use)."""
         return self.cache_prefix + build_key(self.source)
 
     @property
