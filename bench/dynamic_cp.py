@@ -188,10 +188,10 @@ def loader_cost_keys(cost: DynamicCPCost) -> tuple[float, float]:
     """(data.cost_per_token, data.cost_per_token_pair) for which balance.doc_cost(L) equals
     cost.seconds(L, MAX_CP): seconds = (a*L + b*L^2) / s + b*n_half*L + ring*L and doc_cost =
     per_token*L + pair*L*(L+1)/2, so pair = 2b/s and per_token = a/s + b*n_half + ring - b/s
-    (ring: unhidden seconds of ring traffic per token). The run's fixed ring-step cost is the
+    (ring: unhidden seconds of CP traffic per token). The run's fixed ring-step cost is the
     same for every non-empty micro-batch: nothing to balance."""
     s = MAX_CP
-    ring = (1.0 - cost.overlap) * cost.ring_bytes(1, s) / cost.bandwidth
+    ring = ((1.0 - cost.overlap) * cost.ring_bytes(1, s) + cost.a2a_bytes(1, s)) / cost.bandwidth
     return cost.a / s + cost.b * cost.attn_half_tokens + ring - cost.b / s, 2.0 * cost.b / s
 
 
@@ -232,7 +232,7 @@ def loader_plan(lengths: list[int], world: int, cost: DynamicCPCost,
     rank_cost = mb_s.sum(axis=1)  # per replica = per rank: its MAX_CP ranks carry the same
     return {"step_s": float(mb_s.max(axis=0).sum()), "slots": mb_s.shape[1],
             "imbalance": float(rank_cost.max() / rank_cost.mean()),
-            "cp_bytes": float(MAX_CP * cost.ring_bytes(sizes.astype(np.float64), MAX_CP).sum()),
+            "cp_bytes": float(MAX_CP * cost.cp_bytes(sizes.astype(np.float64), MAX_CP).sum()),
             "cp_sizes_used": {str(MAX_CP): len(lengths)}, "dp_replicas": dp,
             "budget_tokens": budget,
             "empty_micro_batches": sum(not mb for replica in micro for mb in replica)}

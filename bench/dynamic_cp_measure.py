@@ -6,6 +6,7 @@ tables live in dynamic_cp.py; this file only times things.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -131,10 +132,7 @@ def calibrate(model: dict) -> dict:
     return {"gemm_flops_per_s": gemm, "attention_dtype": attn_dtype,
             "attention_probe_flops_per_s": {k: v["flops_per_s"] for k, v in probe.items()},
             "attention": attn, "p2p": p2p, "threads": torch.get_num_threads(),
-            "constants": {"a": cost.a, "b": cost.b, "kv_bytes_per_token": cost.kv_bytes_per_token,
-                          "bandwidth": cost.bandwidth, "overlap": cost.overlap,
-                          "ring_step_seconds": cost.ring_step_seconds,
-                          "attn_half_tokens": cost.attn_half_tokens}}
+            "constants": dataclasses.asdict(cost)}
 
 
 def _pack_long_corpus(root: Path, out: Path) -> None:

@@ -501,7 +501,7 @@ def _finish(slots: list[_Slot], prob: _Problem) -> DynamicPlan:
             seconds = prob.cost.run_seconds(pads, r.size)
             rank_cost[r.first:r.first + r.size] += seconds
             worst = max(worst, seconds)
-            cp_bytes += sum(r.size * prob.cost.ring_bytes(n, r.size) for n in pads)
+            cp_bytes += sum(r.size * prob.cost.cp_bytes(n, r.size) for n in pads)
             used[r.size] = used.get(r.size, 0) + len(seqs)
             runs.append(Run(r.size, r.first, seqs))
         runs += [Run(1, f + k, ()) for s, free in slot.free.items() for f in free for k in range(s)]

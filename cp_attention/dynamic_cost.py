@@ -9,13 +9,23 @@ API
     fit_attention_efficiency(lengths, flops_per_s) -> (long-tile FLOP/s, n_half)
 
 Cost model (DynamicCPCost). A sequence of padded length n on s ranks costs every one of them
-    (a*n + b*n^2 / eff(n/s)) / s  +  (1 - overlap) * ring_bytes(n, s) / bandwidth  seconds,
-ring_bytes(n, s) = (s-1)/s * n * kv_bytes_per_token: each rank receives the K, V of the tokens it
-does not hold. eff(m) = m / (m + n_half) is the attention kernel's tile efficiency at m tokens
+    (a*n + b*n^2 / eff(n/s)) / s  +  ((1 - overlap) * ring_bytes + a2a_bytes) / bandwidth  seconds.
+The run exchanges heads by all-to-all over its first g = min(s, a2a_size) ranks (Ulysses; the
+inner level of hierarchical CP) and runs a ring over the remaining r = s / g (ring CP: g = 1):
+    ring_bytes = (r-1)/r * n * kv_bytes_per_token * k/K      (each rank receives the K, V of the
+                                                             tokens it does not hold, forward K, V
+                                                             and backward K, V, dK, dV)
+    a2a_bytes  = (g-1)/g * n/s * (q_bytes_per_token + 2/3 * kv_bytes_per_token * max(K, g)/K)
+with K KV heads and k = max(K, g)/g the KV heads one rank holds after the all-to-all (fewer KV
+heads than g are replicated up to g first); a2a_bytes counts Q, out forward and dout, dQ
+backward, plus K, V forward and dK, dV backward, each rank keeping 1/g of them. The ring hides
+`overlap` of its transfer behind the attention of the block before it; the all-to-all hides
+nothing (attention waits for its heads). eff(m) = m / (m + n_half) is the attention kernel's tile efficiency at m tokens
 per rank (the half-performance length n_half: short tiles run far below peak), so the attention
 term is b*n^2/s + b*n*n_half: the second part, the tile overhead, is paid by every rank of the
 run, whatever s. A run of s ranks busy in a slot costs each of its ranks ring_step_seconds *
-(s-1) more, once (the fixed cost of its ring steps: one ring carries all the run's sequences).
+(r - 1 + 2 [g > 1]) more, once (the fixed cost of its r - 1 ring steps and of the all-to-alls
+before and after attention, each charged as one step: one ring carries all the run's sequences).
 Padding is computed and sent like real tokens, so costs use the padded length. With n_half = 0
 and ring_step_seconds = 0 (the dataclass defaults) compute divides evenly over any s.
 """
@@ -68,6 +78,11 @@ class DynamicCPCost:
     attn_half_tokens: n_half of the attention tile efficiency eff(m) = m / (m + n_half), m the
        tokens one rank holds of the sequence (n / s): the classic half-performance length, the
        tile length at which attention runs at half its long-tile throughput. 0: eff = 1.
+    a2a_size: the most ranks of a run that exchange heads by all-to-all (1: ring CP; the run
+       size for Ulysses; the inner size for hierarchical CP). q_bytes_per_token: all-to-all
+       bytes per token of the query-sized tensors, all layers (Q, out forward, dout, dQ
+       backward: 4 * heads * head_dim * itemsize * layers). kv_heads: KV heads of the model
+       (replication when a2a_size exceeds them).
     """
 
     a: float
@@ -77,15 +92,20 @@ class DynamicCPCost:
     overlap: float = 0.0
     ring_step_seconds: float = 0.0
     attn_half_tokens: float = 0.0
+    a2a_size: int = 1
+    q_bytes_per_token: float = 0.0
+    kv_heads: int = 1
 
     def __post_init__(self):
         if min(self.a, self.b, self.kv_bytes_per_token, self.ring_step_seconds,
-               self.attn_half_tokens) < 0 or not self.bandwidth > 0 \
+               self.attn_half_tokens, self.q_bytes_per_token) < 0 or not self.bandwidth > 0 \
                 or not 0.0 <= self.overlap <= 1.0 or not math.isfinite(self.ring_step_seconds) \
-                or not math.isfinite(self.attn_half_tokens):
-            raise ValueError(f"DynamicCPCost: need a, b, kv_bytes_per_token, ring_step_seconds, "
-                             f"attn_half_tokens >= 0 (the last two finite), bandwidth > 0 and "
-                             f"0 <= overlap <= 1; got {self}")
+                or not math.isfinite(self.attn_half_tokens) or self.kv_heads < 1 \
+                or self.a2a_size < 1 or self.a2a_size & (self.a2a_size - 1):
+            raise ValueError(f"DynamicCPCost: need a, b, kv_bytes_per_token, q_bytes_per_token, "
+                             f"ring_step_seconds, attn_half_tokens >= 0 (the last two finite), "
+                             f"bandwidth > 0, 0 <= overlap <= 1, kv_heads >= 1 and a2a_size a "
+                             f"power of two; got {self}")
 
     def attention_efficiency(self, tokens_per_rank):
         """eff(m) = m / (m + n_half) in (0, 1], increasing in m; 1 without n_half."""
@@ -98,19 +118,40 @@ class DynamicCPCost:
         inefficiency of short tiles costs every rank of the run b*n*n_half, whatever its size."""
         return (self.a * n + self.b * n * n) / size + self.b * n * self.attn_half_tokens
 
+    def split(self, size: int) -> tuple[int, int]:
+        """(g, r): a run of `size` ranks exchanges heads over g = min(size, a2a_size) ranks and
+        runs a ring over r = size / g."""
+        g = min(size, self.a2a_size)
+        return g, size // g
+
     def ring_bytes(self, n, size: int):
-        """Bytes each of the `size` ranks receives for one sequence of padded length n."""
-        return (size - 1) / size * n * self.kv_bytes_per_token
+        """Ring bytes each of the `size` ranks receives for one sequence of padded length n."""
+        g, r = self.split(size)
+        held = max(self.kv_heads, g) / g / self.kv_heads  # share of the KV heads one rank holds
+        return (r - 1) / r * n * self.kv_bytes_per_token * held
+
+    def a2a_bytes(self, n, size: int):
+        """All-to-all bytes each of the `size` ranks receives for one sequence of padded length
+        n (0 for ring CP)."""
+        g, _ = self.split(size)
+        kv = 2.0 / 3.0 * self.kv_bytes_per_token * max(self.kv_heads, g) / self.kv_heads
+        return (g - 1) / g * n / size * (self.q_bytes_per_token + kv)
+
+    def cp_bytes(self, n, size: int):
+        """All CP bytes each of the `size` ranks receives for one sequence of padded length n."""
+        return self.ring_bytes(n, size) + self.a2a_bytes(n, size)
 
     def seconds(self, n, size: int):
         """Seconds one sequence of padded length n adds to each rank of a run of `size`."""
-        comm = self.ring_bytes(n, size) / self.bandwidth if size > 1 else 0.0 * n
-        return self.compute_seconds(n, size) + (1.0 - self.overlap) * comm
+        comm = ((1.0 - self.overlap) * self.ring_bytes(n, size) + self.a2a_bytes(n, size)) \
+            / self.bandwidth
+        return self.compute_seconds(n, size) + comm
 
     def run_fixed_seconds(self, size: int) -> float:
         """Fixed seconds of a run of `size` ranks that holds at least one sequence in a slot:
-        its s - 1 ring steps per pass."""
-        return self.ring_step_seconds * (size - 1)
+        its r - 1 ring steps and, with an all-to-all, the two around attention."""
+        g, r = self.split(size)
+        return self.ring_step_seconds * (r - 1 + (2 if g > 1 else 0))
 
     def run_seconds(self, padded_lengths, size: int) -> float:
         """Seconds of a run of `size` ranks holding sequences of these padded lengths (0 if
@@ -125,7 +166,7 @@ class DynamicCPCost:
                    active_params_per_token: float, flops_per_s: float, bandwidth: float,
                    attention_flops_per_s: float | None = None, itemsize: int = 2,
                    overlap: float = 0.5, ring_latency: float = 0.0,
-                   attn_half_tokens: float = 0.0) -> DynamicCPCost:
+                   attn_half_tokens: float = 0.0, a2a_size: int = 1) -> DynamicCPCost:
         """Constants from a model description and achieved (not peak) throughputs.
 
         a = 6 * active matmul params / flops_per_s (2 FLOPs per multiply-add, backward twice the
@@ -135,7 +176,8 @@ class DynamicCPCost:
         size does not enter: it is inside active_params_per_token and, for attention, heads *
         head_dim. ring_latency: seconds of one ring step (one p2p exchange with its launch and
         wait); every layer runs one ring forward and one backward, so ring_step_seconds = 2 *
-        num_layers * ring_latency. attn_half_tokens: the tile efficiency's n_half.
+        num_layers * ring_latency. attn_half_tokens: the tile efficiency's n_half. a2a_size:
+        1 for ring CP, the largest run for Ulysses, the inner size for hierarchical CP.
         """
         attn = attention_flops_per_s or flops_per_s
         return cls(a=6.0 * active_params_per_token / flops_per_s,
@@ -143,7 +185,9 @@ class DynamicCPCost:
                    kv_bytes_per_token=3.0 * 2 * num_kv_heads * head_dim * itemsize * num_layers,
                    bandwidth=bandwidth, overlap=overlap,
                    ring_step_seconds=2.0 * num_layers * ring_latency,
-                   attn_half_tokens=attn_half_tokens)
+                   attn_half_tokens=attn_half_tokens, a2a_size=a2a_size,
+                   q_bytes_per_token=4.0 * num_heads * head_dim * itemsize * num_layers,
+                   kv_heads=num_kv_heads)
 
     @classmethod
     def h100(cls, bandwidth: float = 200e9, overlap: float = 0.5,

@@ -86,6 +86,11 @@ class ParallelConfig:
     # the whole data-parallel batch (Megatron's global-batch aux loss; needs aux_loss_type=switch).
     aux_loss_scope: str = "micro_batch"  # micro_batch | global_batch
 
+    @property
+    def dynamic_max_cp(self) -> int:
+        """The largest Dynamic-CP run size: max_cp, or cp where max_cp is 0."""
+        return self.max_cp or self.cp
+
     def validate(self) -> None:
         """Raise ValueError naming the `parallel.<key>`, its value and the fix."""
         for key, allowed in CHOICES.items():

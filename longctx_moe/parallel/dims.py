@@ -130,7 +130,7 @@ def _check_dynamic_cp(cfg: ParallelConfig, block: int) -> tuple[int, ...]:
                 _fail(f"parallel.{key} is set but parallel.dynamic_cp is false; set "
                       "parallel.dynamic_cp=true or remove the key")
         return ()
-    max_cp = cfg.max_cp or cfg.cp
+    max_cp = cfg.dynamic_max_cp
     if max_cp < 1 or max_cp & (max_cp - 1) or max_cp > block:
         _fail(f"parallel.max_cp={max_cp} must be a power of two <= dp*cp={block} (the DP x CP "
               "block the sub-groups are cut from); choose one, or 0 for cp")
@@ -150,7 +150,7 @@ def _dynamic_outer_sizes(cfg: ParallelConfig, inner: int) -> tuple[int, ...]:
     two cp_inner < s <= max_cp (a run of s <= cp_inner ranks runs Ulysses on its own group)."""
     if not (cfg.dynamic_cp and cfg.cp_backend == "hierarchical"):
         return ()
-    max_cp = cfg.max_cp or cfg.cp
+    max_cp = cfg.dynamic_max_cp
     return tuple(2 ** i for i in range(max_cp.bit_length()) if inner < 2 ** i <= max_cp)
 
 

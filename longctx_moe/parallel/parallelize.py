@@ -67,8 +67,16 @@ def _dynamic_cp(model: nn.Module, dims, cfg: ParallelConfig, capacity_tokens: in
         num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim, active_params_per_token=active_matmul_params(m),
         flops_per_s=cfg.dcp_tflops * 1e12, bandwidth=cfg.dcp_bandwidth_gbps * 1e9,
-        ring_latency=cfg.dcp_ring_latency_us * 1e-6, attn_half_tokens=cfg.dcp_attn_half_tokens)
-    return DynamicCP(dims, capacity, cost, cfg.max_cp or cfg.cp, cfg.cp_backend)
+        ring_latency=cfg.dcp_ring_latency_us * 1e-6, attn_half_tokens=cfg.dcp_attn_half_tokens,
+        a2a_size=_a2a_size(dims, cfg))
+    return DynamicCP(dims, capacity, cost, cfg.dynamic_max_cp, cfg.cp_backend)
+
+
+def _a2a_size(dims, cfg: ParallelConfig) -> int:
+    """The most ranks of a Dynamic-CP run that exchange heads by all-to-all (DynamicCP._cp_group):
+    none under ring CP, the whole run under Ulysses, cp_inner under hierarchical CP."""
+    return {"ring": 1, "ulysses": cfg.dynamic_max_cp, "hierarchical": dims.cp_inner}[
+        cfg.cp_backend]
 
 
 def check_supported(dims, cfg: ParallelConfig) -> None:

@@ -330,6 +330,51 @@ def test_cost_terms_written_out():
     assert COST.run_fixed_seconds(8) == 0 and COST.attention_efficiency(10) == 1.0
 
 
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1), (8, 8)])
+@pytest.mark.parametrize("g,s", [(2, 2), (4, 4), (2, 4), (4, 8), (2, 8)])
+def test_a2a_bytes_equal_the_ulysses_executor(hq, hkv, g, s):
+    """The model's all-to-all bytes per rank equal what ulysses_attention / hierarchical_attention
+    send (the formula tests/cp_attention/test_ulysses.py checks against CommStats), without the
+    LSE (a 1/head_dim sliver the model leaves out): a run of s ranks with an all-to-all over
+    g = min(s, a2a_size) of them, every rank holding n / s tokens, GQA heads replicated up to g."""
+    from tests.cp_attention.test_ulysses import D, _a2a_formula
+
+    item, n = 8, 64 * s
+    cost = DynamicCPCost.from_model(num_layers=1, num_heads=hq, num_kv_heads=hkv, head_dim=D,
+                                    active_params_per_token=1, flops_per_s=1, bandwidth=1,
+                                    itemsize=item, a2a_size=g)
+    counts = [n // s] * g
+    sent = [sum(b for b, _ in _a2a_formula(counts, r, hq, hkv, item, 0)) for r in range(g)]
+    assert cost.split(s) == (g, s // g)
+    assert cost.a2a_bytes(n, s) == pytest.approx(sum(sent) / g, rel=1e-12)
+    # the ring over s / g ranks carries the KV heads one rank holds after the all-to-all
+    ring = (s // g - 1) / (s // g) * n * 3 * 2 * (max(hkv, g) // g) * D * item
+    assert cost.ring_bytes(n, s) == pytest.approx(ring, rel=1e-12)
+    assert cost.cp_bytes(n, s) == pytest.approx(ring + sum(sent) / g, rel=1e-12)
+
+
+def test_a2a_is_not_hidden_and_pays_two_steps():
+    """The ring hides `overlap` of its bytes, the all-to-all none; a run with an all-to-all pays
+    two fixed steps for it on top of its ring steps; ring CP (a2a_size 1) is unchanged."""
+    base = dict(a=1e-6, b=1e-10, kv_bytes_per_token=600.0, bandwidth=1e4, overlap=0.5,
+                ring_step_seconds=1e-3, q_bytes_per_token=800.0, kv_heads=2)
+    ring, hier = DynamicCPCost(**base), DynamicCPCost(**base, a2a_size=2)
+    assert ring.a2a_bytes(256, 8) == 0 and ring.split(8) == (1, 8)
+    assert hier.split(1) == (1, 1) and hier.split(2) == (2, 1) and hier.split(8) == (2, 4)
+    for n, s in ((256, 2), (256, 8)):
+        comm = (0.5 * hier.ring_bytes(n, s) + hier.a2a_bytes(n, s)) / 1e4
+        assert hier.seconds(n, s) == pytest.approx(hier.compute_seconds(n, s) + comm)
+    assert hier.ring_bytes(256, 2) == 0  # one all-to-all group: no ring
+    # 2 KV heads over an all-to-all of 2: one per rank, so the 4-rank ring of an 8-rank run
+    # carries half the KV bytes per token of the flat 8-rank ring, times (3/4) / (7/8)
+    assert hier.ring_bytes(256, 8) == pytest.approx(ring.ring_bytes(256, 8) / 2 * (3 / 4) / (7 / 8))
+    assert [hier.run_fixed_seconds(s) for s in (1, 2, 4, 8)] == pytest.approx([0, 2e-3, 3e-3, 5e-3])
+    assert [ring.run_fixed_seconds(s) for s in (1, 2, 4, 8)] == pytest.approx([0, 1e-3, 3e-3, 7e-3])
+    for bad in (dict(a2a_size=3), dict(a2a_size=0), dict(kv_heads=0), dict(q_bytes_per_token=-1)):
+        with pytest.raises(ValueError, match="a2a_size a power of two"):
+            DynamicCPCost(**{**base, **bad})
+
+
 def test_tile_efficiency_is_monotone_and_fits_back():
     c = DynamicCPCost(a=0.0, b=1.0, attn_half_tokens=490.0)
     m = np.asarray([1, 16, 128, 490, 1024, 4096, 16384, 1 << 20], dtype=np.float64)

@@ -279,6 +279,12 @@ def test_cost_settings_reach_the_runtime_cost_model():
     default = _cost()  # the H100-class defaults of ParallelConfig
     assert default.ring_step_seconds == pytest.approx(2 * m.num_layers * 12e-6)
     assert default.attn_half_tokens == 490.0
+    assert cost.a2a_size == 1  # ring CP exchanges no heads
+    # The all-to-all spans the whole run under Ulysses, the inner groups under hierarchical CP.
+    for backend, extra, a2a in (("ulysses", {}, 4), ("hierarchical", {"hierarchical_sizes": [2, 2]}, 2)):
+        layout = dataclasses.replace(cfg.parallel, cp=4, dynamic_cp=True, cp_backend=backend, **extra)
+        dims = ParallelDims.from_config(layout, 8, cfg.model)
+        assert _dynamic_cp(model, dims, layout, 1).cost.a2a_size == a2a, backend
     for key in ("dcp_ring_latency_us", "dcp_attn_half_tokens"):
         with pytest.raises(ValueError, match=f"parallel.{key}"):
             load_config(None, BASE + [f"parallel.{key}=-1"]).parallel.validate()
