@@ -211,7 +211,7 @@ class Trainer:
         if objective is not None and not isinstance(objective, CrossEntropy):
             raise ValueError("parallel.dynamic_cp=true reschedules documents across ranks, which "
                              "only the supervised objective supports; set parallel.dynamic_cp=false")
-        slots, sizes = self.runtime.dynamic.reschedule(micro_batches)
+        slots, sizes = self.runtime.dynamic.reschedule(micro_batches, self.device)
         return [(s.batch, s.cp) for s in slots], sizes
 
     def _accumulate(self, work: list, g: int, objective: Objective):

@@ -12,8 +12,8 @@
     sequence_parallel.py tokens split over TP between the TP regions; MoE layers on own tokens
     context_parallel.py  CPGroup (a micro-batch's CP group and executor) and shard_for_cp (plan a
                          micro-batch, keep this rank's tokens and their DocLayout)
-    dynamic_cp.py        DynamicCP: each step's documents gathered over dp and rescheduled on
-                         power-of-two CP sub-groups (parallel.dynamic_cp)
+    dynamic_cp.py        DynamicCP: each step's documents rescheduled on power-of-two CP
+                         sub-groups and moved to their runs' ranks (parallel.dynamic_cp)
     runtime.py           ParallelRuntime, the object parallelize returns and the trainer drives:
                          shard, forward, reduce gradients, clip
     parallelize.py       parallelize(model, dims, cfg): TP, then EP, on a built model

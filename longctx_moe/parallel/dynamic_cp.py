@@ -3,15 +3,18 @@
 With `parallel.dynamic_cp`, every DP replica still loads its own micro-batches; the trainer then
 calls `reschedule` once per optimizer step (collective over dp_cp):
 
-1. each replica's documents (token ids, labels, positions, loss weights: no activations) are
-   all-gathered over `dp`, so every rank of the DP x CP block holds the step's documents (CP
-   peers of a replica hold the same ones already);
-2. every rank runs the same deterministic scheduler (cp_attention.dynamic.schedule) on their
-   lengths: each document gets the smallest power-of-two CP size whose share fits
+1. the lengths of each replica's documents are all-gathered over `dp` (a few bytes per
+   document), so every rank of the DP x CP block knows the step's documents and their owners;
+2. every rank runs the same deterministic scheduler (cp_attention.dynamic.schedule) on them:
+   each document gets the smallest power-of-two CP size whose share fits
    `max_tokens_per_rank`, runs of ranks are balanced by a cost model of compute (with the
-   attention tile efficiency), ring traffic and ring-step latency (DynamicCPCost),
-   and every rank gets the same number of slots;
-3. each rank builds one PackedBatch per slot from its run's documents (padded for that run's
+   attention tile efficiency), CP traffic and ring-step latency (DynamicCPCost), and every rank
+   gets the same number of slots;
+3. one all-to-all over dp_cp moves each document (token ids, labels, positions, loss weights: no
+   activations) to the ranks of its run that do not hold it: a rank of the owner replica sends
+   it, the one at the receiver's CP position, so a replica's CP ranks share the sending
+   (`routes`). Ranks of the owner replica already hold it. Each rank receives only what it runs;
+4. each rank builds one PackedBatch per slot from its run's documents (padded for that run's
    size) with the CPGroup of that run (ParallelDims.dynamic_group), or a one-token batch
    without targets where it is idle, so the expert all-to-alls line up.
 
@@ -19,7 +22,9 @@ The trainer runs the slots like micro-batches. The loss stays the token-mean of 
 batch (G counts every target once; each document runs on exactly one run), gradients reduce once
 per step over dp_cp as with static CP, and router statistics are summed over the run's group.
 
-Legend: N documents of the step, P physical tokens of a slot's batch.
+Block positions: rank b of the dp_cp group is CP rank b % cp of DP replica b // cp (the dims'
+grid orders DP before CP). Legend: N documents of the step, B block ranks, P physical tokens of
+a slot's batch.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from data_packing.batch import IGNORE_INDEX, PackedBatch, pad_multiple
 from longctx_moe.parallel.comm import all_gather_rows, gather_sizes
@@ -64,36 +70,90 @@ def documents(micro_batches: list[PackedBatch]) -> list[Document]:
     return docs
 
 
-def gather_documents(docs: list[Document], group) -> list[Document]:
-    """Every rank's documents of `group`, in rank order (collective; identity for None)."""
-    if group is None:
-        return docs
-    lengths = torch.tensor([d.tokens.numel() for d in docs], dtype=torch.int64)
+def step_lengths(docs: list[Document], group, device="cpu") -> tuple[list[int], list[int], bool]:
+    """(lengths [N], owner replica [N], any document weighted) of the step's documents, every
+    replica's in DP rank order (collective over the DP `group`; None: this replica alone)."""
     weighted = any(d.weight is not None for d in docs)
-    rows = [torch.stack([d.tokens.cpu(), d.labels.cpu(), d.positions.cpu()], 1) for d in docs]
-    rows_N3 = torch.cat(rows) if rows else torch.zeros(0, 3, dtype=torch.int64)
-    all_lengths = _gather_var(lengths, group)
-    all_rows = _gather_var(rows_N3, group)
-    all_weights = None
-    if weighted:
-        w = torch.cat([d.weight.cpu().to(torch.float64) if d.weight is not None
-                       else torch.ones(d.tokens.numel(), dtype=torch.float64) for d in docs])
-        all_weights = _gather_var(w, group)
-    out = []
-    for r, lens in enumerate(all_lengths):
-        offset = 0
-        for n in lens.tolist():
-            block = all_rows[r][offset:offset + n]
-            weight = None if all_weights is None else all_weights[r][offset:offset + n].float()
-            out.append(Document(block[:, 0], block[:, 1], block[:, 2], weight))
-            offset += n
-    return out
+    mine = [int(weighted)] + [d.tokens.numel() for d in docs]
+    if group is None:
+        return mine[1:], [0] * len(docs), weighted
+    parts = _gather_var(torch.tensor(mine, dtype=torch.int64, device=device), group)
+    lengths, owner = [], []
+    for replica, part in enumerate(parts):
+        values = part.tolist()
+        weighted = weighted or bool(values[0])
+        lengths += values[1:]
+        owner += [replica] * (len(values) - 1)
+    return lengths, owner, weighted
 
 
 def _gather_var(x: torch.Tensor, group) -> list[torch.Tensor]:
-    """all_gather of tensors whose first dimension differs per rank; one tensor per rank."""
-    sizes = gather_sizes(x.shape[0], group)
-    return list(all_gather_rows(x, sizes, group).split(sizes))
+    """all_gather of tensors whose first dimension differs per rank; one host tensor per rank."""
+    sizes = gather_sizes(x.shape[0], group, x.device)
+    return list(all_gather_rows(x, sizes, group).cpu().split(sizes))
+
+
+def needed_documents(plan, block: int) -> list[list[int]]:
+    """For every block position, the documents its runs hold over all slots (ascending)."""
+    needs: list[list[int]] = [[] for _ in range(block)]
+    for runs in plan.slots:
+        for run in runs:
+            for r in run.ranks:
+                needs[r] += run.seq_indices
+    return [sorted(n) for n in needs]
+
+
+def routes(needs: list[list[int]], owner: list[int], me: int,
+           cp: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(send[q], recv[p]): the documents block position `me` sends to each position q and
+    receives from each position p. A position needs its runs' documents; those of its own replica
+    it holds; any other comes from the owner replica's rank at the receiver's CP position."""
+    replica, cp_rank = divmod(me, cp)
+    send = [[i for i in needed if owner[i] == replica] if q % cp == cp_rank and q // cp != replica
+            else [] for q, needed in enumerate(needs)]
+    recv = [[] for _ in needs]
+    for i in needs[me]:
+        if owner[i] != replica:
+            recv[owner[i] * cp + cp_rank].append(i)
+    return send, recv
+
+
+def _rows(doc: Document, weighted: bool) -> torch.Tensor:
+    """int64 [n, 3 or 4]: tokens, labels, positions and the loss weight's float64 bits."""
+    cols = [doc.tokens, doc.labels, doc.positions]
+    if weighted:
+        w = doc.weight if doc.weight is not None else torch.ones(doc.tokens.numel())
+        cols.append(w.to(torch.float64).view(torch.int64))
+    return torch.stack([c.cpu() for c in cols], 1)
+
+
+def exchange_documents(mine: list[Document], lengths: list[int], owner: list[int], weighted: bool,
+                       needs: list[list[int]], me: int, cp: int, group,
+                       device="cpu") -> dict[int, Document]:
+    """The documents block position `me` needs (index -> Document): its replica's from `mine`,
+    the others by one all-to-all over the dp_cp `group` (every rank calls it with the same
+    lengths, owners and needs; None: one replica, nothing to move)."""
+    replica = me // cp
+    first = owner.index(replica) if mine else 0
+    have = {i: mine[i - first] for i in needs[me] if owner[i] == replica}
+    if group is None:
+        return have
+    send, recv = routes(needs, owner, me, cp)
+    cols = 4 if weighted else 3
+    out_rows = [_rows(mine[i - first], weighted) for dest in send for i in dest]
+    buf = torch.cat(out_rows) if out_rows else torch.zeros(0, cols, dtype=torch.int64)
+    recv_splits = [sum(lengths[i] for i in src) for src in recv]
+    got = buf.new_empty(sum(recv_splits), cols, device=device)
+    dist.all_to_all_single(got, buf.to(device), recv_splits,
+                           [sum(lengths[i] for i in dest) for dest in send], group=group)
+    got, offset = got.cpu(), 0
+    for src in recv:
+        for i in src:
+            block = got[offset:offset + lengths[i]]
+            weight = block[:, 3].contiguous().view(torch.float64).float() if weighted else None
+            have[i] = Document(block[:, 0], block[:, 1], block[:, 2], weight)
+            offset += lengths[i]
+    return have
 
 
 def pack_documents(docs: list[Document], multiple: int) -> PackedBatch:
@@ -133,10 +193,17 @@ class DynamicCP:
         self.max_cp, self.backend = max_cp, backend
         self.block = dims.dp * dims.cp
 
-    def reschedule(self, micro_batches: list[PackedBatch]) -> tuple[list[Slot], dict[int, int]]:
-        """This rank's slots for the step and the histogram {CP size: documents} (collective)."""
-        docs = gather_documents(documents(micro_batches), self.dims.group_or_none(Axis.DP))
-        plan = self.plan([d.tokens.numel() for d in docs])
+    def reschedule(self, micro_batches: list[PackedBatch],
+                   device="cpu") -> tuple[list[Slot], dict[int, int]]:
+        """This rank's slots for the step and the histogram {CP size: documents} (collective
+        over dp_cp; `device`: where the collectives run, the GPU under NCCL)."""
+        mine = documents(micro_batches)
+        lengths, owner, weighted = step_lengths(mine, self.dims.group_or_none(Axis.DP), device)
+        plan = self.plan(lengths)
+        docs = exchange_documents(
+            mine, lengths, owner, weighted, needed_documents(plan, self.block),
+            self.dims.rank_in(Axis.DP_CP), self.dims.cp,
+            self.dims.group_or_none(Axis.DP_CP) if self.dims.dp > 1 else None, device)
         slots = [Slot(pack_documents([docs[i] for i in seqs], multiple), cp)
                  for seqs, multiple, cp in self.my_runs(plan)]
         return slots, dict(plan.cp_sizes_used)
