@@ -16,8 +16,13 @@ from cp_attention.dynamic_cost import DynamicCPCost
 from data_packing.batch import pad_multiple
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import Axis, ParallelDims
-from longctx_moe.parallel.dynamic_cp import (DynamicCP, documents, needed_documents,
-                                             pack_documents, routes)
+from longctx_moe.parallel.dynamic_cp import (
+    DynamicCP,
+    documents,
+    needed_documents,
+    pack_documents,
+    routes,
+)
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch
 
