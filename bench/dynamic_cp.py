@@ -77,6 +77,9 @@ plan under this model.
 plan_seconds_10k: wall time of schedule() for 10,000 rl sequences on 512 ranks (median of 5);
 plan_cpu_seconds_10k: its CPU time (process_time), close to the wall time on a quiet machine
 where the wall time on a shared one grows with the load.
+Document exchange: the MB of documents each rank receives per step when the trainer moves them
+to the ranks of their dynamic runs (one all-to-all from the replica whose loader holds each,
+the loader plan's assignment here), against an all-gather of every replica's documents.
 --measure: the real trainer on 4 gloo ranks here (tiny config, the stdlib corpus packed at 8192
 tokens), static CP=4 against Dynamic-CP (max CP 4, 2048 tokens per rank), alternating per round;
 a 2-core machine running 4 ranks says little about GPUs: reported as measured.
@@ -87,7 +90,8 @@ bytes), imbalance_dynamic, imbalance_static, speedup_bound, with modeled_speedup
 cp_bytes_ratio_range ([min, max]); against the loader plan: modeled_speedup_vs_loader,
 cp_bytes_ratio_vs_loader, imbalance_static_loader; against token-balanced packing:
 modeled_speedup_vs_token_packing (and _range), imbalance_static_token_packing; steps_drawn;
-plan_seconds_10k, plan_cpu_seconds_10k; calibration (measured figures and the fitted constants,
+plan_seconds_10k, plan_cpu_seconds_10k; exchange_mb_per_rank and allgather_mb_per_rank (the
+document exchange, mean over ranks); calibration (measured figures and the fitted constants,
 or null); h100_attention_fit (the FA3 figures, their fwd+bwd combination and fit);
 constants_used (every constant set's DynamicCPCost fields); settings; rows (per corpus, size
 and constants: the spreads, and every step's comparison under "steps").
@@ -123,8 +127,12 @@ from cp_attention.dynamic_cost import (  # noqa: E402
     padded_length,
 )
 from data_packing.balance import balance_step, doc_cost  # noqa: E402
+from longctx_moe.parallel.dynamic_cp import needed_documents  # noqa: E402
 
 MAX_CP, CAPACITY, TOKENS_PER_RANK = 8, 16384, 65536
+# What the Dynamic-CP exchange moves per token: token id, label and position, int64 each (loss
+# weights, where a batch has them, add 8 more).
+EXCHANGE_BYTES_PER_TOKEN = 24
 WORLDS = (8, 64, 512)
 RL_MU, RL_SIGMA, RL_CLIP = math.log(4096), 1.2, (16, 131072)
 BYTES_PER_TOKEN = 3.5
@@ -216,15 +224,24 @@ def loader_micro_batches(sizes: np.ndarray, costs: np.ndarray, dp: int,
 TOKEN_KEYS = (1.0, 0.0)
 
 
-def loader_plan(lengths: list[int], world: int, cost: DynamicCPCost,
-                keys: tuple[float, float] | None = None) -> dict:
-    """The trainer's static CP = MAX_CP (module docstring, loader): step time, per-rank
-    imbalance and ring bytes under the same cost model as the schedule() plans. keys: the
-    balancer's cost keys (default: those that match `cost`; TOKEN_KEYS: the tokens plan)."""
-    dp, budget = world // MAX_CP, CAPACITY * MAX_CP
+def loader_assignment(lengths: list[int], world: int, cost: DynamicCPCost,
+                      keys: tuple[float, float] | None = None) -> list[list[list[int]]]:
+    """micro[replica][m]: the sequences the trainer's loader (static CP = MAX_CP) gives each
+    replica's micro-batches. keys: the balancer's cost keys (default: those that match `cost`;
+    TOKEN_KEYS: the tokens plan)."""
     sizes = np.asarray([padded_length(n, MAX_CP) for n in lengths], dtype=np.int64)
     keys = keys or loader_cost_keys(cost)
-    micro = loader_micro_batches(sizes, doc_cost(sizes, *keys), dp, budget)
+    return loader_micro_batches(sizes, doc_cost(sizes, *keys), world // MAX_CP,
+                                CAPACITY * MAX_CP)
+
+
+def loader_plan(lengths: list[int], world: int, cost: DynamicCPCost,
+                micro: list[list[list[int]]]) -> dict:
+    """The trainer's static CP = MAX_CP on the loader's micro-batches `micro` (module
+    docstring, loader): step time, per-rank imbalance and ring bytes under the same cost model
+    as the schedule() plans."""
+    dp, budget = world // MAX_CP, CAPACITY * MAX_CP
+    sizes = np.asarray([padded_length(n, MAX_CP) for n in lengths], dtype=np.int64)
     seconds = cost.seconds(sizes.astype(np.float64), MAX_CP)  # every rank of the replica pays it
     fixed = cost.run_fixed_seconds(MAX_CP)  # the ring steps of a non-empty micro-batch
     mb_s = np.asarray([[seconds[mb].sum() + (fixed if mb else 0.0) for mb in replica]
@@ -238,12 +255,33 @@ def loader_plan(lengths: list[int], world: int, cost: DynamicCPCost,
             "empty_micro_batches": sum(not mb for replica in micro for mb in replica)}
 
 
+def exchange_tokens(plan, lengths: list[int], world: int,
+                    micro: list[list[list[int]]]) -> dict:
+    """Tokens each rank receives when the trainer moves the step's documents to the ranks of
+    their runs (longctx_moe.parallel.dynamic_cp: one all-to-all from the replica whose loader
+    holds each document; here the loader's assignment `micro`), mean and max over ranks, and
+    what an all-gather of the documents over dp would give every rank (the other replicas'
+    documents)."""
+    owner = [0] * len(lengths)
+    for replica, mbs in enumerate(micro):
+        for mb in mbs:
+            for i in mb:
+                owner[i] = replica
+    needs = needed_documents(plan, world)
+    got = [sum(lengths[i] for i in needs[q] if owner[i] != q // MAX_CP) for q in range(world)]
+    held = [sum(lengths[i] for mb in mbs for i in mb) for mbs in micro]
+    gather = [sum(lengths) - held[q // MAX_CP] for q in range(world)]
+    return {"all_to_all_mean": float(np.mean(got)), "all_to_all_max": max(got),
+            "all_gather_mean": float(np.mean(gather))}
+
+
 def compare(corpus: str, world: int, lengths: list[int], name: str, cost: DynamicCPCost) -> dict:
     dyn = schedule(lengths, world, MAX_CP, CAPACITY, cost)
     static = schedule(lengths, world, MAX_CP, CAPACITY, cost, static_cp=MAX_CP)
     small = schedule(lengths, world, MAX_CP, CAPACITY, cost, raise_cp=False)
-    loader = loader_plan(lengths, world, cost)
-    tokens = loader_plan(lengths, world, cost, TOKEN_KEYS)
+    micro = loader_assignment(lengths, world, cost)
+    loader = loader_plan(lengths, world, cost, micro)
+    tokens = loader_plan(lengths, world, cost, loader_assignment(lengths, world, cost, TOKEN_KEYS))
     bound = lower_bound(lengths, world, cost)
     return {"corpus": corpus, "ranks": world, "constants": name, "sequences": len(lengths),
             "tokens": int(sum(lengths)), "dynamic": summary(dyn), "static": summary(static),
@@ -254,7 +292,8 @@ def compare(corpus: str, world: int, lengths: list[int], name: str, cost: Dynami
             "speedup_vs_loader": loader["step_s"] / dyn.modeled_step_time,
             "bytes_ratio_vs_loader": loader["cp_bytes"] / max(dyn.cp_bytes, 1.0),
             "speedup_vs_tokens": tokens["step_s"] / dyn.modeled_step_time,
-            "speedup_bound": static.modeled_step_time / bound}
+            "speedup_bound": static.modeled_step_time / bound,
+            "exchange_tokens": exchange_tokens(dyn, lengths, world, micro)}
 
 
 RATIOS = ("speedup", "bytes_ratio", "speedup_vs_loader", "bytes_ratio_vs_loader",
@@ -274,6 +313,8 @@ def aggregate(steps: list[dict]) -> dict:
     out.update({k: spread([s[k] for s in steps]) for k in RATIOS})
     out.update({p: {f: spread([s[p][f] for s in steps])
                     for f in ("step_s", "imbalance", "cp_bytes", "slots")} for p in PLANS})
+    out["exchange_tokens"] = {f: spread([s["exchange_tokens"][f] for s in steps])
+                              for f in steps[0]["exchange_tokens"]}
     out["steps"] = steps
     return out
 
@@ -327,6 +368,20 @@ def print_table(rows: list[dict]) -> None:
         print(f"loader plans with empty micro-batches (too few documents): {empty}")
 
 
+def print_exchange(rows: list[dict]) -> None:
+    """Per corpus and size (h100 plans): MB of documents each rank receives per step, moved to
+    their runs by the all-to-all (mean, max) against an all-gather over dp."""
+    mb = EXCHANGE_BYTES_PER_TOKEN / 1e6
+    parts = []
+    for r in rows:
+        if r["constants"] == "h100":
+            x = {k: v["median"] * mb for k, v in r["exchange_tokens"].items()}
+            parts.append(f"{r['corpus']}/{r['ranks']} {x['all_to_all_mean']:.1f} (max "
+                         f"{x['all_to_all_max']:.1f}) vs {x['all_gather_mean']:.0f}")
+    print("document exchange, MB received per rank and step (int64 token, label, position), "
+          "all-to-all mean (max) vs all-gather over dp: " + "; ".join(parts))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calibrate", action="store_true",
@@ -360,6 +415,7 @@ def main(argv=None) -> dict:
     print_table(rows)
     print(f"plan 10,000 rl sequences on 512 ranks: {plan_10k:.3f} s wall, {plan_10k_cpu:.3f} s "
           f"CPU (medians of 5)")
+    print_exchange(rows)
     fa3 = h100_attention_fit()
     print(f"h100 n_half: fit of eff(L) = L / (L + n_half) to FlashAttention-3 fwd+bwd "
           f"{fa3['fwd_bwd_tflops']} TFLOP/s at L = {FA3_H100['lengths']}: "
@@ -390,6 +446,10 @@ def main(argv=None) -> dict:
               "steps_drawn": args.steps,
               "plan_seconds_10k": plan_10k, "plan_cpu_seconds_10k": plan_10k_cpu,
               "speedup_bound": med["speedup_bound"], "calibration": calibration,
+              "exchange_mb_per_rank": head["exchange_tokens"]["all_to_all_mean"]["median"]
+              * EXCHANGE_BYTES_PER_TOKEN / 1e6,
+              "allgather_mb_per_rank": head["exchange_tokens"]["all_gather_mean"]["median"]
+              * EXCHANGE_BYTES_PER_TOKEN / 1e6,
               "h100_attention_fit": fa3,
               "constants_used": {k: dataclasses.asdict(c) for k, c in constants.items()},
               "measured_4_ranks": measured,
