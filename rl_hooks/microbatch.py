@@ -3,8 +3,9 @@
 Every rank holds the same RolloutBatch and makes the same plan (pure, deterministic): sequences
 are assigned whole to DP ranks x M micro-batches of at most `budget` padded tokens, balanced by
 an attention-aware cost (data_packing's balancer), M the same on every rank. A micro-batch
-without sequences becomes a one-token batch without targets, so every rank runs the same number
-of forwards (the expert all-to-alls and CP collectives line up).
+without sequences becomes pad_multiple padding tokens without targets (sequence parallelism
+splits them over TP), so every rank runs the same number of forwards (the expert all-to-alls
+and CP collectives line up).
 
 Alignment (rl_hooks/batch.py): the value at rollout token t is scored by the model's output at
 the position holding token t-1. A micro-batch is a PackedBatch whose label at the physical
@@ -73,8 +74,8 @@ def build_micro_batch(batch: RolloutBatch, seqs: list[int], pad_multiple: int) -
 
     Labels: the next token of every token but the last of its sequence, so every rollout token but
     a sequence's first is scored, loss tokens or not: log-prob and training passes then run the
-    same computation (the first mini-batch's ratio is exactly 1). An empty `seqs` gives one
-    padding token without targets."""
+    same computation (the first mini-batch's ratio is exactly 1). An empty `seqs` gives
+    pad_multiple padding tokens without targets."""
     cu = batch.cu_seqlens.tolist()
     tokens, target_src, token_src, lens, slots = [], [], [], [], []
     for s in seqs:
@@ -90,8 +91,9 @@ def build_micro_batch(batch: RolloutBatch, seqs: list[int], pad_multiple: int) -
         token_src.append(tok)
         lens.append(n)
         slots.append(slot)
-    if not seqs:  # a stand-in micro-batch: one padding token, nothing scored
-        tokens, target_src, token_src = [batch.tokens.new_zeros(1)], [torch.tensor([-1])], [torch.tensor([-1])]
+    if not seqs:  # a stand-in micro-batch: padding only, nothing scored
+        none = torch.full((pad_multiple,), -1, dtype=torch.int64)
+        tokens, target_src, token_src = [batch.tokens.new_zeros(pad_multiple)], [none], [none]
     tokens_P, target_src_P, token_src_P = torch.cat(tokens), torch.cat(target_src), torch.cat(token_src)
     labels_P = torch.where(target_src_P >= 0, batch.tokens[target_src_P.clamp_min(0)],
                            torch.full_like(target_src_P, IGNORE_INDEX))

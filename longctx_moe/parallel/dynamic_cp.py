@@ -15,7 +15,7 @@ calls `reschedule` once per optimizer step (collective over dp_cp):
    it, the one at the receiver's CP position, so a replica's CP ranks share the sending
    (`routes`). Ranks of the owner replica already hold it. Each rank receives only what it runs;
 4. each rank builds one PackedBatch per slot from its run's documents (padded for that run's
-   size) with the CPGroup of that run (ParallelDims.dynamic_group), or a one-token batch
+   size) with the CPGroup of that run (ParallelDims.dynamic_group), or a batch of padding
    without targets where it is idle, so the expert all-to-alls line up.
 
 The trainer runs the slots like micro-batches. The loss stays the token-mean of the whole global
@@ -157,14 +157,15 @@ def exchange_documents(mine: list[Document], lengths: list[int], owner: list[int
 
 
 def pack_documents(docs: list[Document], multiple: int) -> PackedBatch:
-    """One PackedBatch of `docs`, each padded to `multiple`; a one-token batch without targets
-    when `docs` is empty (an idle rank still runs the step's collectives)."""
+    """One PackedBatch of `docs`, each padded to `multiple`; `multiple` padding tokens without
+    targets when `docs` is empty (an idle rank still runs the step's collectives, and sequence
+    parallelism splits its tokens over TP)."""
     if not docs:
-        one = torch.zeros(1, dtype=torch.int64)
-        return PackedBatch(tokens=one, labels=torch.full_like(one, IGNORE_INDEX),
+        pad = torch.zeros(multiple, dtype=torch.int64)
+        return PackedBatch(tokens=pad, labels=torch.full_like(pad, IGNORE_INDEX),
                            cu_seqlens=torch.zeros(1, dtype=torch.int32),
                            cu_seqlens_padded=torch.zeros(1, dtype=torch.int32),
-                           position_ids=torch.zeros_like(one), max_seqlen=0)
+                           position_ids=torch.zeros_like(pad), max_seqlen=0)
     lens = [d.tokens.numel() for d in docs]
     slots = [-(-n // multiple) * multiple for n in lens]
 

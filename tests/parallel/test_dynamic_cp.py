@@ -222,6 +222,43 @@ def test_dynamic_cp_two_slots_in_flight_equal_one_at_a_time_bitwise():
         assert all(torch.equal(p, q) for p, q in zip(params_one, params_two, strict=True))
 
 
+SP_LAYOUT = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2"]
+# per DP replica, one micro-batch: a 40-token document fills the 4-rank block in one slot, and a
+# 1-token one runs alone in another while three ranks idle
+SP_DOCS = [[[40, 2]], [[1]]]
+
+
+def _sp_steps():
+    gen = torch.Generator().manual_seed(6)
+    return [[[packed_batch(d, 64, pad_multiple=8, generator=gen) for d in replica]
+             for replica in SP_DOCS] for _ in range(2)]
+
+
+def _sp_rank(rank, world):
+    extra = AUX_OFF + DYNAMIC + ["parallel.max_cp=4"]
+    cfg = load_config(None, BASE + SP_LAYOUT + extra)
+    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+    dims.build_groups(rank)
+    trainer = _trainer(SP_LAYOUT + extra, dims)
+    results = [trainer.train_step(step[dims.rank_in("dp")]) for step in _sp_steps()]
+    return [(r.loss, r.grad_norm, r.cp_sizes) for r in results]
+
+
+def test_dynamic_cp_with_sequence_parallel_tp_matches_one_process_float64():
+    """TP2 x CP2 x DP2 with sequence parallelism: an idle rank's stand-in batch must split over
+    TP like any other (it held one token, which sequence parallelism refused). Balance losses
+    off, so one process on the loader's micro-batches is the reference for loss and norm."""
+    steps = _sp_steps()
+    plans = [_plan(step, 4, 4)[1] for step in steps]
+    assert any(not run.seq_indices for p in plans for slot in p.slots for run in slot)  # idle
+    ref, _ = _reference(AUX_OFF, [[mb for replica in step for mb in replica] for step in steps])
+    for per_step in run_distributed(_sp_rank, 8, timeout=600):
+        for (loss, norm, sizes), (ref_loss, ref_norm), plan in zip(per_step, ref, plans,
+                                                                    strict=True):
+            assert sizes == plan.cp_sizes_used
+            assert abs(loss - ref_loss) < TOL_RUN and abs(norm - ref_norm) < TOL_RUN
+
+
 GLOBAL_AUX = ["model.aux_loss_type=switch", "model.aux_loss_coeff=0.1", "model.z_loss_coeff=0.01",
               "model.expert_bias=true", "parallel.aux_loss_scope=global_batch"]
 GLOBAL_STEPS = 3

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from rl_hooks import PolicyLossConfig, PolicyTrainer, make_loss
+from rl_hooks import PolicyLossConfig, PolicyTrainer, RolloutBatch, make_loss
 from rl_hooks.losses import AGGS, KINDS
 from tests.launcher import run_distributed
 from tests.rl_hooks.helpers import EPS, config, params, rollout_batch, updates
@@ -33,10 +33,16 @@ LAYOUTS = [
     ["parallel.ep=4", "parallel.micro_batches_in_flight=2"],
     # Dynamic-CP: each mini-batch's sequences on runs of 1, 2 and 4 ranks of the DP2 x CP2 block
     ["parallel.cp=2", "parallel.ep=2", "parallel.dynamic_cp=true", "parallel.max_cp=4"],
+    # ... with sequence parallelism: an idle rank's stand-in micro-batch splits over TP too
+    ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2",
+     "parallel.dynamic_cp=true"],
 ]
 # Tokens one rank holds per micro-batch; under Dynamic-CP 6 sends the 8..13-token sequences to
 # runs of 2 and 4 ranks (the split does not change the results: aux losses are off).
 BUDGET, DYNAMIC_BUDGET = 24, 6
+# With sequence parallelism on TP2 a sequence is padded to 2 (alone) or 4 (on 2 ranks): 8 tokens
+# per rank sends the 8..13-token sequences to runs of 1 and 2 ranks.
+SP_DYNAMIC_BUDGET = 8
 # Every loss kind with every aggregation (KL and the train-inference corrections on the PPO ones)
 LOSSES = [PolicyLossConfig(kind=k, agg=a, kl_coef=0.1 if k == "ppo" else 0.0,
                            tis_cap=2.0 if k == "ppo" else None,
@@ -49,7 +55,11 @@ def _run(sets, rank_info=False):
     """compute_logprobs, then one step per loss; the updates of this rank's parameters."""
     batch = rollout_batch()
     dynamic = "parallel.dynamic_cp=true" in sets
-    policy = PolicyTrainer(config(*sets), micro_batch_tokens=DYNAMIC_BUDGET if dynamic else BUDGET)
+    budget = BUDGET
+    if dynamic:
+        budget = SP_DYNAMIC_BUDGET if "parallel.sequence_parallel=true" in sets else DYNAMIC_BUDGET
+    policy = PolicyTrainer(config(*sets), micro_batch_tokens=budget)
+    sizes_possible = {1, 2, 4} & set(range(1, policy.dims.dp * policy.dims.cp + 1))
     out = policy.compute_logprobs(batch, return_entropy=True, record_routes=True)
     steps = []
     for cfg in LOSSES:
@@ -58,8 +68,10 @@ def _run(sets, rank_info=False):
         before = params(policy)
         metrics = policy.train_step(rollouts, make_loss(cfg), lr=EPS)
         if dynamic:  # every sequence counted once, at the size it ran
-            sizes = [metrics[f"sequences_cp{s}"] for s in (1, 2, 4)]
-            assert sum(sizes) == batch.num_seqs and min(sizes) > 0, sizes
+            sizes = {int(k[len("sequences_cp"):]): v for k, v in metrics.items()
+                     if k.startswith("sequences_cp")}
+            assert sum(sizes.values()) == batch.num_seqs and min(sizes.values()) > 0, sizes
+            assert set(sizes) == sizes_possible, sizes
         steps.append({n: u for n, u in updates(policy, before).items()})
         # undo the step so each loss starts from the same weights
         with torch.no_grad():
@@ -68,7 +80,7 @@ def _run(sets, rank_info=False):
     dims = policy.dims
     where = {"tp": dims.rank_in("tp"), "ep": dims.rank_in("ep")} if rank_info else None
     if dynamic:  # the schedule really mixes CP sizes
-        assert set(policy.dynamic.plan(batch.seq_lengths(), DYNAMIC_BUDGET).cp_sizes_used) == {1, 2, 4}
+        assert set(policy.dynamic.plan(batch.seq_lengths(), budget).cp_sizes_used) == sizes_possible
     return out, steps, where
 
 
@@ -102,3 +114,27 @@ def test_policy_calls_match_single_process_under_cp_tp_ep_float64():
                 for name, g in got.items():
                     w = _slice(name, g, want[name], where)
                     assert (g - w).abs().max() < TOL, (sets, cfg.kind, name)
+
+
+SP_ONE = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+
+
+def _one_sequence_logprobs(sets):
+    """Log-probs of a batch of one sequence: with DP2 one replica has nothing to run."""
+    batch = RolloutBatch.from_sequences([[3, 1, 4, 1, 5]], [[9, 2, 6]],
+                                        advantages=[[0.5, -1.0, 0.25]])
+    policy = PolicyTrainer(config(*sets), micro_batch_tokens=BUDGET)
+    return policy.compute_logprobs(batch, return_entropy=True).logprobs
+
+
+def test_sequence_parallel_rank_without_sequences_runs_a_stand_in():
+    """TP2 x DP2 with sequence parallelism and one sequence: the idle replica's stand-in
+    micro-batch splits over TP like any other (one token did not), and both replicas agree
+    with one process."""
+    want = _one_sequence_logprobs([])
+    for got in run_distributed(_sp_one_rank, 4, timeout=300):
+        assert (got - want).abs().max() < TOL
+
+
+def _sp_one_rank(rank, world):
+    return _one_sequence_logprobs(SP_ONE)
