@@ -1,6 +1,6 @@
 """Dynamic-CP's document exchange (longctx_moe.parallel.dynamic_cp): every rank receives exactly
 the documents its runs hold and no other, each from one rank of the replica that loaded it; and
-`reschedule` on gloo gives every rank of DP2 x CP2, DP4 x CP2 and DP2 x CP4 blocks the slot
+`reschedule` on gloo gives every rank of DP2 x CP2, pure DP4 and DP4 x CP2 blocks the slot
 batches that packing the plan's documents in one process gives (token ids, labels, positions and
 loss weights bitwise), also when only some replicas carry loss weights."""
 
@@ -28,8 +28,9 @@ from tests.model.helpers import packed_batch
 
 COST = DynamicCPCost(a=1e-6, b=1e-9, kv_bytes_per_token=1e3, bandwidth=1e9, overlap=0.5)
 CAPACITY = 12
-# (world, cp, max_cp): DP2 x CP2, DP4 x CP2 (a replica's two CP ranks share the sending), DP2 x CP4
-LAYOUTS = [(4, 2, 4), (8, 2, 8), (8, 4, 4)]
+# (world, cp, max_cp): DP2 x CP2, pure DP4 (cp 1), DP4 x CP2 (each replica's two CP ranks share
+# the sending)
+LAYOUTS = [(4, 2, 4), (4, 1, 4), (8, 2, 8)]
 
 
 def test_routes_deliver_each_needed_document_once_from_its_owner():
