@@ -5,7 +5,7 @@ the same call).
 
 API (cost: a cp_attention.dynamic_cost.DynamicCPCost)
     plan = schedule(lengths, block_size, max_cp, capacity_tokens, cost, static_cp=None,
-                    tp=1, raise_cp=True) -> DynamicPlan
+                    tp=1, sequence_parallel=False, raise_cp=True) -> DynamicPlan
     plan.slots[m]             list of Run(size, first_rank, seq_indices), ordered by first_rank:
                               a partition of ranks 0..block_size-1 (an idle rank is Run(1, r, ()))
     plan.assignment(rank)     [(run, seq_indices)] over the slots: what `rank` runs in each slot
@@ -15,7 +15,8 @@ API (cost: a cp_attention.dynamic_cost.DynamicCPCost)
 Layout. The block holds B = dp * cp ranks. For every power of two s <= max_cp the ranks are cut
 into aligned runs [j*s, (j+1)*s). A slot is one micro-batch index: in a slot every rank belongs to
 exactly one run, and each run holds a packed list of sequences, each sharded (zigzag) over the
-run's s ranks, its length padded to a multiple of lcm(2s, tp). Every rank runs num_slots slots.
+run's s ranks, its length padded as the runtime pads it (padded_length: lcm(2s, tp), or lcm(2s,
+s*tp) with sequence parallelism; tp on one rank). Every rank runs num_slots slots.
 
 Cost model: cp_attention/dynamic_cost.py (DynamicCPCost): a sequence's compute, ring bytes and
 attention tile overhead on s ranks, and a run's fixed ring-step latency.
@@ -47,8 +48,8 @@ Legend: B block ranks, N sequences, M slots, s run size, n padded length, C capa
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -217,30 +218,36 @@ class _Problem:
     sizes: list[int]  # run sizes the slots are cut into: 1, 2, ..., top
     capacity: int
     tp: int
+    sequence_parallel: bool
     cost: DynamicCPCost
 
     min_room: dict[int, int] = field(init=False)  # size -> fewest tokens per rank of a sequence
     fixed: dict[int, float] = field(init=False)  # size -> fixed seconds of a busy run
 
     def __post_init__(self):
-        self.min_room = {s: math.lcm(2 * s, self.tp) // s for s in self.sizes}
+        self.min_room = {s: self.padded(1, s) // s for s in self.sizes}
         self.fixed = {s: self.cost.run_fixed_seconds(s) for s in self.sizes}
+
+    def padded(self, n: int, size: int) -> int:
+        """Length of a sequence of n tokens on a run of `size` ranks, padding included."""
+        return padded_length(n, size, self.tp, self.sequence_parallel)
 
 
 def schedule(lengths: Sequence[int], block_size: int, max_cp: int, capacity_tokens: int,
              cost: DynamicCPCost, static_cp: int | None = None, *, tp: int = 1,
-             raise_cp: bool = True) -> DynamicPlan:
+             sequence_parallel: bool = False, raise_cp: bool = True) -> DynamicPlan:
     """Place one step's sequences on a block of `block_size` ranks (module docstring).
 
     lengths: tokens per sequence (>= 1); max_cp: largest run size, a power of two dividing
     block_size; capacity_tokens: most (padded) tokens one rank holds in one slot; static_cp: the
-    classic-CP baseline, every sequence on exactly static_cp ranks; tp: tensor-parallel size
-    (padding multiple); raise_cp: allow sequences on larger runs than they need (steps 2-4).
+    classic-CP baseline, every sequence on exactly static_cp ranks; tp, sequence_parallel: the
+    tensor-parallel layout (the padding multiple); raise_cp: allow sequences on larger runs than
+    they need (steps 2-4).
     """
     lengths = [int(n) for n in lengths]
     _check_layout(block_size, max_cp, capacity_tokens, tp, static_cp)
-    prob = _problem(lengths, block_size, static_cp or max_cp, capacity_tokens, tp, cost,
-                    static_cp, raise_cp and static_cp is None)
+    prob = _problem(lengths, block_size, static_cp or max_cp, capacity_tokens, tp,
+                    sequence_parallel, cost, static_cp, raise_cp and static_cp is None)
     order = _order(prob)
     if not raise_cp or static_cp is not None:
         return _finish(_place(prob, order), prob)
@@ -260,8 +267,7 @@ def _candidate(prob: _Problem, order: list[int], raise_in_place: bool | None) ->
     every sequence on top-size runs."""
     if raise_in_place is None:  # exactly schedule(..., static_cp=top): each option list ends
         # with the top size, so its last entry is that problem's only option
-        static = _Problem(prob.lengths, [o[-1:] for o in prob.options], prob.block_size,
-                          prob.sizes, prob.capacity, prob.tp, prob.cost)
+        static = dataclasses.replace(prob, options=[o[-1:] for o in prob.options])
         return _place(static, _order(static))
     slots = _place(prob, order, raise_in_place=raise_in_place)
     for k, slot in enumerate(slots):
@@ -284,7 +290,7 @@ def _check_layout(block_size: int, max_cp: int, capacity: int, tp: int,
                          "parallel.max_tokens_per_rank to the tokens one rank may hold")
 
 
-def _problem(lengths: list[int], block_size: int, top: int, capacity: int, tp: int,
+def _problem(lengths: list[int], block_size: int, top: int, capacity: int, tp: int, sp: bool,
              cost: DynamicCPCost, static_cp: int | None, raise_cp: bool) -> _Problem:
     """Options per sequence: exactly static_cp; else the smallest fitting size, and with
     raise_cp every larger size up to top as well (a size that fits makes every larger one fit)."""
@@ -297,7 +303,7 @@ def _problem(lengths: list[int], block_size: int, top: int, capacity: int, tp: i
     usable = [static_cp] if static_cp is not None else sizes
     table = []  # per usable size: (size, fits [N], tokens per rank [N], seconds [N])
     for s in usable:
-        multiple = math.lcm(2 * s, tp)
+        multiple = padded_length(1, s, tp, sp)
         pad = -(-n // multiple) * multiple
         table.append((s, pad // s <= capacity, (pad // s).tolist(),
                       cost.seconds(pad.astype(np.float64), s).tolist()))
@@ -306,7 +312,7 @@ def _problem(lengths: list[int], block_size: int, top: int, capacity: int, tp: i
         s = usable[-1]
         raise ValueError(
             f"schedule: sequence {i} of {lengths[i]} tokens needs "
-            f"{padded_length(lengths[i], s, tp) // s} tokens per rank on {s} ranks, over "
+            f"{padded_length(lengths[i], s, tp, sp) // s} tokens per rank on {s} ranks, over "
             f"capacity_tokens={capacity}; raise {'static_cp' if static_cp else 'max_cp'} or "
             "parallel.max_tokens_per_rank, or truncate the sequence")
     first = np.zeros(n.size, dtype=np.int64)  # index into table of the smallest fitting size
@@ -315,7 +321,7 @@ def _problem(lengths: list[int], block_size: int, top: int, capacity: int, tp: i
     last = len(table) if raise_cp else None
     options = [[(table[k][0], table[k][2][i], table[k][3][i])
                 for k in range(f, last or f + 1)] for i, f in enumerate(first.tolist())]
-    return _Problem(lengths, options, block_size, sizes, capacity, tp, cost)
+    return _Problem(lengths, options, block_size, sizes, capacity, tp, sp, cost)
 
 
 def _order(prob: _Problem) -> list[int]:
@@ -409,7 +415,7 @@ def _increase(load: float, ceiling: float) -> float:
 
 def _run_seconds(prob: _Problem, seqs: list[int], size: int) -> tuple[int, float]:
     """(tokens per rank, seconds) of `seqs` packed on a run of `size` ranks."""
-    pads = [padded_length(prob.lengths[i], size, prob.tp) for i in seqs]
+    pads = [prob.padded(prob.lengths[i], size) for i in seqs]
     return sum(pads) // size, prob.cost.run_seconds(pads, size)
 
 
@@ -475,7 +481,7 @@ def _halve(run: _OpenRun, prob: _Problem, ceiling: float) -> list[_OpenRun] | No
     parts = [_OpenRun(run.first, half), _OpenRun(run.first + half, half)]
     costs = {}
     for i in run.seqs:
-        pad = padded_length(prob.lengths[i], half, prob.tp)
+        pad = prob.padded(prob.lengths[i], half)
         costs[i] = pad // half, prob.cost.seconds(pad, half)
     for i in sorted(run.seqs, key=lambda i: (-costs[i][1], i)):
         tokens, seconds = costs[i]
@@ -497,7 +503,7 @@ def _finish(slots: list[_Slot], prob: _Problem) -> DynamicPlan:
         runs, worst = [], 0.0
         for r in slot.runs:
             seqs = tuple(sorted(r.seqs))
-            pads = [padded_length(prob.lengths[i], r.size, prob.tp) for i in seqs]
+            pads = [prob.padded(prob.lengths[i], r.size) for i in seqs]
             seconds = prob.cost.run_seconds(pads, r.size)
             rank_cost[r.first:r.first + r.size] += seconds
             worst = max(worst, seconds)

@@ -5,7 +5,7 @@ API
     cost = DynamicCPCost(a, b, kv_bytes_per_token, bandwidth, overlap, ring_step_seconds,
                          attn_half_tokens)
     cost = DynamicCPCost.h100()   or   DynamicCPCost.from_model(num_layers=..., ...)
-    padded_length(n, size, tp)    physical length of a sequence sharded over `size` ranks
+    padded_length(n, size, tp, sequence_parallel)   physical length of a sequence on `size` ranks
     fit_attention_efficiency(lengths, flops_per_s) -> (long-tile FLOP/s, n_half)
 
 Cost model (DynamicCPCost). A sequence of padded length n on s ranks costs every one of them
@@ -38,11 +38,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from data_packing.batch import pad_multiple
 
-def padded_length(n: int, size: int, tp: int = 1) -> int:
-    """Length of a sequence of n tokens sharded zigzag over `size` ranks (2*size chunks) with
-    TP sequence sharding inside each rank: the next multiple of lcm(2*size, tp)."""
-    multiple = math.lcm(2 * size, tp)
+
+def padded_length(n: int, size: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """Length of a sequence of n tokens on a run of `size` ranks, padded as the runtime pads it:
+    to data_packing.batch.pad_multiple (2*size zigzag chunks, split TP ways with sequence
+    parallelism)."""
+    multiple = pad_multiple(size, tp, sequence_parallel)
     return -(-n // multiple) * multiple
 
 

@@ -459,6 +459,15 @@ def fit(trainer: Trainer, loader: Any, ctx: RunContext, logger: MetricsLogger, p
     return records
 
 
+def check_dynamic_cp_fits(cfg: Config, runtime: Any, loader: Any) -> None:
+    """Under Dynamic-CP, the corpus's longest document must fit the largest run."""
+    if runtime.dynamic is not None:
+        try:
+            runtime.dynamic.check_longest(int(loader.ds.doc_lengths.max()), cfg.data.path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 def start_up(cfg: Config, ctx: RunContext) -> tuple[Any, Any]:
     """(runtime, loader): the layout, data and backend checks, the model and the loader.
     Collective: a problem on any rank stops every rank with the same one-line ConfigError."""
@@ -467,6 +476,7 @@ def start_up(cfg: Config, ctx: RunContext) -> tuple[Any, Any]:
         dims = build_dims(cfg, ctx)
         check_data_against_model(cfg)
         built = build_runtime(cfg, dims, ctx.device), build_loader(cfg, dims)
+        check_dynamic_cp_fits(cfg, *built)
     except ConfigError as e:
         error = str(e)
     agree(error, cls=ConfigError)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cp_attention.dynamic_cost import padded_length
 from data_packing.batch import IGNORE_INDEX, PackedBatch, pad_multiple
 from longctx_moe.parallel.comm import all_gather_rows, gather_sizes
 from longctx_moe.parallel.context_parallel import NO_CP, CPGroup
@@ -209,6 +210,19 @@ class DynamicCP:
                  for seqs, multiple, cp in self.my_runs(plan)]
         return slots, dict(plan.cp_sizes_used)
 
+    def check_longest(self, longest: int, where: str) -> None:
+        """Refuse at start-up a document that no run can hold (every step holding it would stop
+        there): its share of the largest run, padded as the runtime pads it, over capacity."""
+        share = padded_length(longest, self.max_cp, self.dims.tp,
+                              self._sequence_parallel) // self.max_cp
+        if share > self.capacity:
+            raise ValueError(
+                f"{where} holds a document of {longest} tokens: {share} per rank on the largest "
+                f"Dynamic-CP run (max_cp={self.max_cp}), over the {self.capacity} tokens one rank "
+                "holds (parallel.max_tokens_per_rank, else data.micro_batch_tokens); raise "
+                "parallel.max_tokens_per_rank or parallel.max_cp, or repack with a smaller "
+                "--seq-len")
+
     def plan(self, lengths: list[int], capacity: int | None = None):
         """The schedule of sequences of these lengths on the block (pure, the same on every rank);
         `capacity`: tokens per rank and slot (default parallel.max_tokens_per_rank)."""
@@ -216,7 +230,7 @@ class DynamicCP:
 
         try:
             return schedule(lengths, self.block, self.max_cp, capacity or self.capacity, self.cost,
-                            tp=self.dims.tp)
+                            tp=self.dims.tp, sequence_parallel=self._sequence_parallel)
         except ValueError as e:  # a sequence no sub-group can hold: name the keys to change
             raise ValueError(f"Dynamic-CP: {e}") from None
 
@@ -224,10 +238,13 @@ class DynamicCP:
         """For every slot of `plan`, what this rank runs: (sequence indices, padding multiple of
         the run's size, the run's CPGroup); no sequences where the rank idles."""
         me = self.dims.rank_in(Axis.DP_CP)
-        sp = self.dims.config is not None and self.dims.config.sequence_parallel
-        return [(seqs, pad_multiple(run.size, self.dims.tp, sp),
+        return [(seqs, pad_multiple(run.size, self.dims.tp, self._sequence_parallel),
                  self._cp_group(run.size, me - run.first_rank))
                 for run, seqs in plan.assignment(me)]
+
+    @property
+    def _sequence_parallel(self) -> bool:
+        return self.dims.config is not None and self.dims.config.sequence_parallel
 
     def _cp_group(self, size: int, rank: int) -> CPGroup:
         """The CPGroup of this rank's run. Hierarchical: a run no larger than cp_inner is one

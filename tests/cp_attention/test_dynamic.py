@@ -162,8 +162,15 @@ def test_edge_lengths_pick_the_smallest_fitting_size():
     plan = schedule(lengths, 8, 8, 64, COST, raise_cp=False)
     sizes = check_plan(plan, lengths, 8, 8, 64)
     assert [sizes[i] for i in range(5)] == [1, 1, 2, 8, 2]
-    assert padded_length(1, 1) == 2 and padded_length(65, 2) == 68
-    assert padded_length(65, 2, tp=3) == 72 and padded_length(7, 4, tp=16) == 16
+    # padded as the runtime pads (data_packing.batch.pad_multiple): one rank needs no chunks;
+    # sequence parallelism splits each rank's share TP ways, which can need a larger size
+    assert padded_length(1, 1) == 1 and padded_length(5, 1, tp=4) == 8
+    assert padded_length(65, 2) == 68 and padded_length(65, 2, tp=3) == 72
+    assert padded_length(7, 4, tp=16) == 16
+    assert padded_length(65, 2, tp=4) == 68 and padded_length(65, 2, tp=4, sequence_parallel=True) == 72
+    for sp, size in ((False, 2), (True, 4)):
+        plan = schedule([65], 8, 8, 34, COST, tp=4, sequence_parallel=sp, raise_cp=False)
+        assert plan.cp_sizes_used == {size: 1}
 
 
 def test_more_sequences_than_ranks_and_fewer():
@@ -216,7 +223,7 @@ def test_runs_below_the_slot_time_are_halved():
     # raised onto the other 8 ranks go back to one rank each (8 -> 4+4 -> 2+2+2+2 -> 1 each, the
     # other rank of each pair idle).
     lengths = [100, 100, 100, 100, 800]
-    prob = _problem(lengths, 16, 8, 100, 1, COST, None, True)
+    prob = _problem(lengths, 16, 8, 100, 1, False, COST, None, True)
     slot = _Slot(16, prob.sizes)
     for seqs in ([4], [0, 1, 2, 3]):
         run = slot.open_run(8)

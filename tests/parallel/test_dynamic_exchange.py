@@ -17,6 +17,7 @@ from data_packing.batch import pad_multiple
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import Axis, ParallelDims
 from longctx_moe.parallel.dynamic_cp import (
+    Document,
     DynamicCP,
     documents,
     needed_documents,
@@ -61,6 +62,21 @@ def test_routes_deliver_each_needed_document_once_from_its_owner():
             moved += sum(lengths[i] for i in got)
             gathered += sum(n for n, o in zip(lengths, owner, strict=True) if o != replica)
         assert moved <= gathered  # an all-gather over dp moves every other replica's documents
+
+
+def test_plan_capacity_holds_for_the_runtime_batches():
+    """The scheduler pads as the runtime packs: every run's batch, padded to pad_multiple of its
+    size (TP and sequence parallelism included), holds at most capacity tokens per rank."""
+    rng = np.random.default_rng(1)
+    for tp, sp in ((1, False), (4, False), (2, True), (4, True)):
+        for _ in range(40):
+            lengths = rng.integers(1, 200, int(rng.integers(1, 30))).tolist()
+            plan = schedule(lengths, 8, 8, 64, COST, tp=tp, sequence_parallel=sp)
+            for run in (r for slot in plan.slots for r in slot if r.seq_indices):
+                docs = [Document(*(torch.zeros(lengths[i], dtype=torch.int64),) * 3, None)
+                        for i in run.seq_indices]
+                batch = pack_documents(docs, pad_multiple(run.size, tp, sp))
+                assert batch.tokens.numel() // run.size <= 64, (tp, sp, run)
 
 
 def _replicas(dp: int, seed: int):

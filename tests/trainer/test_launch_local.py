@@ -46,6 +46,17 @@ def test_error_found_by_the_ranks_is_printed_once_with_status_2(tmp_path, corpus
                                 "(or longctx-pack --output DIR) and set data.path=DIR"]
 
 
+def test_document_no_dynamic_cp_run_holds_is_refused_at_start_up(tmp_path, corpus):
+    # Found before the first step (it would stop the step holding that document on every rank).
+    proc = launch(tmp_path / "run", corpus, 1, "parallel.cp=2", "parallel.dynamic_cp=true",
+                  "parallel.max_tokens_per_rank=4", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-3000:]
+    lines = error_lines(err)
+    assert len(lines) == 1 and "per rank on the largest Dynamic-CP run (max_cp=2), over the 4 " \
+        "tokens one rank holds" in lines[0], err[-3000:]
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
