@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cp_attention.dynamic_cost import DynamicCPCost, padded_length
+from data_packing.batch import pad_multiple
 
 # A packing on larger runs (step 4, and the later candidate plans) is adopted only if it is at
 # least this much faster: the cost model charges larger runs their ring bytes, ring steps and
@@ -225,7 +226,8 @@ class _Problem:
     fixed: dict[int, float] = field(init=False)  # size -> fixed seconds of a busy run
 
     def __post_init__(self):
-        self.min_room = {s: self.padded(1, s) // s for s in self.sizes}
+        self.min_room = {s: pad_multiple(s, self.tp, self.sequence_parallel) // s
+                         for s in self.sizes}
         self.fixed = {s: self.cost.run_fixed_seconds(s) for s in self.sizes}
 
     def padded(self, n: int, size: int) -> int:
@@ -303,7 +305,7 @@ def _problem(lengths: list[int], block_size: int, top: int, capacity: int, tp: i
     usable = [static_cp] if static_cp is not None else sizes
     table = []  # per usable size: (size, fits [N], tokens per rank [N], seconds [N])
     for s in usable:
-        multiple = padded_length(1, s, tp, sp)
+        multiple = pad_multiple(s, tp, sp)
         pad = -(-n // multiple) * multiple
         table.append((s, pad // s <= capacity, (pad // s).tolist(),
                       cost.seconds(pad.astype(np.float64), s).tolist()))
