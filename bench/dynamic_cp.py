@@ -199,7 +199,7 @@ def loader_cost_keys(cost: DynamicCPCost) -> tuple[float, float]:
     (ring: unhidden seconds of CP traffic per token). The run's fixed ring-step cost is the
     same for every non-empty micro-batch: nothing to balance."""
     s = MAX_CP
-    ring = ((1.0 - cost.overlap) * cost.ring_bytes(1, s) + cost.a2a_bytes(1, s)) / cost.bandwidth
+    ring = cost.comm_seconds(1, s)
     return cost.a / s + cost.b * cost.attn_half_tokens + ring - cost.b / s, 2.0 * cost.b / s
 
 

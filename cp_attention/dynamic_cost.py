@@ -144,11 +144,15 @@ class DynamicCPCost:
         """All CP bytes each of the `size` ranks receives for one sequence of padded length n."""
         return self.ring_bytes(n, size) + self.a2a_bytes(n, size)
 
+    def comm_seconds(self, n, size: int):
+        """Unhidden CP transfer seconds of one sequence of padded length n for each rank of a run
+        of `size`: the ring's share not behind attention, and the whole all-to-all."""
+        return ((1.0 - self.overlap) * self.ring_bytes(n, size) + self.a2a_bytes(n, size)) \
+            / self.bandwidth
+
     def seconds(self, n, size: int):
         """Seconds one sequence of padded length n adds to each rank of a run of `size`."""
-        comm = ((1.0 - self.overlap) * self.ring_bytes(n, size) + self.a2a_bytes(n, size)) \
-            / self.bandwidth
-        return self.compute_seconds(n, size) + comm
+        return self.compute_seconds(n, size) + self.comm_seconds(n, size)
 
     def run_fixed_seconds(self, size: int) -> float:
         """Fixed seconds of a run of `size` ranks that holds at least one sequence in a slot:
