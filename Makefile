@@ -11,7 +11,11 @@ TRAIN_CONFIG ?= configs/tiny_cpu.yaml
 TRAIN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install data train test lint bench clean
+# The AVX2 path on an AVX512 machine (cp_attention/hardware.py): oneDNN and aten's kernels capped at
+# AVX2 and our CPU probes switched, as on a CPU without native bf16.
+AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 LONGCTX_CPU_ISA=avx2
+
+.PHONY: install data train test lint bench clean train-avx2 test-avx2
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +38,12 @@ train: data
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+train-avx2:
+	env $(AVX2_ENV) $(MAKE) train
+
+test-avx2:
+	env $(AVX2_ENV) $(MAKE) test
 
 # Benchmarks print a table and write JSON under bench/results/ (minutes each; see docs/PERFORMANCE.md).
 bench: install

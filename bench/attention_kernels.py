@@ -1,6 +1,7 @@
 """Benchmark: varlen attention (torch_cpu backend) vs torch SDPA with a dense block-diagonal mask.
 
-One packed 2048-token row of ~6 documents of realistic lengths, bf16, 8 query / 4 KV heads of 64,
+One packed 2048-token row of ~6 documents of realistic lengths, 8 query / 4 KV heads of 64, in the
+dtype a run here computes in (`--dtype auto`: bf16 where the CPU has native bf16, else float32),
 causal. Both sides run forward and forward+backward on the same tensors in the same process;
 the table reports medians and the ratio SDPA / ours (> 1 means ours is faster). Where the brgemm
 backward runs (cp_attention.kernels.amx_backward: AMX or AVX512-BF16), ours is also timed with
@@ -26,13 +27,13 @@ sys.path.insert(0, str(_HERE.parent))
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.bench_io import DTYPE_CHOICES, compute_dtype, write_json  # noqa: E402
 from cp_attention.kernels import amx_backward, brgemm_forward, varlen_attention  # noqa: E402
 from cp_attention.kernels.reference import doc_mask_TS  # noqa: E402
 
@@ -177,6 +178,8 @@ def main() -> None:
                       help="time forwards only (long documents: SDPA's dense backward is slow)")
     mode.add_argument("--backward-only", action="store_true",
                       help="time our backward alone, brgemm kernel vs aten's (where it runs)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="auto: bf16 where the CPU has native bf16 (AVX512-BF16 / AMX), else float32")
     p.add_argument("--out", type=str, default=None, help="write the results as JSON here")
     a = p.parse_args()
     if a.threads:
@@ -184,12 +187,10 @@ def main() -> None:
     if a.backward_only and not amx_backward.available():
         p.error("--backward-only compares the brgemm backward with aten's, which is off here "
                 "(LONGCTX_AMX_ATTENTION=0, or no AVX512-BF16/AMX CPU, C++ compiler or ninja)")
-    res = run([int(x) for x in a.lengths.split(",")], a.reps, forward_only=a.forward_only,
-              backward_only=a.backward_only)
+    res = run([int(x) for x in a.lengths.split(",")], a.reps, dtype=compute_dtype(a.dtype).dtype,
+              forward_only=a.forward_only, backward_only=a.backward_only)
     print(_table(res))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(a.out, res, indent=2)
 
 
 if __name__ == "__main__":

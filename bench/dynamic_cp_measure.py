@@ -34,13 +34,6 @@ def _best_seconds(fn, repeats: int) -> float:
     return min(times)
 
 
-def gemm_flops(dtype, n: int = 2048, repeats: int = 5) -> float:
-    import torch
-
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / _best_seconds(lambda: torch.matmul(a, b), repeats)
-
-
 def attention_curve(dtype, lengths=CURVE_LENGTHS, heads: int = 4, head_dim: int = 128,
                     tokens: int = 8192, repeats: int = 3, fit: bool = True) -> dict:
     """Causal SDPA forward + backward FLOP/s at tile lengths L (batch max(1, tokens // L)
@@ -115,22 +108,22 @@ def calibrate(model: dict) -> dict:
     DynamicCPCost constants of `model` (DynamicCPCost.from_model keywords) they give."""
     import torch
 
-    gemm = {str(d).split(".")[1]: gemm_flops(d) for d in (torch.float32, torch.bfloat16)}
-    # The faster dtype of each is what a run here would use (bf16 autocast where AMX exists);
-    # attention's dtype is chosen at one length, then its curve is measured in that dtype only.
-    probe = {str(d).split(".")[1]: attention_curve(d, lengths=(2048,), repeats=2,
-                                                   fit=False)
-             for d in (torch.float32, torch.bfloat16)}
-    attn_dtype = max(probe, key=lambda k: probe[k]["flops_per_s"][-1])
-    attn = attention_curve(getattr(torch, attn_dtype))
+    from bench.bench_io import compute_dtype
+    from longctx_moe.metrics import measure_peak_tflops
+
+    # The dtype a run here computes in (train.autocast_dtype=auto: bf16 where the CPU has native
+    # bf16, float32 elsewhere); the other dtype's GEMM is measured too, time-bounded, for the table.
+    dtype = compute_dtype().dtype
+    gemm = {str(d).split(".")[1]: measure_peak_tflops(torch.device("cpu"), d) * 1e12
+            for d in (torch.float32, torch.bfloat16)}
+    attn_dtype = str(dtype).split(".")[1]
+    attn = attention_curve(dtype)
     p2p = p2p_latency_bandwidth()
-    best_gemm = max(gemm.values())
-    cost = DynamicCPCost.from_model(**model, flops_per_s=best_gemm,
+    cost = DynamicCPCost.from_model(**model, flops_per_s=gemm[attn_dtype],
                                     attention_flops_per_s=attn["fit_flops_per_s"],
                                     bandwidth=p2p["bytes_per_s"], ring_latency=p2p["latency_s"],
                                     attn_half_tokens=attn["fit_half_tokens"])
     return {"gemm_flops_per_s": gemm, "attention_dtype": attn_dtype,
-            "attention_probe_flops_per_s": {k: v["flops_per_s"] for k, v in probe.items()},
             "attention": attn, "p2p": p2p, "threads": torch.get_num_threads(),
             "constants": dataclasses.asdict(cost)}
 

@@ -17,7 +17,7 @@ keeps them. The default, live, lets the fresh router choose: on one long random 
 most tokens to a few experts, and under EP the ranks holding those experts keep more activations.
 
 The model is bench/train_throughput.py's (hidden 512, 4 layers, 16 experts top-2, 8 query / 4 KV
-heads of 64, vocab 16384), bf16 autocast, fp32 master weights, fused AdamW, no torch.compile on
+heads of 64, vocab 16384), bf16 autocast where the CPU has native bf16 (else float32), fp32 master weights, fused AdamW, no torch.compile on
 either side (a compile would be charged to the single timed step). The document is random token
 ids: memory and time do not depend on the values.
 
@@ -95,7 +95,7 @@ import torch  # noqa: E402
 from long_context_multi import LAYOUTS, WORLD, layout_sets, run_multi  # noqa: E402
 from long_context_report import fmt_multi, fmt_row, multi_table, table  # noqa: E402
 
-from bench.bench_io import write_json  # noqa: E402
+from bench.bench_io import compute_dtype, write_json  # noqa: E402
 
 SIDES = ("none", "selective", "full", "hf")  # the first three are ours, by train.recompute
 RECOMPUTE = SIDES[:3]
@@ -196,7 +196,7 @@ def build_side(side: str, cfg, dims=None, routes: str = "live"):
         from longctx_moe.model import build_model
 
         torch.manual_seed(cfg.train.seed)
-        return hf_runner(cfg, build_model(cfg.model))
+        return hf_runner(cfg, build_model(cfg.model), compute_dtype(cfg.train.autocast_dtype))
     trainer = Trainer(cfg, build_runtime(cfg, dims, CPU))
     return step_fn(trainer, routes)
 
@@ -357,7 +357,7 @@ def summarize(rows: list[dict], multi: list[dict], args) -> dict:
         "multi_recompute": args.multi_recompute, "rows": rows, "multi_length": args.cp4_length,
         "multi_rows": multi, "layouts": {k: {"sets": v[0], "what": v[1]} for k, v in LAYOUTS.items()},
         "threads": args.threads or torch.get_num_threads(), "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+        "compute_dtype": compute_dtype().name, "date": time.strftime("%Y-%m-%d"), "machine": machine(),
     }
 
 

@@ -5,12 +5,13 @@ default 2 sequences of 8192 tokens (prompt 1024 + response 7168, random token id
 seed), the benchmark model of bench/train_throughput.py (hidden 512, 4 layers, 16 experts top-2,
 8 query / 4 KV heads of 64, vocab 16384).
 
-Our side: PolicyTrainer built from train_throughput's Config (fp32 parameters, bf16 autocast,
-blocks compiled, our tuned malloc), every sequence in one micro-batch (`--micro-batch-tokens`
+Our side: PolicyTrainer built from train_throughput's Config (fp32 parameters, bf16 autocast where
+the CPU has native bf16, else float32; blocks compiled, our tuned malloc), every sequence in one micro-batch (`--micro-batch-tokens`
 changes that), `compute_logprobs(batch)`; it scores every token, prompt included.
 
 The HF side, as TRL's GRPO trainer and verl's actor compute log-probs today: Qwen3MoeForCausalLM
-with our converted weights cast to bf16 (`model.to(torch.bfloat16)`, no autocast), sdpa
+with our converted weights cast to our side's compute dtype (`model.to(torch.bfloat16)` where the
+CPU has native bf16; no autocast), sdpa
 attention, under torch.no_grad(): `model(input_ids [B, L], logits_to_keep=R + 1).logits[:, :-1]`
 (TRL's `logits_to_keep`: only the response positions reach the LM head), then
 `.float().log_softmax(-1).gather(-1, response ids)`. The sequences have equal lengths, so the
@@ -58,7 +59,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.bench_io import write_json  # noqa: E402
+from bench.bench_io import compute_dtype, write_json  # noqa: E402
 from bench.train_throughput import MODEL, model_config, rss_mb  # noqa: E402
 
 ROOT = _HERE.parent
@@ -177,7 +178,8 @@ def worker(args) -> dict:
     else:
         configure_cpu(args.threads, "default")  # flush denormals and threads, as ours; plain malloc
         torch.manual_seed(cfg.train.seed)  # the init build_runtime gives our side
-        model = build_hf(build_model(cfg.model), torch.bfloat16)
+        # HF's inference dtype: the weights cast to the dtype our side computes in.
+        model = build_hf(build_model(cfg.model), compute_dtype().dtype)
         call = lambda: hf_logprobs(model, ids_BL, args.response_len)  # noqa: E731
     base = trim_and_reset_peak()
     for _ in range(args.warmup):
@@ -391,6 +393,7 @@ def main(argv=None) -> int:
                mean_abs_logprob_diff=diff["mean_abs_logprob_diff"],
                diff_seq=f"{args.batch} x ({args.diff_prompt_len} + {args.diff_response_len}) tokens, float32",
                bf16_max_abs_logprob_diff=bf16_diff, machine=machine(args.threads),
+               compute_dtype=compute_dtype().name,
                config=dataclasses.asdict(ours_config(args)))
     print(f"\n{args.batch} sequences x ({args.prompt_len} prompt + {args.response_len} response) tokens "
           f"per call, {res['machine']['threads']} thread(s), {res['machine']['cpu_model']}\n")

@@ -6,11 +6,13 @@ and rewards in [0, 1) of a fixed seed, on the benchmark model of bench/train_thr
 width (hidden 256, 4 layers, 16 experts top-2 of hidden 256, 4 query / 2 KV heads of 64, vocab
 8192: Qwen3-MoE-expressible, the same weights on both sides through hf_interop).
 
-Our side: PolicyTrainer (fp32 master weights, bf16 autocast, blocks compiled, tuned malloc),
+Our side: PolicyTrainer (fp32 master weights, bf16 autocast where the CPU has native bf16, else
+float32; blocks compiled, tuned malloc),
 `compute_logprobs` then `train_step(batch, make_loss(PolicyLossConfig("ppo", agg="token-mean")),
 mini_batches=1)`, advantages from rewards by the "grpo" estimator.
 
-TRL's side: GRPOTrainer with its defaults on CPU (bf16=True -> fp32 weights under bf16 autocast,
+TRL's side: GRPOTrainer with its defaults on CPU (bf16=True -> fp32 weights under bf16 autocast;
+bf16=False where the CPU has no native bf16, as our side's dtype;
 gradient checkpointing on, per_device_train_batch_size 8, its fused log-prob LM head with
 entropies), loss_type "dapo" (its default: token sum over the generation batch's completion tokens
 = our "token-mean"), scale_rewards "group" (= our "grpo"), beta 0, num_iterations 1, epsilon 0.2,
@@ -62,7 +64,7 @@ import warnings  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.bench_io import write_json  # noqa: E402
+from bench.bench_io import compute_dtype, write_json  # noqa: E402
 from bench.rl_logprobs import machine, peak_mb, reset_peak, trim_and_reset_peak  # noqa: E402
 from bench.train_throughput import MODEL, model_config  # noqa: E402
 
@@ -292,7 +294,9 @@ def trl_worker(args, ro: Rollouts) -> dict:
     torch.manual_seed(cfg.train.seed)  # the init build_runtime gives our side
     model = hf_model(build_model(cfg.model))
     with tempfile.TemporaryDirectory() as tmp:
-        trainer, rec = build_trl(args, ro, model, True, trl_advantages(ro), args.trl_warmup + args.steps, tmp)
+        # TRL's bf16=True where the CPU has native bf16 (its CPU default), as our side's auto.
+        bf16 = compute_dtype().autocast == torch.bfloat16
+        trainer, rec = build_trl(args, ro, model, bf16, trl_advantages(ro), args.trl_warmup + args.steps, tmp)
         base = trim_and_reset_peak()
         trainer.train()
     ends = rec["step_end"]
@@ -407,13 +411,13 @@ def main(argv=None) -> int:
                   f"{[round(t, 2) for t in results[side][-1]['times']]} s", flush=True)
     check = run_worker("check", args)
     res = summarize(results, tokens, args)
-    res.update(loss_diff_fp32=check["loss_diff_fp32"], check=check, machine=machine(args.threads),
+    res.update(loss_diff_fp32=check["loss_diff_fp32"], check=check, compute_dtype=compute_dtype().name, machine=machine(args.threads),
                load_avg=os.getloadavg(), args=vars(args), model={**MODEL, **SMALL},
                config=dataclasses.asdict(ours_config(args)),
                trl_settings={"loss_type": "dapo", "scale_rewards": "group", "beta": 0.0, "num_iterations": 1,
                              "epsilon": EPS, "per_device_train_batch_size": TRL_MICRO_BATCH,
                              "gradient_accumulation_steps": args.prompts * args.group // TRL_MICRO_BATCH,
-                             "bf16": True, "gradient_checkpointing": not args.trl_no_grad_ckpt}, optim=OPTIM)
+                             "bf16": compute_dtype().autocast == torch.bfloat16, "gradient_checkpointing": not args.trl_no_grad_ckpt}, optim=OPTIM)
     print(f"\n{args.prompts} prompts x {args.group} completions, {tokens} tokens per step, "
           f"{res['machine']['threads']} thread(s), {res['machine']['cpu_model']}\n")
     print(table(res))

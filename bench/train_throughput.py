@@ -2,7 +2,8 @@
 
 One full training step = forward + backward + gradient clipping + AdamW (torch, fused where
 available) over `--rows` packed rows of `--seq-len` tokens of real documents (the Python standard
-library, tokenized with a 16384-token BPE). Both sides: fp32 master weights, bf16 autocast,
+library, tokenized with a 16384-token BPE). Both sides: fp32 master weights, one compute dtype
+(`--dtype`, default auto: bf16 autocast where the CPU has native bf16, float32 elsewhere),
 the identical architecture (hidden 512, 4 layers, 16 experts top-2 of hidden 512, 8 query / 4 KV
 heads of 64, vocab 16384) and the identical initial weights (ours converted with hf_interop).
 
@@ -20,7 +21,7 @@ in fresh subprocesses (`--warmup` untimed steps, then `--steps` timed ones); tok
 tokens per step over the median step time of all rounds. Peak memory is the same measure on both
 sides: the process's peak RSS (ru_maxrss) minus its RSS just before the model is built. MFU is
 our model's FLOP count (longctx_moe.model.flops, attention over real document lengths) over the
-median step time, against a bf16 2048^3 matmul peak measured in this run.
+median step time, against the peak of a matmul in the compute dtype measured in this run.
 
 `--breakdown` profiles one more step per side and splits its time into the attention kernel (aten's
 CPU flash op, which HF's sdpa also reaches, plus our AMX backward), GEMMs, the optimizer, casts
@@ -46,7 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_io import write_json  # noqa: E402
+from bench.bench_io import DTYPE_CHOICES, compute_dtype, write_json  # noqa: E402
 
 MODEL = dict(vocab_size=16384, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64,
              num_experts=16, top_k=2, expert_hidden_size=512, router_score="softmax", qk_norm=True)
@@ -68,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="HF side's malloc: default (plain transformers + torch) or tuned (ours, longctx_moe.host)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override (repeatable; HF reads only the architecture), e.g. model.expert_precision=autocast")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="compute dtype of both sides: auto = bf16 autocast where the CPU has native bf16, "
+                        "float32 elsewhere (as train.autocast_dtype=auto)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--markdown", help="also write the table as Markdown here")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of our step")
@@ -108,12 +112,12 @@ def step_batches(path: str, rows: int, steps: int) -> list[list]:
     return out
 
 
-def model_config(overrides=()):
+def model_config(overrides=(), dtype: str = "auto"):
     from longctx_moe.config import load_config
 
     sets = [f"model.{k}={v}" for k, v in MODEL.items()]
-    sets += ["optim.warmup_steps=0", "optim.lr=1e-4", "optim.grad_clip=1.0", "train.autocast_dtype=bf16",
-             "train.compile=true"]
+    sets += ["optim.warmup_steps=0", "optim.lr=1e-4", "optim.grad_clip=1.0",
+             f"train.autocast_dtype={'none' if dtype == 'fp32' else dtype}", "train.compile=true"]
     return load_config(None, sets + list(overrides))
 
 
@@ -142,7 +146,7 @@ def ours_runner(cfg, model):
     return lambda batches: trainer.train_step(batches).ce_loss
 
 
-def hf_runner(cfg, ours_model):
+def hf_runner(cfg, ours_model, compute):
     from transformers import Qwen3MoeForCausalLM
 
     from longctx_moe.hf_interop import to_hf_config, to_hf_state_dict
@@ -163,7 +167,7 @@ def hf_runner(cfg, ours_model):
         for mb in batches:
             # HF shifts labels inside the loss: its label at t+1 is our label at t.
             labels = torch.cat([torch.tensor([-100]), mb.labels[:-1]])[None]
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with compute.context("cpu"):
                 out = model(input_ids=mb.tokens[None], position_ids=mb.position_ids[None], labels=labels)
             n = mb.num_target_tokens()
             loss = out.loss * (n / g)  # HF's loss is a token mean over the micro-batch
@@ -186,12 +190,12 @@ def worker(args) -> None:
     # trainer (longctx_moe.host, applied by `longctx-moe train`); HF gets it with --hf-allocator tuned.
     configure_cpu(args.threads, "tuned" if args.worker == "ours" else args.hf_allocator)
 
-    cfg = model_config(args.overrides)
+    cfg = model_config(args.overrides, args.dtype)
     steps = step_batches(args.data, args.rows, args.warmup + args.steps)
     base = rss_mb()
     torch.manual_seed(0)
     model = build_model(cfg.model)
-    run = ours_runner(cfg, model) if args.worker == "ours" else hf_runner(cfg, model)
+    run = ours_runner(cfg, model) if args.worker == "ours" else hf_runner(cfg, model, compute_dtype(args.dtype))
     times, cpu_times, losses = [], [], []
     for i, batches in enumerate(steps):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -269,7 +273,7 @@ def breakdown_table(results: dict[str, list[dict]]) -> str | None:
 def run_side(side: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--data", args.data, "--rows", str(args.rows),
            "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
-           "--threads", str(args.threads), "--hf-allocator", args.hf_allocator] + [f"--set={kv}" for kv in args.overrides]
+           "--threads", str(args.threads), "--hf-allocator", args.hf_allocator, "--dtype", args.dtype] + [f"--set={kv}" for kv in args.overrides]
     cmd += ["--profile"] * args.profile + ["--breakdown"] * args.breakdown
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if args.profile and side == "ours":
@@ -303,7 +307,7 @@ def summarize(results: dict[str, list[dict]], peak_tflops: float, flops_per_step
             # run back to back) is the steadier comparison.
             "ratio_per_round": [statistics.median(h["times"]) / statistics.median(o["times"])
                                 for o, h in zip(results["ours"], results["hf"], strict=True)],
-            "peak_tflops_bf16": peak_tflops, "tokens_per_step": statistics.mean(results["ours"][0]["tokens"]),
+            "compute_dtype": compute_dtype(args.dtype).name, "peak_tflops": peak_tflops, "tokens_per_step": statistics.mean(results["ours"][0]["tokens"]),
             "rows_per_step": args.rows, "seq_len": args.seq_len, "rounds": args.rounds,
             "timed_steps_per_round": args.steps, "threads": torch.get_num_threads(),
             "hf_allocator": args.hf_allocator,
@@ -324,7 +328,7 @@ def table(res: dict) -> str:
              f"{s['ours']['median_step_s'] / s['hf']['median_step_s']:.2f}"),
             ("median step CPU time (s)", f"{s['ours']['median_step_cpu_s']:.3f}", f"{s['hf']['median_step_cpu_s']:.3f}",
              f"{res['ratio_cpu_time']:.2f}x"),
-            ("MFU (vs measured bf16 peak)", f"{100 * s['ours']['mfu']:.1f}%", f"{100 * s['hf']['mfu']:.1f}%", ""),
+            (f"MFU (vs measured {res['compute_dtype']} peak)", f"{100 * s['ours']['mfu']:.1f}%", f"{100 * s['hf']['mfu']:.1f}%", ""),
             ("peak memory (MB, RSS delta)", f"{s['ours']['peak_mem_mb']:.0f}", f"{s['hf']['peak_mem_mb']:.0f}",
              f"{s['ours']['peak_mem_mb'] / s['hf']['peak_mem_mb']:.2f}"),
             ("step-0 cross-entropy", f"{s['ours']['step0_loss']:.4f}", f"{s['hf']['step0_loss']:.4f}", "")]
@@ -346,12 +350,14 @@ def main(argv=None) -> int:
     ensure_corpus(args.data, args.seq_len)
     steps = step_batches(args.data, args.rows, args.warmup + args.steps)[args.warmup:]
     lengths = [[n for mb in b for n in mb.doc_lengths()] for b in steps]
-    cfg = model_config(args.overrides)
+    cfg = model_config(args.overrides, args.dtype)
+    compute = compute_dtype(args.dtype)
+    print(compute.describe().replace("train.autocast_dtype", "--dtype"), flush=True)
     flops_per_step = statistics.mean(model_flops(cfg.model, ls) for ls in lengths)
     peaks = []
     results: dict[str, list[dict]] = {"ours": [], "hf": []}
     for r in range(args.rounds):
-        peaks.append(measure_peak_tflops(torch.device("cpu")))
+        peaks.append(measure_peak_tflops(torch.device("cpu"), compute.dtype))
         for side in ("ours", "hf"):  # interleaved: both sides see the same machine load
             results[side].append(run_side(side, args))
             print(f"round {r + 1}/{args.rounds} {side}: step times {[round(t, 2) for t in results[side][-1]['times']]}",
@@ -359,7 +365,8 @@ def main(argv=None) -> int:
     res = summarize(results, statistics.median(peaks), flops_per_step, args)
     res["peak_tflops_samples"] = peaks
     print(f"\n{args.rows} packed rows x {args.seq_len} tokens per step ({res['tokens_per_step']:.0f} real tokens), "
-          f"bf16 autocast, fused AdamW; measured bf16 peak {res['peak_tflops_bf16']:.2f} TFLOP/s\n")
+          f"{res['compute_dtype']} compute, fused AdamW; measured {res['compute_dtype']} peak "
+          f"{res['peak_tflops']:.2f} TFLOP/s\n")
     print(table(res))
     print("\nours/HF tokens/s inside each round: " + ", ".join(f"{r:.2f}x" for r in res["ratio_per_round"]))
     parts = breakdown_table(results)

@@ -31,6 +31,7 @@ from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.flops import pair_cost_ratio
 from longctx_moe.model.recompute import MODES as RECOMPUTE_MODES
 from longctx_moe.parallel.config import ParallelConfig
+from longctx_moe.precision import AUTOCAST_CHOICES
 
 
 class ConfigError(ValueError):
@@ -56,7 +57,9 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
     param_dtype: str = "fp32"  # master weights and optimizer state: fp32 | fp64 (tests)
-    autocast_dtype: str = "bf16"  # compute dtype under autocast: bf16 | fp16 | none
+    # Compute dtype: auto (bf16 where the device has native bf16, else the parameters' dtype;
+    # longctx_moe.precision) | bf16 | fp16 | none
+    autocast_dtype: str = "auto"
     nan_policy: str = "stop"  # stop | skip: what a non-finite loss or grad norm does
     num_threads: int = 0  # intra-op CPU threads per rank; 0 = cores // local ranks
     # torch.compile each block (longctx_moe.compile): fuses the elementwise ops; the first steps
@@ -94,7 +97,8 @@ class CheckpointConfig:
 class LoggingConfig:
     log_every: int = 1  # write a metrics.jsonl line every N steps (the last step always)
     progress_bar: bool = True
-    peak_tflops: float = 0.0  # per-rank peak for MFU; 0 = measure once with a bf16 matmul
+    # Per-rank peak for MFU; 0 = measure once (well under a second) in the run's compute dtype
+    peak_tflops: float = 0.0
     metrics_file: str = "metrics.jsonl"  # relative to train.run_dir
     tensorboard: bool = False  # also write TensorBoard events into train.run_dir/tensorboard
 
@@ -118,7 +122,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.impl": ("auto", "fused", "foreach", "for_loop"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.param_dtype": ("fp32", "fp64"),
-    "train.autocast_dtype": ("bf16", "fp16", "none"),
+    "train.autocast_dtype": AUTOCAST_CHOICES,
     "train.nan_policy": ("stop", "skip"),
     "train.recompute": RECOMPUTE_MODES,
     "train.host_allocator": ALLOCATOR_MODES,
@@ -383,9 +387,9 @@ def _check_trainer(cfg: Config) -> None:
              f"optim.betas={o.betas} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
     _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
     _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
-    _require(t.param_dtype != "fp64" or t.autocast_dtype == "none",
+    _require(t.param_dtype != "fp64" or t.autocast_dtype in ("none", "auto"),
              f"train.param_dtype=fp64 with train.autocast_dtype={t.autocast_dtype} would compute in low precision; "
-             "set train.autocast_dtype=none")
+             "set train.autocast_dtype=none or auto")
     _require(not (t.compile and cfg.parallel.micro_batches_in_flight == 2),
              "train.compile=true with parallel.micro_batches_in_flight=2: compiled blocks are not run from "
              "two threads here; set one of them off")

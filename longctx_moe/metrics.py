@@ -56,22 +56,33 @@ def ep_load_stats(counts_LE: torch.Tensor, ep: int, ran_LR: list | None = None) 
     return out
 
 
-def measure_peak_tflops(device: torch.device, size: int = 2048, repeats: int = 5) -> float:
-    """Median TFLOP/s of a bf16 `size`^3 matmul on `device` (the MFU denominator when none is
-    configured). Uses the current thread count, so on CPU it is the peak of this rank's share."""
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+def measure_peak_tflops(device: torch.device, dtype: torch.dtype,
+                        target_s: float = 0.02, max_size: int = 4096, repeats: int = 5) -> float:
+    """Median TFLOP/s of a square `dtype` matmul on `device` (the MFU denominator when none is
+    configured), in the dtype the run computes in. The size doubles from 256 until one matmul
+    takes `target_s` (or reaches `max_size`), so the whole measurement stays well under a second
+    on any core: on an AVX2 CPU without native bf16 a bf16 2048^3 matmul alone takes ~10 s, and
+    every other rank waits for rank 0's figure. Uses the current thread count, so on CPU it is
+    the peak of this rank's share."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(2):  # warm-up: thread pools, kernel selection
-        a @ b
-    sync()
-    times = []
-    for _ in range(repeats):
+
+    def seconds(a: torch.Tensor, b: torch.Tensor) -> float:
         t0 = time.perf_counter()
         a @ b
         sync()
-        times.append(time.perf_counter() - t0)
-    times.sort()
+        return time.perf_counter() - t0
+
+    size = 256
+    while True:
+        # Constant operands: a GEMM's speed does not depend on the values, and the global RNG
+        # stays untouched (a resumed run's random streams must not depend on this probe).
+        a = torch.full((size, size), 0.5, device=device, dtype=dtype)
+        b = torch.full((size, size), 0.25, device=device, dtype=dtype)
+        seconds(a, b)  # warm-up: thread pools, kernel selection
+        if size >= max_size or seconds(a, b) >= target_s:
+            break
+        size *= 2
+    times = sorted(seconds(a, b) for _ in range(repeats))
     return 2 * size**3 / times[len(times) // 2] / 1e12
 
 

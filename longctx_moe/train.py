@@ -402,11 +402,12 @@ def _set_aside_after(step: int, ctx: RunContext) -> None:
 # ---------------------------------------------------------------------- the loop
 
 
-def peak_tflops(cfg: Config, ctx: RunContext) -> float:
-    """Per-rank peak for MFU: configured, or measured once on rank 0 and shared with all ranks."""
+def peak_tflops(cfg: Config, ctx: RunContext, dtype: torch.dtype) -> float:
+    """Per-rank peak for MFU: configured, or measured once on rank 0 in the run's compute dtype
+    (a fraction of a second) and shared with all ranks."""
     value = torch.tensor([cfg.logging.peak_tflops], dtype=torch.float64)
     if value.item() <= 0 and ctx.rank == 0:
-        value.fill_(measure_peak_tflops(ctx.device))
+        value.fill_(measure_peak_tflops(ctx.device, dtype))
     if ctx.world_size > 1:
         dist.broadcast(value, src=0)  # the default group: every rank of the run
     return float(value.item())
@@ -496,7 +497,7 @@ def run(cfg: Config, until: int | None = None) -> dict:
         # Records after the resumed step (logged before a crash, or by a run that went back)
         # would repeat: drop them; a fresh run (step 0) starts an empty file.
         truncate_metrics(metrics_path, trainer.step)
-    peak = peak_tflops(cfg, ctx)
+    peak = peak_tflops(cfg, ctx, trainer.compute.dtype)
     logger = MetricsLogger(metrics_path if ctx.rank == 0 else None, cfg.train.steps, trainer.step,
                            cfg.logging.progress_bar,
                            ctx.run_dir / "tensorboard" if cfg.logging.tensorboard else None)
@@ -511,7 +512,7 @@ def run(cfg: Config, until: int | None = None) -> dict:
         logger.close()
     return {"run_dir": str(ctx.run_dir), "metrics": str(metrics_path), "checkpoints": str(ctx.ckpt_dir),
             "config": str(ctx.run_dir / "config.yaml"), "records": records, "rank": ctx.rank,
-            "peak_tflops": peak}
+            "peak_tflops": peak, "compute_dtype": trainer.compute.name}
 
 
 def summarize(summary: dict) -> str:

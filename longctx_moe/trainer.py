@@ -33,6 +33,7 @@ from longctx_moe.metrics import ep_load_stats, peak_memory_mb, reset_peak_memory
 from longctx_moe.optim import LRSchedule
 from longctx_moe.parallel.dims import Axis
 from longctx_moe.parallel.runtime import ParallelRuntime, Shard
+from longctx_moe.precision import announce, resolve_compute_dtype
 
 
 class NonFiniteLossError(RuntimeError):
@@ -113,15 +114,15 @@ class Trainer:
         self.optimizer = runtime.build_optimizer(cfg.optim)  # sharded with distributed_optimizer
         self.schedule = LRSchedule(self.optimizer, cfg.optim, cfg.train.steps)
         self.step = 0  # optimizer steps completed (including skipped ones)
+        param_dtype = next(self.model.parameters()).dtype
+        self.compute = resolve_compute_dtype(cfg.train.autocast_dtype, param_dtype, self.device)
+        announce(self.compute, dist.get_rank() if dist.is_initialized() else 0)
 
     # ------------------------------------------------------------------ one step
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        name = self.cfg.train.autocast_dtype
-        if name == "none":
-            return contextlib.nullcontext()
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
-        return torch.autocast(self.device.type, dtype=dtype)
+        """The run's compute dtype (self.compute, resolved once from train.autocast_dtype)."""
+        return self.compute.context(self.device.type)
 
     def step_totals(self, micro_batches: list[PackedBatch],
                     cp_groups: list | None = None) -> tuple[int, int, float | None]:

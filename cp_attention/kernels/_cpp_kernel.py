@@ -3,9 +3,10 @@ off for the process with one warning when it cannot run (the adapters brgemm_for
 amx_backward each hold one).
 
 Decided once per process: `module()` is the built, self-checked extension or None. It is None
-unless the CPU is Linux x86-64 with AVX512-BF16 (AMX included) and the environment switch is not
-"0"; a failed build (no compiler, no ninja, another torch's headers) or self-check warns once and
-leaves the caller on aten's kernel, as does a later failing call (`disable`).
+unless the CPU is Linux x86-64 with AVX512-BF16 (AMX included) that oneDNN uses
+(cp_attention.hardware, whose AVX2 emulation switches it off too) and the environment switch is
+not "0"; a failed build (no compiler, no ninja, another torch's headers) or self-check warns once
+and leaves the caller on aten's kernel, as does a later failing call (`disable`).
 """
 
 from __future__ import annotations
@@ -21,17 +22,11 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from cp_attention.hardware import cpu_has_avx512_bf16
+
 # Both kernels use AVX512 intrinsics and oneDNN's bf16 brgemm, built for one instruction set.
 _FLAGS = ["-O3", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
           "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
-
-
-def cpu_has_avx512_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return all(f in flags for f in ("avx512_bf16", "avx512bw", "avx512vl"))
 
 
 @contextlib.contextmanager

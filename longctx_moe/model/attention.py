@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from data_packing.batch import PackedBatch
+from longctx_moe.compile import eager_only
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.layers import RMSNorm, apply_rope, rope_cos_sin
 
@@ -79,7 +80,7 @@ def doc_layout(batch: PackedBatch) -> DocLayout:
 
 # Kept out of torch.compile: the varlen kernels plan buckets on the host (data-dependent shapes),
 # and the context-parallel executors run collectives.
-@torch.compiler.disable
+@eager_only
 def attend(q_THR, k_TGR, v_TGR, layout: DocLayout, backend: str) -> torch.Tensor:
     """Causal attention inside each document of `layout`: out_THR (input dtype)."""
     if layout.attend is not None:

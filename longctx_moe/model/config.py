@@ -46,8 +46,9 @@ class ModelConfig:
     expert_bias_update_rate: float = 1e-3
     grouped_gemm: str = "auto"  # auto | grouped_mm | loop
     # Dtype of the expert GEMMs under autocast: autocast (bf16, weights cast every forward) | param
-    # (the weights' own dtype, no casts) | auto (= autocast: with rows padded per expert on CPU, bf16
-    # experts are ~3x faster than fp32 there too; see longctx_moe.model.grouped_gemm).
+    # (the weights' own dtype, no casts) | auto (= autocast where the device has native bf16: with
+    # rows padded per expert on CPU, bf16 experts are ~3x faster than fp32 there; = param on a CPU
+    # without it, where bf16 is 20-30x slower; see longctx_moe.model.grouped_gemm).
     expert_precision: str = "auto"
 
     # Cross-entropy over the vocabulary in chunks of this many tokens (bounds fp32 logits memory).

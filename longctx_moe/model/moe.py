@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cp_attention.hardware import native_bf16
 from cp_attention.kernels import accumulate_dtype
+from longctx_moe.compile import eager_only
 from longctx_moe.model.attention import DocLayout
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.grouped_gemm import (
@@ -124,7 +126,13 @@ class GroupedExperts(nn.Module):
         if self.precision == "param":
             return self.w_gate_up.dtype
         # _grouped_mm is not on autocast's list: we cast by hand, once per forward per weight.
-        return autocast_dtype(x_MD)
+        cdtype = autocast_dtype(x_MD)
+        if (self.precision == "auto" and cdtype == torch.bfloat16 and x_MD.dtype != cdtype
+                and not native_bf16(x_MD.device)[0]):
+            # An explicit bf16 autocast on a CPU without native bf16: the experts, most of the
+            # FLOPs, stay in the weights' dtype instead of running 20-30x slower.
+            return self.w_gate_up.dtype
+        return cdtype
 
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor,
                 borrowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -270,14 +278,14 @@ class MoE(nn.Module):
         return y_TD, self.stats(topk_idx_TK, aux, layout)
 
     # Kept out of torch.compile: expert row counts are data dependent (padding, all-to-all splits).
-    @torch.compiler.disable
+    @eager_only
     def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, shared=None) -> torch.Tensor:
         if shared is None:
             return self.dispatcher(x_TD, topk_idx_TK, topk_weight_TK, self.experts)
         return self.dispatcher(x_TD, topk_idx_TK, topk_weight_TK, self.experts, shared)
 
     # Kept out of torch.compile: padding rows are dropped by a boolean mask (data-dependent shapes).
-    @torch.compiler.disable
+    @eager_only
     def stats(self, topk_idx_TK, aux: RouterAux, layout: DocLayout) -> MoEStats:
         """Balance statistics over the real tokens of this micro-batch (padding skipped).
 

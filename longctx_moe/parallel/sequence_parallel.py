@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from longctx_moe.compile import eager_only
 from longctx_moe.model.attention import DocLayout
 from longctx_moe.model.moe import MoEStats
 from longctx_moe.parallel.comm import reduce_scatter_flat, sum_over_group
@@ -208,7 +209,7 @@ class OwnRowsLayout:
         return self._own
 
 
-@torch.compiler.disable  # collectives, and host ints in the statistics
+@eager_only  # collectives, and host ints in the statistics
 def complete_stats(stats: MoEStats, group) -> MoEStats:
     """The statistics of all T tokens of the TP group from this rank's own-rows ones: the aux
     and z shares summed (differentiable), expert and replay counts summed, routes gathered."""
@@ -228,7 +229,7 @@ def add_moe_hooks(moe: nn.Module, group, own_layout: OwnRowsLayout) -> None:
     layout and the replayed routes (given for all T tokens) become those of own rows on entry,
     and the statistics are completed over TP on exit; x and y stay own rows."""
 
-    @torch.compiler.disable
+    @eager_only
     def enter(m, args):
         x_nD, layout, *rest = args
         replay_TK = rest[0] if rest else None

@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
+from cp_attention.hardware import cpu_has_avx512_bf16
 from cp_attention.kernels import amx_backward, brgemm_forward
-from cp_attention.kernels._cpp_kernel import cpu_has_avx512_bf16
 
 ADAPTERS = [pytest.param(brgemm_forward, id="forward"), pytest.param(amx_backward, id="backward")]
 

@@ -54,7 +54,7 @@ def test_yaml_and_typed_overrides(tmp_path):
     (None, ["train.steps=2.5"], r"train.steps: expected an integer, got 2.5"),
     (None, ["optim.betas=0.9"], r"optim.betas: expected a list"),
     (None, ["model.num_heads=6", "model.num_kv_heads=4"], r"model.num_heads=6 must be divisible by model.num_kv_heads=4"),
-    (None, ["train.param_dtype=fp64"], r"set train.autocast_dtype=none"),
+    (None, ["train.param_dtype=fp64", "train.autocast_dtype=bf16"], r"set train.autocast_dtype=none or auto"),
     (None, ["train.compile=true", "parallel.micro_batches_in_flight=2"], r"set one of them off"),
     (None, ["train.steps"], r"override 'train.steps' has no '='"),
     (None, ["model=3"], r"names a section"),
