@@ -123,7 +123,7 @@ def build_hf(ours_model, dtype):
     """Qwen3MoeForCausalLM (sdpa) with the weights of `ours_model`, cast to `dtype`, eval mode."""
     from transformers import Qwen3MoeForCausalLM
 
-    from longctx_moe.hf_interop import to_hf_config, to_hf_state_dict
+    from longctx_moe.hf.interop import to_hf_config, to_hf_state_dict
 
     hf_cfg = to_hf_config(ours_model.cfg)
     hf_cfg._attn_implementation = "sdpa"

@@ -4,7 +4,7 @@ One GRPO optimizer step = old log-probs + PPO-clip loss + backward + grad clip +
 rollouts: `--prompts` prompts (32-128 tokens) x `--group` completions (64-512 tokens), random ids
 and rewards in [0, 1) of a fixed seed, on the benchmark model of bench/train_throughput.py at half
 width (hidden 256, 4 layers, 16 experts top-2 of hidden 256, 4 query / 2 KV heads of 64, vocab
-8192: Qwen3-MoE-expressible, the same weights on both sides through hf_interop).
+8192: Qwen3-MoE-expressible, the same weights on both sides through longctx_moe.hf.interop).
 
 Our side: PolicyTrainer (fp32 master weights, bf16 autocast where the CPU has native bf16, else
 float32; blocks compiled, tuned malloc),
@@ -258,7 +258,7 @@ def hf_model(ours_model):
     """Qwen3MoeForCausalLM (sdpa, fp32) with the weights of `ours_model`."""
     from transformers import Qwen3MoeForCausalLM
 
-    from longctx_moe.hf_interop import to_hf_config, to_hf_state_dict
+    from longctx_moe.hf.interop import to_hf_config, to_hf_state_dict
 
     hf_cfg = to_hf_config(ours_model.cfg)
     hf_cfg._attn_implementation = "sdpa"

@@ -5,7 +5,7 @@ available) over `--rows` packed rows of `--seq-len` tokens of real documents (th
 library, tokenized with a 16384-token BPE). Both sides: fp32 master weights, one compute dtype
 (`--dtype`, default auto: bf16 autocast where the CPU has native bf16, float32 elsewhere),
 the identical architecture (hidden 512, 4 layers, 16 experts top-2 of hidden 512, 8 query / 4 KV
-heads of 64, vocab 16384) and the identical initial weights (ours converted with hf_interop).
+heads of 64, vocab 16384) and the identical initial weights (ours converted with longctx_moe.hf.interop).
 
 Our side runs as `longctx-moe train` would with `train.compile=true`: blocks compiled
 (longctx_moe.compile), glibc malloc tuned to reuse freed memory (longctx_moe.host; HF gets it too
@@ -149,7 +149,7 @@ def ours_runner(cfg, model):
 def hf_runner(cfg, ours_model, compute):
     from transformers import Qwen3MoeForCausalLM
 
-    from longctx_moe.hf_interop import to_hf_config, to_hf_state_dict
+    from longctx_moe.hf.interop import to_hf_config, to_hf_state_dict
 
     hf_cfg = to_hf_config(cfg.model)
     hf_cfg._attn_implementation = "sdpa"

@@ -1,8 +1,9 @@
 """The `longctx-moe` command: `train` (one process, or N local ranks with --nproc), `export-hf`
-(a run's checkpoint as a Hugging Face Qwen3-MoE directory, longctx_moe.hf_export), `report` (PNG
+(a run's checkpoint as a Hugging Face Qwen3-MoE directory, longctx_moe.hf.export), `report` (PNG
 plots of a run's metrics.jsonl, longctx_moe.report),
-`plan-groups` (provided by longctx_moe.parallel.plan_groups, imported lazily) and `rl` (the GRPO
-demo of rl_hooks.demo: digit reversal with a transformers sampler, one process)."""
+`plan-groups` (provided by longctx_moe.parallel.plan_groups, imported lazily), and the commands
+packages above this one register under the `longctx_moe.commands` entry-point group (rl_hooks
+registers `rl`, its GRPO demo): this package never imports them."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _export_parser(sub) -> None:
 def cmd_export_hf(args: argparse.Namespace) -> int:
     """User errors (a model Qwen3-MoE lacks, a missing or corrupt checkpoint): one line, status 2."""
     from longctx_moe.checkpoint import CheckpointError
-    from longctx_moe.hf_export import export_run
+    from longctx_moe.hf.export import export_run
 
     try:
         lines = export_run(args.run_dir, args.out, args.step, args.dtype, int(args.max_shard_size * 1e9))
@@ -158,26 +159,38 @@ def cmd_plan_groups(rest: list[str]) -> int:
     return int(plan_main(rest) or 0)
 
 
-def cmd_rl(rest: list[str]) -> int:
-    from rl_hooks.demo import main as rl_main
+COMMANDS_GROUP = "longctx_moe.commands"
 
-    return rl_main(rest)
+
+def plugin_commands() -> dict:
+    """name -> entry point of the commands other installed packages register (each takes the
+    arguments after its name and returns an exit code)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)}
+
+
+def _describe(ep) -> str:
+    # Not loaded here: building the parser must not import every plugin (rl_hooks pulls in
+    # transformers) for a `longctx-moe train`.
+    return f"provided by {ep.value}; `longctx-moe {ep.name} --help` lists its options"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "plan-groups":  # its own parser owns every flag after the name
         return cmd_plan_groups(argv[1:])
-    if argv and argv[0] == "rl":  # so does the demo's (--config, --set)
-        return cmd_rl(argv[1:])
+    plugins = plugin_commands()
+    if argv and argv[0] in plugins:  # each plugin's own parser owns every flag after its name
+        return int(plugins[argv[0]].load()(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="longctx-moe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _export_parser(sub)
     _report_parser(sub)
     sub.add_parser("plan-groups", help="print the process groups of a parallel layout", add_help=False)
-    sub.add_parser("rl", help="GRPO demo: a tiny MoE learns digit reversal (configs/grpo_tiny.yaml)",
-                   add_help=False)
+    for name, ep in sorted(plugins.items()):
+        sub.add_parser(name, help=_describe(ep), add_help=False)
     args = parser.parse_args(argv)
     if args.command == "report":
         return cmd_report(args)

@@ -195,7 +195,7 @@ def build_runtime(cfg: Config, dims: Any, device: torch.device):
     dtype = {"fp32": torch.float32, "fp64": torch.float64}[cfg.train.param_dtype]
     model = build_model(cfg.model)
     if cfg.train.init_from:  # into the single-device model, so any parallel layout can follow
-        from longctx_moe.hf_export import load_hf_weights
+        from longctx_moe.hf.load import load_hf_weights
 
         try:
             model.load_state_dict(load_hf_weights(cfg.train.init_from, cfg.model))

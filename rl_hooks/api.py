@@ -262,14 +262,14 @@ class PolicyTrainer:
 
     def weights_spec(self, dtype: torch.dtype = torch.bfloat16):
         """Names (Hugging Face Qwen3-MoE, per expert), global shapes and dtypes of the export."""
-        from rl_hooks.export import weights_spec
+        from longctx_moe.hf.weights import weights_spec
 
         return weights_spec(self.runtime.model, dtype)
 
     def export_weights(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype = torch.bfloat16):
         """Buckets of (HF name, tensor) of at most `bucket_bytes`, gathered over TP, ETP and EP;
-        collective: every rank iterates it to the end (see rl_hooks/export.py)."""
-        from rl_hooks.export import export_weights
+        collective: every rank iterates it to the end (see longctx_moe/hf/weights.py)."""
+        from longctx_moe.hf.weights import export_weights
 
         return export_weights(self.runtime.model, self.dims, bucket_bytes, dtype)
 

@@ -7,7 +7,7 @@ policy's weights only through `PolicyTrainer.push_weights`, never by sharing mod
     # rollouts[i].tokens, .logprobs (float32, for TIS and the trainer-vs-sampler gap),
     # .routed_experts (int16 [P + R, L, K], for router replay)
 
-Weights arrive as the export names them (rl_hooks/export.py): one tensor per expert and
+Weights arrive as the export names them (longctx_moe/hf/weights.py): one tensor per expert and
 projection, `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`. transformers 5 keeps
 a layer's experts fused, `mlp.experts.gate_up_proj` [E, 2F, D] (gate rows, then up) and
 `down_proj` [E, D, F]; `load_bucket` copies each expert's tensors into its slice of those.
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longctx_moe.hf_interop import to_hf_config
+from longctx_moe.hf.interop import to_hf_config
 from longctx_moe.model.config import ModelConfig
 
 _EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from longctx_moe.hf_interop import from_hf_state_dict, to_hf_config, to_hf_state_dict
+from longctx_moe.hf.interop import from_hf_state_dict, to_hf_config, to_hf_state_dict
 from longctx_moe.model import build_model
 from tests.model.helpers import packed_batch, tiny_config
 

@@ -14,7 +14,7 @@ outputs are summed over ETP). Shared expert, expert bias, aux and z losses and c
     world 8: TP2 CP2 DP2 / ETP2 EP2 EDP2 with sequence parallelism, and / ETP2 EP4 overlapped
 
 The first world-4 layout also checkpoints: the step saved under ETP2 loads on one rank (ETP1)
-with the same parameters and AdamW state, and rl_hooks.export gathers the same expert tensors as
+with the same parameters and AdamW state, and longctx_moe.hf.weights gathers the same expert tensors as
 the single-process export.
 """
 
@@ -34,7 +34,7 @@ from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.sharded_state import global_slices
 from longctx_moe.train import load_trainer, save_trainer
 from longctx_moe.trainer import Trainer
-from rl_hooks.export import _layer_experts
+from longctx_moe.hf.weights import _layer_experts
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch
 from tests.parallel.test_train_folded_e2e import train_cli_on_four_ranks
@@ -122,7 +122,7 @@ def _assemble(pieces_by_rank: list[tuple[dict, dict]]) -> dict[str, torch.Tensor
 
 
 def _expert_export(model, dims) -> list[tuple[str, torch.Tensor]]:
-    """rl_hooks.export's expert tensors (HF names), gathered over ep and etp. The whole export
+    """longctx_moe.hf.weights's expert tensors (HF names), gathered over ep and etp. The whole export
     refuses this model (Qwen3-MoE has no shared expert): the expert units are what ETP changes."""
     return [unit for layer in range(model.cfg.first_k_dense, model.cfg.num_layers)
             for units in _layer_experts(model, layer, dims, torch.float64) for unit in units]

@@ -47,7 +47,7 @@ def test_buckets_hold_every_tensor_once_under_the_cap_and_keep_experts_whole():
 
 
 def test_transformers_loads_the_export_and_matches_our_logits(tmp_path):
-    from longctx_moe.hf_interop import to_hf_config
+    from longctx_moe.hf.interop import to_hf_config
 
     policy = PolicyTrainer(config(*HF_SETS))
     model = policy.runtime.model
@@ -85,7 +85,7 @@ def test_export_under_ep2_tp2_equals_one_process():
 def test_full_size_of_a_tp_sharded_shared_expert_is_its_own_width():
     # Shared experts are TP-sharded like dense SwiGLUs but may be wider or narrower than them.
     from longctx_moe.config import load_config
-    from rl_hooks.export import _full_size
+    from longctx_moe.hf.weights import _full_size
 
     cfg = load_config(None, ["model.shared_expert_hidden_size=96", "model.dense_hidden_size=64"]).model
     assert _full_size(cfg, "layers.1.ffn.shared.w_gate.weight", 0) == 96

@@ -14,7 +14,7 @@ import torch
 
 from longctx_moe.cli import main as cli_main
 from longctx_moe.config import load_config, write_config
-from longctx_moe.hf_export import checkpoint_step_dir, consolidated_state, load_consolidated_model
+from longctx_moe.hf.export import checkpoint_step_dir, consolidated_state, load_consolidated_model
 from longctx_moe.train import main as train_main
 from tests.model.helpers import packed_batch
 from tests.trainer.test_train_run import pack_small_corpus
@@ -191,7 +191,7 @@ def test_refused_model_and_bad_checkpoints_are_one_line(ep_run, tmp_path, capsys
 def test_init_from_reads_a_transformers_saved_directory(ep_run, tmp_path):
     """What from_pretrained + save_pretrained writes (fused or per-expert names, whichever
     transformers 5 chooses) reads back into exactly our consolidated weights."""
-    from longctx_moe.hf_export import load_hf_weights
+    from longctx_moe.hf.load import load_hf_weights
 
     out = _export(ep_run, tmp_path / "hf")
     resaved = tmp_path / "resaved"
@@ -207,8 +207,8 @@ def test_init_from_reads_a_transformers_saved_directory(ep_run, tmp_path):
 
 def test_init_from_reads_fused_expert_names(ep_run, tmp_path):
     """transformers 5's in-memory layout (`experts.gate_up_proj` [E, 2F, D]) is accepted too."""
-    from longctx_moe.hf_export import load_hf_weights
-    from longctx_moe.hf_interop import to_hf_state_dict
+    from longctx_moe.hf.load import load_hf_weights
+    from longctx_moe.hf.interop import to_hf_state_dict
 
     out = _export(ep_run, tmp_path / "hf")
     fused = tmp_path / "fused"
