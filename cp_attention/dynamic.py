@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cp_attention.dynamic_cost import DynamicCPCost, padded_length
-from data_packing.batch import pad_multiple
+from data_packing.batch import pad_multiple, pad_to
 
 # A packing on larger runs (step 4, and the later candidate plans) is adopted only if it is at
 # least this much faster: the cost model charges larger runs their ring bytes, ring steps and
@@ -305,8 +305,7 @@ def _problem(lengths: list[int], block_size: int, top: int, capacity: int, tp: i
     usable = [static_cp] if static_cp is not None else sizes
     table = []  # per usable size: (size, fits [N], tokens per rank [N], seconds [N])
     for s in usable:
-        multiple = pad_multiple(s, tp, sp)
-        pad = -(-n // multiple) * multiple
+        pad = pad_to(n, pad_multiple(s, tp, sp))
         table.append((s, pad // s <= capacity, (pad // s).tolist(),
                       cost.seconds(pad.astype(np.float64), s).tolist()))
     if n.size and not table[-1][1].all():

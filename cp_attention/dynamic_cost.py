@@ -38,15 +38,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data_packing.batch import pad_multiple
+from data_packing.batch import pad_multiple, pad_to
 
 
 def padded_length(n: int, size: int, tp: int = 1, sequence_parallel: bool = False) -> int:
     """Length of a sequence of n tokens on a run of `size` ranks, padded as the runtime pads it:
     to data_packing.batch.pad_multiple (2*size zigzag chunks, split TP ways with sequence
     parallelism)."""
-    multiple = pad_multiple(size, tp, sequence_parallel)
-    return -(-n // multiple) * multiple
+    return pad_to(n, pad_multiple(size, tp, sequence_parallel))
 
 
 # H100-class constants of the two terms the plain compute + bytes model leaves out (cited in

@@ -19,6 +19,11 @@ import torch
 IGNORE_INDEX = -100
 
 
+def pad_to(n, multiple: int):
+    """Round n (int, or int array / tensor) up to a multiple of `multiple`: the one round-up."""
+    return -(-n // multiple) * multiple
+
+
 def pad_multiple(cp: int, tp: int, sequence_parallel: bool = False) -> int:
     """What every document's slot is padded to: lcm(2*CP, TP). The CP load-balanced (zigzag)
     split cuts a document into 2*CP equal chunks, and sequence-parallel TP splits it TP ways;
@@ -111,3 +116,40 @@ def position_ids_from_cu(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tens
     for start, n in zip(cu_seqlens_padded[:-1].tolist(), lens, strict=True):
         pos[start:start + n] = torch.arange(n)
     return pos
+
+
+def pack_documents(tokens: list[torch.Tensor], labels: list[torch.Tensor], multiple: int, *,
+                   positions: list[torch.Tensor] | None = None,
+                   weights: list[torch.Tensor | None] | None = None, pad_id: int = 0) -> PackedBatch:
+    """The one builder of a PackedBatch from documents (the loader, Dynamic-CP and the RL
+    micro-batches use it): document i's real `tokens[i]` (int64 [n_i]) with `labels[i]` ([n_i],
+    IGNORE_INDEX where no target) and `positions[i]` (default 0..n_i-1), padded to a multiple of
+    `multiple` with `pad_id`, no target and position 0. `weights[i]` (float32 [n_i], or None for
+    all ones) gives loss_weight, 0 at padding; no weights at all gives None.
+
+    With no documents it is the stand-in batch: `multiple` padding tokens without targets, so an
+    idle rank still runs the step's collectives and sequence parallelism can split its tokens."""
+    if not tokens:
+        pad = torch.full((multiple,), pad_id, dtype=torch.int64)
+        return PackedBatch(tokens=pad, labels=torch.full_like(pad, IGNORE_INDEX),
+                           cu_seqlens=torch.zeros(1, dtype=torch.int32),
+                           cu_seqlens_padded=torch.zeros(1, dtype=torch.int32),
+                           position_ids=torch.zeros(multiple, dtype=torch.int64), max_seqlen=0)
+    lens = [t.numel() for t in tokens]
+    slots = [pad_to(n, multiple) for n in lens]
+
+    def padded(values, fill):
+        return torch.cat([torch.cat([v, v.new_full((s - v.numel(),), fill)])
+                          for v, s in zip(values, slots, strict=True)])
+
+    if positions is None:
+        positions = [torch.arange(n, dtype=torch.int64) for n in lens]
+    weight = None
+    if weights is not None and any(w is not None for w in weights):
+        weight = padded([torch.ones(n) if w is None else w for w, n in zip(weights, lens, strict=True)], 0.0)
+    batch = PackedBatch(tokens=padded(tokens, pad_id), labels=padded(labels, IGNORE_INDEX),
+                        cu_seqlens=torch.tensor([0, *lens]).cumsum(0).to(torch.int32),
+                        cu_seqlens_padded=torch.tensor([0, *slots]).cumsum(0).to(torch.int32),
+                        position_ids=padded(positions, 0), max_seqlen=max(lens), loss_weight=weight)
+    batch.validate()  # host tensors, so cheap: a layout bug fails here by name, not in a kernel
+    return batch

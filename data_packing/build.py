@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from data_packing import storage
+from data_packing.batch import pad_to
 from data_packing.documents import tokenize_records
-from data_packing.packing import PackPlan, pad_to
+from data_packing.packing import PackPlan
 
 # Tokens gathered per write: 4M tokens is an 8-16 MB buffer, and ~1 ms of write call overhead per
 # 10 ms of copying.

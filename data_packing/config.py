@@ -23,8 +23,8 @@ class DataConfig:
     cost_per_token_pair: float = 6.2e-4
     shuffle: bool = True
     seed: int = 0
-    # Each document is padded to a multiple of this (data_packing.batch.pad_multiple); set by the
-    # trainer from the parallel layout.
+    # Each document is padded to a multiple of this and of what the parallel layout needs
+    # (data_packing.batch.pad_multiple, which the trainer adds: their lcm).
     pad_multiple: int = 1
     # Check of the packed files at start-up against their shard.json: "full" recomputes every
     # checksum (reads all data once), "sizes" compares file sizes only (instant).

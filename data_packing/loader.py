@@ -22,9 +22,8 @@ import torch
 
 from data_packing import storage
 from data_packing.balance import StepAssignment, balance_step, doc_cost
-from data_packing.batch import IGNORE_INDEX, PackedBatch
+from data_packing.batch import IGNORE_INDEX, PackedBatch, pack_documents, pad_to
 from data_packing.config import DataConfig
-from data_packing.packing import pad_to
 from data_packing.tokenizer import sha256
 
 STATE_VERSION = 1
@@ -110,53 +109,47 @@ class PackedDataset:
 
 
 def build_micro_batch(ds: PackedDataset, docs: list[int], pad_multiple: int) -> PackedBatch:
-    """A PackedBatch of the given document pieces, each padded to pad_multiple."""
-    lens = ds.doc_lengths[docs]
-    padded = pad_to(lens, pad_multiple)
-    cu = np.concatenate([[0], np.cumsum(lens)])
-    cu_p = np.concatenate([[0], np.cumsum(padded)])
-    total = int(cu_p[-1])
-    in_doc = np.arange(int(cu[-1])) - np.repeat(cu[:-1], lens)  # position inside its document
-    phys = np.repeat(cu_p[:-1], lens) + in_doc  # physical slot of each real token
-    tokens = np.full(total, ds.meta["pad_id"], dtype=np.int64)
-    tokens[phys] = np.concatenate([ds.doc_tokens(d) for d in docs])
-    not_last = in_doc + 1 < np.repeat(lens, lens)
-    target = np.concatenate([ds.doc_loss_mask(d) for d in docs]) if ds.has_loss_mask else None
-    keep = not_last[:-1] if target is None else not_last[:-1] & target[1:]  # target = next token
-    labels = np.full(total, IGNORE_INDEX, dtype=np.int64)
-    labels[phys[:-1][keep]] = tokens[phys[1:][keep]]
-    positions = np.zeros(total, dtype=np.int64)
-    positions[phys] = in_doc + np.repeat(ds.doc_first_position[docs], lens)
-    labels_t = torch.from_numpy(labels)
-    batch = PackedBatch(
-        tokens=torch.from_numpy(tokens), labels=labels_t,
-        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
-        cu_seqlens_padded=torch.from_numpy(cu_p.astype(np.int32)),
-        position_ids=torch.from_numpy(positions), max_seqlen=int(lens.max()),
-        loss_weight=(labels_t != IGNORE_INDEX).to(torch.float32) if ds.has_loss_mask else None,
-    )
-    batch.validate()  # host tensors, so cheap: a layout bug fails here by name, not in a kernel
-    return batch
+    """A PackedBatch of the given document pieces, each padded to pad_multiple (batch.pack_documents).
+    A token's label is the next token of its piece where that token is a target (the chat loss
+    mask), with loss weight 1 on exactly those where the packed data has a loss mask."""
+    tokens, labels, positions, weights = [], [], [], []
+    for d in docs:
+        tok = torch.from_numpy(ds.doc_tokens(d).astype(np.int64))
+        nxt = torch.ones(tok.numel(), dtype=torch.bool)
+        nxt[-1] = False  # the last token of a piece has no next token inside it
+        if ds.has_loss_mask:
+            nxt[:-1] &= torch.from_numpy(ds.doc_loss_mask(d)[1:].astype(bool))
+        lab = torch.where(nxt, tok.roll(-1), torch.full_like(tok, IGNORE_INDEX))
+        tokens.append(tok)
+        labels.append(lab)
+        positions.append(torch.arange(tok.numel(), dtype=torch.int64) + int(ds.doc_first_position[d]))
+        weights.append((lab != IGNORE_INDEX).to(torch.float32) if ds.has_loss_mask else None)
+    return pack_documents(tokens, labels, pad_multiple, positions=positions, weights=weights,
+                          pad_id=int(ds.meta["pad_id"]))
 
 
 class StepLoader:
     """Endless iterator over optimizer steps; each step is this rank's list[PackedBatch]."""
 
     def __init__(self, cfg: DataConfig, dp_rank: int, dp_size: int,
-                 dataset: PackedDataset | None = None):
+                 dataset: PackedDataset | None = None, layout_multiple: int = 1):
+        """`layout_multiple`: what the parallel layout needs every document padded to
+        (data_packing.batch.pad_multiple); documents are padded to its lcm with the user's
+        data.pad_multiple, which is read, never written."""
         cfg.validate()
         if not (dp_size >= 1 and 0 <= dp_rank < dp_size):
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
         self.ds = dataset if dataset is not None else PackedDataset(cfg.path, verify=cfg.verify)
-        self.padded = pad_to(self.ds.doc_lengths, cfg.pad_multiple)
+        self.pad_multiple = math.lcm(cfg.pad_multiple, layout_multiple)
+        self.padded = pad_to(self.ds.doc_lengths, self.pad_multiple)
         if self.ds.num_docs < dp_size:
             raise ValueError(f"{cfg.path} has {self.ds.num_docs} documents, fewer than dp_size="
                              f"{dp_size}: every rank needs one; use fewer DP ranks or more data")
         longest = int(self.padded.max())
         if longest > cfg.micro_batch_tokens:
             raise ValueError(f"{cfg.path} holds a document of {longest} tokens (padded to "
-                             f"{cfg.pad_multiple}) > data.micro_batch_tokens={cfg.micro_batch_tokens}; "
+                             f"{self.pad_multiple}) > data.micro_batch_tokens={cfg.micro_batch_tokens}; "
                              f"raise data.micro_batch_tokens or repack with --seq-len <= {cfg.micro_batch_tokens}")
         self.costs = doc_cost(self.padded, cfg.cost_per_token, cfg.cost_per_token_pair)
         self.epoch, self.step_in_epoch = 0, 0
@@ -220,7 +213,7 @@ class StepLoader:
                               self.cfg.micro_batch_tokens)
         self.step_in_epoch += 1
         self.last_assignment = assign
-        return [build_micro_batch(self.ds, docs[m].tolist(), self.cfg.pad_multiple)
+        return [build_micro_batch(self.ds, docs[m].tolist(), self.pad_multiple)
                 for m in assign.micro[self.dp_rank]]
 
     def __iter__(self):
@@ -243,5 +236,5 @@ class StepLoader:
         self.epoch, self.step_in_epoch = int(sd["epoch"]), int(sd["step_in_epoch"])
 
 
-def build_step_loader(cfg: DataConfig, dp_rank: int, dp_size: int) -> StepLoader:
-    return StepLoader(cfg, dp_rank, dp_size)
+def build_step_loader(cfg: DataConfig, dp_rank: int, dp_size: int, layout_multiple: int = 1) -> StepLoader:
+    return StepLoader(cfg, dp_rank, dp_size, layout_multiple=layout_multiple)

@@ -22,13 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from data_packing.batch import pad_to
+
 ALGORITHMS = ("bfd", "ffd", "wrapped")
 OVERFLOW_MODES = ("split", "truncate", "drop")
-
-
-def pad_to(n, multiple: int):
-    """Round n (int or int array) up to a multiple of `multiple`."""
-    return -(-n // multiple) * multiple
 
 
 @dataclass

@@ -236,16 +236,6 @@ class Piece:
     offsets: tuple[int, ...]
 
 
-def save_checkpoint(ckpt_dir: str | Path, step: int, pieces: dict[str, Piece], rank_state: dict[str, Any],
-                    meta: dict[str, Any], rank: int, world_size: int, keep_last: int = 0, group=None) -> Path:
-    """Collective over `group` (all ranks of the run): write this rank's `pieces` (those no lower
-    rank holds alike) and its JSON-ready `rank_state`, then rank 0 publishes the step directory
-    atomically and prunes to the newest `keep_last`. A failure on any rank raises the same
-    one-line CheckpointError on every rank."""
-    staged = stage_checkpoint(ckpt_dir, step, pieces, rank, group)
-    return publish_checkpoint(staged, write_staged(staged, rank_state), meta, world_size, keep_last, group)
-
-
 @dataclass
 class Staged:
     """A save between its collective start (directory, which rank writes which piece) and its

@@ -57,7 +57,7 @@ def ep_load_stats(counts_LE: torch.Tensor, ep: int, ran_LR: list | None = None) 
 
 
 def measure_peak_tflops(device: torch.device, dtype: torch.dtype,
-                        target_s: float = 0.02, max_size: int = 4096, repeats: int = 5) -> float:
+                        target_s: float = 0.05, max_size: int = 4096, repeats: int = 5) -> float:
     """Median TFLOP/s of a square `dtype` matmul on `device` (the MFU denominator when none is
     configured), in the dtype the run computes in. The size doubles from 256 until one matmul
     takes `target_s` (or reaches `max_size`), so the whole measurement stays well under a second

@@ -45,6 +45,7 @@ from longctx_moe.metrics import (
     measure_peak_tflops,
     truncate_metrics,
 )
+from longctx_moe.precision import announce
 from longctx_moe.trainer import NonFiniteLossError, StepResult, Trainer, iterate_steps
 
 # Errors a user can act on: printed as one line, no traceback.
@@ -217,10 +218,9 @@ def build_runtime(cfg: Config, dims: Any, device: torch.device):
 def build_loader(cfg: Config, dims: Any):
     from data_packing.loader import build_step_loader
 
-    cfg.data.pad_multiple = pad_multiple(cfg.parallel.cp, cfg.parallel.tp,
-                                          cfg.parallel.sequence_parallel)
+    layout = pad_multiple(cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel)
     try:
-        return build_step_loader(cfg.data, dims.rank_in("dp", dims.rank or 0), dims.size("dp"))
+        return build_step_loader(cfg.data, dims.rank_in("dp", dims.rank or 0), dims.size("dp"), layout)
     except ValueError as e:  # the loader's messages name the data.* key and the fix
         raise ConfigError(str(e)) from None
 
@@ -490,6 +490,7 @@ def run(cfg: Config, until: int | None = None) -> dict:
     ctx = make_context(cfg)
     runtime, loader = start_up(cfg, ctx)
     trainer = Trainer(cfg, runtime, ctx.device)
+    announce(trainer.compute, ctx.rank)
     resumed = maybe_resume(trainer, loader, ctx)
     metrics_path = ctx.run_dir / cfg.logging.metrics_file
     if ctx.rank == 0:

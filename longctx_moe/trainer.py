@@ -1,4 +1,5 @@
-"""The training loop: one optimizer step over a list of micro-batches, metrics, checkpoints.
+"""One optimizer step over a list of micro-batches, and its metrics (the loop is train.fit; saving
+and resuming, longctx_moe.checkpoint).
 
 Loss normalisation (docs/ARCHITECTURE.md, "Losses"): for the micro-batches of one optimizer step on every
 data-parallel rank, G = the global number of target tokens (summed over DP). Each micro-batch
@@ -33,7 +34,7 @@ from longctx_moe.metrics import ep_load_stats, peak_memory_mb, reset_peak_memory
 from longctx_moe.optim import LRSchedule
 from longctx_moe.parallel.dims import Axis
 from longctx_moe.parallel.runtime import ParallelRuntime, Shard
-from longctx_moe.precision import announce, resolve_compute_dtype
+from longctx_moe.precision import resolve_compute_dtype
 
 
 class NonFiniteLossError(RuntimeError):
@@ -116,7 +117,6 @@ class Trainer:
         self.step = 0  # optimizer steps completed (including skipped ones)
         param_dtype = next(self.model.parameters()).dtype
         self.compute = resolve_compute_dtype(cfg.train.autocast_dtype, param_dtype, self.device)
-        announce(self.compute, dist.get_rank() if dist.is_initialized() else 0)
 
     # ------------------------------------------------------------------ one step
 
@@ -189,7 +189,7 @@ class Trainer:
         """[L_moe][ep] rows each EP rank ran since the last call, where every MoE layer lends
         (expert lending needs ep > 1; a model without `moe_layers` has nothing to lend)."""
         layers = self.model.moe_layers() if self.dims.ep > 1 and hasattr(self.model, "moe_layers") else []
-        ran = [getattr(m.dispatcher, "take_step_rows", lambda: None)() for m in layers]
+        ran = [m.dispatcher.take_step_rows() for m in layers]
         return ran if ran and all(r is not None for r in ran) else None
 
     def _set_lr(self, lr: float) -> float:
@@ -261,21 +261,6 @@ class Trainer:
                f"(loss={loss}, grad_norm={grad_norm}) at step {self.step + 1}"
         if self.cfg.train.nan_policy == "stop":
             raise NonFiniteLossError(f"{what}; lower optim.lr, check the data, or set train.nan_policy=skip")
-
-    # ------------------------------------------------------------------ state
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "schedule": self.schedule.state_dict(), "step": self.step}
-
-    def load_state_dict(self, state: dict[str, Any], where: str = "checkpoint") -> None:
-        from longctx_moe.checkpoint import load_model_state
-
-        load_model_state(self.model, state["model"], where)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
-        self.step = int(state["step"])
-
 
 def _merge_metrics(acc: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
     for key, value in new.items():

@@ -42,6 +42,7 @@ import torch
 from cp_attention.kernels import batch_invariant
 from longctx_moe.config import Config, ConfigError
 from longctx_moe.model.transformer import LogProbHead
+from longctx_moe.precision import announce
 from longctx_moe.trainer import MicroLoss, Trainer
 from rl_hooks.advantages import compute_advantages, token_advantages
 from rl_hooks.batch import RolloutBatch
@@ -79,6 +80,7 @@ class PolicyTrainer:
         self.dims = build_dims(cfg, self.ctx)
         self.runtime = build_runtime(cfg, self.dims, self.ctx.device)
         self.trainer = Trainer(cfg, self.runtime, self.ctx.device)
+        announce(self.trainer.compute, self.ctx.rank)
         self.pad_multiple = pad_multiple(cfg.parallel.cp, cfg.parallel.tp,
                                          cfg.parallel.sequence_parallel)
         self.dynamic = self.runtime.dynamic  # DynamicCP, or None for the static CP group

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from data_packing.balance import balance_step, doc_cost
-from data_packing.batch import IGNORE_INDEX, PackedBatch, position_ids_from_cu
+from data_packing.batch import IGNORE_INDEX, PackedBatch, pack_documents, pad_to
 from rl_hooks.batch import RolloutBatch
 
 
@@ -43,7 +43,7 @@ def plan_micro_batches(lengths: list[int], dp_size: int, budget: int, pad_multip
                        cost_per_token: float, cost_per_token_pair: float) -> list[list[list[int]]]:
     """plan[r][m] = the sequence indices (ascending) of DP rank r's m-th micro-batch; every rank
     gets the same number of micro-batches, some possibly empty."""
-    sizes = np.asarray([_padded(n, pad_multiple) for n in lengths], dtype=np.int64)
+    sizes = np.asarray([pad_to(n, pad_multiple) for n in lengths], dtype=np.int64)
     if sizes.size and sizes.max() > budget:
         longest = int(np.argmax(sizes))
         raise ValueError(f"sequence {longest} has {lengths[longest]} tokens (padded "
@@ -65,44 +65,25 @@ def plan_micro_batches(lengths: list[int], dp_size: int, budget: int, pad_multip
     return [[[i for i in micro if i < n_real] for micro in rank] for rank in step.micro]
 
 
-def _padded(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def build_micro_batch(batch: RolloutBatch, seqs: list[int], pad_multiple: int) -> MicroBatch:
-    """Pack `seqs` of `batch` into one PackedBatch (each sequence padded to `pad_multiple`).
+    """Pack `seqs` of `batch` into one PackedBatch (each sequence padded to `pad_multiple`;
+    data_packing.batch.pack_documents, whose stand-in batch an empty `seqs` gives).
 
     Labels: the next token of every token but the last of its sequence, so every rollout token but
     a sequence's first is scored, loss tokens or not: log-prob and training passes then run the
-    same computation (the first mini-batch's ratio is exactly 1). An empty `seqs` gives
-    pad_multiple padding tokens without targets."""
+    same computation (the first mini-batch's ratio is exactly 1)."""
     cu = batch.cu_seqlens.tolist()
-    tokens, target_src, token_src, lens, slots = [], [], [], [], []
-    for s in seqs:
-        a, b = cu[s], cu[s + 1]
-        n, slot = b - a, _padded(b - a, pad_multiple)
-        scored = torch.arange(a + 1, b)  # tokens t scored at position t - 1 (never the first)
-        src = torch.full((slot,), -1, dtype=torch.int64)
-        src[scored - 1 - a] = scored
-        tok = torch.full((slot,), -1, dtype=torch.int64)
-        tok[:n] = torch.arange(a, b)
-        tokens.append(torch.cat([batch.tokens[a:b], batch.tokens.new_zeros(slot - n)]))
-        target_src.append(src)
-        token_src.append(tok)
-        lens.append(n)
-        slots.append(slot)
-    if not seqs:  # a stand-in micro-batch: padding only, nothing scored
-        none = torch.full((pad_multiple,), -1, dtype=torch.int64)
-        tokens, target_src, token_src = [batch.tokens.new_zeros(pad_multiple)], [none], [none]
-    tokens_P, target_src_P, token_src_P = torch.cat(tokens), torch.cat(target_src), torch.cat(token_src)
-    labels_P = torch.where(target_src_P >= 0, batch.tokens[target_src_P.clamp_min(0)],
-                           torch.full_like(target_src_P, IGNORE_INDEX))
-    cu_real = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(torch.int32)
-    cu_pad = torch.tensor([0, *slots], dtype=torch.int64).cumsum(0).to(torch.int32)
-    packed = PackedBatch(tokens=tokens_P, labels=labels_P, cu_seqlens=cu_real,
-                         cu_seqlens_padded=cu_pad,
-                         position_ids=position_ids_from_cu(cu_real, cu_pad, tokens_P.numel()),
-                         max_seqlen=max(lens, default=0))
+    spans = [(cu[s], cu[s + 1]) for s in seqs]
+    tokens = [batch.tokens[a:b] for a, b in spans]
+    labels = [torch.cat([t[1:], t.new_full((1,), IGNORE_INDEX)]) for t in tokens]
+    packed = pack_documents(tokens, labels, pad_multiple)
+    target_src_P = torch.full((packed.num_tokens,), -1, dtype=torch.int64)
+    token_src_P = torch.full_like(target_src_P, -1)
+    for start, (a, b) in zip(packed.cu_seqlens_padded[:-1].tolist(), spans, strict=True):
+        token_src_P[start:start + b - a] = torch.arange(a, b)
+        target_src_P[start:start + b - a - 1] = torch.arange(a + 1, b)  # t scored at t - 1
     return MicroBatch(packed, list(seqs), target_src_P, token_src_P)
 
 

@@ -24,9 +24,10 @@ from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.layers import RMSNorm, apply_rope, rope_cos_sin
 
 
-@dataclass
+@dataclass(frozen=True)
 class DocLayout:
-    """Everything the layers need to know about one micro-batch's documents (built once per forward)."""
+    """Everything the layers need to know about one micro-batch's documents, complete when built
+    (doc_layout; a re-layout is a new value, dataclasses.replace). Only the RoPE cache fills in."""
 
     position_ids_T: torch.Tensor  # int64 [T]
     cu_attn_S: torch.Tensor  # int32 [S+1]: documents and padding runs, each its own segment
@@ -36,7 +37,8 @@ class DocLayout:
     real_mask_T: torch.Tensor | None  # bool [T]; None when the micro-batch has no padding
     rope: dict = field(default_factory=dict)  # (head_dim, theta, dtype) -> (cos_TR, sin_TR)
     # How the layers talk to other ranks for this micro-batch; both None on one device. The
-    # parallel runtime sets them per micro-batch (the CP group and plan differ per call).
+    # parallel runtime builds them into each micro-batch's layout (the CP group and plan differ
+    # per call).
     # attend(q_THR, k_TGR, v_TGR, backend) -> out_THR replaces the local varlen kernel;
     # reduce_stats sums no-grad MoE statistics over the ranks that split these tokens.
     attend: Callable[..., torch.Tensor] | None = None
@@ -52,8 +54,14 @@ class DocLayout:
         return self.rope[key]
 
 
-def doc_layout(batch: PackedBatch) -> DocLayout:
-    """Build the DocLayout of a PackedBatch; one host sync for the segment bounds."""
+def doc_layout(batch: PackedBatch, *, doc_id_T: torch.Tensor | None = None, num_docs: int | None = None,
+               attend: Callable[..., torch.Tensor] | None = None,
+               reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               replay_TLK: torch.Tensor | None = None) -> DocLayout:
+    """The DocLayout of a PackedBatch; one host sync for the segment bounds. `doc_id_T` and
+    `num_docs`: a CP shard's documents as numbered in the whole micro-batch (per-document
+    statistics then sum one document's pieces across the group), else this batch's own;
+    `attend`, `reduce_stats`, `replay_TLK`: see DocLayout."""
     t = batch.num_tokens
     cu, cup = batch.cu_seqlens.long(), batch.cu_seqlens_padded.long()
     lens_N = cu[1:] - cu[:-1]
@@ -66,15 +74,20 @@ def doc_layout(batch: PackedBatch) -> DocLayout:
     has_padding = bool((slots_N != lens_N).any()) or int(cup[-1]) != t
     doc_ids = torch.stack([torch.arange(n, device=dev), torch.full((n,), -1, device=dev)], 1)
     repeats = torch.stack([lens_N, slots_N - lens_N], 1)
-    doc_id_T = torch.repeat_interleave(doc_ids.flatten(), repeats.flatten())
-    doc_id_T = torch.cat([doc_id_T, doc_id_T.new_full((t - doc_id_T.numel(),), -1)])
+    ids_T = torch.repeat_interleave(doc_ids.flatten(), repeats.flatten())
+    own_T = torch.cat([ids_T, ids_T.new_full((t - ids_T.numel(),), -1)])
+    real_mask_T = (own_T >= 0) if has_padding else None
+    if doc_id_T is not None:  # a CP shard: its pieces keep the micro-batch's document ids
+        own_T, n = doc_id_T, num_docs
+        real_mask_T = own_T >= 0
     return DocLayout(
         position_ids_T=batch.position_ids,
         cu_attn_S=bounds.to(torch.int32),
         max_attn=max(seg_lens, default=0),
-        doc_id_T=doc_id_T,
+        doc_id_T=own_T,
         num_docs=n,
-        real_mask_T=(doc_id_T >= 0) if has_padding else None,
+        real_mask_T=real_mask_T,
+        attend=attend, reduce_stats=reduce_stats, replay_TLK=replay_TLK,
     )
 
 

@@ -15,6 +15,7 @@ from itertools import accumulate
 import torch
 
 from cp_attention.kernels import batch_invariant_enabled
+from data_packing.batch import pad_to
 from longctx_moe.choices import check_choice
 
 IMPLS = ("auto", "grouped_mm", "loop")
@@ -115,7 +116,7 @@ def padded_size(rows: int) -> int:
     if rows <= 0:
         return 0
     quantum = max(PAD_MIN_ROWS, (1 << (rows.bit_length() - 1)) // PAD_STEPS_PER_OCTAVE)
-    return -(-rows // quantum) * quantum
+    return pad_to(rows, quantum)
 
 
 def pad_layout(counts_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

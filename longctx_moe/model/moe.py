@@ -250,6 +250,11 @@ class LocalDispatcher:
         y_T1D = torch.bmm(topk_weight_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD)
         return y_T1D.squeeze(1)
 
+    def take_step_rows(self) -> list[int] | None:
+        """Rows each EP rank ran since the last call, where experts are lent; None here (one
+        device lends nothing). Every dispatcher answers it (parallel/dispatch.py)."""
+        return None
+
 
 class MoE(nn.Module):
     """Routed experts (+ optional shared expert). forward(x_TD, layout) -> (y_TD, MoEStats)."""

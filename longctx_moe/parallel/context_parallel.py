@@ -100,11 +100,13 @@ class CPAttend:
         return out
 
 
-def shard_for_cp(batch: PackedBatch, cp: CPGroup) -> tuple[PackedBatch, DocLayout, Any]:
+def shard_for_cp(batch: PackedBatch, cp: CPGroup, reduce_stats=None,
+                 replay_TLK: torch.Tensor | None = None) -> tuple[PackedBatch, DocLayout, Any]:
     """(this rank's local batch, its layout, the plan) of `batch` split over `cp` (size > 1).
 
     The layout's document ids and count are the whole micro-batch's, so per-document statistics
-    sum one document's pieces across the group; its `reduce_stats` is left to the caller."""
+    sum one document's pieces across the group (with `reduce_stats`); `replay_TLK` (int
+    [T, L_moe, K] of the whole micro-batch) is sharded with the tokens."""
     from cp_attention.plan import plan_cp
 
     plan = plan_cp(batch.cu_seqlens, batch.cu_seqlens_padded, cp.size,
@@ -112,8 +114,7 @@ def shard_for_cp(batch: PackedBatch, cp: CPGroup) -> tuple[PackedBatch, DocLayou
                    num_tokens=batch.num_tokens)
     full = doc_layout(batch)
     local = shard_batch(batch, plan, cp.rank)
-    layout = doc_layout(local)
-    layout.doc_id_T, layout.num_docs = plan.shard(full.doc_id_T, cp.rank), full.num_docs
-    layout.real_mask_T = layout.doc_id_T >= 0
-    layout.attend = CPAttend(plan, cp)
+    replay = None if replay_TLK is None else plan.shard(replay_TLK.to(batch.tokens.device), cp.rank)
+    layout = doc_layout(local, doc_id_T=plan.shard(full.doc_id_T, cp.rank), num_docs=full.num_docs,
+                        attend=CPAttend(plan, cp), reduce_stats=reduce_stats, replay_TLK=replay)
     return local, layout, plan

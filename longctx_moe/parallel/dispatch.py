@@ -176,6 +176,11 @@ class _EPDispatcher:
     # Whether __call__ computes `shared` while tokens travel (MoE passes it only then).
     overlaps_shared = False
 
+    def take_step_rows(self) -> list[int] | None:
+        """Rows each EP rank ran since the last call under expert lending; None where this
+        dispatcher does not lend (AllToAllDispatcher counts them)."""
+        return None
+
     def __call__(self, x_TD, topk_idx_TK, topk_weight_TK, experts, shared=None):
         """y_TD (+ shared(x_TD) when `shared` is given); with `tp_group`, each TP peer
         dispatches only its chunk of the (replicated) tokens and the outputs are gathered back,

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from cp_attention.dynamic_cost import padded_length
-from data_packing.batch import IGNORE_INDEX, PackedBatch, pad_multiple
+from data_packing.batch import PackedBatch, pack_documents, pad_multiple
 from longctx_moe.parallel.comm import all_gather_rows, gather_sizes
 from longctx_moe.parallel.context_parallel import NO_CP, CPGroup
 from longctx_moe.parallel.dims import Axis
@@ -157,42 +157,21 @@ def exchange_documents(mine: list[Document], lengths: list[int], owner: list[int
     return have
 
 
-def pack_documents(docs: list[Document], multiple: int) -> PackedBatch:
-    """One PackedBatch of `docs`, each padded to `multiple`; `multiple` padding tokens without
-    targets when `docs` is empty (an idle rank still runs the step's collectives, and sequence
-    parallelism splits its tokens over TP)."""
-    if not docs:
-        pad = torch.zeros(multiple, dtype=torch.int64)
-        return PackedBatch(tokens=pad, labels=torch.full_like(pad, IGNORE_INDEX),
-                           cu_seqlens=torch.zeros(1, dtype=torch.int32),
-                           cu_seqlens_padded=torch.zeros(1, dtype=torch.int32),
-                           position_ids=torch.zeros_like(pad), max_seqlen=0)
-    lens = [d.tokens.numel() for d in docs]
-    slots = [-(-n // multiple) * multiple for n in lens]
-
-    def padded(values, fill):
-        return torch.cat([torch.cat([v, v.new_full((s - v.numel(),), fill)])
-                          for v, s in zip(values, slots, strict=True)])
-
-    weighted = any(d.weight is not None for d in docs)
-    weight = None
-    if weighted:
-        weight = padded([d.weight if d.weight is not None else torch.ones(d.tokens.numel())
-                         for d in docs], 0.0)
-    return PackedBatch(tokens=padded([d.tokens for d in docs], 0),
-                       labels=padded([d.labels for d in docs], IGNORE_INDEX),
-                       cu_seqlens=torch.tensor([0, *lens]).cumsum(0).to(torch.int32),
-                       cu_seqlens_padded=torch.tensor([0, *slots]).cumsum(0).to(torch.int32),
-                       position_ids=padded([d.positions for d in docs], 0),
-                       max_seqlen=max(lens), loss_weight=weight)
+def pack_slot(docs: list[Document], multiple: int) -> PackedBatch:
+    """One PackedBatch of `docs`, each padded to `multiple` (data_packing.batch.pack_documents;
+    the stand-in batch when `docs` is empty)."""
+    return pack_documents([d.tokens for d in docs], [d.labels for d in docs], multiple,
+                          positions=[d.positions for d in docs], weights=[d.weight for d in docs])
 
 
 class DynamicCP:
     """Reschedules each step's documents onto the Dynamic-CP sub-groups of the DP x CP block."""
 
-    def __init__(self, dims, capacity_tokens: int, cost, max_cp: int, backend: str):
+    def __init__(self, dims, capacity_tokens: int, cost, max_cp: int, backend: str,
+                 sequence_parallel: bool = False):
         self.dims, self.capacity, self.cost = dims, capacity_tokens, cost
         self.max_cp, self.backend = max_cp, backend
+        self._sequence_parallel = sequence_parallel
         self.block = dims.dp * dims.cp
 
     def reschedule(self, micro_batches: list[PackedBatch],
@@ -206,7 +185,7 @@ class DynamicCP:
             mine, lengths, owner, weighted, needed_documents(plan, self.block),
             self.dims.rank_in(Axis.DP_CP), self.dims.cp,
             self.dims.group_or_none(Axis.DP_CP) if self.dims.dp > 1 else None, device)
-        slots = [Slot(pack_documents([docs[i] for i in seqs], multiple), cp)
+        slots = [Slot(pack_slot([docs[i] for i in seqs], multiple), cp)
                  for seqs, multiple, cp in self.my_runs(plan)]
         return slots, dict(plan.cp_sizes_used)
 
@@ -241,10 +220,6 @@ class DynamicCP:
         return [(seqs, pad_multiple(run.size, self.dims.tp, self._sequence_parallel),
                  self._cp_group(run.size, me - run.first_rank))
                 for run, seqs in plan.assignment(me)]
-
-    @property
-    def _sequence_parallel(self) -> bool:
-        return self.dims.config is not None and self.dims.config.sequence_parallel
 
     def _cp_group(self, size: int, rank: int) -> CPGroup:
         """The CPGroup of this rank's run. Hierarchical: a run no larger than cp_inner is one

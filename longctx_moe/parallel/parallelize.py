@@ -69,7 +69,7 @@ def _dynamic_cp(model: nn.Module, dims, cfg: ParallelConfig, capacity_tokens: in
         flops_per_s=cfg.dcp_tflops * 1e12, bandwidth=cfg.dcp_bandwidth_gbps * 1e9,
         ring_latency=cfg.dcp_ring_latency_us * 1e-6, attn_half_tokens=cfg.dcp_attn_half_tokens,
         a2a_size=_a2a_size(dims, cfg))
-    return DynamicCP(dims, capacity, cost, cfg.dynamic_max_cp, cfg.cp_backend)
+    return DynamicCP(dims, capacity, cost, cfg.dynamic_max_cp, cfg.cp_backend, cfg.sequence_parallel)
 
 
 def _a2a_size(dims, cfg: ParallelConfig) -> int:

@@ -120,18 +120,14 @@ class ParallelRuntime:
         `replay_TLK` (int [T, L_moe, K], -1 = route live) forces the experts of each token."""
         cp = self.static_cp if cp is None else cp
         n = batch.num_target_tokens()
-        if cp.size > 1:
-            local, layout, plan = shard_for_cp(batch, cp)
-            layout.reduce_stats = self._stats_reducer(cp)
-            if replay_TLK is not None:
-                layout.replay_TLK = plan.shard(replay_TLK.to(batch.tokens.device), cp.rank)
-            return Shard(local, layout, n, cp, plan)
         reducer = self._stats_reducer(cp)
+        if cp.size > 1:
+            local, layout, plan = shard_for_cp(batch, cp, reducer, replay_TLK)
+            return Shard(local, layout, n, cp, plan)
         layout = None
         if reducer is not None or replay_TLK is not None:
-            layout = doc_layout(batch)
-            layout.reduce_stats = reducer
-            layout.replay_TLK = None if replay_TLK is None else replay_TLK.to(batch.tokens.device)
+            replay = None if replay_TLK is None else replay_TLK.to(batch.tokens.device)
+            layout = doc_layout(batch, reduce_stats=reducer, replay_TLK=replay)
         return Shard(batch, layout, n, cp)
 
     def forward(self, shard: Shard, head=None):

@@ -25,7 +25,7 @@ from cp_attention.dynamic import schedule
 from longctx_moe.config import load_config
 from longctx_moe.model import build_model
 from longctx_moe.parallel.dims import ParallelDims
-from longctx_moe.parallel.dynamic_cp import documents, pack_documents
+from longctx_moe.parallel.dynamic_cp import documents, pack_slot
 from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.trainer import Trainer
 from tests.launcher import run_distributed
@@ -100,14 +100,14 @@ def _plan_micro_batches(replicas, block, max_cp):
     """The single-process equivalent of one Dynamic-CP step: one micro-batch per run."""
     docs, plan = _plan(replicas, block, max_cp)
     runs = [run for slot in plan.slots for run in slot if run.seq_indices]
-    return [pack_documents([docs[i] for i in run.seq_indices], 1) for run in runs], plan
+    return [pack_slot([docs[i] for i in run.seq_indices], 1) for run in runs], plan
 
 
 def _slot_micro_batches(replicas, block, max_cp):
     """The single-process equivalent of one Dynamic-CP step with the global-batch aux loss: one
     micro-batch per slot, holding every run's documents (the slot's statistics are global)."""
     docs, plan = _plan(replicas, block, max_cp)
-    return [pack_documents([docs[i] for run in slot for i in run.seq_indices], 1)
+    return [pack_slot([docs[i] for run in slot for i in run.seq_indices], 1)
             for slot in plan.slots]
 
 

@@ -21,7 +21,7 @@ from longctx_moe.parallel.dynamic_cp import (
     DynamicCP,
     documents,
     needed_documents,
-    pack_documents,
+    pack_slot,
     routes,
 )
 from tests.launcher import run_distributed
@@ -75,7 +75,7 @@ def test_plan_capacity_holds_for_the_runtime_batches():
             for run in (r for slot in plan.slots for r in slot if r.seq_indices):
                 docs = [Document(*(torch.zeros(lengths[i], dtype=torch.int64),) * 3, None)
                         for i in run.seq_indices]
-                batch = pack_documents(docs, pad_multiple(run.size, tp, sp))
+                batch = pack_slot(docs, pad_multiple(run.size, tp, sp))
                 assert batch.tokens.numel() // run.size <= 64, (tp, sp, run)
 
 
@@ -100,7 +100,7 @@ def _replicas(dp: int, seed: int):
 
 def _fields(batch):
     """The batch's tensors; no loss weight reads as 1 on real tokens, 0 on padding (what
-    pack_documents gives a document without weights in a weighted batch)."""
+    pack_slot gives a document without weights in a weighted batch)."""
     weight = batch.loss_weight
     if weight is None:
         weight = torch.zeros(batch.tokens.numel())
@@ -131,7 +131,7 @@ def test_reschedule_moves_exactly_the_plan_documents():
                 docs = [d for replica in replicas for d in documents(replica)]
                 plan = schedule([d.tokens.numel() for d in docs], world, max_cp, CAPACITY, COST)
                 assert sizes == plan.cp_sizes_used
-                want = [pack_documents([docs[i] for i in seqs], pad_multiple(run.size, 1))
+                want = [pack_slot([docs[i] for i in seqs], pad_multiple(run.size, 1))
                         for run, seqs in plan.assignment(me)]
                 assert groups == [(run.size, me - run.first_rank) for run, _ in plan.assignment(me)]
                 assert len(got) == len(want)

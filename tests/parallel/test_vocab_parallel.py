@@ -129,9 +129,7 @@ def _my_slice(p, want, dims):
 def _ref_forward(ref, batch, head, replay_TLK):
     if replay_TLK is None:
         return ref(batch, head=head)
-    layout = doc_layout(batch)
-    layout.replay_TLK = replay_TLK
-    return ref(batch, layout, head=head)
+    return ref(batch, doc_layout(batch, replay_TLK=replay_TLK), head=head)
 
 
 def _check_router_stats(runtime, shard, out, want, batch, kw):

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cp_attention.hardware import native_bf16
 from cp_attention.kernels import brgemm_forward
 from data_packing.batch import PackedBatch, labels_from_tokens, position_ids_from_cu
 from rl_hooks import PolicyLossConfig, PolicyTrainer, RolloutBatch, RolloutBatchError, make_loss
@@ -212,6 +213,10 @@ def test_bf16_logprobs_do_not_depend_on_the_neighbours(invariant):
     its own. With it, the log-probs are bitwise equal; without, they are not (bench/
     batch_invariance.py measures the gap: up to 7e-2). Our brgemm forward works per document and
     is invariant either way, so it is switched off here to test the mode on aten's kernel."""
+    if not invariant and not native_bf16("cpu")[0]:
+        # Without native bf16 (AVX2) aten's CPU flash kernel takes another bf16 path whose result
+        # does not depend on the bucket: there is no difference for the mode to remove.
+        pytest.skip("aten's bf16 attention is bucket-independent without native bf16")
     # the default model's attention shape (head_dim 32): the kernel's block split shows there
     sets = ["train.param_dtype=fp32", "train.autocast_dtype=bf16", "model.hidden_size=128",
             "model.head_dim=32", "model.num_layers=1"]

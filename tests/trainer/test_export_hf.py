@@ -207,8 +207,8 @@ def test_init_from_reads_a_transformers_saved_directory(ep_run, tmp_path):
 
 def test_init_from_reads_fused_expert_names(ep_run, tmp_path):
     """transformers 5's in-memory layout (`experts.gate_up_proj` [E, 2F, D]) is accepted too."""
-    from longctx_moe.hf.load import load_hf_weights
     from longctx_moe.hf.interop import to_hf_state_dict
+    from longctx_moe.hf.load import load_hf_weights
 
     out = _export(ep_run, tmp_path / "hf")
     fused = tmp_path / "fused"
