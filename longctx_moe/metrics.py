@@ -59,8 +59,9 @@ def ep_load_stats(counts_LE: torch.Tensor, ep: int, ran_LR: list | None = None) 
 def measure_peak_tflops(device: torch.device, size: int = 2048, repeats: int = 5) -> float:
     """Median TFLOP/s of a bf16 `size`^3 matmul on `device` (the MFU denominator when none is
     configured). Uses the current thread count, so on CPU it is the peak of this rank's share."""
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(0)  # not the global RNG a checkpoint restores
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=g)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=g)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(2):  # warm-up: thread pools, kernel selection
         a @ b
