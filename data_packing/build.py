@@ -21,7 +21,7 @@ import numpy as np
 
 from data_packing import storage
 from data_packing.batch import pad_to
-from data_packing.documents import tokenize_records
+from data_packing.documents import FIRST_DROPPED, tokenize_records
 from data_packing.packing import PackPlan
 
 # Tokens gathered per write: 4M tokens is an 8-16 MB buffer, and ~1 ms of write call overhead per
@@ -39,6 +39,7 @@ class SpoolPart:
     lengths: np.ndarray  # int64 [n]
     index: np.ndarray  # int64 [n]: input document index
     dropped: Counter
+    first_dropped: dict[str, list[int]]  # reason -> the first few dropped input indices
 
 
 def spool_part(job: dict, lo: int, hi: int, part: int, progress=None) -> SpoolPart:
@@ -47,11 +48,11 @@ def spool_part(job: dict, lo: int, hi: int, part: int, progress=None) -> SpoolPa
     corpus, dtype = job["corpus"], np.dtype(job["dtype"])
     tok_path = os.path.join(job["tmp"], f".spool_{part:05d}.tokens")
     mask_path = os.path.join(job["tmp"], f".spool_{part:05d}.mask") if job["chat"] else None
-    lengths, index, dropped = [], [], Counter()
+    lengths, index, dropped, first = [], [], Counter(), {}
     with open(tok_path, "wb") as ft, open(mask_path or os.devnull, "wb") as fm:
         for start, stop in corpus.chunks(lo, hi, job["chunk_docs"]):
             res = tokenize_records(corpus.slice(start, stop), start, corpus.kind, job["tok"],
-                                   job["eos_id"], job["vocab_size"], job.get("template"))
+                                   job["eos_id"], job["vocab_size"], job.get("template"), job.get("strict", False))
             for t in res.tokens:
                 # ids were range-checked against the vocabulary, so the cast is exact
                 ft.write(t.astype(dtype, copy=False).data)
@@ -60,10 +61,12 @@ def spool_part(job: dict, lo: int, hi: int, part: int, progress=None) -> SpoolPa
             lengths.append(np.fromiter((len(t) for t in res.tokens), np.int64, len(res.tokens)))
             index.append(np.asarray(res.index, np.int64))
             dropped.update(res.dropped)
+            for reason, found in res.first_dropped.items():
+                first[reason] = (first.get(reason, []) + found)[:FIRST_DROPPED]
             if progress is not None:
                 progress.update(stop - start, int(lengths[-1].sum()))
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)
-    return SpoolPart(tok_path, mask_path, cat(lengths), cat(index), dropped)
+    return SpoolPart(tok_path, mask_path, cat(lengths), cat(index), dropped, first)
 
 
 class SpoolReader:

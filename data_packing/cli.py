@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "joins a cluster (inputs and --output on a filesystem every node sees)")
     p.add_argument("--overwrite", action="store_true", help="replace an incompatible output")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--strict", action="store_true", help="stop at the first broken input record "
+                   "(a line that is not JSON or not UTF-8, a value of the wrong type) instead of "
+                   "skipping it and counting it in docs_dropped_*")
     return p
 
 

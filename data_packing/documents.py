@@ -10,7 +10,9 @@ Record kinds (see `sources.Corpus.kind`):
   turns).
 
 Dropped records are counted by reason (DROP_REASONS) so that
-docs_in == docs_packed + sum(dropped) always holds.
+docs_in == docs_packed + sum(dropped) always holds, and the first few input indices of each
+reason are kept (`Tokenized.first_dropped`) so a warning can point at them. With `strict`, a
+record of a STRICT_REASONS kind (input that is broken, not merely empty) raises ValueError.
 """
 
 from __future__ import annotations
@@ -21,9 +23,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from data_packing.jsonl import Unreadable
 from data_packing.tokenizer import encode_texts
 
-DROP_REASONS = ("empty", "invalid_utf8", "missing_value", "bad_record")
+DROP_REASONS = ("empty", "invalid_utf8", "missing_value", "bad_record", "malformed", "decode")
+STRICT_REASONS = ("invalid_utf8", "bad_record", "malformed", "decode")
+DROP_WHY = {"empty": "no tokens", "invalid_utf8": "invalid UTF-8", "bad_record": "wrong type or shape",
+            "malformed": "not valid JSON", "decode": "a line that is not UTF-8"}
+FIRST_DROPPED = 5  # input indices kept per reason
 
 
 @dataclass
@@ -35,12 +42,26 @@ class Tokenized:
     tokens: list[np.ndarray] = field(default_factory=list)
     masks: list[np.ndarray] | None = None
     dropped: Counter = field(default_factory=Counter)
+    first_dropped: dict[str, list[int]] = field(default_factory=dict)  # reason -> input indices
+    strict: bool = False
+
+    def drop(self, reason: str, index: int) -> None:
+        """Count input record `index` as dropped for `reason` (or, strict, refuse it)."""
+        if self.strict and reason in STRICT_REASONS:
+            raise ValueError(f"input record {index + 1} is {DROP_WHY[reason]} ({reason}) and --strict is "
+                             "set; fix the input, or leave out --strict to skip and count such records")
+        self.dropped[reason] += 1
+        first = self.first_dropped.setdefault(reason, [])
+        if len(first) < FIRST_DROPPED:
+            first.append(index)
 
 
 def _as_text(value) -> tuple[str | None, str | None]:
     """(text, None) or (None, drop reason)."""
     if value is None:
         return None, "missing_value"
+    if isinstance(value, Unreadable):
+        return None, value.reason
     if isinstance(value, bytes):
         try:
             value = value.decode("utf-8")
@@ -55,6 +76,8 @@ def _chat_segments(value) -> tuple[list[tuple[str, int]] | None, str | None]:
     """[(text, supervised)] for one chat record, or (None, drop reason)."""
     if value is None:
         return None, "missing_value"
+    if isinstance(value, Unreadable):
+        return None, value.reason
     if not isinstance(value, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in value):
@@ -73,7 +96,7 @@ def render_chat(value) -> str | None:
 
 def _finish(out: Tokenized, i: int, ids: np.ndarray, mask: np.ndarray | None, eos_id: int | None):
     if ids.size == 0:
-        out.dropped["empty"] += 1
+        out.drop("empty", i)
         return
     if eos_id is not None:
         ids = np.append(ids, np.int32(eos_id))
@@ -85,19 +108,20 @@ def _finish(out: Tokenized, i: int, ids: np.ndarray, mask: np.ndarray | None, eo
 
 
 def tokenize_records(records: list, first_index: int, kind: str, tok, eos_id: int | None,
-                     vocab_size: int, template=None) -> Tokenized:
+                     vocab_size: int, template=None, strict: bool = False) -> Tokenized:
     """Tokenize one chunk. eos_id: appended to every document when not None; template: a
-    chat_template.ChatTemplate for chat records (None: the built-in rendering)."""
-    out = Tokenized(masks=[] if kind == "chat" else None)
+    chat_template.ChatTemplate for chat records (None: the built-in rendering); strict: a broken
+    record (STRICT_REASONS) raises ValueError instead of being counted."""
+    out = Tokenized(masks=[] if kind == "chat" else None, strict=strict)
     if kind == "ids":
         for k, value in enumerate(records):
-            if value is None:
-                out.dropped["missing_value"] += 1
+            if value is None or isinstance(value, Unreadable):
+                out.drop("missing_value" if value is None else value.reason, first_index + k)
                 continue
             ids = np.asarray(value)
             if ids.ndim != 1 or (ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0
                                                or ids.max() >= vocab_size)):
-                out.dropped["bad_record"] += 1
+                out.drop("bad_record", first_index + k)
                 continue
             _finish(out, first_index + k, ids.astype(np.int32), None, eos_id)
         return out
@@ -106,7 +130,7 @@ def tokenize_records(records: list, first_index: int, kind: str, tok, eos_id: in
         for k, value in enumerate(records):
             text, reason = _as_text(value)
             if reason:
-                out.dropped[reason] += 1
+                out.drop(reason, first_index + k)
             else:
                 good.append(first_index + k)
                 texts.append(text)
@@ -132,7 +156,7 @@ def _tokenize_templated(records, first_index, tok, eos_id, out: Tokenized, templ
             except TemplateError:  # the template refused the conversation (raise_exception)
                 reason = "bad_record"
         if reason:
-            out.dropped[reason] += 1
+            out.drop(reason, first_index + k)
             continue
         docs.append(first_index + k)
         texts.append(text)
@@ -149,7 +173,7 @@ def _tokenize_chat(records, first_index, tok, eos_id, out: Tokenized) -> Tokeniz
     for k, value in enumerate(records):
         segs, reason = _chat_segments(value)
         if reason:
-            out.dropped[reason] += 1
+            out.drop(reason, first_index + k)
             continue
         docs.append((first_index + k, len(flat), len(segs)))
         flat.extend(segs)

@@ -34,6 +34,17 @@ class NotARecord:
 NOT_A_RECORD = NotARecord()
 
 
+class Unreadable:
+    """Stands for a line that is not JSON: `reason` "decode" (not UTF-8) or "malformed"; counted
+    as a dropped record (documents.py) unless the reader is strict."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"Unreadable({self.reason})"
+
+
 def _index_file(path: str) -> tuple[np.ndarray, int, str]:
     """(int64 [n] byte offset of each record, file size, sha256 of the content)."""
     starts, h, pos, prev = [], hashlib.sha256(), 0, b"\n"
@@ -56,10 +67,11 @@ def _index_file(path: str) -> tuple[np.ndarray, int, str]:
 
 class JsonlRecords:
     """The `key` field of every record of some JSONL files, indexable by slice (a list of raw
-    values: None where the key is missing, NOT_A_RECORD for a non-object line)."""
+    values: None where the key is missing, NOT_A_RECORD for a non-object line, Unreadable for a
+    line that is not JSON). strict: a line that is not JSON raises ValueError instead."""
 
-    def __init__(self, paths: list[str]):
-        self.paths, self.key, self.ids_fast = paths, None, False
+    def __init__(self, paths: list[str], strict: bool = False):
+        self.paths, self.key, self.ids_fast, self.strict = paths, None, False, strict
         idx = [_index_file(p) for p in paths]
         self._starts = [s for s, _, _ in idx]
         self._sizes = [n for _, n, _ in idx]
@@ -132,9 +144,12 @@ class JsonlRecords:
     def _parse(self, path: str, lineno: int, line: bytes, whole: bool = False):
         try:
             rec = json.loads(line)
-        except ValueError as e:
+        except ValueError as e:  # UnicodeDecodeError is a ValueError too
+            if not self.strict:
+                return Unreadable("decode" if isinstance(e, UnicodeDecodeError) else "malformed")
             raise ValueError(f"cannot read {path!r} as json (record {lineno}: {e}); check the file "
-                             "is valid and complete") from None
+                             "is valid and complete, or leave out --strict to skip and count such "
+                             "records") from None
         if whole:
             return rec
         if not isinstance(rec, dict):

@@ -23,7 +23,13 @@ import numpy as np
 
 from data_packing import build, chat_template, storage
 from data_packing.batch import pad_multiple
-from data_packing.documents import DROP_REASONS, training_texts
+from data_packing.documents import (
+    DROP_REASONS,
+    DROP_WHY,
+    FIRST_DROPPED,
+    STRICT_REASONS,
+    training_texts,
+)
 from data_packing.packing import ALGORITHMS, OVERFLOW_MODES, plan_rows
 from data_packing.sources import STDLIB, open_corpus
 from data_packing.stats import format_stats, summarize
@@ -38,7 +44,7 @@ from data_packing.tokenizer import (
 
 # Arguments that do not change the bytes written (left out of the fingerprint and metadata).
 _RUNTIME_ONLY = ("output", "workers", "shard_index", "overwrite", "progress", "chunk_docs",
-                 "memory_budget")
+                 "memory_budget", "strict")
 SPLIT_POSITIONS = ("restart", "continue")
 # Shard sizing for --memory-budget, measured with bench/packing_scale.py: the process needs about
 # BASE_BYTES whatever the corpus (interpreter, numpy, tokenizers, torch, read and write buffers,
@@ -77,6 +83,7 @@ class PackArgs:
     shard_index: int | None = None
     overwrite: bool = False
     progress: bool = True
+    strict: bool = False  # stop at the first broken input record instead of counting it
     # Documents per encode_batch call: large, because every call waits for its longest document
     # (fewer, bigger calls keep the tokenizer threads busy); small enough for a live progress bar.
     chunk_docs: int = 1024
@@ -214,7 +221,8 @@ def _build_shard(a: PackArgs, corpus, prep: dict, fingerprint: str, k: int) -> d
     tmp = storage.begin_shard(a.output, k)
     job = dict(corpus=corpus, tok=prep["tok"], eos_id=prep["eos_id"] if a.append_eos else None,
                vocab_size=prep["vocab_size"], chat=corpus.kind == "chat", template=prep["template"],
-               dtype=storage.token_dtype(prep["vocab_size"]), chunk_docs=a.chunk_docs, tmp=tmp)
+               dtype=storage.token_dtype(prep["vocab_size"]), chunk_docs=a.chunk_docs, tmp=tmp,
+               strict=a.strict)
     bar = _Progress(hi - lo, a.progress, f"shard {k}/{a.num_shards}")
     try:
         parts = build.spool_shard(job, lo, hi, a.workers, bar)
@@ -227,8 +235,11 @@ def _build_shard(a: PackArgs, corpus, prep: dict, fingerprint: str, k: int) -> d
     counters = {f"docs_dropped_{r}": n for r, n in dropped.items()}
     counters.update(plan.counts, docs_in=hi - lo, tokens_in=int(lengths.sum()),
                     docs_packed=int(np.unique(plan.piece_doc).size))
+    first = {r: sorted(i for p in parts for i in p.first_dropped.get(r, []))[:FIRST_DROPPED]
+             for r in DROP_REASONS}
     storage.commit_shard(a.output, k, tmp, {"fingerprint": fingerprint, "shard": k, "files": files,
-                                            "doc_range": [lo, hi], "counters": counters})
+                                            "doc_range": [lo, hi], "counters": counters,
+                                            "first_dropped": {r: v for r, v in first.items() if v}})
     return counters
 
 
@@ -243,14 +254,21 @@ def _finish(a: PackArgs, fingerprint: str, prep: dict, kind: str) -> dict:
     """Summarize all shards and write metadata.json (atomically, last)."""
     dtype = storage.token_dtype(prep["vocab_size"])
 
+    first: dict[str, list[int]] = {}
+
     def shards():  # one shard's index arrays at a time
         for k in range(a.num_shards):
             d = os.path.join(a.output, storage.shard_name(k))
             arrays = storage.load_shard(d, dtype, names=("row_docs", "doc_lengths", "doc_lengths_padded"))
-            arrays["counters"] = storage.read_json(os.path.join(d, storage.SHARD_INFO))["counters"]
+            info = storage.read_json(os.path.join(d, storage.SHARD_INFO))
+            arrays["counters"] = info["counters"]
+            for reason, found in info.get("first_dropped", {}).items():
+                first[reason] = first.get(reason, []) + found
             yield arrays
 
     stats = summarize(shards(), a.seq_len)
+    for reason, found in first.items():  # 1-based record numbers over the inputs in order
+        stats[f"docs_dropped_{reason}_records"] = [i + 1 for i in sorted(found)[:FIRST_DROPPED]]
     meta = {
         "format_version": storage.FORMAT_VERSION, "fingerprint": fingerprint,
         "args": {k: v for k, v in asdict(a).items() if k not in _RUNTIME_ONLY},
@@ -294,7 +312,7 @@ def _existing_output(a: PackArgs, fp: str) -> dict | None:
 
 def _prepare(a: PackArgs):
     """(corpus, {tok, tok_bytes, tok_hash, vocab_size, eos_id, pad_id, template, template_hash})."""
-    corpus = open_corpus(a.sources, a.text_key, a.ids_key, a.messages_key, a.max_docs)
+    corpus = open_corpus(a.sources, a.text_key, a.ids_key, a.messages_key, a.max_docs, a.strict)
     tok, tok_bytes, vocab_size, eos_id, pad_id = _prepare_tokenizer(a, corpus)
     name = lambda i: tok.id_to_token(i) if tok is not None and i is not None else None
     template = chat_template.resolve(a, corpus.kind, tok, name(eos_id), name(pad_id))
@@ -396,10 +414,14 @@ def drop_warning(result: dict) -> str | None:
     dropped = {r: n for r, n in (result.get("dropped") or {}).items() if n}
     if not dropped:
         return None
-    why = {"missing_value": f"no {result.get('record_key')!r} field or null",
-           "bad_record": "wrong type or malformed", "empty": "no tokens",
-           "invalid_utf8": "invalid UTF-8"}
-    parts = ", ".join(f"{n} {r} ({why[r]})" for r, n in sorted(dropped.items()))
+    why = {**DROP_WHY, "missing_value": f"no {result.get('record_key')!r} field or null"}
+    stats = result.get("stats") or {}
+
+    def where(r: str) -> str:
+        records = stats.get(f"docs_dropped_{r}_records")
+        return f", first at record {', '.join(map(str, records))}" if records and r in STRICT_REASONS else ""
+
+    parts = ", ".join(f"{n} {r} ({why[r]}{where(r)})" for r, n in sorted(dropped.items()))
     return (f"longctx-pack: warning: dropped {sum(dropped.values())} record(s): {parts}; "
             "see docs_dropped_* in metadata.json stats")
 

@@ -153,8 +153,9 @@ def _choose(cols: list[str], name: str, text_key: str, ids_key: str | None, mess
 
 
 def open_corpus(sources: list[str], text_key: str = "text", ids_key: str | None = None,
-                messages_key: str = "messages", max_docs: int | None = None) -> Corpus:
-    """The records to pack, in a deterministic order, limited to the first `max_docs`."""
+                messages_key: str = "messages", max_docs: int | None = None, strict: bool = False) -> Corpus:
+    """The records to pack, in a deterministic order, limited to the first `max_docs`. strict: a
+    JSONL line that is not JSON raises ValueError (default: it becomes a dropped record)."""
     if sources == [STDLIB]:
         paths = stdlib_files()
         if not paths:
@@ -167,7 +168,7 @@ def open_corpus(sources: list[str], text_key: str = "text", ids_key: str | None 
         raise ValueError(f"input {empty[0]!r} is empty (0 bytes); pass a file with records or "
                          "leave it out")
     if all(p.lower().endswith(".jsonl") and os.path.isfile(p) for p in paths):
-        return _open_jsonl(paths, text_key, ids_key, messages_key, max_docs)
+        return _open_jsonl(paths, text_key, ids_key, messages_key, max_docs, strict)
     if all(p.lower().endswith(".parquet") and os.path.isfile(p) for p in paths):
         return _open_parquet(paths, text_key, ids_key, messages_key, max_docs)
     ds = _load_dataset(paths)
@@ -181,8 +182,8 @@ def open_corpus(sources: list[str], text_key: str = "text", ids_key: str | None 
     return Corpus(name, kind, _Column(ds, column), column)
 
 
-def _open_jsonl(paths, text_key, ids_key, messages_key, max_docs) -> Corpus:
-    recs = JsonlRecords(paths)
+def _open_jsonl(paths, text_key, ids_key, messages_key, max_docs, strict: bool = False) -> Corpus:
+    recs = JsonlRecords(paths, strict)
     name = paths[0] if len(paths) == 1 else f"{len(paths)} files"
     if len(recs) == 0:
         raise ValueError(f"input {name!r} is empty (no records, only blank lines); pass a file "

@@ -25,12 +25,14 @@ renames it into place, fsyncs the parent and replaces `latest`). A crash or a po
 never leaves a half-written step that `latest` names. Assumes a filesystem that every rank sees
 (one machine, or a shared mount).
 
-Resume (`find_resume_dir`) takes the step `latest` names. When `latest` is missing, or names a
-step that is gone or has no readable meta.json (a crash between the rename and `latest`, a step
-deleted by hand), it falls back to the newest complete step with a one-line notice. A step whose
-meta.json is fine but whose rank file is missing, truncated or fails its checksum is a storage
-fault, not a crash: loading stops with one line naming the file and the older step to use,
-rather than silently throwing away progress.
+A step is complete when its meta.json is readable and every file it lists is there at its
+recorded size. Resume (`find_resume_dir`) takes the step `latest` names. When `latest` is missing,
+or names a step that is gone or not complete (a crash between the rename and `latest`, a kill
+while pruning, a file deleted or cut short), it falls back to the newest complete step with a
+one-line notice naming each step it skips. Pruning deletes a step's meta.json first, so a kill
+part-way through never leaves a candidate. A rank file at its size that fails its checksum is a
+storage fault: loading stops with one line naming the file and the older step to use, rather
+than silently throwing away progress.
 
 A run that goes back to an earlier step (`checkpoint.resume=none` in a used directory, or a step
 directory given by path) owns the steps after it no more: they are moved to `superseded/`
@@ -416,9 +418,22 @@ def _prune(ckpt_dir: Path, keep_last: int, step: int) -> None:
     if keep_last <= 0:
         return
     complete = [path for _, path in _complete_steps(ckpt_dir)]
-    for old in complete[:-keep_last]:
+    torn = [path for number, path in _step_dirs(ckpt_dir) if number < step and path not in complete]
+    for old in [*torn, *complete[:-keep_last]]:
         if old.name != step_dir_name(step):
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_step(old)
+
+
+def _remove_step(step_dir: Path) -> None:
+    """Delete a step directory, meta.json first and durably: a kill part-way through leaves a
+    directory that no reader takes for a complete step."""
+    try:
+        (step_dir / "meta.json").unlink()
+        _fsync_dir(step_dir)
+    except FileNotFoundError:
+        pass
+    kill_point("prune", _step_number(step_dir.name) or 0, 0)
+    shutil.rmtree(step_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------- finding a step
@@ -438,7 +453,24 @@ def _step_dirs(ckpt_dir: Path) -> list[tuple[int, Path]]:
 
 
 def _complete_steps(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    return [(n, p) for n, p in _step_dirs(ckpt_dir) if _meta_or_none(p) is not None]
+    return [(n, p) for n, p in _step_dirs(ckpt_dir) if _incomplete_reason(p) is None]
+
+
+def _incomplete_reason(step_dir: Path) -> str | None:
+    """None when `step_dir` is complete: a readable meta.json and every file it lists present at
+    its recorded size (checksums are checked when a file is read). Else why not, in words."""
+    meta = _meta_or_none(step_dir)
+    if meta is None:
+        return "has no readable meta.json"
+    files = meta.get("files")
+    for name, entry in sorted(files.items() if isinstance(files, dict) else []):
+        try:
+            size = (step_dir / name).stat().st_size
+        except OSError:
+            return f"is torn: its '{name}' is missing"
+        if isinstance(entry, dict) and size != entry.get("bytes"):
+            return f"is torn: its '{name}' has {size} bytes but meta.json records {entry.get('bytes')}"
+    return None
 
 
 def _meta_or_none(step_dir: Path) -> dict[str, Any] | None:
@@ -480,17 +512,24 @@ def find_resume_dir(ckpt_dir: str | Path, resume: str,
 def _latest_or_newest(ckpt_dir: Path, notify: Callable[[str], None]) -> Path | None:
     latest = ckpt_dir / "latest"
     named = _read_latest(latest)
-    if named is not None and _meta_or_none(ckpt_dir / named) is not None:
+    reason = None if named is None else _incomplete_reason(ckpt_dir / named)
+    if named is not None and reason is None:
         return ckpt_dir / named
     complete = _complete_steps(ckpt_dir)
     if named is None and not latest.exists():
-        if not complete:
+        if not complete and not _step_dirs(ckpt_dir):
             return None  # a first run
         why = f"'{latest}' is missing"
     elif named is None:
         why = f"'{latest}' is unreadable"
+    elif (ckpt_dir / named).is_dir():
+        why = f"'{latest}' names '{named}', which {reason}"
     else:
-        why = f"'{latest}' names '{named}', which is missing or has no readable meta.json"
+        why = f"'{latest}' names '{named}', which is missing"
+    newest = complete[-1][0] if complete else -1
+    torn = [f"{p} {_incomplete_reason(p)}" for n, p in _step_dirs(ckpt_dir) if n > newest and p.name != named]
+    if torn:
+        why += f"; skipping {', '.join(torn)}"
     if not complete:
         raise CheckpointError(f"{why} and '{ckpt_dir}' holds no complete step; set checkpoint.resume=none "
                               "to start over or checkpoint.resume=<a step directory>")

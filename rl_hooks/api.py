@@ -95,6 +95,9 @@ class PolicyTrainer:
             self.budget = micro_batch_tokens or self.dynamic.capacity
         self.estimator = advantage_estimator
         self.batch_invariant = batch_invariant
+        from rl_hooks.export import ExportGate
+
+        self.export_gate = ExportGate()  # an export left open is settled before the next call
         if self.budget < self.pad_multiple:
             raise ConfigError(f"micro_batch_tokens={self.budget} is below the padding multiple "
                               f"{self.pad_multiple} of this layout; raise it")
@@ -129,6 +132,7 @@ class PolicyTrainer:
         for bitwise-equal old log-probs. A batch with `routed_experts` is scored with those
         routes replayed (as train_step does); `record_routes` returns the routes used."""
         self.validate(batch)
+        self.export_gate.settle()
         with torch.no_grad(), batch_invariant(self.batch_invariant):
             return self._logprobs(batch, temperature, return_entropy, record_routes, mini_batches)
 
@@ -182,6 +186,7 @@ class PolicyTrainer:
         """Optimizer steps over `batch`: `epochs` passes of `mini_batches` mini-batches (one step
         each). Returns the metrics of every step ("steps") and their means."""
         self.validate(batch)
+        self.export_gate.settle()
         batch = self._with_advantages(batch)
         if batch.old_logprobs is None:
             old = self.compute_logprobs(batch, temperature, mini_batches=mini_batches).logprobs
@@ -270,17 +275,18 @@ class PolicyTrainer:
 
     def export_weights(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype = torch.bfloat16):
         """Buckets of (HF name, tensor) of at most `bucket_bytes`, gathered over TP, ETP and EP;
-        collective: every rank iterates it to the end (see longctx_moe/hf/weights.py)."""
-        from longctx_moe.hf.weights import export_weights
+        collective: every rank iterates it to the end, or leaves it early on every rank (a rank
+        that leaves stops the others at the same bucket; see rl_hooks/export.py)."""
+        from rl_hooks.export import export_weights
 
-        return export_weights(self.runtime.model, self.dims, bucket_bytes, dtype)
+        return export_weights(self.runtime.model, self.dims, bucket_bytes, dtype, self.export_gate)
 
     def push_weights(self, sink, bucket_bytes: int = 512 << 20,
                      dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
         """Stream the export to `sink(bucket)`, e.g. a rollout engine's weight loader."""
         from rl_hooks.export import push_weights
 
-        return push_weights(self.runtime.model, self.dims, sink, bucket_bytes, dtype)
+        return push_weights(self.runtime.model, self.dims, sink, bucket_bytes, dtype, self.export_gate)
 
     # ------------------------------------------------------------------ state
 
@@ -292,6 +298,7 @@ class PolicyTrainer:
         """A checkpoint of model, optimizer and schedule (the project's format) under `path`."""
         from longctx_moe.train import save_trainer
 
+        self.export_gate.settle()
         return str(save_trainer(self.trainer, None, Path(path), self.ctx.rank, self.ctx.world_size, keep_last=0))
 
     def load(self, path: str) -> None:
@@ -300,6 +307,7 @@ class PolicyTrainer:
         from longctx_moe.checkpoint import find_resume_dir
         from longctx_moe.train import load_trainer
 
+        self.export_gate.settle()
         step_dir = find_resume_dir(Path(path), "auto") or Path(path)
         load_trainer(self.trainer, None, step_dir, self.ctx.rank, self.ctx.world_size)
 

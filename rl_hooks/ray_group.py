@@ -101,12 +101,24 @@ class _Rank:
         return fn(self.policy, *args, **kwargs)
 
     def export(self, bucket_bytes: int, dtype):
-        yield from self.policy.export_weights(bucket_bytes, dtype)
+        for bucket in self.policy.export_weights(bucket_bytes, dtype):  # noqa: UP028 (a plain loop: yield from would forward close())
+            yield bucket
 
     def drain_export(self, bucket_bytes: int, dtype) -> None:
         # The export is collective: every rank iterates it to the end, even one that keeps nothing.
-        for _ in self.policy.export_weights(bucket_bytes, dtype):
+        from rl_hooks.export import ExportAbandoned
+
+        try:
+            for _ in self.policy.export_weights(bucket_bytes, dtype):
+                pass
+        except ExportAbandoned:  # rank 0 stopped at the driver's request (stop_export)
             pass
+
+    def stop_export(self) -> None:
+        """Runs in the "control" concurrency group, beside a running export: ends it at the next
+        bucket on every rank."""
+        if self.policy is not None:
+            self.policy.export_gate.stop()
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -200,15 +212,29 @@ class RayPolicyGroup:
 
     def export_weights(self, bucket_bytes: int = 512 << 20, dtype=None) -> Iterator[list]:
         """Rank 0's buckets of (HF name, tensor), streamed to the driver as they are made (the
-        other ranks take part in each bucket's gathers). Iterate it to the end."""
+        other ranks take part in each bucket's gathers). Leaving it early (break, close) stops
+        every rank at the next bucket and frees what rank 0 had sent ahead."""
         import torch
 
         ray = _import_ray()
         dtype = dtype or torch.bfloat16
         self._usable()
-        stream = self._actors[0].export.options(num_returns="streaming").remote(bucket_bytes, dtype)
+        # Rank 0 runs at most AHEAD buckets ahead of the driver: a driver that stops reading holds
+        # that many in the object store, not the whole export.
+        stream = self._actors[0].export.options(num_returns="streaming", _generator_backpressure_num_objects=AHEAD
+                                                ).remote(bucket_bytes, dtype)
         drains = {a.drain_export.remote(bucket_bytes, dtype): r
                   for r, a in enumerate(self._actors) if r > 0}
+        try:
+            yield from self._stream(ray, stream, drains)
+        except GeneratorExit:  # the driver stopped reading: stop rank 0, free what it sent
+            ray.get(self._actors[0].stop_export.options(concurrency_group="control").remote())
+            for ref in stream:
+                del ref  # each bucket's object is freed once its last reference is gone
+            self._wait(list(drains), "export_weights", ranks=list(drains.values()))
+            raise
+
+    def _stream(self, ray, stream, drains: dict) -> Iterator[list]:
         while True:
             # Wait on the peers too: one failing mid-export would otherwise leave rank 0 blocked
             # in a gather until the process-group timeout.
@@ -329,6 +355,9 @@ class RayPolicyGroup:
         raise RayGroupError(msg, rank, sorted(errors), cause) from errors[rank]
 
 
+AHEAD = 2  # buckets rank 0 may produce before the driver has read them
+
+
 def _device_index(gpu_ids: list[str], local_rank: int) -> int:
     """LOCAL_RANK for this rank's device: its GPU's index among the visible ones. Ray normally
     shows an actor only its own GPU (index 0); with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES it
@@ -377,7 +406,9 @@ def _make_placement_group(ray, n: int, cpus: float, gpus: float, strategy: str, 
 def _start_actors(ray, pg, n: int, cpus: float, gpus: float, env: dict[str, str] | None) -> list:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    actor_cls = ray.remote(_Rank)
+    # "control": a thread of its own for stop_export, which must reach an export in progress;
+    # every other method runs in the default group, one at a time, in call order.
+    actor_cls = ray.remote(concurrency_groups={"control": 1})(_Rank)
     options = {"num_cpus": cpus, "num_gpus": gpus}
     if env:
         options["runtime_env"] = {"env_vars": dict(env)}

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import os
 import platform
+import signal
 import sys
 import time
 import warnings
@@ -36,19 +37,61 @@ def build_lock(build_dir: Path):
     torch's own lock is a file that a build creates and deletes: a build killed half-way (Ctrl-C
     during the first run's compile) leaves it behind, and every later process then waits on it
     forever. The kernel drops an flock when its holder dies, and every build of ours takes this
-    one first, so a torch lock file found while holding it was left by a dead build and is
-    removed."""
+    one first, so a torch lock file (or our owner record) found while holding it was left by a
+    dead build: `clear_dead_build` removes it with what that build half-wrote."""
     import fcntl
 
     with open(build_dir / "build.flock", "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
-            stale = build_dir / "lock"
-            if stale.exists():
-                stale.unlink()
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+# Written (with the builder's pid) before a compile starts and removed when it ends: found by the
+# next holder of the flock, it means the build was killed, its outputs possibly half-written.
+OWNER = "build.owner"
+_COMPILERS = ("ninja", "cc1plus", "c++", "g++", "gcc", "as", "ld", "collect2", "clang", "clang++")
+
+
+def _orphan_compilers(build_dir: Path) -> list[int]:
+    """Compiler processes still running in `build_dir` (ninja runs there): the children of a
+    killed build, which go on writing its outputs unless stopped."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.readlink(proc / "cwd") == str(build_dir) and (proc / "comm").read_text().strip() in _COMPILERS:
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def clear_dead_build(build_dir: Path, label: str) -> None:
+    """Call holding the flock. A build killed part-way left its owner record (our build) or
+    torch's lock file (any build); nobody holds the flock, so its builder is gone. Torch's lock
+    alone is removed; with the owner record, the orphaned compilers are stopped and everything the
+    build left (objects, a half-linked .so, ninja's state) is deleted, with one notice."""
+    owner = build_dir / OWNER
+    (build_dir / "lock").unlink(missing_ok=True)
+    if owner.exists():
+        _clean(build_dir, f"the build of the {label} in {build_dir} was killed part-way (builder pid "
+                          f"{owner.read_text().strip()} is gone)")
+
+
+def _clean(build_dir: Path, why: str) -> None:
+    """Stop compilers still running in `build_dir`, delete its files, print one notice."""
+    for orphan in _orphan_compilers(build_dir):
+        with contextlib.suppress(OSError):
+            os.kill(orphan, signal.SIGKILL)
+    for path in build_dir.iterdir():
+        if path.name != "build.flock" and path.is_file():
+            path.unlink(missing_ok=True)
+    print(f"cp_attention: {why}; removed its lock and partial outputs and building again",
+          file=sys.stderr, flush=True)
 
 
 def _import_extension(name: str, path: Path):
@@ -113,11 +156,20 @@ class CppKernel:
         build_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with build_lock(build_dir):
+            clear_dead_build(build_dir, self.label)
             built = build_dir / f"{self.name}.so"
             if built.is_file():
-                return _import_extension(self.name, built)
-            mod = load(name=self.name, sources=[str(self.source)], extra_cflags=_FLAGS,
-                       extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+                try:
+                    return _import_extension(self.name, built)
+                except ImportError as e:  # a .so cut short by a kill during the link
+                    _clean(build_dir, f"the cached {built.name} cannot be loaded ({str(e)[:120]})")
+            owner = build_dir / OWNER
+            owner.write_text(f"{os.getpid()}\n")
+            try:
+                mod = load(name=self.name, sources=[str(self.source)], extra_cflags=_FLAGS,
+                           extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+            finally:  # ended, well or not; only a kill leaves the record
+                owner.unlink(missing_ok=True)
         if time.perf_counter() - t0 > 5:  # a compile, not a cache hit: say where the pause went
             print(f"cp_attention: built the {self.label} in {time.perf_counter() - t0:.0f} s "
                   "(cached for later runs)", file=sys.stderr, flush=True)

@@ -43,9 +43,12 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
         # The first call may come from inside an activation-recompute region: identity hooks keep
         # the probe's saved tensors out of that region's bookkeeping (else the forward saves more
         # tensors than the recomputation, which has the cached answer, and the backward fails).
+        # A generator of its own: a draw from the global one would make the RNG state of a
+        # resumed run (which probes at its first step) differ from the uninterrupted run's.
+        g = torch.Generator(device=device_type).manual_seed(0)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), torch.enable_grad():
-            x = torch.randn(8, 8, device=device_type, dtype=dtype, requires_grad=True)
-            w = torch.randn(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
+            x = torch.randn(8, 8, device=device_type, dtype=dtype, generator=g, requires_grad=True)
+            w = torch.randn(2, 8, 8, device=device_type, dtype=dtype, generator=g, requires_grad=True)
             offs = torch.tensor([3, 8], device=device_type, dtype=torch.int32)
             y = torch._grouped_mm(x, w, offs=offs)
             y.backward(torch.ones_like(y))

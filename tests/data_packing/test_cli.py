@@ -200,7 +200,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
     cases = [
         (["--source", str(tmp_path / "missing.jsonl")], "does not exist"),
         (["--source", str(tmp_path / "bad.parquet")], "cannot read"),
-        (["--source", str(tmp_path / "bad.jsonl")], "cannot read"),
+        (["--source", str(tmp_path / "bad.jsonl"), "--strict"], "cannot read"),  # else counted
         (["--source", good, "--text-key", "body"], "pass --text-key"),
         (["--source", good], "no tokenizer"),
         (["--source", good, "--train-tokenizer", "300", "--seq-len", "4", "--cp-size", "4"], "pad multiple"),

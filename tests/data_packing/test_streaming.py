@@ -84,7 +84,7 @@ def test_jsonl_fast_ids_path_agrees_with_json(tmp_path):
     assert dict(res.dropped) == {"empty": 1, "bad_record": 3, "missing_value": 2}
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"ids": [1]}\n{"ids": [1,,2]}\n')
-    recs = JsonlRecords([str(bad)])
+    recs = JsonlRecords([str(bad)], strict=True)  # without strict: a dropped record (test_bad_records.py)
     recs.use("ids", ids=True)
     with pytest.raises(ValueError, match=r"bad\.jsonl.*record 2"):
         recs[0:2]

@@ -118,6 +118,31 @@ def test_push_weights_runs_the_sink_on_rank_0_only(group, tmp_path):
     assert len(counts) == stats["buckets"] > 1 and sum(counts) == stats["tensors"]
 
 
+def _buckets_sent(policy) -> int:
+    return policy.export_gate.sent
+
+
+def test_an_export_the_driver_leaves_early_stops_every_rank_and_the_group_goes_on(group):
+    from rl_hooks.ray_group import AHEAD
+
+    spec = [s.name for s in group.weights_spec(torch.float32)]
+    it = group.export_weights(bucket_bytes=8192, dtype=torch.float32)
+    next(it)
+    it.close()
+    total = len(list(group.export_weights(bucket_bytes=8192, dtype=torch.float32)))
+    assert total > 2 * AHEAD  # else stopping early would be indistinguishable from the end
+    # The first export: rank 0 stopped a few buckets in (the read, the window ahead, the vote's).
+    it = group.export_weights(bucket_bytes=8192, dtype=torch.float32)
+    next(it)
+    del it  # dropped by the driver: the same
+    names = [n for b in group.export_weights(bucket_bytes=8192, dtype=torch.float32) for n, _ in b]
+    assert names == spec  # the group goes on: whole exports after abandoned ones
+    it = group.export_weights(bucket_bytes=8192, dtype=torch.float32)
+    next(it)
+    it.close()
+    assert group.apply(_buckets_sent)[0] <= 2 + AHEAD < total
+
+
 def test_a_rank_error_is_raised_in_the_driver_with_the_rank_named(group):
     from rl_hooks.ray_group import RayGroupError
 

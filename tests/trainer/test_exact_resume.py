@@ -52,11 +52,11 @@ def test_interrupted_run_equals_the_uninterrupted_one_bitwise(tmp_path, corpus, 
         shape = done[0].global_shape(key)
         a, b = (r.read(key, shape, (0,) * len(shape), shape) for r in done)
         assert torch.equal(a, b), key
-    # Every rank's loader position. (Not the global torch RNG: no training op draws from it, but
-    # model.grouped_gemm's one-time probe does, at the first step of each process.)
+    # Every rank's loader position and RNG streams (one-time probes draw from generators of
+    # their own, so the resumed processes' probes leave them as the uninterrupted run's).
     for rank in range(4):
         a, b = (r.rank_state(rank) for r in done)
-        assert a["loader"] == b["loader"], rank
+        assert a["loader"] == b["loader"] and a["rng"] == b["rng"], rank
     assert done[0].rank_state(0)["loader"]["step_in_epoch"] + done[0].rank_state(0)["loader"]["epoch"] > 0
     if "checkpoint.every_steps=3" in layout:
         steps = sorted(p.name for p in (tmp_path / "split" / "checkpoints").glob("step_*"))
