@@ -42,7 +42,7 @@ def test_probes_leave_every_global_rng_untouched(device, probe):
         grouped_mm_works.cache_clear()  # as in a fresh process: the probe runs
         grouped_mm_works(device, torch.float32)
     else:
-        measure_peak_tflops(torch.device(device), size=32, repeats=1)
+        measure_peak_tflops(torch.device(device), torch.float32, target_s=0.001, max_size=256, repeats=1)
     assert rng_state() == before
 
 
