@@ -1,4 +1,4 @@
-"""Multi-rank exact resume (issue 12 item 5): on 4 gloo ranks, the real trainer run for 10 steps,
+"""Multi-rank exact resume: on 4 gloo ranks, the real trainer run for 10 steps,
 checkpointed, resumed and run for 10 more equals 20 uninterrupted steps bitwise (losses, weights,
 AdamW state, expert bias, every rank's loader position), under CP2 x EP2 (folded) and TP2 x DP2, the
 latter also with checkpoint.async_save."""

@@ -1,4 +1,4 @@
-"""Hugging Face interop on disk (issue 12 item 6): `longctx-moe export-hf` of runs trained with
+"""Hugging Face interop on disk: `longctx-moe export-hf` of runs trained with
 `--nproc 2` under EP2 and TP2, loaded by transformers' from_pretrained and compared with our
 single-device model on packed multi-document input; `train.init_from` starting a run (under
 another layout) from the export; one-line refusals with exit status 2."""

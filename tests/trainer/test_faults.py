@@ -1,4 +1,4 @@
-"""Fault tests (issue 12 item 4): `longctx-moe train --nproc 4 --max-restarts 2` with one rank
+"""Fault tests: `longctx-moe train --nproc 4 --max-restarts 2` with one rank
 SIGKILLed mid-step, and separately mid-save (a test hook, checkpoint.KILL_ENV, makes the kill
 deterministic: first attempt only). The launcher stops the other ranks and relaunches all of
 them; they resume from the latest complete checkpoint, the run completes, every step directory

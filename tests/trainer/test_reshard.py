@@ -1,4 +1,4 @@
-"""Checkpoints that change layout (issue 12): a state saved under one parallel layout loads under
+"""Checkpoints that change layout: a state saved under one parallel layout loads under
 another, compared tensor by tensor with the unsharded state (model, AdamW exp_avg / exp_avg_sq /
 step, expert bias) through world 1 -> 8 (TP2 x CP2 x DP2, EP4) -> 4 (CP2 x DP2, EP2, AdamW state
 sharded by the distributed optimizer) -> 4 (the same, replicated) -> 4 (TP2 x DP2, EP4) -> 1; and a run trained with `--nproc 2 --set parallel.ep=2` resumed with `--nproc 1`,
