@@ -10,17 +10,12 @@ from longctx_moe.checkpoint_reader import CheckpointReader
 from longctx_moe.config import load_config
 from longctx_moe.train import run
 from tests.launcher import run_distributed
-from tests.trainer.test_train_run import ROOT, pack_small_corpus
+from tests.trainer.test_train_run import ROOT
 
 STEPS, SPLIT = 20, 10
 SETS = ["data.global_batch_tokens=1024", "data.micro_batch_tokens=512", "optim.warmup_steps=3",
         "logging.peak_tflops=1.0", "logging.progress_bar=false", "train.num_threads=1",
         "model.vocab_size=512", "model.expert_bias=true", "checkpoint.keep_last=0", f"train.steps={STEPS}"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return pack_small_corpus(tmp_path_factory)
 
 
 def _cfg(run_dir, corpus, layout):

@@ -17,7 +17,6 @@ from longctx_moe.config import load_config, write_config
 from longctx_moe.hf_export import checkpoint_step_dir, consolidated_state, load_consolidated_model
 from longctx_moe.train import main as train_main
 from tests.model.helpers import packed_batch
-from tests.trainer.test_train_run import pack_small_corpus
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -38,11 +37,6 @@ def _train_nproc2(run_dir, corpus, steps, *extra):
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return pack_small_corpus(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

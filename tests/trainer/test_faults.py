@@ -14,17 +14,12 @@ import torch
 
 from longctx_moe.checkpoint import KILL_ENV
 from longctx_moe.checkpoint_reader import CheckpointReader
-from tests.trainer.test_train_run import ROOT, pack_small_corpus
+from tests.trainer.test_train_run import ROOT
 
 STEPS = 8
 SETS = ["data.global_batch_tokens=1024", "data.micro_batch_tokens=512", "optim.warmup_steps=2",
         "logging.peak_tflops=1.0", "logging.progress_bar=false", "train.num_threads=1", "model.vocab_size=512",
         "checkpoint.every_steps=2", "checkpoint.keep_last=0", "parallel.ep=2", f"train.steps={STEPS}"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return pack_small_corpus(tmp_path_factory)
 
 
 def _train(run_dir, corpus, kill: str | None = None) -> str:

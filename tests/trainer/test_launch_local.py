@@ -13,12 +13,7 @@ import torch.distributed as dist
 
 from longctx_moe.config import ConfigError, load_config
 from longctx_moe.train import init_distributed
-from tests.trainer.test_train_run import ROOT, args, pack_small_corpus
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return pack_small_corpus(tmp_path_factory)
+from tests.trainer.test_train_run import ROOT, args
 
 
 def launch(run_dir: Path, corpus_dir: Path, steps: int, *extra: str, **popen) -> subprocess.Popen:

@@ -20,7 +20,7 @@ from longctx_moe.train import load_trainer, save_trainer
 from longctx_moe.train import main as train_main
 from longctx_moe.trainer import Trainer
 from tests.launcher import run_distributed
-from tests.trainer.test_train_run import ROOT, pack_small_corpus
+from tests.trainer.test_train_run import ROOT
 
 MODEL = ["model.vocab_size=64", "model.hidden_size=32", "model.num_layers=3", "model.num_heads=4",
          "model.num_kv_heads=2", "model.head_dim=8", "model.num_experts=8", "model.expert_hidden_size=16",
@@ -160,11 +160,6 @@ def _train(nproc, run_dir, corpus, steps, *extra):
 def _losses(run_dir) -> dict[int, float]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return pack_small_corpus(tmp_path_factory)
 
 
 def test_ep2_run_resumes_on_one_rank_then_on_four_with_ep4_and_exports(tmp_path, corpus, capsys):
