@@ -1,4 +1,5 @@
 # The two set-up commands: `make train` and `make test`. Both work on a fresh machine.
+# `make test-fast` is the quick tier of the tests for the edit loop.
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build of this release lies on disk on the development machines; see README.
@@ -11,7 +12,7 @@ TRAIN_CONFIG ?= configs/tiny_cpu.yaml
 TRAIN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install data train test lint bench clean
+.PHONY: install data train test test-fast lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +33,13 @@ data: $(DATA_DIR)/metadata.json
 train: data
 	$(BIN)/longctx-moe train --config $(TRAIN_CONFIG) --set data.path=$(DATA_DIR) $(TRAIN_ARGS)
 
+# The whole suite (CI: .ci/run), with the 15 slowest tests listed at the end.
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
+
+# The edit loop: everything except the `slow` tier (see the markers in pyproject.toml).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 # Benchmarks print a table and write JSON under bench/results/ (minutes each; see docs/PERFORMANCE.md).
 bench: install

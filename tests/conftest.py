@@ -12,6 +12,26 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process_groups(request):
+    """A test that starts gloo processes belongs to the slow tier, except the one `multirank`
+    exactness test per feature: this keeps `pytest -m "not slow"` fast as tests are added."""
+    from tests import launcher
+
+    if request.node.get_closest_marker("slow") or request.node.get_closest_marker("multirank"):
+        yield
+        return
+
+    def refuse():
+        raise AssertionError(f"{request.node.nodeid} starts gloo processes: mark it "
+                             "@pytest.mark.slow (or multirank if it is its feature's one fast "
+                             "multi-rank exactness test)")
+
+    launcher.tier_check = refuse
+    yield
+    launcher.tier_check = None
+
+
 def pytest_sessionstart(session):
     # Build (or load) the brgemm attention kernels once, here, before any test runs: a first build
     # takes ~20-30 s, which would otherwise land inside one test, or inside a distributed test's

@@ -34,6 +34,11 @@ class DistributedTestError(RuntimeError):
     pass
 
 
+# Set by tests/conftest.py around every test: raises when the running test may not start
+# processes (the fast tier holds only each feature's one `multirank` test).
+tier_check: Callable[[], None] | None = None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -102,6 +107,8 @@ def run_distributed(
     threads_per_rank: int = 1,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return results by rank."""
+    if tier_check is not None:
+        tier_check()
     ctx = mp.get_context("spawn")
     result_q = ctx.Queue()
     port = free_port()

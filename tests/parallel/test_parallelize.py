@@ -130,6 +130,7 @@ def _check_all(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_expert_parallel_model_matches_single_process_float64():
     assert run_distributed(_check_all, world_size=4, timeout=300) == [True] * 4
 

@@ -105,6 +105,7 @@ def _check_cases(rank, world):
     return True
 
 
+@pytest.mark.multirank
 def test_sequence_parallel_matches_single_process_float64():
     assert run_distributed(_check_cases, world_size=4, timeout=600) == [True] * 4
 
@@ -120,6 +121,7 @@ def _check_uneven(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_tokens_not_divisible_by_tp_are_refused_with_an_actionable_error():
     assert run_distributed(_check_uneven, world_size=2, timeout=300) == [True] * 2
     dims = ParallelDims.from_config(ParallelConfig(sequence_parallel=True), 1, tiny_config())

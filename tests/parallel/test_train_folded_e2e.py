@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 SHORT = [f"train.steps={STEPS}", "data.global_batch_tokens=1024", "data.micro_batch_tokens=512",
@@ -34,6 +36,7 @@ def train_cli_on_four_ranks(tmp_path: Path, corpus: Path, layout: list[str]) -> 
     return run_dir
 
 
+@pytest.mark.slow
 def test_cli_trains_cp2_ep4_on_four_ranks(tmp_path, corpus):
     run_dir = train_cli_on_four_ranks(
         tmp_path, corpus, ["parallel.cp=2", "parallel.ep=4", "parallel.distributed_optimizer=true"])

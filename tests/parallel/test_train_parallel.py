@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from longctx_moe.config import load_config
@@ -107,14 +108,17 @@ def _check(world, layouts, dps, pad):
                 assert abs(norm - ref_norm) <= TOL * max(1.0, ref_norm), (sets, step)
 
 
+@pytest.mark.slow
 def test_twenty_steps_world2_dp_capacity_and_global_aux_track_single_process_float64():
     _check(2, WORLD2, dps=[2, 2, 2], pad=1)
 
 
+@pytest.mark.slow
 def test_twenty_steps_world4_track_single_process_float64():
     _check(4, WORLD4, dps=[1, 2], pad=8)
 
 
 # ~100 s on the shared 2-core machine (under the 2-minute line for `slow`)
+@pytest.mark.slow
 def test_twenty_steps_world8_tp2_cp2_dp2_ep4_track_single_process_float64():
     _check(8, WORLD8, dps=[2, 2], pad=8)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from rl_hooks import PolicyLossConfig, PolicyTrainer, RolloutBatch, make_loss
@@ -101,6 +102,7 @@ def _slice(name, got, want, where):
     return want[part * n:(part + 1) * n]
 
 
+@pytest.mark.multirank
 def test_policy_calls_match_single_process_under_cp_tp_ep_float64():
     ref_out, ref_steps, _ = _run([])
     results = run_distributed(_rank, world_size=4, timeout=600)
@@ -127,6 +129,7 @@ def _one_sequence_logprobs(sets):
     return policy.compute_logprobs(batch, return_entropy=True).logprobs
 
 
+@pytest.mark.slow
 def test_sequence_parallel_rank_without_sequences_runs_a_stand_in():
     """TP2 x DP2 with sequence parallelism and one sequence: the idle replica's stand-in
     micro-batch splits over TP like any other (one token did not), and both replicas agree

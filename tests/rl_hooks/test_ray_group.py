@@ -62,6 +62,7 @@ def _step(policy, batch):
     return out, metrics, weights
 
 
+@pytest.mark.slow
 def test_group_matches_the_in_process_policy_float64(group):
     _check_against_reference(group)
 
@@ -115,6 +116,7 @@ class _CountingSink:
             f.write(f"{len(bucket)}\n")
 
 
+@pytest.mark.slow
 def test_push_weights_runs_the_sink_on_rank_0_only(group, tmp_path):
     sink = _CountingSink(tmp_path / "buckets.txt")
     stats = group.push_weights(sink, bucket_bytes=8192, dtype=torch.float32)
@@ -122,6 +124,7 @@ def test_push_weights_runs_the_sink_on_rank_0_only(group, tmp_path):
     assert len(counts) == stats["buckets"] > 1 and sum(counts) == stats["tensors"]
 
 
+@pytest.mark.slow
 def test_a_rank_error_is_raised_in_the_driver_with_the_rank_named(group):
     from rl_hooks.ray_group import RayGroupError
 
@@ -136,6 +139,7 @@ def test_a_rank_error_is_raised_in_the_driver_with_the_rank_named(group):
         group.compute_logprobs(bad)
 
 
+@pytest.mark.slow
 def test_layout_that_does_not_fit_the_ranks_is_refused_before_any_actor(group):
     from longctx_moe.config import ConfigError
     from rl_hooks.ray_group import RayPolicyGroup
@@ -144,6 +148,7 @@ def test_layout_that_does_not_fit_the_ranks_is_refused_before_any_actor(group):
         RayPolicyGroup(config("parallel.tp=4"), num_ranks=2)
 
 
+@pytest.mark.slow
 def test_a_cluster_without_room_for_the_ranks_is_named(group):
     from rl_hooks.ray_group import RayPolicyGroup
 
@@ -152,6 +157,7 @@ def test_a_cluster_without_room_for_the_ranks_is_named(group):
         RayPolicyGroup(config(*SETS), num_ranks=2, cpus_per_rank=2, ready_timeout_s=1)
 
 
+@pytest.mark.slow
 def test_shutdown_ends_the_group(cluster):
     from rl_hooks.ray_group import RayPolicyGroup
 
@@ -163,6 +169,7 @@ def test_shutdown_ends_the_group(cluster):
     own.shutdown()  # a second shutdown is harmless
 
 
+@pytest.mark.slow
 def test_rl_hooks_imports_without_ray_and_the_group_names_the_extra():
     code = ("import sys; sys.modules['ray'] = None\n"
             "import rl_hooks, rl_hooks.ray_group\n"
@@ -173,6 +180,7 @@ def test_rl_hooks_imports_without_ray_and_the_group_names_the_extra():
     assert out.stdout.strip() == "RayPolicyGroup needs Ray: pip install 'longctx-moe[rl]'"
 
 
+@pytest.mark.slow
 def test_cp2_group_matches_the_in_process_policy_float64(cluster):
     from rl_hooks.ray_group import RayGroupError, RayPolicyGroup
 

@@ -76,6 +76,7 @@ def _mmapped_bytes(mode: str, nbytes: int) -> int:
     return int(out.stdout)
 
 
+@pytest.mark.slow
 def test_host_allocator_modes_move_the_mmap_threshold_on_glibc():
     # this project's CI and dev machines run glibc; torch's CPU tensors come from its malloc
     assert _mmapped_bytes("lean", 4 << 20) >= 4 << 20  # above 1 MiB: a block of its own

@@ -32,6 +32,7 @@ def _runs(rank, world, tmp, corpus, layout):
     return losses(whole), losses(first), losses(second)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["parallel.cp=2", "parallel.ep=2"], ["parallel.tp=2"],
                                     # saves every 3 steps written on background threads: the
                                     # published steps and the resume are the same

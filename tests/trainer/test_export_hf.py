@@ -81,6 +81,7 @@ def _hf_logits_match_ours(run_dir, out):
     return ours
 
 
+@pytest.mark.slow
 def test_export_ep2_run_loads_in_transformers_and_matches(ep_run, tmp_path, capsys):
     out = _export(ep_run, tmp_path / "hf", "--max-shard-size", "0.003")  # 3 MB: several shards
     report = capsys.readouterr().out
@@ -111,6 +112,7 @@ def test_export_ep2_run_loads_in_transformers_and_matches(ep_run, tmp_path, caps
     assert tok.eos_token == "<|endoftext|>"
 
 
+@pytest.mark.slow
 def test_export_tp2_run_then_init_from_under_another_layout(tp_run, corpus, tmp_path):
     out = _export(tp_run, tmp_path / "hf")
     assert len(list(out.glob("model-*-of-*.safetensors"))) == 1  # tiny model under the 2 GB cap
@@ -131,6 +133,7 @@ def test_export_tp2_run_then_init_from_under_another_layout(tp_run, corpus, tmp_
         assert torch.equal(started[name], t), name
 
 
+@pytest.mark.slow
 def test_init_from_mismatched_config_is_one_line(ep_run, corpus, tmp_path, capsys):
     out = _export(ep_run, tmp_path / "hf")
     capsys.readouterr()
@@ -140,6 +143,7 @@ def test_init_from_mismatched_config_is_one_line(ep_run, corpus, tmp_path, capsy
     assert "num_experts=8 in config.json but model.num_experts=4" in err
 
 
+@pytest.mark.slow
 def test_resume_ignores_init_from_with_a_notice(ep_run, tmp_path, capsys):
     out = _export(ep_run, tmp_path / "hf")
     run = tmp_path / "run"
@@ -160,6 +164,7 @@ def _one_line_error(argv, capsys):
     return err
 
 
+@pytest.mark.slow
 def test_refused_model_and_bad_checkpoints_are_one_line(ep_run, tmp_path, capsys):
     sigmoid = tmp_path / "sigmoid"
     write_config(load_config(ep_run / "config.yaml", ["model.router_score=sigmoid"]), sigmoid / "config.yaml")
@@ -182,6 +187,7 @@ def test_refused_model_and_bad_checkpoints_are_one_line(ep_run, tmp_path, capsys
     assert str(rank1) in err and "sha256" in err
 
 
+@pytest.mark.slow
 def test_init_from_reads_a_transformers_saved_directory(ep_run, tmp_path):
     """What from_pretrained + save_pretrained writes (fused or per-expert names, whichever
     transformers 5 chooses) reads back into exactly our consolidated weights."""
@@ -199,6 +205,7 @@ def test_init_from_reads_a_transformers_saved_directory(ep_run, tmp_path):
             assert torch.equal(got[name], t), name
 
 
+@pytest.mark.slow
 def test_init_from_reads_fused_expert_names(ep_run, tmp_path):
     """transformers 5's in-memory layout (`experts.gate_up_proj` [E, 2F, D]) is accepted too."""
     from longctx_moe.hf_export import load_hf_weights

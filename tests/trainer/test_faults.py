@@ -66,6 +66,7 @@ def _assert_intact(ckpt_dir):
 
 # (hook, step the restart resumes from): the rank dies as step 5 starts (its peers wait inside
 # the step's first collective), or while saving step 4 (its file unwritten, the step unpublished).
+@pytest.mark.slow
 @pytest.mark.parametrize("kill,resumed", [("step:5:2", 4), ("save:4:1", 2)], ids=["mid-step", "mid-save"])
 def test_killed_rank_restarts_and_ends_like_the_uninterrupted_run(tmp_path, corpus, uninterrupted, kill, resumed):
     run_dir = tmp_path / "run"

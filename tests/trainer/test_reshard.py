@@ -109,6 +109,7 @@ def _load_check_save(rank, world, sets, src, dst, ref):
     return str(save_trainer(trainer, None, Path(dst), rank, world, keep_last=0))
 
 
+@pytest.mark.slow
 def test_round_trip_through_layouts_equals_the_unsharded_state(tmp_path):
     ref = reference_state()
     trainer = _trainer(1, 0, [], seed=0)
@@ -162,6 +163,7 @@ def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}
 
 
+@pytest.mark.slow
 def test_ep2_run_resumes_on_one_rank_then_on_four_with_ep4_and_exports(tmp_path, corpus, capsys):
     from tests.trainer.test_export_hf import _export, _hf_logits_match_ours
 
