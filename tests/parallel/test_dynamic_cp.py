@@ -181,8 +181,13 @@ def _check(world, layouts, block):
 
 
 @pytest.mark.multirank
-def test_dynamic_cp_world4_matches_one_process_and_static_cp_float64():
-    _check(4, WORLD4, block=4)
+def test_dynamic_cp_world4_ring_matches_one_process_and_static_cp_float64():
+    _check(4, WORLD4[:1], block=4)
+
+
+@pytest.mark.slow
+def test_dynamic_cp_world4_ulysses_and_hierarchical_match_one_process_and_static_cp_float64():
+    _check(4, WORLD4[1:], block=4)
 
 
 @pytest.mark.slow

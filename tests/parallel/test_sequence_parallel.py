@@ -138,6 +138,7 @@ def test_padding_lets_every_cp_rank_split_its_tokens_over_tp():
     assert pad_multiple(2, 4) == 4  # without SP the padding is unchanged
 
 
+@pytest.mark.slow
 def test_global_batch_aux_loss_under_sp_tracks_single_process_through_the_trainer_float64():
     # TP2 x DP2: the switch statistics summed over TP (each rank's own tokens) and dp_cp
     sets = ["parallel.tp=2", "parallel.sequence_parallel=true",

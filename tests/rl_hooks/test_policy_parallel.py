@@ -85,8 +85,8 @@ def _run(sets, rank_info=False):
     return out, steps, where
 
 
-def _rank(rank, world):
-    return [_run(sets, rank_info=True) for sets in LAYOUTS]
+def _rank(rank, world, layouts):
+    return [_run(sets, rank_info=True) for sets in layouts]
 
 
 def _slice(name, got, want, where):
@@ -102,12 +102,11 @@ def _slice(name, got, want, where):
     return want[part * n:(part + 1) * n]
 
 
-@pytest.mark.multirank
-def test_policy_calls_match_single_process_under_cp_tp_ep_float64():
+def _check_layouts(layouts):
     ref_out, ref_steps, _ = _run([])
-    results = run_distributed(_rank, world_size=4, timeout=600)
+    results = run_distributed(_rank, world_size=4, args=(layouts,), timeout=600)
     for rank_results in results:
-        for sets, (out, steps, where) in zip(LAYOUTS, rank_results, strict=True):
+        for sets, (out, steps, where) in zip(layouts, rank_results, strict=True):
             assert (out.logprobs - ref_out.logprobs).abs().max() < TOL, sets
             assert (out.entropy - ref_out.entropy).abs().max() < TOL, sets
             assert torch.equal(out.routes, ref_out.routes), sets
@@ -116,6 +115,16 @@ def test_policy_calls_match_single_process_under_cp_tp_ep_float64():
                 for name, g in got.items():
                     w = _slice(name, g, want[name], where)
                     assert (g - w).abs().max() < TOL, (sets, cfg.kind, name)
+
+
+@pytest.mark.multirank
+def test_policy_calls_match_single_process_under_cp2_ep2_ring_float64():
+    _check_layouts(LAYOUTS[:1])
+
+
+@pytest.mark.slow
+def test_policy_calls_match_single_process_under_other_cp_tp_ep_layouts_float64():
+    _check_layouts(LAYOUTS[1:])
 
 
 SP_ONE = ["parallel.tp=2", "parallel.sequence_parallel=true"]

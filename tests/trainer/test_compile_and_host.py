@@ -29,6 +29,8 @@ def _trainer(compiled: bool):
     return Trainer(cfg, runtime)
 
 
+# torch.compile runs the C++ compiler in subprocesses (inductor's workers): minutes on 2 cores.
+@pytest.mark.slow
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                     reason="inductor's CPU backend needs a C++ compiler")
 def test_compiled_blocks_match_eager_float64():
