@@ -1,4 +1,5 @@
 # The two set-up commands: `make train` and `make test`. Both work on a fresh machine.
+# `make test-fast` is the quick tier of the tests for the edit loop.
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build of this release lies on disk on the development machines; see README.
@@ -15,7 +16,7 @@ PYTEST_ARGS ?=
 # AVX2 and our CPU probes switched, as on a CPU without native bf16.
 AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 LONGCTX_CPU_ISA=avx2
 
-.PHONY: install data train test lint bench clean train-avx2 test-avx2
+.PHONY: install data train test test-fast lint bench clean train-avx2 test-avx2
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -36,8 +37,13 @@ data: $(DATA_DIR)/metadata.json
 train: data
 	$(BIN)/longctx-moe train --config $(TRAIN_CONFIG) --set data.path=$(DATA_DIR) $(TRAIN_ARGS)
 
+# The whole suite (CI: .ci/run), with the 15 slowest tests listed at the end.
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
+
+# The edit loop: everything except the `slow` tier (see the markers in pyproject.toml).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 train-avx2:
 	env $(AVX2_ENV) $(MAKE) train

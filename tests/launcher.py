@@ -10,8 +10,11 @@ Each rank's stdout/stderr lines are prefixed with `[rank r]`. A failure on any r
 the parent with that rank's traceback; a rank that has not finished by `timeout` seconds (a
 deadlock) fails the test instead of hanging CI, and all ranks are killed.
 
-Start one process group per test and loop over many cases inside it: spawning costs a few seconds
-per process on a 2-core machine.
+Start one process group per test and loop over many cases inside it. Ranks are forked from one
+server process per test session that has imported torch and the project once (multiprocessing's
+forkserver with a preload): a freshly spawned rank spends seconds of CPU importing them again,
+which was most of a small test's time on a 2-core machine. Each rank still starts from the
+parent's current environment and working directory, as a spawned one would.
 """
 
 from __future__ import annotations
@@ -29,9 +32,20 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+# Imported once by the fork server (its children inherit them); torch._dynamo, imported by the
+# model, alone takes seconds.
+PRELOAD = ["torch", "torch.distributed", "numpy", "longctx_moe.trainer",
+           "longctx_moe.parallel.parallelize", "cp_attention.ring", "cp_attention.ulysses",
+           "tests.launcher"]
+
 
 class DistributedTestError(RuntimeError):
     pass
+
+
+# Set by tests/conftest.py around every test: raises when the running test may not start
+# processes (the fast tier holds only each feature's one `multirank` test).
+tier_check: Callable[[], None] | None = None
 
 
 def free_port() -> int:
@@ -61,10 +75,13 @@ class _PrefixedStream(io.TextIOBase):
         self._stream.flush()
 
 
-def _worker(fn, rank, world_size, port, args, kwargs, result_q, backend, threads):
+def _worker(fn, rank, world_size, port, args, kwargs, result_q, backend, threads, env, cwd):
     import torch
     import torch.distributed as dist
 
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     sys.stdout = _PrefixedStream(sys.__stdout__, f"[rank {rank}] ")
     sys.stderr = _PrefixedStream(sys.__stderr__, f"[rank {rank}] ")
     # Oversubscribing 2 cores with N ranks x N OpenMP threads makes every test crawl.
@@ -102,13 +119,17 @@ def run_distributed(
     threads_per_rank: int = 1,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return results by rank."""
-    ctx = mp.get_context("spawn")
+    if tier_check is not None:
+        tier_check()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (first call)
     result_q = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, r, world_size, port, args, kwargs or {}, result_q, backend, threads_per_rank),
+            args=(fn, r, world_size, port, args, kwargs or {}, result_q, backend, threads_per_rank,
+                  dict(os.environ), os.getcwd()),
             daemon=True,
         )
         for r in range(world_size)

@@ -28,15 +28,18 @@ def _deadlock(rank, world_size):
         time.sleep(600)
 
 
+@pytest.mark.slow
 def test_results_come_back_by_rank():
     assert run_distributed(_sum_ranks, 3, timeout=120) == [3.0, 3.0, 3.0]
 
 
+@pytest.mark.slow
 def test_error_on_one_rank_is_reraised_with_its_traceback():
     with pytest.raises(DistributedTestError, match="boom on purpose"):
         run_distributed(_fail_on_rank_one, 2, timeout=120)
 
 
+@pytest.mark.slow
 def test_deadlock_fails_instead_of_hanging():
     with pytest.raises(DistributedTestError, match="did not finish"):
         run_distributed(_deadlock, 2, timeout=10)

@@ -5,6 +5,8 @@ Shape legend: T query tokens, S key tokens, Hq / Hkv heads, D head dim.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -300,17 +302,29 @@ def test_recompute_backward_with_merged_lse():
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_document_mask_forward_on_cpu():
+def test_flex_document_mask_forward_on_cpu(monkeypatch):
     """flex's eager CPU path (forward only) checks the document mask_mod and the lse convention
-    that the CUDA backend relies on."""
+    that the CUDA backend relies on; the output must come from flex_attention itself (an adapter
+    that fell back to dense maths would match the reference too)."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
-    assert flex is not None
     from cp_attention.kernels import flex as flex_backend
 
+    calls = []
+    real = flex.flex_attention
+
+    @functools.wraps(real)  # the adapter reads the signature (return_aux vs return_lse)
+    def counting(*args, **kwargs):
+        calls.append(kwargs["block_mask"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flex, "flex_attention", counting)
+    # flex imports on this torch, so the CPU refusal names the device, not the torch release.
+    assert "only fast on CUDA" in flex_backend.unavailable_reason(torch.device("cpu"))
     for causal in (True, False):
         q, k, v, _, cu_q, cu_k, mq, mk = _make([3, 1, 5, 2], [6, 0, 5, 1], 4, 2, 8, 2,
                                                torch.float64, 1)
         out, lse = flex_backend.forward(q, k, v, cu_q, cu_k, mq, mk, causal)
+        assert len(calls) == 1 and isinstance(calls.pop(), flex.BlockMask)
         ref_out, ref_lse = reference_attention(q, k, v, cu_q, cu_k, mq, mk, causal)
         torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
         _assert_lse(lse, ref_lse, 1e-10)

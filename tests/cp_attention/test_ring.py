@@ -99,6 +99,7 @@ def _check_errors(rank, groups):
         ring_attention(x, x, x, hier, groups[4])
 
 
+@pytest.mark.multirank
 def test_ring_exact_in_float64_and_within_tolerance_in_float32():
     f64 = {p: make_cases(100 + p, p, n) + hypothesis_cases(p, HYPOTHESIS_PER_P)
            for p, n in CASES_PER_P.items()}

@@ -124,6 +124,7 @@ def _check_errors(rank, outer, case):
         ulysses_attention(q[:-1] if t else torch.zeros(1, 4, D), kv, kv, plan, dist.group.WORLD)
 
 
+@pytest.mark.multirank
 def test_ulysses_and_hierarchical_float64_exact():
     cases2 = make_cases(300, 2, 7) + hypothesis_cases(2, 4)
     cases4 = make_cases(301, 4, 7) + hypothesis_cases(4, 4)

@@ -41,6 +41,7 @@ def _reconstruct(out):
     return {d: np.concatenate([t for _, t in sorted(p, key=lambda x: x[0])]) for d, p in pieces.items()}
 
 
+@pytest.mark.slow
 def test_makefile_command_and_loader(tmp_path):
     out = tmp_path / "stdlib_tiny"
     cmd = [sys.executable, "-m", "data_packing", "--source", "stdlib", "--train-tokenizer", "4096",
@@ -58,6 +59,7 @@ def test_makefile_command_and_loader(tmp_path):
     assert step and all(0 < b.num_tokens <= 2048 for b in step)
 
 
+@pytest.mark.slow
 def test_byte_identical_and_independent_of_workers(tmp_path):
     # Two processes (the tokenizer's thread pool is sized once per process), 1 vs 2 workers.
     kw = dict(sources=["stdlib"], train_tokenizer=300, seq_len=512, max_docs=30, seed=3)

@@ -214,6 +214,7 @@ def _distributed_loader(rank, world_size, path):
     return mine
 
 
+@pytest.mark.slow
 def test_ranks_in_separate_processes_agree(ids_dataset):
     path, _ = ids_dataset
     per_rank = run_distributed(_distributed_loader, world_size=2, args=(path,), timeout=300)

@@ -15,6 +15,7 @@ def ray_cluster():
     yield from local_ray_cluster("the Ray runner needs ray (pip install 'longctx-moe[ray]')")
 
 
+@pytest.mark.slow
 def test_four_shards_on_ray_equal_one_process(ray_cluster, tmp_path):
     from data_packing.ray_runner import pack_on_ray
 

@@ -69,6 +69,7 @@ def test_unknown_mode_is_refused_in_one_line():
         _model("some")
 
 
+@pytest.mark.slow
 def test_selective_recompute_in_bf16_autocast_from_a_fresh_process():
     """The first forward of a process probes torch._grouped_mm (forward and backward) inside the
     experts' recompute region; the probe's saved tensors must stay out of that region, or the

@@ -17,8 +17,8 @@ def _dims(world, **kw):
     return ParallelDims.from_config(ParallelConfig(**kw), world)
 
 
-def test_issue_worked_example_world8():
-    # Issue 5, verbatim: world 8, TP2 CP2 DP2 attention, ETP1 EP4 EDP2 MoE.
+def test_world8_tp2_cp2_dp2_attention_and_ep4_edp2_moe_group_ranks():
+    # Folding: world 8, TP2 CP2 DP2 attention, ETP1 EP4 EDP2 MoE over the same ranks.
     t = _dims(8, tp=2, cp=2, ep=4).table()
     assert t["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert t["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -44,7 +44,7 @@ def test_pure_data_parallel_and_ep_with_etp():
 
 
 def test_hierarchical_cp_world4_and_16():
-    # Acceptance layout: world 4, CP4 as hierarchical 2x2 (inner fastest), EP2 EDP2.
+    # world 4, CP4 as hierarchical 2x2 (inner fastest), EP2 EDP2.
     d = _dims(4, cp=4, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 2])
     t = d.table()
     assert t["cp"] == [[0, 1, 2, 3]] and t["dp"] == [[0], [1], [2], [3]]

@@ -128,6 +128,7 @@ def _check_all_cases(rank, world):
     return True
 
 
+@pytest.mark.multirank
 def test_dispatchers_match_unsharded_reference_float64():
     assert run_distributed(_check_all_cases, world_size=R, timeout=300) == [True] * R
 

@@ -107,6 +107,7 @@ def _check(rank, world):
     return [_run(rank, world, sets) for sets in LAYOUTS]
 
 
+@pytest.mark.multirank
 def test_distributed_optimizer_equals_replicated_after_20_steps_float64():
     results = run_distributed(_check, world_size=4, timeout=900)
     for rank_result in results:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from cp_attention.dynamic import schedule
@@ -179,10 +180,17 @@ def _check(world, layouts, block):
                 _close_grads(grads, ref_off_grads, ep_rank, ep, TOL_STEP)
 
 
-def test_dynamic_cp_world4_matches_one_process_and_static_cp_float64():
-    _check(4, WORLD4, block=4)
+@pytest.mark.multirank
+def test_dynamic_cp_world4_ring_matches_one_process_and_static_cp_float64():
+    _check(4, WORLD4[:1], block=4)
 
 
+@pytest.mark.slow
+def test_dynamic_cp_world4_ulysses_and_hierarchical_match_one_process_and_static_cp_float64():
+    _check(4, WORLD4[1:], block=4)
+
+
+@pytest.mark.slow
 def test_dynamic_cp_world8_dp2_cp4_ep4_matches_one_process_float64():
     _check(8, WORLD8, block=8)
 
@@ -212,6 +220,7 @@ def _in_flight_rank(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_dynamic_cp_two_slots_in_flight_equal_one_at_a_time_bitwise():
     """Interleaving only moves when each slot's work runs, not what it computes: bitwise."""
     for (one, params_one, _), (two, params_two, paired) in run_distributed(_in_flight_rank, 4,
@@ -244,6 +253,7 @@ def _sp_rank(rank, world):
     return [(r.loss, r.grad_norm, r.cp_sizes) for r in results]
 
 
+@pytest.mark.slow
 def test_dynamic_cp_with_sequence_parallel_tp_matches_one_process_float64():
     """TP2 x CP2 x DP2 with sequence parallelism: an idle rank's stand-in batch must split over
     TP like any other (it held one token, which sequence parallelism refused). Balance losses
@@ -276,6 +286,7 @@ def _global_aux_rank(rank, world):
     return [(r.loss, r.grad_norm) for r in results], grads, dims.rank_in("ep"), dims.ep
 
 
+@pytest.mark.slow
 def test_dynamic_cp_global_batch_aux_loss_matches_one_process_per_slot_float64():
     """aux_loss_scope=global_batch under Dynamic-CP: the router statistics of a slot are summed
     over every rank of the block (all its runs, idle ranks adding nothing) and the slot weighs its

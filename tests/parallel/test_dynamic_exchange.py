@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 
 from cp_attention.dynamic import schedule
@@ -122,6 +123,7 @@ def _worker(rank, world, cp, max_cp, steps):
     return dims.rank_in(Axis.DP_CP), out
 
 
+@pytest.mark.slow
 def test_reschedule_moves_exactly_the_plan_documents():
     for world, cp, max_cp in LAYOUTS:
         steps = [_replicas(world // cp, seed) for seed in range(3)]

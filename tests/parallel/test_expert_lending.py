@@ -193,6 +193,7 @@ def _owner_rows(disp, idx, sizes, kw):
     return counts.view(R, -1).sum(1).tolist()
 
 
+@pytest.mark.slow
 def test_lending_matches_local_dispatch_float64():
     assert run_distributed(_check, world_size=R, timeout=300) == [True] * R
 

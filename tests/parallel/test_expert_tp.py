@@ -24,6 +24,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from data_packing.batch import pad_multiple
@@ -200,15 +201,18 @@ def _check_checkpoint_and_export(got, sets, ref_trainer) -> None:
                                                                     strict=True)) <= TOL
 
 
+@pytest.mark.slow
 def test_world4_etp_tracks_single_process_float64_and_checkpoint_reshards(tmp_path):
     errors = _check(4, WORLD4, tmp_path / "ckpt")
     print("max abs error per layout:", errors)
 
 
+@pytest.mark.slow
 def test_world8_tp2_cp2_dp2_etp2_tracks_single_process_float64():
     errors = _check(8, WORLD8)
     print("max abs error per layout:", errors)
 
 
-def test_cli_trains_tp2_etp2_ep2_on_four_ranks(tmp_path):
-    train_cli_on_four_ranks(tmp_path, ["parallel.tp=2", "parallel.etp=2", "parallel.ep=2"])
+@pytest.mark.slow
+def test_cli_trains_tp2_etp2_ep2_on_four_ranks(tmp_path, corpus):
+    train_cli_on_four_ranks(tmp_path, corpus, ["parallel.tp=2", "parallel.etp=2", "parallel.ep=2"])

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -73,5 +74,6 @@ def _rank(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_etp_slices_and_experts_over_etp_equal_unsplit_experts():
     assert run_distributed(_rank, 2, timeout=120) == [True, True]

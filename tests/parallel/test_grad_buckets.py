@@ -94,6 +94,7 @@ def _check_misuse(rank, world):
     runtime.reduce_gradients()  # every rank launched the same buckets: nothing is left hanging
 
 
+@pytest.mark.slow
 def test_bucketed_reduction_from_hooks_matches_one_buffer_float64():
     assert run_distributed(_check, world_size=4, timeout=600) == [True] * 4
 

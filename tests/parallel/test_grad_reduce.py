@@ -8,6 +8,7 @@ must equal the unsharded float64 ones (1e-10: only the summation order differs).
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -117,5 +118,6 @@ def _check_all_layouts(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_groups_and_reductions_match_unsharded_in_folded_layouts():
     assert run_distributed(_check_all_layouts, world_size=4, timeout=300) == [True] * 4

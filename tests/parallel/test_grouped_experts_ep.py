@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -91,6 +92,7 @@ def _check_all(rank, world):
     return base[-1], fp8[-1]
 
 
+@pytest.mark.slow
 def test_grouped_experts_under_ep_and_fp8_training():
     res = run_distributed(_check_all, world_size=2, timeout=300)
     assert all(b != f for b, f in res)  # fp8 really changed the numbers
@@ -127,5 +129,6 @@ def _check_empty_ep_group(rank, world):
             assert w.abs().max() > 0  # every slice, the empty group's included, got work
 
 
+@pytest.mark.slow
 def test_etp_peers_of_an_empty_ep_group_still_run_their_units():
     run_distributed(_check_empty_ep_group, world_size=4, timeout=300)

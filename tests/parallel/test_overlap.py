@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -212,5 +213,6 @@ def _check_start_wait(rank, world):
         assert all(torch.equal(a, b) for a, b in zip(*results, strict=True)), name
 
 
+@pytest.mark.slow
 def test_overlapped_dispatch_is_bitwise_equal_to_synchronous_ep4_shared_expert():
     assert run_distributed(_check_bitwise, world_size=4, timeout=600) == [True] * 4

@@ -28,7 +28,7 @@ TOL = 1e-10
 DOCS = [[5, 9, 1, 33], [1, 7, 3], [12, 2], [2, 2, 6]]
 LAYOUTS = [dict(ep=2), dict(ep=4, dispatcher="allgather"), dict(tp=2), dict(tp=2, ep=4),
            dict(tp=2, ep=2, dispatcher="allgather"),
-           # CP: the acceptance layout (CP4 = hierarchical 2x2, EP2 EDP2), ring x TP, Ulysses x DP
+           # CP: hierarchical CP4 (2x2) with EP2 EDP2, ring x TP, Ulysses x DP
            dict(cp=4, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 2]),
            dict(cp=2, tp=2, ep=4), dict(cp=2, ep=2, cp_backend="ulysses"),
            dict(cp=4, ep=2, cp_backend="hierarchical", hierarchical_sizes=[2, 2]),
@@ -130,6 +130,7 @@ def _check_all(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_expert_parallel_model_matches_single_process_float64():
     assert run_distributed(_check_all, world_size=4, timeout=300) == [True] * 4
 
@@ -141,6 +142,6 @@ def _check_world8(rank, world):
 
 
 @pytest.mark.slow
-def test_issue_acceptance_world8_tp2_cp2_dp2_ep4_float64():
-    # The issue's layout: attention TP2 x CP2 x DP2, MoE EP4 x EDP2 over the same 8 ranks.
+def test_world8_tp2_cp2_dp2_ep4_model_matches_single_process_float64():
+    # Attention TP2 x CP2 x DP2 and MoE EP4 x EDP2 folded over the same 8 ranks.
     assert run_distributed(_check_world8, world_size=8, timeout=600) == [True] * 8

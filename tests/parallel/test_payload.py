@@ -7,6 +7,7 @@ plus fp32 rounding of x / s and of q * s (relative 2^-23 each), covered by a 1e-
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -91,6 +92,7 @@ def _check_fp8_dispatch(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_compressed_all_to_all_equals_local_round_trip():
     res = run_distributed(_check_fp8_dispatch, world_size=3, timeout=120)
     for r in res:

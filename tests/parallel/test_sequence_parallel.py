@@ -105,6 +105,7 @@ def _check_cases(rank, world):
     return True
 
 
+@pytest.mark.multirank
 def test_sequence_parallel_matches_single_process_float64():
     assert run_distributed(_check_cases, world_size=4, timeout=600) == [True] * 4
 
@@ -120,6 +121,7 @@ def _check_uneven(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_tokens_not_divisible_by_tp_are_refused_with_an_actionable_error():
     assert run_distributed(_check_uneven, world_size=2, timeout=300) == [True] * 2
     dims = ParallelDims.from_config(ParallelConfig(sequence_parallel=True), 1, tiny_config())
@@ -136,6 +138,7 @@ def test_padding_lets_every_cp_rank_split_its_tokens_over_tp():
     assert pad_multiple(2, 4) == 4  # without SP the padding is unchanged
 
 
+@pytest.mark.slow
 def test_global_batch_aux_loss_under_sp_tracks_single_process_through_the_trainer_float64():
     # TP2 x DP2: the switch statistics summed over TP (each rank's own tokens) and dp_cp
     sets = ["parallel.tp=2", "parallel.sequence_parallel=true",

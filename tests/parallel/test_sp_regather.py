@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 
 from longctx_moe.model import build_model
@@ -77,5 +78,6 @@ def _check(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_sequence_parallel_regathers_region_inputs_in_the_backward():
     assert run_distributed(_check, world_size=2, timeout=300) == [True] * 2

@@ -11,6 +11,7 @@ the sums differs (measured agreement ~1e-12); 1e-6 leaves room for the optimizer
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from data_packing.batch import pad_multiple
@@ -52,6 +53,7 @@ def _rank(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_hierarchical_cp_with_tp2_and_4x2_2x4_splits_tracks_single_process_float64():
     got = run_distributed(_rank, 8, timeout=900)
     for i, sets in enumerate(WORLD8):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from data_packing.cli import main as pack_main
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -17,14 +17,10 @@ SHORT = [f"train.steps={STEPS}", "data.global_batch_tokens=1024", "data.micro_ba
          "checkpoint.every_steps=0", "logging.peak_tflops=1.0"]
 
 
-def train_cli_on_four_ranks(tmp_path: Path, layout: list[str]) -> Path:
+def train_cli_on_four_ranks(tmp_path: Path, corpus: Path, layout: list[str]) -> Path:
     """`longctx-moe train --nproc 4` of the default config with the `layout` overrides, STEPS
-    steps on a small packed corpus; checks that it trained (finite, not blown up) and returns
+    steps on the packed `corpus`; checks that it trained (finite, not blown up) and returns
     the run directory."""
-    corpus = tmp_path / "corpus"
-    rc = pack_main(["--source", "stdlib", "--train-tokenizer", "512", "--seq-len", "256",
-                    "--max-docs", "24", "--seed", "0", "--no-progress", "--output", str(corpus)])
-    assert rc in (0, None)
     run_dir = tmp_path / "run"
     sets = [*layout, *SHORT, f"train.run_dir={run_dir}", f"data.path={corpus}"]
     cmd = [sys.executable, "-m", "longctx_moe.cli", "train", "--nproc", "4",
@@ -40,9 +36,10 @@ def train_cli_on_four_ranks(tmp_path: Path, layout: list[str]) -> Path:
     return run_dir
 
 
-def test_cli_trains_cp2_ep4_on_four_ranks(tmp_path):
+@pytest.mark.slow
+def test_cli_trains_cp2_ep4_on_four_ranks(tmp_path, corpus):
     run_dir = train_cli_on_four_ranks(
-        tmp_path, ["parallel.cp=2", "parallel.ep=4", "parallel.distributed_optimizer=true"])
+        tmp_path, corpus, ["parallel.cp=2", "parallel.ep=4", "parallel.distributed_optimizer=true"])
     meta = json.loads((run_dir / "checkpoints" / f"step_{STEPS:08d}" / "meta.json").read_text())
     assert meta["world_size"] == 4
     # Dense AdamW state lives in 4 slabs (one per dp_cp rank); expert state is split by EP only

@@ -78,6 +78,7 @@ def _check_losses(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_vocab_sharded_losses_equal_whole_vocabulary_float64():
     assert run_distributed(_check_losses, world_size=2, timeout=300) == [True] * 2
 
@@ -221,6 +222,7 @@ def _check_cases(rank, world):
     return True
 
 
+@pytest.mark.multirank
 def test_tensor_parallel_vocab_and_kv_replication_match_single_process_float64():
     assert run_distributed(_check_cases, world_size=4, timeout=600) == [True] * 4
 

@@ -73,6 +73,7 @@ def _rank(rank, world):
     return _export(policy)
 
 
+@pytest.mark.slow
 def test_export_under_ep2_tp2_equals_one_process():
     want = [(n, t) for b in _export(PolicyTrainer(config(*HF_SETS))) for n, t in b]
     for buckets in run_distributed(_rank, world_size=4, timeout=300):

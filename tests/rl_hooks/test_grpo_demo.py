@@ -45,7 +45,7 @@ def test_steps_push_weights_and_log_metrics(tmp_path):
         assert 0.0 <= record["reward_mean"] <= 1.0
         assert 0.0 <= record["clip_frac"] <= 1.0 and record["kl"] >= 0.0
     first = next(r for r in demo.records if r["phase"] == "grpo")
-    # Same weights on both sides at the first step, float32: the target is a mean < 1e-3
+    # Same weights on both sides at the first step, float32: a mean < 1e-3
     # (measured ~2e-7; a missing or stale push shows as > 1e-2).
     assert first["logprob_gap_mean"] < 1e-3 and first["route_agreement"] > 0.9
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

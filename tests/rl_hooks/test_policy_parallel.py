@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from rl_hooks import PolicyLossConfig, PolicyTrainer, RolloutBatch, make_loss
@@ -84,8 +85,8 @@ def _run(sets, rank_info=False):
     return out, steps, where
 
 
-def _rank(rank, world):
-    return [_run(sets, rank_info=True) for sets in LAYOUTS]
+def _rank(rank, world, layouts):
+    return [_run(sets, rank_info=True) for sets in layouts]
 
 
 def _slice(name, got, want, where):
@@ -101,11 +102,11 @@ def _slice(name, got, want, where):
     return want[part * n:(part + 1) * n]
 
 
-def test_policy_calls_match_single_process_under_cp_tp_ep_float64():
+def _check_layouts(layouts):
     ref_out, ref_steps, _ = _run([])
-    results = run_distributed(_rank, world_size=4, timeout=600)
+    results = run_distributed(_rank, world_size=4, args=(layouts,), timeout=600)
     for rank_results in results:
-        for sets, (out, steps, where) in zip(LAYOUTS, rank_results, strict=True):
+        for sets, (out, steps, where) in zip(layouts, rank_results, strict=True):
             assert (out.logprobs - ref_out.logprobs).abs().max() < TOL, sets
             assert (out.entropy - ref_out.entropy).abs().max() < TOL, sets
             assert torch.equal(out.routes, ref_out.routes), sets
@@ -114,6 +115,16 @@ def test_policy_calls_match_single_process_under_cp_tp_ep_float64():
                 for name, g in got.items():
                     w = _slice(name, g, want[name], where)
                     assert (g - w).abs().max() < TOL, (sets, cfg.kind, name)
+
+
+@pytest.mark.multirank
+def test_policy_calls_match_single_process_under_cp2_ep2_ring_float64():
+    _check_layouts(LAYOUTS[:1])
+
+
+@pytest.mark.slow
+def test_policy_calls_match_single_process_under_other_cp_tp_ep_layouts_float64():
+    _check_layouts(LAYOUTS[1:])
 
 
 SP_ONE = ["parallel.tp=2", "parallel.sequence_parallel=true"]
@@ -127,6 +138,7 @@ def _one_sequence_logprobs(sets):
     return policy.compute_logprobs(batch, return_entropy=True).logprobs
 
 
+@pytest.mark.slow
 def test_sequence_parallel_rank_without_sequences_runs_a_stand_in():
     """TP2 x DP2 with sequence parallelism and one sequence: the idle replica's stand-in
     micro-batch splits over TP like any other (one token did not), and both replicas agree

@@ -34,12 +34,16 @@ MICRO = 24  # tokens: several micro-batches per rank
 
 @pytest.fixture(scope="module")
 def cluster():
-    yield from local_ray_cluster("the Ray actor group needs ray (pip install 'longctx-moe[rl]')")
+    # Four logical CPUs: the shared group below holds two for the whole module, which leaves room
+    # for the groups a test builds for itself (ranks mostly wait, so two cores carry them).
+    yield from local_ray_cluster("the Ray actor group needs ray (pip install 'longctx-moe[rl]')",
+                                 num_cpus=4)
 
 
 @pytest.fixture(scope="module")
 def group(cluster):
-    """A group holding both of the cluster's CPUs (one bundle of 1 CPU per rank)."""
+    """A group holding two of the cluster's four CPUs (one bundle of 1 CPU per rank); no test
+    shuts it down, so the tests do not depend on their order."""
     from rl_hooks.ray_group import RayPolicyGroup
 
     g = RayPolicyGroup(config(*SETS), num_ranks=2, micro_batch_tokens=MICRO)
@@ -58,6 +62,7 @@ def _step(policy, batch):
     return out, metrics, weights
 
 
+@pytest.mark.slow
 def test_group_matches_the_in_process_policy_float64(group):
     _check_against_reference(group)
 
@@ -111,6 +116,7 @@ class _CountingSink:
             f.write(f"{len(bucket)}\n")
 
 
+@pytest.mark.slow
 def test_push_weights_runs_the_sink_on_rank_0_only(group, tmp_path):
     sink = _CountingSink(tmp_path / "buckets.txt")
     stats = group.push_weights(sink, bucket_bytes=8192, dtype=torch.float32)
@@ -143,6 +149,7 @@ def test_an_export_the_driver_leaves_early_stops_every_rank_and_the_group_goes_o
     assert group.apply(_buckets_sent)[0] <= 2 + AHEAD < total
 
 
+@pytest.mark.slow
 def test_a_rank_error_is_raised_in_the_driver_with_the_rank_named(group):
     from rl_hooks.ray_group import RayGroupError
 
@@ -157,6 +164,7 @@ def test_a_rank_error_is_raised_in_the_driver_with_the_rank_named(group):
         group.compute_logprobs(bad)
 
 
+@pytest.mark.slow
 def test_layout_that_does_not_fit_the_ranks_is_refused_before_any_actor(group):
     from longctx_moe.config import ConfigError
     from rl_hooks.ray_group import RayPolicyGroup
@@ -165,21 +173,28 @@ def test_layout_that_does_not_fit_the_ranks_is_refused_before_any_actor(group):
         RayPolicyGroup(config("parallel.tp=4"), num_ranks=2)
 
 
+@pytest.mark.slow
 def test_a_cluster_without_room_for_the_ranks_is_named(group):
     from rl_hooks.ray_group import RayPolicyGroup
 
-    # `group` holds both CPUs of the cluster: these bundles can never be placed.
+    # `group` holds two of the cluster's four CPUs: two bundles of 2 CPUs can never be placed.
     with pytest.raises(RuntimeError, match="could not be placed within 1s: the Ray cluster lacks"):
-        RayPolicyGroup(config(*SETS), num_ranks=2, ready_timeout_s=1)
+        RayPolicyGroup(config(*SETS), num_ranks=2, cpus_per_rank=2, ready_timeout_s=1)
 
 
-def test_shutdown_ends_the_group(group):
-    group.shutdown()
+@pytest.mark.slow
+def test_shutdown_ends_the_group(cluster):
+    from rl_hooks.ray_group import RayPolicyGroup
+
+    own = RayPolicyGroup(config(*REFERENCE), num_ranks=1)  # its own: `group` stays for the others
+    assert own.info()["world_size"] == 1
+    own.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
-        group.info()
-    group.shutdown()  # a second shutdown is harmless
+        own.info()
+    own.shutdown()  # a second shutdown is harmless
 
 
+@pytest.mark.slow
 def test_rl_hooks_imports_without_ray_and_the_group_names_the_extra():
     code = ("import sys; sys.modules['ray'] = None\n"
             "import rl_hooks, rl_hooks.ray_group\n"
@@ -190,10 +205,10 @@ def test_rl_hooks_imports_without_ray_and_the_group_names_the_extra():
     assert out.stdout.strip() == "RayPolicyGroup needs Ray: pip install 'longctx-moe[rl]'"
 
 
-def test_cp2_group_matches_the_in_process_policy_float64(group, cluster):
+@pytest.mark.slow
+def test_cp2_group_matches_the_in_process_policy_float64(cluster):
     from rl_hooks.ray_group import RayGroupError, RayPolicyGroup
 
-    group.shutdown()  # frees the cluster's two CPUs for this layout's ranks
     cfg = config(*SETS, "parallel.cp=2")
     with RayPolicyGroup(cfg, num_ranks=2, micro_batch_tokens=MICRO, grace_s=1) as cp:
         assert cp.info()["layout"]["cp"] == 2

@@ -104,7 +104,7 @@ def test_mismatched_checkpoints_give_one_line_errors(tmp_path):
         CheckpointReader(step_dir, {"model": {"num_experts": 16}})
 
 
-# ---------------------------------------------------------------------- pruning (issue 12 regression)
+# ---------------------------------------------------------------------- pruning by step order
 
 
 def test_save_below_existing_higher_steps_survives_pruning_and_is_resumed(tmp_path):

@@ -6,6 +6,7 @@ import errno
 import io
 import json
 
+import pytest
 import torch.distributed as dist
 
 import longctx_moe.checkpoint as checkpoint
@@ -66,6 +67,7 @@ def _damaged_and_failed(rank, world_size, tmp):
             "failed_load": failed_load, "first": str(first)}
 
 
+@pytest.mark.slow
 def test_one_ranks_failure_stops_every_rank_with_the_same_line(tmp_path):
     results = run_distributed(_damaged_and_failed, 2, args=(tmp_path,), timeout=240)
     ckpt = tmp_path / "ckpt"

@@ -29,6 +29,8 @@ def _trainer(compiled: bool):
     return Trainer(cfg, runtime)
 
 
+# torch.compile runs the C++ compiler in subprocesses (inductor's workers): minutes on 2 cores.
+@pytest.mark.slow
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                     reason="inductor's CPU backend needs a C++ compiler")
 def test_compiled_blocks_match_eager_float64():
@@ -76,6 +78,7 @@ def _mmapped_bytes(mode: str, nbytes: int) -> int:
     return int(out.stdout)
 
 
+@pytest.mark.slow
 def test_host_allocator_modes_move_the_mmap_threshold_on_glibc():
     # this project's CI and dev machines run glibc; torch's CPU tensors come from its malloc
     assert _mmapped_bytes("lean", 4 << 20) >= 4 << 20  # above 1 MiB: a block of its own

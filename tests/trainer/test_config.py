@@ -133,6 +133,7 @@ def test_configs_in_repo_load():
      "config file '{path}' sets 'lr' twice in one section (second at line 3); keep one of them"),
     ("model:\n  num_experts: 4\n", ["optim.lr=inf"], "optim.lr=inf is not a finite number; set a finite value"),
 ])
+@pytest.mark.slow
 def test_cli_prints_config_error_without_traceback(tmp_path, text, overrides, message):
     path = write(tmp_path, text)
     sets = [a for o in overrides for a in ("--set", o)]

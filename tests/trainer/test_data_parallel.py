@@ -1,5 +1,6 @@
 """Two data-parallel ranks (gloo) train exactly like one process on the same global batch."""
 
+import pytest
 import torch
 
 from longctx_moe.config import load_config
@@ -46,6 +47,7 @@ def _dp_rank(rank, world_size):
     return train(dims, local)
 
 
+@pytest.mark.slow
 def test_two_dp_ranks_equal_single_process_float64():
     ref_state, ref_losses = train(None, global_steps())
     results = run_distributed(_dp_rank, 2, timeout=240)

@@ -1,4 +1,4 @@
-"""Multi-rank exact resume (issue 12 item 5): on 4 gloo ranks, the real trainer run for 10 steps,
+"""Multi-rank exact resume: on 4 gloo ranks, the real trainer run for 10 steps,
 checkpointed, resumed and run for 10 more equals 20 uninterrupted steps bitwise (losses, weights,
 AdamW state, expert bias, every rank's loader position), under CP2 x EP2 (folded) and TP2 x DP2, the
 latter also with checkpoint.async_save."""
@@ -10,17 +10,12 @@ from longctx_moe.checkpoint_reader import CheckpointReader
 from longctx_moe.config import load_config
 from longctx_moe.train import run
 from tests.launcher import run_distributed
-from tests.trainer.test_train_run import ROOT, pack_small_corpus
+from tests.trainer.test_train_run import ROOT
 
 STEPS, SPLIT = 20, 10
 SETS = ["data.global_batch_tokens=1024", "data.micro_batch_tokens=512", "optim.warmup_steps=3",
         "logging.peak_tflops=1.0", "logging.progress_bar=false", "train.num_threads=1",
         "model.vocab_size=512", "model.expert_bias=true", "checkpoint.keep_last=0", f"train.steps={STEPS}"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return pack_small_corpus(tmp_path_factory)
 
 
 def _cfg(run_dir, corpus, layout):
@@ -37,6 +32,7 @@ def _runs(rank, world, tmp, corpus, layout):
     return losses(whole), losses(first), losses(second)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["parallel.cp=2", "parallel.ep=2"], ["parallel.tp=2"],
                                     # saves every 3 steps written on background threads: the
                                     # published steps and the resume are the same

@@ -1,4 +1,4 @@
-"""Hugging Face interop on disk (issue 12 item 6): `longctx-moe export-hf` of runs trained with
+"""Hugging Face interop on disk: `longctx-moe export-hf` of runs trained with
 `--nproc 2` under EP2 and TP2, loaded by transformers' from_pretrained and compared with our
 single-device model on packed multi-document input; `train.init_from` starting a run (under
 another layout) from the export; one-line refusals with exit status 2."""
@@ -17,7 +17,6 @@ from longctx_moe.config import load_config, write_config
 from longctx_moe.hf.export import checkpoint_step_dir, consolidated_state, load_consolidated_model
 from longctx_moe.train import main as train_main
 from tests.model.helpers import packed_batch
-from tests.trainer.test_train_run import pack_small_corpus
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -38,11 +37,6 @@ def _train_nproc2(run_dir, corpus, steps, *extra):
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return pack_small_corpus(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +81,7 @@ def _hf_logits_match_ours(run_dir, out):
     return ours
 
 
+@pytest.mark.slow
 def test_export_ep2_run_loads_in_transformers_and_matches(ep_run, tmp_path, capsys):
     out = _export(ep_run, tmp_path / "hf", "--max-shard-size", "0.003")  # 3 MB: several shards
     report = capsys.readouterr().out
@@ -117,6 +112,7 @@ def test_export_ep2_run_loads_in_transformers_and_matches(ep_run, tmp_path, caps
     assert tok.eos_token == "<|endoftext|>"
 
 
+@pytest.mark.slow
 def test_export_tp2_run_then_init_from_under_another_layout(tp_run, corpus, tmp_path):
     out = _export(tp_run, tmp_path / "hf")
     assert len(list(out.glob("model-*-of-*.safetensors"))) == 1  # tiny model under the 2 GB cap
@@ -137,6 +133,7 @@ def test_export_tp2_run_then_init_from_under_another_layout(tp_run, corpus, tmp_
         assert torch.equal(started[name], t), name
 
 
+@pytest.mark.slow
 def test_init_from_mismatched_config_is_one_line(ep_run, corpus, tmp_path, capsys):
     out = _export(ep_run, tmp_path / "hf")
     capsys.readouterr()
@@ -146,6 +143,7 @@ def test_init_from_mismatched_config_is_one_line(ep_run, corpus, tmp_path, capsy
     assert "num_experts=8 in config.json but model.num_experts=4" in err
 
 
+@pytest.mark.slow
 def test_resume_ignores_init_from_with_a_notice(ep_run, tmp_path, capsys):
     out = _export(ep_run, tmp_path / "hf")
     run = tmp_path / "run"
@@ -166,6 +164,7 @@ def _one_line_error(argv, capsys):
     return err
 
 
+@pytest.mark.slow
 def test_refused_model_and_bad_checkpoints_are_one_line(ep_run, tmp_path, capsys):
     sigmoid = tmp_path / "sigmoid"
     write_config(load_config(ep_run / "config.yaml", ["model.router_score=sigmoid"]), sigmoid / "config.yaml")
@@ -188,6 +187,7 @@ def test_refused_model_and_bad_checkpoints_are_one_line(ep_run, tmp_path, capsys
     assert str(rank1) in err and "sha256" in err
 
 
+@pytest.mark.slow
 def test_init_from_reads_a_transformers_saved_directory(ep_run, tmp_path):
     """What from_pretrained + save_pretrained writes (fused or per-expert names, whichever
     transformers 5 chooses) reads back into exactly our consolidated weights."""
@@ -205,6 +205,7 @@ def test_init_from_reads_a_transformers_saved_directory(ep_run, tmp_path):
             assert torch.equal(got[name], t), name
 
 
+@pytest.mark.slow
 def test_init_from_reads_fused_expert_names(ep_run, tmp_path):
     """transformers 5's in-memory layout (`experts.gate_up_proj` [E, 2F, D]) is accepted too."""
     from longctx_moe.hf.interop import to_hf_state_dict

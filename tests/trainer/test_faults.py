@@ -1,4 +1,4 @@
-"""Fault tests (issue 12 item 4): `longctx-moe train --nproc 4 --max-restarts 2` with one rank
+"""Fault tests: `longctx-moe train --nproc 4 --max-restarts 2` with one rank
 SIGKILLed mid-step, and separately mid-save (a test hook, checkpoint.KILL_ENV, makes the kill
 deterministic: first attempt only). The launcher stops the other ranks and relaunches all of
 them; they resume from the latest complete checkpoint, the run completes, every step directory
@@ -14,17 +14,12 @@ import torch
 
 from longctx_moe.checkpoint import KILL_ENV
 from longctx_moe.checkpoint_reader import CheckpointReader
-from tests.trainer.test_train_run import ROOT, pack_small_corpus
+from tests.trainer.test_train_run import ROOT
 
 STEPS = 8
 SETS = ["data.global_batch_tokens=1024", "data.micro_batch_tokens=512", "optim.warmup_steps=2",
         "logging.peak_tflops=1.0", "logging.progress_bar=false", "train.num_threads=1", "model.vocab_size=512",
         "checkpoint.every_steps=2", "checkpoint.keep_last=0", "parallel.ep=2", f"train.steps={STEPS}"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return pack_small_corpus(tmp_path_factory)
 
 
 def _train(run_dir, corpus, kill: str | None = None) -> str:
@@ -71,6 +66,7 @@ def _assert_intact(ckpt_dir):
 
 # (hook, step the restart resumes from): the rank dies as step 5 starts (its peers wait inside
 # the step's first collective), or while saving step 4 (its file unwritten, the step unpublished).
+@pytest.mark.slow
 @pytest.mark.parametrize("kill,resumed", [("step:5:2", 4), ("save:4:1", 2)], ids=["mid-step", "mid-save"])
 def test_killed_rank_restarts_and_ends_like_the_uninterrupted_run(tmp_path, corpus, uninterrupted, kill, resumed):
     run_dir = tmp_path / "run"

@@ -13,12 +13,7 @@ import torch.distributed as dist
 
 from longctx_moe.config import ConfigError, load_config
 from longctx_moe.train import init_distributed
-from tests.trainer.test_train_run import ROOT, args, pack_small_corpus
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return pack_small_corpus(tmp_path_factory)
+from tests.trainer.test_train_run import ROOT, args
 
 
 def launch(run_dir: Path, corpus_dir: Path, steps: int, *extra: str, **popen) -> subprocess.Popen:
@@ -30,6 +25,7 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:") or "Traceback" in line]
 
 
+@pytest.mark.slow
 def test_layout_error_is_printed_once_with_status_2(tmp_path, corpus):
     proc = launch(tmp_path / "run", corpus, 1, "parallel.tp=3", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, err = proc.communicate(timeout=120)
@@ -37,6 +33,7 @@ def test_layout_error_is_printed_once_with_status_2(tmp_path, corpus):
     assert error_lines(err) == [err.strip()] and err.startswith("error: world_size=2 is not divisible by tp*cp=3")
 
 
+@pytest.mark.slow
 def test_error_found_by_the_ranks_is_printed_once_with_status_2(tmp_path, corpus):
     # A missing corpus is found by every rank at start-up: the ranks agree, rank 0 prints.
     proc = launch(tmp_path / "run", tmp_path / "no_corpus", 1, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -46,6 +43,7 @@ def test_error_found_by_the_ranks_is_printed_once_with_status_2(tmp_path, corpus
                                 "(or longctx-pack --output DIR) and set data.path=DIR"]
 
 
+@pytest.mark.slow
 def test_document_no_dynamic_cp_run_holds_is_refused_at_start_up(tmp_path, corpus):
     # Found before the first step (it would stop the step holding that document on every rank).
     proc = launch(tmp_path / "run", corpus, 1, "parallel.cp=2", "parallel.dynamic_cp=true",
@@ -87,6 +85,7 @@ def _wait_for(condition, timeout_s: float, what: str):
     raise AssertionError(f"{what} within {timeout_s:.0f} s")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks follow their launcher through prctl")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_killing_the_launcher_stops_its_ranks(tmp_path, corpus, sig):

@@ -52,6 +52,7 @@ def _live_tensors_across_steps(rank: int, world: int) -> tuple[int, int]:
     return before, _live_tensors()
 
 
+@pytest.mark.slow
 def test_train_steps_keep_no_tensors_alive():
     """Steps of new shapes each time (other documents, other micro-batch lengths) leave the
     number of live tensors where the first steps left it: no graph, loss or metric is kept."""

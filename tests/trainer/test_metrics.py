@@ -44,7 +44,13 @@ def test_step_flops_grow_with_attention_over_real_lengths():
     assert one_doc > split > 0  # same tokens; attention is quadratic in each document's length
 
 
-def test_plan_groups_subcommand_is_dispatched(capsys):
+def test_plan_groups_subcommand_prints_the_layouts_groups(capsys):
     rc = cli_main(["plan-groups", "--world", "4", "--tp", "2"])
-    out = capsys.readouterr().out
-    assert rc == 0 and "tp" in out and "dp" in out
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    assert lines[0] == "world 4: attention tp=2 cp=1 dp=2 | moe etp=1 ep=1 edp=4"
+    groups = dict(line.split(maxsplit=1) for line in lines[1:])
+    # TP is the fastest axis: TP peers are neighbours and DP strides over them; without EP every
+    # rank holds every expert, so all four ranks form the one expert-data-parallel group.
+    assert groups["tp"] == "{0,1} {2,3}" and groups["dp"] == "{0,2} {1,3}"
+    assert groups["edp"] == "{0,1,2,3}" and groups["ep"] == "{0} {1} {2} {3}"

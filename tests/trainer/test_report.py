@@ -17,7 +17,7 @@ from longctx_moe.config import ConfigError, load_config
 from longctx_moe.metrics import MetricsLogger, _postfix, peak_memory_mb, reset_peak_memory
 from longctx_moe.report import series
 from longctx_moe.train import main as train_main
-from tests.trainer.test_train_run import args, pack_small_corpus, read_metrics
+from tests.trainer.test_train_run import args, read_metrics
 
 PANELS = ["aux_loss", "expert_load_cv", "grad_norm", "loss", "memory", "mfu", "tokens_per_s"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -26,9 +26,8 @@ matplotlib = pytest.importorskip("matplotlib", reason="longctx-moe report draws 
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def run_dir(tmp_path_factory, corpus):
     """A real 3-step run of configs/tiny_cpu.yaml (no checkpoints: only its metrics matter)."""
-    corpus = pack_small_corpus(tmp_path_factory)
     out = tmp_path_factory.mktemp("report") / "run"
     assert train_main(args(out, corpus, 3, "checkpoint.every_steps=0", "checkpoint.save_final=false")) == 0
     return out

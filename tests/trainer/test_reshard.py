@@ -1,4 +1,4 @@
-"""Checkpoints that change layout (issue 12): a state saved under one parallel layout loads under
+"""Checkpoints that change layout: a state saved under one parallel layout loads under
 another, compared tensor by tensor with the unsharded state (model, AdamW exp_avg / exp_avg_sq /
 step, expert bias) through world 1 -> 8 (TP2 x CP2 x DP2, EP4) -> 4 (CP2 x DP2, EP2, AdamW state
 sharded by the distributed optimizer) -> 4 (the same, replicated) -> 4 (TP2 x DP2, EP4) -> 1; and a run trained with `--nproc 2 --set parallel.ep=2` resumed with `--nproc 1`,
@@ -20,7 +20,7 @@ from longctx_moe.train import load_trainer, save_trainer
 from longctx_moe.train import main as train_main
 from longctx_moe.trainer import Trainer
 from tests.launcher import run_distributed
-from tests.trainer.test_train_run import ROOT, pack_small_corpus
+from tests.trainer.test_train_run import ROOT
 
 MODEL = ["model.vocab_size=64", "model.hidden_size=32", "model.num_layers=3", "model.num_heads=4",
          "model.num_kv_heads=2", "model.head_dim=8", "model.num_experts=8", "model.expert_hidden_size=16",
@@ -109,6 +109,7 @@ def _load_check_save(rank, world, sets, src, dst, ref):
     return str(save_trainer(trainer, None, Path(dst), rank, world, keep_last=0))
 
 
+@pytest.mark.slow
 def test_round_trip_through_layouts_equals_the_unsharded_state(tmp_path):
     ref = reference_state()
     trainer = _trainer(1, 0, [], seed=0)
@@ -162,11 +163,7 @@ def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return pack_small_corpus(tmp_path_factory)
-
-
+@pytest.mark.slow
 def test_ep2_run_resumes_on_one_rank_then_on_four_with_ep4_and_exports(tmp_path, corpus, capsys):
     from tests.trainer.test_export_hf import _export, _hf_logits_match_ours
 

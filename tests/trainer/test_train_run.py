@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from data_packing.cli import main as pack_main
 from longctx_moe.config import load_config
 from longctx_moe.metrics import truncate_metrics
 from longctx_moe.train import main as train_main
@@ -19,19 +18,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["data.global_batch_tokens=1024", "data.micro_batch_tokens=512", "optim.warmup_steps=2",
          "logging.peak_tflops=1.0", "logging.progress_bar=false", "checkpoint.every_steps=2",
          "train.num_threads=1"]  # checkpoint.resume: the config's own (auto)
-
-
-def pack_small_corpus(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("corpus") / "stdlib_small"
-    rc = pack_main(["--source", "stdlib", "--train-tokenizer", "512", "--seq-len", "256", "--max-docs", "40",
-                    "--seed", "0", "--no-progress", "--output", str(out)])
-    assert rc in (0, None)
-    return out
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return pack_small_corpus(tmp_path_factory)
 
 
 def args(run_dir, corpus, steps, *extra):
@@ -116,6 +102,7 @@ def test_unavailable_attention_backend_fails_at_start_up_in_one_line(tmp_path, c
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_cli_launches_two_local_ranks(tmp_path, corpus):
     run_dir = tmp_path / "run2"
     launch = [sys.executable, "-m", "longctx_moe.cli", "train", "--nproc", "2"]
