@@ -111,14 +111,10 @@ def test_peak_measurement_is_quick_and_leaves_the_rng_alone(dtype):
     assert torch.equal(torch.get_rng_state(), before)
 
 
-def test_short_run_under_avx2_emulation_computes_in_float32(tmp_path):
+@pytest.mark.slow  # a subprocess
+def test_short_run_under_avx2_emulation_computes_in_float32(tmp_path, corpus):
     """Three steps of the default config with oneDNN and aten capped at AVX2 and our probes
     switched: the run says it computes in float32 and why, and trains."""
-    from data_packing.cli import main as pack_main
-
-    corpus = tmp_path / "corpus"
-    assert pack_main(["--source", "stdlib", "--train-tokenizer", "512", "--seq-len", "256", "--max-docs", "20",
-                      "--seed", "0", "--no-progress", "--output", str(corpus)]) in (0, None)
     sets = ["train.steps=3", "data.global_batch_tokens=1024", "data.micro_batch_tokens=512",
             "logging.progress_bar=false", "checkpoint.save_final=false", f"train.run_dir={tmp_path / 'run'}",
             f"data.path={corpus}"]

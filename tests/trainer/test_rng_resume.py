@@ -14,17 +14,12 @@ from longctx_moe.config import load_config
 from longctx_moe.metrics import measure_peak_tflops
 from longctx_moe.model.grouped_gemm import grouped_mm_works
 from longctx_moe.train import run
-from tests.trainer.test_train_run import ROOT, pack_small_corpus
+from tests.trainer.test_train_run import ROOT
 
 STEPS, SPLIT = 4, 2
 SETS = ["data.global_batch_tokens=1024", "data.micro_batch_tokens=512", "optim.warmup_steps=2",
         "logging.peak_tflops=1.0", "logging.progress_bar=false", "train.num_threads=1",
         "model.vocab_size=512", "checkpoint.keep_last=0", "checkpoint.every_steps=2", f"train.steps={STEPS}"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return pack_small_corpus(tmp_path_factory)
 
 
 def _devices() -> list[str]:
