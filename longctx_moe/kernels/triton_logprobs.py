@@ -6,8 +6,8 @@ softmax work (the RL hot path: compute_logprobs and the policy loss).
 
 Each chunk of C target rows gets its logits z_CV = h[rows] @ W^T from the GEMM library (tensor
 cores), in the compute dtype; [T, V] never exists. One kernel pass over z_CV then yields, per row,
-the online softmax statistics m = max z, s = sum exp(z - m), a = sum exp(z - m) * z and the
-target's logit, from which lse = m + log s, logp = z_y - lse and H = lse - a / s. The torch path
+the online softmax statistics m = max z, s = sum exp(z - m), a = sum exp(z - m) (z - m) and the
+target's logit, from which lse = m + log s, logp = z_y - lse and H = log s - a / s. The torch path
 makes ~5 passes over [C, V] in fp32 for the same numbers. With a VocabShard each rank's
 statistics are merged over the shard's group (max, then rescaled sums) before that last step.
 
@@ -45,10 +45,11 @@ def _stats_kernel(z_ptr, col_ptr, own_ptr, m_ptr, s_ptr, a_ptr, zy_ptr, V, temp_
         z = tl.load(z_ptr + r * V + cols, mask=mask, other=float("-inf")).to(acc_ty) / temp
         m_new = tl.maximum(m, tl.max(z, axis=0))
         scale = tl.exp(m - m_new)
-        e = tl.exp(z - m_new)  # 0 in masked columns
+        d = tl.where(mask, z - m_new, 0.0)
+        e = tl.where(mask, tl.exp(d), 0.0)
+        if ENTROPY:  # a = sum exp(z - m) (z - m): re-centred on the new max first
+            a = (a + tl.where(s > 0, m - m_new, 0.0) * s) * scale + tl.sum(e * d, axis=0)
         s = s * scale + tl.sum(e, axis=0)
-        if ENTROPY:
-            a = a * scale + tl.sum(tl.where(mask, e * z, 0.0), axis=0)
         m = m_new
     col = tl.load(col_ptr + r)
     own = tl.load(own_ptr + r)
@@ -85,14 +86,18 @@ def _grad_kernel(z_ptr, col_ptr, own_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,
 
 
 def _merge(m_C, s_C, a_C, zy_C, shard):
-    """(lse_C, ent_C, logp_C) from this rank's statistics, merged over the shard's group."""
+    """(lse_C, ent_C, logp_C) from this rank's statistics, merged over the shard's group.
+
+    H = log s - a / s: a / s = E_p[z - m] <= 0, so both terms are >= 0 and nothing cancels (the
+    form lse - E_p[z] loses |lse| * eps of a small entropy)."""
     if shard is not None:
         m_all = shard.reduce(m_C.clone(), torch.distributed.ReduceOp.MAX)
         scale_C = torch.exp(m_C - m_all)
-        s_C, a_C, m_C = shard.reduce(s_C * scale_C), shard.reduce(a_C * scale_C), m_all
-        zy_C = shard.reduce(zy_C)
-    lse_C = m_C + s_C.log()
-    return lse_C, lse_C - a_C / s_C, zy_C - lse_C
+        a_C = shard.reduce((a_C + (m_C - m_all) * s_C) * scale_C)
+        s_C, m_C, zy_C = shard.reduce(s_C * scale_C), m_all, shard.reduce(zy_C)
+    log_s_C = s_C.log()
+    lse_C = m_C + log_s_C
+    return lse_C, log_s_C - a_C / s_C, zy_C - lse_C
 
 
 def _targets(labels_C, v_local: int, shard):

@@ -35,6 +35,7 @@ def _router_fwd_kernel(z_ptr, bias_ptr, s_ptr, idx_ptr, w_ptr, sum_ptr, T, E,
     mask = (rows[:, None] < T) & in_e
     offs = rows[:, None].to(tl.int64) * E + cols[None, :]
     z = tl.load(z_ptr + offs, mask=mask, other=float("-inf"))
+    z = tl.where(rows[:, None] < T, z, 0.0)  # rows past T: finite values, never stored
     if SIGMOID:
         s = 1.0 / (1.0 + tl.exp(-z))
     else:
