@@ -21,56 +21,64 @@ import triton.language as tl
 
 from longctx_moe.kernels.triton_common import cast_rne
 
-_BLOCK_D = 256  # columns per program: one row of a 4-7K model dim takes a few programs
+_BLOCK_T, _BLOCK_D = 16, 256  # a program moves a [16, 256] tile (rows of a 4-7K model dim: a few)
 
 
 @triton.jit
-def _scatter_kernel(x_ptr, slot_ptr, out_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _scatter_kernel(x_ptr, slot_ptr, out_ptr, T, D, K: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = cols < D
-    row = tl.load(x_ptr + t * D + cols, mask=mask)
+    ok = rows < T
+    mask = ok[:, None] & (cols[None, :] < D)
+    tile = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=mask)
+    tile = cast_rne(tile, out_ptr.dtype.element_ty)
     for k in tl.static_range(K):
-        slot = tl.load(slot_ptr + t * K + k)
-        tl.store(out_ptr + slot * D + cols, cast_rne(row, out_ptr.dtype.element_ty), mask=mask)
+        slot = tl.load(slot_ptr + rows * K + k, mask=ok, other=0)
+        tl.store(out_ptr + slot[:, None] * D + cols[None, :], tile, mask=mask)
 
 
 @triton.jit
-def _gather_kernel(src_ptr, slot_ptr, w_ptr, out_ptr, D, K: tl.constexpr, HAS_W: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+def _gather_kernel(src_ptr, slot_ptr, w_ptr, out_ptr, T, D, K: tl.constexpr, HAS_W: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[t] = sum_k (w[t, k] *) src[slot[t, k]], accumulated in fp32 (float64 for float64)."""
-    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = cols < D
+    ok = rows < T
+    mask = ok[:, None] & (cols[None, :] < D)
     acc_ty = tl.float64 if src_ptr.dtype.element_ty == tl.float64 else tl.float32
-    acc = tl.zeros([BLOCK_D], dtype=acc_ty)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=acc_ty)
     for k in tl.static_range(K):
-        slot = tl.load(slot_ptr + t * K + k)
-        row = tl.load(src_ptr + slot * D + cols, mask=mask, other=0.0).to(acc_ty)
+        slot = tl.load(slot_ptr + rows * K + k, mask=ok, other=0)
+        tile = tl.load(src_ptr + slot[:, None] * D + cols[None, :], mask=mask, other=0.0).to(acc_ty)
         if HAS_W:
-            row = row * tl.load(w_ptr + t * K + k).to(acc_ty)
-        acc += row
-    tl.store(out_ptr + t * D + cols, cast_rne(acc, out_ptr.dtype.element_ty), mask=mask)
+            tile = tile * tl.load(w_ptr + rows * K + k, mask=ok, other=0.0).to(acc_ty)[:, None]
+        acc += tile
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], cast_rne(acc, out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
-def _unpermute_bwd_kernel(g_ptr, y_ptr, slot_ptr, w_ptr, gy_ptr, gw_ptr, D, K: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
+def _unpermute_bwd_kernel(g_ptr, y_ptr, slot_ptr, w_ptr, gy_ptr, gw_ptr, T, D, K: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """gy[slot[t, k]] = w[t, k] * g[t];  gw[t, k] = sum_d g[t, d] * y[slot[t, k], d]."""
-    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    ok = rows < T
     acc_ty = tl.float64 if y_ptr.dtype.element_ty == tl.float64 else tl.float32
     for k in tl.static_range(K):
-        slot = tl.load(slot_ptr + t * K + k)
-        w = tl.load(w_ptr + t * K + k).to(acc_ty)
-        dot = tl.zeros([BLOCK_D], dtype=acc_ty)
+        slot = tl.load(slot_ptr + rows * K + k, mask=ok, other=0)
+        w = tl.load(w_ptr + rows * K + k, mask=ok, other=0.0).to(acc_ty)
+        dot = tl.zeros([BLOCK_T, BLOCK_D], dtype=acc_ty)
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)
-            mask = cols < D
-            g = tl.load(g_ptr + t * D + cols, mask=mask, other=0.0).to(acc_ty)
-            y = tl.load(y_ptr + slot * D + cols, mask=mask, other=0.0).to(acc_ty)
-            tl.store(gy_ptr + slot * D + cols, cast_rne(w * g, gy_ptr.dtype.element_ty), mask=mask)
+            mask = ok[:, None] & (cols[None, :] < D)
+            g = tl.load(g_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(acc_ty)
+            y = tl.load(y_ptr + slot[:, None] * D + cols[None, :], mask=mask, other=0.0).to(acc_ty)
+            tl.store(gy_ptr + slot[:, None] * D + cols[None, :],
+                     cast_rne(w[:, None] * g, gy_ptr.dtype.element_ty), mask=mask)
             dot += g * y
-        tl.store(gw_ptr + t * K + k, cast_rne(tl.sum(dot, axis=0), gw_ptr.dtype.element_ty))
+        tl.store(gw_ptr + rows * K + k, cast_rne(tl.sum(dot, axis=1), gw_ptr.dtype.element_ty),
+                 mask=ok)
 
 
 def _gather(src_PD, slot_TK, w_TK, out_dtype) -> torch.Tensor:
@@ -78,9 +86,9 @@ def _gather(src_PD, slot_TK, w_TK, out_dtype) -> torch.Tensor:
     d = src_PD.shape[1]
     out_TD = torch.empty(t, d, dtype=out_dtype, device=src_PD.device)
     if t:
-        grid = (t, triton.cdiv(d, _BLOCK_D))
-        _gather_kernel[grid](src_PD, slot_TK, slot_TK if w_TK is None else w_TK, out_TD, d, K=k,
-                             HAS_W=w_TK is not None, BLOCK_D=_BLOCK_D)
+        grid = (triton.cdiv(t, _BLOCK_T), triton.cdiv(d, _BLOCK_D))
+        _gather_kernel[grid](src_PD, slot_TK, slot_TK if w_TK is None else w_TK, out_TD, t, d,
+                             K=k, HAS_W=w_TK is not None, BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
     return out_TD
 
 
@@ -91,8 +99,9 @@ class _Permute(torch.autograd.Function):
         t, d = x_TD.shape
         out_PD = x_TD.new_zeros(total, d, dtype=dtype)
         if t:
-            _scatter_kernel[(t, triton.cdiv(d, _BLOCK_D))](x_TD, slot_TK, out_PD, d,
-                                                           K=slot_TK.shape[1], BLOCK_D=_BLOCK_D)
+            grid = (triton.cdiv(t, _BLOCK_T), triton.cdiv(d, _BLOCK_D))
+            _scatter_kernel[grid](x_TD, slot_TK, out_PD, t, d, K=slot_TK.shape[1],
+                                  BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
         ctx.save_for_backward(slot_TK)
         ctx.x_dtype = x_TD.dtype
         return out_PD
@@ -118,8 +127,9 @@ class _Unpermute(torch.autograd.Function):
         gw_TK = torch.empty_like(w_TK)
         t, k = slot_TK.shape
         if t:
-            _unpermute_bwd_kernel[(t,)](g_TD, y_PD, slot_TK, w_TK, gy_PD, gw_TK, y_PD.shape[1],
-                                        K=k, BLOCK_D=_BLOCK_D)
+            _unpermute_bwd_kernel[(triton.cdiv(t, _BLOCK_T),)](
+                g_TD, y_PD, slot_TK, w_TK, gy_PD, gw_TK, t, y_PD.shape[1], K=k,
+                BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
         return gy_PD, None, gw_TK
 
 

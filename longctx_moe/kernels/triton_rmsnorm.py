@@ -8,7 +8,7 @@ scale, weight, downcast; the residual add is one more pass, whose result the nor
 The numerics are layers._RMSNormFn's: normalised in fp32 (float64 for float64), the sum rounded
 to its dtype (the promoted dtype of x and res, as torch's `x + res`) before it is normalised; the
 backward keeps the input and one scale per row and recomputes x * r. The weight gradient is
-summed per program over its rows, then over the programs in torch.
+summed per program over its rows (at most 512 programs), then over the programs in torch.
 Legend: N rows (any leading shape flattened), D normalised dim.
 """
 
@@ -20,58 +20,65 @@ import triton.language as tl
 
 from longctx_moe.kernels.triton_common import cast_rne
 
-_ROWS_PER_PROG = 16  # rows whose weight gradient one program sums before the final reduction
+_TILE = 4096  # elements per program: [4096 / D] rows (32 rows of a 128-wide q/k head norm)
+_MAX_PROGS = 512  # backward programs: each sums its tiles' weight gradient (<= 512 x D partials)
 
 
 @triton.jit
-def _fwd_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, y_ptr, r_ptr, D, eps, HAS_RES: tl.constexpr,
-                BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _fwd_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, y_ptr, r_ptr, N, D, eps, HAS_RES: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
+    mask = (rows[:, None] < N) & (cols[None, :] < D)
+    offs = rows[:, None] * D + cols[None, :]
     acc_ty = r_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if HAS_RES:
-        res = tl.load(res_ptr + row * D + cols, mask=mask, other=0.0)
+        res = tl.load(res_ptr + offs, mask=mask, other=0.0)
         x = cast_rne(x.to(acc_ty) + res.to(acc_ty), sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * D + cols, x, mask=mask)
+        tl.store(sum_ptr + offs, x, mask=mask)
     x = x.to(acc_ty)
-    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(acc_ty)
-    tl.store(y_ptr + row * D + cols, cast_rne(x * r * w, y_ptr.dtype.element_ty), mask=mask)
-    tl.store(r_ptr + row, r)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(acc_ty)
+    tl.store(y_ptr + offs, cast_rne(x * r[:, None] * w[None, :], y_ptr.dtype.element_ty), mask=mask)
+    tl.store(r_ptr + rows, r, mask=rows < N)
 
 
 @triton.jit
 def _bwd_kernel(g_ptr, gs_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dwp_ptr, N, D, HAS_GS: tl.constexpr,
                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dx = r (g w - xh mean(g w xh)) (+ gs, the sum output's gradient); dw partial = sum g xh."""
-    pid = tl.program_id(0)
+    """dx = r (g w - xh mean(g w xh)) (+ gs, the sum output's gradient); dw partial = sum g xh,
+    over the tiles pid, pid + programs, ... (a grid-stride loop: few partials at any N)."""
+    pid, progs = tl.program_id(0), tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
     acc_ty = r_ptr.dtype.element_ty
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(acc_ty)
-    dw = tl.zeros([BLOCK_D], dtype=acc_ty)
-    for i in range(0, ROWS):
-        row = (pid * ROWS + i).to(tl.int64)
-        ok = row < N
-        m = mask & ok
-        x = tl.load(x_ptr + row * D + cols, mask=m, other=0.0).to(acc_ty)
-        g = tl.load(g_ptr + row * D + cols, mask=m, other=0.0).to(acc_ty)
-        r = tl.load(r_ptr + row, mask=ok, other=0.0)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(acc_ty)
+    dw = tl.zeros([ROWS, BLOCK_D], dtype=acc_ty)
+    for tile in range(pid, tl.cdiv(N, ROWS), progs):
+        rows = tile * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        mask = (rows[:, None] < N) & (cols[None, :] < D)
+        offs = rows[:, None] * D + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(acc_ty)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_ty)
+        r = tl.load(r_ptr + rows, mask=rows < N, other=0.0)[:, None]
         xh = x * r
-        gw = g * w
-        dx = r * (gw - xh * (tl.sum(gw * xh, axis=0) / D))
+        gw = g * w[None, :]
+        dx = r * (gw - xh * (tl.sum(gw * xh, axis=1) / D)[:, None])
         if HAS_GS:  # rounded to x's dtype first, as autograd's sum of the two gradients is
             dx = cast_rne(dx, dx_ptr.dtype.element_ty).to(acc_ty)
-            dx += tl.load(gs_ptr + row * D + cols, mask=m, other=0.0).to(acc_ty)
-        tl.store(dx_ptr + row * D + cols, cast_rne(dx, dx_ptr.dtype.element_ty), mask=m)
+            dx += tl.load(gs_ptr + offs, mask=mask, other=0.0).to(acc_ty)
+        tl.store(dx_ptr + offs, cast_rne(dx, dx_ptr.dtype.element_ty), mask=mask)
         dw += g * xh
-    tl.store(dwp_ptr + pid.to(tl.int64) * D + cols, dw, mask=mask)
+    tl.store(dwp_ptr + pid.to(tl.int64) * D + cols, tl.sum(dw, axis=0), mask=cols < D)
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _blocks(d: int) -> dict:
+    block_d = triton.next_power_of_2(d)
+    return dict(ROWS=max(1, _TILE // block_d), BLOCK_D=block_d)
 
 
 def _forward(x_ND, res_ND, weight, eps, out_dtype):
@@ -84,21 +91,22 @@ def _forward(x_ND, res_ND, weight, eps, out_dtype):
     y_ND = torch.empty(n, d, dtype=out_dtype, device=x_ND.device)
     r_N = torch.empty(n, dtype=_acc_dtype(normed), device=x_ND.device)
     if n:
-        _fwd_kernel[(n,)](x_ND, x_ND if res_ND is None else res_ND, y_ND if sum_ND is None else sum_ND,
-                          weight, y_ND, r_N, d, eps, HAS_RES=res_ND is not None,
-                          BLOCK_D=triton.next_power_of_2(d))
+        blocks = _blocks(d)
+        _fwd_kernel[(triton.cdiv(n, blocks["ROWS"]),)](
+            x_ND, x_ND if res_ND is None else res_ND, y_ND if sum_ND is None else sum_ND, weight,
+            y_ND, r_N, n, d, eps, HAS_RES=res_ND is not None, **blocks)
     return sum_ND, y_ND, r_N
 
 
 def _backward(g_ND, gs_ND, x_ND, weight, r_N):
     n, d = x_ND.shape
-    progs = max(1, triton.cdiv(n, _ROWS_PER_PROG))
+    blocks = _blocks(d)
+    progs = max(1, min(_MAX_PROGS, triton.cdiv(n, blocks["ROWS"])))
     dx_ND = torch.empty_like(x_ND)
     dw_PD = torch.zeros(progs, d, dtype=r_N.dtype, device=x_ND.device)
     if n:
         _bwd_kernel[(progs,)](g_ND, g_ND if gs_ND is None else gs_ND, x_ND, weight, r_N, dx_ND,
-                              dw_PD, n, d, HAS_GS=gs_ND is not None, ROWS=_ROWS_PER_PROG,
-                              BLOCK_D=triton.next_power_of_2(d))
+                              dw_PD, n, d, HAS_GS=gs_ND is not None, **blocks)
     return dx_ND, dw_PD.sum(0).to(weight.dtype)
 
 
