@@ -113,7 +113,7 @@ def cases(s: dict, device) -> dict:
     res = rnd(s["t"], s["d"], dtype=bf16)
     q = rnd(s["t"], s["heads"], s["head_dim"], dtype=bf16)
     norms = {k: RMSNorm(s["d"], 1e-6, k).to(device) for k in ("torch", "triton")}
-    out["add + RMSNorm"] = {k: (lambda n=n: list(n.add_forward(x32, res)), [x32, res])
+    out["add + RMSNorm"] = {k: (lambda n=n: list(n(x32, residual=res)), [x32, res])
                             for k, n in norms.items()}
     qk_norms = {k: RMSNorm(s["head_dim"], 1e-6, k).to(device) for k in ("torch", "triton")}
     out["RMSNorm q/k"] = {k: (lambda n=n: [n(q)], [q]) for k, n in qk_norms.items()}

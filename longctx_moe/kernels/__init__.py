@@ -70,7 +70,10 @@ def check_kernels(setting: str, device) -> None:
 
 def use_triton(setting: str, x: torch.Tensor) -> bool:
     """Whether the call on tensor `x` runs the Triton kernel under `setting`."""
-    if setting == "torch":
+    # Inside torch.compile (train.compile traces the blocks) inductor fuses the norms, residuals and
+    # router maths into Triton kernels of its own; ours serve eager mode and what compile leaves
+    # out (MoE dispatch, the loss head).
+    if setting == "torch" or torch.compiler.is_compiling():
         return False
     if setting == "auto":
         return x.is_cuda and x.dtype in _AUTO_DTYPES and _installed()

@@ -43,18 +43,20 @@ class RMSNorm(nn.Module):
         self.eps, self.kernels = eps, kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(self.kernels, x):
-            return ops().rmsnorm(x, self.weight, self.eps, autocast_dtype(x))
-        return _RMSNormFn.apply(x, self.weight, self.eps, autocast_dtype(x))
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, self(x + residual)): one fused kernel under Triton (same shapes)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, (x + residual, norm(x + residual)): one kernel under Triton."""
+        if residual is None:
+            return self._norm(x)
         if use_triton(self.kernels, x) and x.shape == residual.shape:
             dtype = _autocast_of(torch.promote_types(x.dtype, residual.dtype), x.device.type)
             return ops().add_rmsnorm(x, residual, self.weight, self.eps, dtype)
         s = x + residual
-        return s, self(s)
+        return s, self._norm(s)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(self.kernels, x):
+            return ops().rmsnorm(x, self.weight, self.eps, autocast_dtype(x))
+        return _RMSNormFn.apply(x, self.weight, self.eps, autocast_dtype(x))
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -61,7 +61,7 @@ class Block(nn.Module):
     def forward(self, x_TD: torch.Tensor, layout: DocLayout,
                 replay_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats | None]:
         # The residual add and the next norm are one kernel under model.kernels=triton.
-        x_TD, n_TD = self.ffn_norm.add_forward(x_TD, self.attn(self.attn_norm(x_TD), layout))
+        x_TD, n_TD = self.ffn_norm(x_TD, residual=self.attn(self.attn_norm(x_TD), layout))
         if self.is_moe:
             h_TD, stats = self.ffn(n_TD, layout, replay_TK)
         else:

@@ -44,10 +44,13 @@ def test_bad_value_is_refused_by_the_config_loader():
         load_config(None, ["model.kernels=trition"])
 
 
-def test_auto_is_torch_on_cpu_and_triton_runs_under_the_interpreter():
+def test_auto_is_torch_on_cpu_and_triton_runs_under_the_interpreter(monkeypatch):
     check_backends(load_config(None, ["model.kernels=triton"]), torch.device("cpu"))  # allowed
     assert not use_triton("auto", torch.zeros(1)) and not use_triton("torch", torch.zeros(1))
     assert use_triton("triton", torch.zeros(1))
+    # What torch.compile traces is left to inductor's own fused kernels.
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not use_triton("triton", torch.zeros(1))
 
 
 def _model_run(kernel_setting, batch, head):

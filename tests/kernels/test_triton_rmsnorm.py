@@ -74,7 +74,7 @@ def test_add_rmsnorm_matches_add_then_norm(res_dtype):
     res = {}
     for kernels, norm in norms.items():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=res_dtype == torch.bfloat16):
-            s, y = norm.add_forward(x, r)
+            s, y = norm(x, residual=r)
         res[kernels] = (s, y, *_grads([s, y], (x, r, norm.weight)))
     for i, (a, b) in enumerate(zip(res["triton"], res["torch"], strict=True)):
         assert a.dtype == b.dtype
@@ -91,7 +91,7 @@ def test_add_rmsnorm_bf16_sum_is_rounded_before_the_norm():
     r = torch.randn(33, 64).to(torch.bfloat16).requires_grad_()
     res = {}
     for kernels, norm in norms.items():
-        s, y = norm.add_forward(x, r)
+        s, y = norm(x, residual=r)
         res[kernels] = (s, y, *_grads([s, y], (x, r, norm.weight)))
     assert torch.equal(res["triton"][0], res["torch"][0])
     for a, b in zip(res["triton"][1:], res["torch"][1:], strict=True):
