@@ -14,7 +14,9 @@ import longctx_moe.kernels as kernels
 from longctx_moe.config import ConfigError, load_config
 from longctx_moe.kernels import check_kernels, use_triton
 from longctx_moe.model import build_model
+from longctx_moe.model.moe import LocalDispatcher
 from longctx_moe.model.transformer import LogProbHead
+from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.train import check_backends
 from tests.model.helpers import packed_batch, tiny_config
 
@@ -51,6 +53,14 @@ def test_auto_is_torch_on_cpu_and_triton_runs_under_the_interpreter(monkeypatch)
     # What torch.compile traces is left to inductor's own fused kernels.
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not use_triton("triton", torch.zeros(1))
+
+
+def test_parallelize_on_one_rank_keeps_the_triton_permute():
+    """The trainer's one-rank runtime installs a LocalDispatcher: it must keep model.kernels."""
+    model = build_model(tiny_config(kernels="triton"))
+    parallelize(model)
+    assert all(isinstance(m.dispatcher, LocalDispatcher) and m.dispatcher.kernels == "triton"
+               for m in model.moe_layers())
 
 
 def _model_run(kernel_setting, batch, head):
