@@ -15,4 +15,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 timeout 420 python bench/gpu_check.py --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}
 echo "gpu_check exit code: $rc" | tee -a "$OUT/gpu_check.log"
+# The Triton kernels compiled for real: each against its torch path (max difference, fwd+bwd time).
+timeout 90 python bench/triton_kernels.py --reps 5 --out "$OUT/triton_kernels.json" 2>&1 | tee "$OUT/triton_kernels.log"
+rc_triton=${PIPESTATUS[0]}
+echo "triton_kernels exit code: $rc_triton" | tee -a "$OUT/triton_kernels.log"
+[ "$rc" -eq 0 ] && rc=$rc_triton
 exit "$rc"

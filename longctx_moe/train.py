@@ -183,6 +183,12 @@ def check_backends(cfg: Config, device: torch.device) -> None:
         resolve_backend(cfg.model.attention_backend, device)
     except (RuntimeError, ValueError) as e:
         raise ConfigError(f"model.attention_backend={cfg.model.attention_backend!r}: {e}") from None
+    from longctx_moe.kernels import check_kernels
+
+    try:
+        check_kernels(cfg.model.kernels, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def build_runtime(cfg: Config, dims: Any, device: torch.device):
@@ -230,7 +236,7 @@ def build_loader(cfg: Config, dims: Any):
 
 # model.* keys that change kernels or numerics, not the function the weights compute: a
 # checkpoint resumes under other values. The parallel layout may change too (sharded_state.py).
-HARMLESS_MODEL_KEYS = ("attention_backend", "grouped_gemm", "expert_precision", "loss_chunk_tokens", "init_std")
+HARMLESS_MODEL_KEYS = ("attention_backend", "kernels", "grouped_gemm", "expert_precision", "loss_chunk_tokens", "init_std")
 
 
 def resume_expectations(cfg: Config) -> dict:

@@ -118,8 +118,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.kernels) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.kernels) if cfg.qk_norm else None
         self.backend = cfg.attention_backend
 
     def forward(self, x_TD: torch.Tensor, layout: DocLayout) -> torch.Tensor:

@@ -12,6 +12,7 @@ CHOICES = {
     "aux_loss_type": ("none", "switch", "seq"),
     "grouped_gemm": ("auto", "grouped_mm", "loop"),
     "expert_precision": ("auto", "autocast", "param"),
+    "kernels": ("auto", "torch", "triton"),
 }
 
 
@@ -50,6 +51,11 @@ class ModelConfig:
     # rows padded per expert on CPU, bf16 experts are ~3x faster than fp32 there; = param on a CPU
     # without it, where bf16 is 20-30x slower; see longctx_moe.model.grouped_gemm).
     expert_precision: str = "auto"
+
+    # Triton kernels (longctx_moe.kernels) for MoE permute/unpermute, router top-k, RMSNorm (+
+    # residual add) and the log-prob/entropy head: auto (on CUDA when triton is installed) | torch
+    # | triton (refused at start-up where it cannot run).
+    kernels: str = "auto"
 
     # Cross-entropy over the vocabulary in chunks of this many tokens (bounds fp32 logits memory).
     loss_chunk_tokens: int = 1024

@@ -9,16 +9,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from longctx_moe.kernels import ops, use_triton
+
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def autocast_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype matmuls on `x` run in: the autocast dtype when autocast is on for x's device
     and x is fp32, else x's own dtype. Used where we cast by hand (ops autocast does not cover)."""
-    kind = x.device.type
-    if x.dtype == torch.float32 and torch.is_autocast_enabled(kind):
+    return _autocast_of(x.dtype, x.device.type)
+
+
+def _autocast_of(dtype: torch.dtype, kind: str) -> torch.dtype:
+    if dtype == torch.float32 and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
-    return x.dtype
+    return dtype
 
 
 class RMSNorm(nn.Module):
@@ -29,14 +34,28 @@ class RMSNorm(nn.Module):
 
     The backward keeps x as it came and one fp32 scale per row (_RMSNormFn), not the fp32 copy
     and normalised tensor that autograd through the composite op keeps: at long context the
-    norms' saved tensors were a third of a layer's activations."""
+    norms' saved tensors were a third of a layer's activations.
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    `kernels` (model.kernels) may run it as one Triton kernel (longctx_moe.kernels)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, kernels: str = "torch"):
         super().__init__()
-        self.eps = eps
+        self.eps, self.kernels = eps, kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, (x + residual, norm(x + residual)): one kernel under Triton."""
+        if residual is None:
+            return self._norm(x)
+        if use_triton(self.kernels, x) and x.shape == residual.shape:
+            dtype = _autocast_of(torch.promote_types(x.dtype, residual.dtype), x.device.type)
+            return ops().add_rmsnorm(x, residual, self.weight, self.eps, dtype)
+        s = x + residual
+        return s, self._norm(s)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(self.kernels, x):
+            return ops().rmsnorm(x, self.weight, self.eps, autocast_dtype(x))
         return _RMSNormFn.apply(x, self.weight, self.eps, autocast_dtype(x))
 
 

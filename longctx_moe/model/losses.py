@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from cp_attention.kernels import accumulate_dtype
 from data_packing.batch import IGNORE_INDEX
+from longctx_moe.kernels import ops, use_triton
 from longctx_moe.model.layers import autocast_dtype
 
 # Sums a no-grad statistic (int64 counts) over the ranks that share one micro-batch's tokens.
@@ -343,11 +344,12 @@ def _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature, shard=None):
 def chunked_token_logprobs(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor,
                            chunk_tokens: int = 1024, temperature: float = 1.0,
                            entropy: bool = False, shard: VocabShard | None = None,
-                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           kernels: str = "torch") -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log p(labels_T[t]) under softmax(h_t @ W^T / temperature): logp_T [T] fp32
     (float64 for float64), 0 where labels_T == -100, differentiable; and the entropy of each
     row's distribution (entropy_T, same layout) when `entropy`. [T, V] is never materialised.
-    `shard` as in chunked_cross_entropy."""
+    `shard` as in chunked_cross_entropy; `kernels` (model.kernels) may run the softmax work of
+    each chunk in Triton (longctx_moe.kernels.triton_logprobs)."""
     if chunk_tokens < 1:
         raise ValueError(f"model.loss_chunk_tokens={chunk_tokens} must be >= 1")
     if not temperature > 0:
@@ -355,8 +357,9 @@ def chunked_token_logprobs(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: tor
     idx_N = (labels_T != IGNORE_INDEX).nonzero().squeeze(1)
     labels_N = labels_T.index_select(0, idx_N)
     cdtype = autocast_dtype(h_TD)
-    logp_N, ent_N = _LinearLogProbs.apply(h_TD, w_VD, idx_N, labels_N, chunk_tokens, cdtype,
-                                          float(temperature), entropy, shard)
+    fn = ops().linear_logprobs if use_triton(kernels, h_TD) else _LinearLogProbs.apply
+    logp_N, ent_N = fn(h_TD, w_VD, idx_N, labels_N, chunk_tokens, cdtype, float(temperature),
+                       entropy, shard)
     t = labels_T.shape[0]
     logp_T = logp_N.new_zeros(t).index_put((idx_N,), logp_N)
     ent_T = ent_N.new_zeros(t).index_put((idx_N,), ent_N) if entropy else None

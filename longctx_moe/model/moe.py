@@ -24,12 +24,15 @@ from torch import nn
 from cp_attention.hardware import native_bf16
 from cp_attention.kernels import accumulate_dtype
 from longctx_moe.compile import eager_only
+from longctx_moe.kernels import ops, use_triton
 from longctx_moe.model.attention import DocLayout
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.grouped_gemm import (
     grouped_matmul,
     grouped_weight_grad,
+    pad_layout,
     resolve_impl,
+    wants_padding,
     with_padded_groups,
 )
 from longctx_moe.model.layers import SwiGLU, autocast_dtype
@@ -58,12 +61,14 @@ class MoEStats:
 
 class Router(nn.Module):
     """Linear scores -> softmax|sigmoid -> top-k (selection may add the aux-free expert bias) ->
-    weights from the unbiased scores, optionally renormalised. Math in fp32 regardless of autocast."""
+    weights from the unbiased scores, optionally renormalised. Math in fp32 regardless of autocast.
+    Under model.kernels=triton everything after the logits GEMM is one kernel (triton_router)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k, self.score, self.renormalize = cfg.top_k, cfg.router_score, cfg.router_renormalize
         self.use_bias, self.bias_rate = cfg.expert_bias, cfg.expert_bias_update_rate
+        self.kernels = cfg.kernels
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         # Aux-loss-free balancing bias (DeepSeek-V3): selection only, updated by update_bias.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
@@ -75,9 +80,21 @@ class Router(nn.Module):
         dtype = accumulate_dtype(x_TD.dtype)
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
+        if use_triton(self.kernels, logits_TE):
+            bias_E = self.expert_bias if self.use_bias else None
+            scores_TE, topk_idx_TK, topk_weight_TK = ops().router_topk(
+                logits_TE, self.score, self.top_k, self.renormalize, bias_E)
+            if replay_TK is None:
+                return topk_idx_TK, topk_weight_TK, RouterAux(logits_TE, scores_TE)
+            # Replayed routes: the given experts' weights are gathered from the kernel's scores.
+            return self._weights(logits_TE, scores_TE, topk_idx_TK, replay_TK)
         scores_TE = logits_TE.softmax(-1) if self.score == "softmax" else logits_TE.sigmoid()
         select_TE = scores_TE + self.expert_bias.to(dtype) if self.use_bias else scores_TE
         topk_idx_TK = torch.topk(select_TE, self.top_k, dim=-1).indices
+        return self._weights(logits_TE, scores_TE, topk_idx_TK, replay_TK)
+
+    def _weights(self, logits_TE, scores_TE, topk_idx_TK, replay_TK):
+        """(idx, weights, aux) of the selected (or replayed) experts from the scores."""
         aux = RouterAux(logits_TE, scores_TE)
         if replay_TK is not None:
             topk_idx_TK = self._replay(topk_idx_TK, replay_TK.to(topk_idx_TK.device).long(), aux)
@@ -135,19 +152,22 @@ class GroupedExperts(nn.Module):
         return cdtype
 
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor,
-                borrowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                borrowed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                padded: bool = False) -> torch.Tensor:
         """`borrowed` (w_gate_up [B, ...], w_down [B, ...]): other ranks' experts lent for this
         call (parallel/expert_lending.py), run after the local ones; tokens_per_expert then has
-        E + B entries."""
+        E + B entries. `padded`: the rows are already laid out per expert as the GEMM wants them
+        (the dispatcher's Triton permute wrote them so), in the compute dtype."""
         cdtype = self.compute_dtype(x_MD)
         x_MD = x_MD.to(cdtype)
         w_gate_up, w_down = self.w_gate_up, self.w_down
         if borrowed is not None:
             w_gate_up, w_down = torch.cat([w_gate_up, borrowed[0]]), torch.cat([w_down, borrowed[1]])
         w_gate_up = w_gate_up.flatten(2)  # [E, D, 2F]: gate columns, then up
+        run = self._swiglu if padded else self._padded_swiglu
         if self.recompute and torch.is_grad_enabled():
-            return recompute_call(self._padded_swiglu, w_gate_up, w_down, x_MD, tokens_per_expert_E)
-        return self._padded_swiglu(w_gate_up, w_down, x_MD, tokens_per_expert_E)
+            return recompute_call(run, w_gate_up, w_down, x_MD, tokens_per_expert_E)
+        return run(w_gate_up, w_down, x_MD, tokens_per_expert_E)
 
     def _padded_swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         # On CPU in bf16, rows are padded per expert so the GEMM shapes repeat (see grouped_gemm).
@@ -235,9 +255,15 @@ class _Permute(torch.autograd.Function):
 
 class LocalDispatcher:
     """Single-device dispatch: stable sort of the T*K assignments by expert (argsort + bincount, no
-    one-hot), grouped GEMM, un-sort, and the weighted sum over K as one batched matmul."""
+    one-hot), grouped GEMM, un-sort, and the weighted sum over K as one batched matmul.
+    `kernels` (model.kernels) may run the permute and the un-sort + weighted sum in Triton."""
+
+    def __init__(self, kernels: str = "torch"):
+        self.kernels = kernels
 
     def __call__(self, x_TD, topk_idx_TK, topk_weight_TK, experts: GroupedExperts) -> torch.Tensor:
+        if use_triton(self.kernels, x_TD):
+            return _triton_dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts)
         t, k = topk_idx_TK.shape
         flat_M = topk_idx_TK.flatten()
         order_M = torch.argsort(flat_M, stable=True)
@@ -256,6 +282,32 @@ class LocalDispatcher:
         return None
 
 
+def permute_layout(topk_idx_TK: torch.Tensor, num_experts: int, pad: bool):
+    """(slot_TK, counts_E, P): the row of each (token, k) copy in LocalDispatcher's layout (sorted
+    by expert, ties in token order, each expert's rows padded as with_padded_groups pads them when
+    `pad`), the rows per expert the GEMM runs (padded counts when `pad`) and the total rows."""
+    flat_M = topk_idx_TK.flatten()
+    order_M = torch.argsort(flat_M, stable=True)
+    counts_E = torch.bincount(flat_M, minlength=num_experts)
+    if pad:
+        slot_M, counts_E, total = pad_layout(counts_E)
+    else:
+        slot_M, total = torch.arange(flat_M.numel(), device=flat_M.device), flat_M.numel()
+    slot_TK = torch.empty_like(order_M).index_copy_(0, order_M, slot_M).view(topk_idx_TK.shape)
+    return slot_TK, counts_E, total
+
+
+def _triton_dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts: GroupedExperts) -> torch.Tensor:
+    """LocalDispatcher's result with the permute (cast to the experts' dtype on the way) and the
+    un-permute + weighted sum over K as Triton kernels (longctx_moe.kernels.triton_permute)."""
+    cdtype = experts.compute_dtype(x_TD)
+    pad = wants_padding(x_TD.new_empty(0, dtype=cdtype))  # the rows the experts' GEMM wants
+    slot_TK, counts_E, total = permute_layout(topk_idx_TK, experts.num_local_experts, pad)
+    x_PD = ops().permute(x_TD, slot_TK, total, cdtype)
+    y_PD = experts(x_PD, counts_E, padded=True)
+    return ops().unpermute(y_PD, slot_TK, topk_weight_TK.to(y_PD.dtype))
+
+
 class MoE(nn.Module):
     """Routed experts (+ optional shared expert). forward(x_TD, layout) -> (y_TD, MoEStats)."""
 
@@ -268,7 +320,7 @@ class MoE(nn.Module):
         hs = cfg.shared_expert_hidden_size
         self.shared = SwiGLU(cfg.hidden_size, hs) if hs > 0 else None
         # Expert parallelism replaces it with a dispatcher over the EP group (parallel/dispatch.py).
-        self.dispatcher = LocalDispatcher()
+        self.dispatcher = LocalDispatcher(cfg.kernels)
 
     def forward(self, x_TD: torch.Tensor, layout: DocLayout, replay_TK: torch.Tensor | None = None):
         topk_idx_TK, topk_weight_TK, aux = self.router(x_TD, replay_TK)

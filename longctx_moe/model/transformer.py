@@ -52,19 +52,20 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.kernels)
         self.attn = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.kernels)
         self.is_moe = layer_idx >= cfg.first_k_dense
         self.ffn = MoE(cfg) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.dense_hidden_size)
 
     def forward(self, x_TD: torch.Tensor, layout: DocLayout,
                 replay_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats | None]:
-        x_TD = x_TD + self.attn(self.attn_norm(x_TD), layout)
+        # The residual add and the next norm are one kernel under model.kernels=triton.
+        x_TD, n_TD = self.ffn_norm(x_TD, residual=self.attn(self.attn_norm(x_TD), layout))
         if self.is_moe:
-            h_TD, stats = self.ffn(self.ffn_norm(x_TD), layout, replay_TK)
+            h_TD, stats = self.ffn(n_TD, layout, replay_TK)
         else:
-            h_TD, stats = self.ffn(self.ffn_norm(x_TD)), None
+            h_TD, stats = self.ffn(n_TD), None
         return x_TD + h_TD, stats
 
 
@@ -75,7 +76,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.kernels)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.recompute = "none"  # activation recompute: set_recompute (longctx_moe.model.recompute)
         # A vocab-parallel head (set by parallelize under TP): output_weight() then holds this
@@ -139,7 +140,7 @@ class Transformer(nn.Module):
         else:
             logp_T, ent_T = chunked_token_logprobs(h_TD, self.output_weight(), batch.labels,
                                                    self.cfg.loss_chunk_tokens, head.temperature,
-                                                   head.entropy, self.vocab_shard)
+                                                   head.entropy, self.vocab_shard, self.cfg.kernels)
             w_T = logp_T if batch.loss_weight is None else logp_T * batch.loss_weight
             ce_sum, n = -w_T.sum(), batch.num_target_tokens()
         zero = h_TD.new_zeros((), dtype=torch.float32)

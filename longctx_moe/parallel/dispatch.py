@@ -407,11 +407,12 @@ class AllGatherDispatcher(_EPDispatcher):
                        torch.bincount(local_A[sel], minlength=self.local_experts))
 
 
-def build_dispatcher(dims, cfg, num_experts: int):
+def build_dispatcher(dims, cfg, num_experts: int, kernels: str = "torch"):
     """The dispatcher `cfg` (ParallelConfig) asks for, over `dims`' EP group.
 
     Dropless on one rank without TP or ETP there is nothing to route across ranks: the model's own
-    LocalDispatcher (sort by expert, one batched combine) computes the same sum faster."""
+    LocalDispatcher (sort by expert, one batched combine) computes the same sum faster, with the
+    model's `kernels` (model.kernels: its permute may run in Triton)."""
     group = dims.group_or_none(Axis.EP)
     # TP peers split their shared tokens; under SP each already holds only its own.
     tp_group = None if cfg.sequence_parallel else dims.group_or_none(Axis.TP)
@@ -422,7 +423,7 @@ def build_dispatcher(dims, cfg, num_experts: int):
     if group is None and tp_group is None and etp_group is None and cfg.capacity_factor is None:
         from longctx_moe.model.moe import LocalDispatcher
 
-        return LocalDispatcher()
+        return LocalDispatcher(kernels)
     if cfg.dispatcher == "allgather":
         return AllGatherDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,
                                    tp_group, etp_group)

@@ -104,4 +104,4 @@ def apply_expert_parallel(model: nn.Module, dims, cfg: ParallelConfig) -> None:
             shard_experts(layer.experts, ep_rank, dims.ep)
         if dims.etp > 1:
             shard_expert_hidden(layer.experts, dims.rank_in(Axis.ETP), dims.etp)
-        layer.dispatcher = build_dispatcher(dims, cfg, num_experts)
+        layer.dispatcher = build_dispatcher(dims, cfg, num_experts, layer.cfg.kernels)

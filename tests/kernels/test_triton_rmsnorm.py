@@ -1,0 +1,114 @@
+"""Triton RMSNorm and residual add + RMSNorm against layers.RMSNorm's torch path.
+
+Tolerances: both normalise in fp32 from the same inputs; the mean of squares is a sum of D terms
+in another order, and rsqrt is 1/sqrt under the interpreter, so the scale per row may differ by
+an ulp or two: 1e-6 relative on outputs and on dx. dw sums N <= 50 products of O(1) over the
+rows in another order (per-program partial sums), whose rounding errors add up to N ulps of the
+largest partial sum (~4e-6 measured where terms cancel): 5e-6 absolute. bf16 outputs are those fp32
+values rounded to bf16 (both round to nearest even), so they may differ by one bf16 step where
+the fp32 values straddle a rounding boundary: 1e-2 relative."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longctx_moe.model.layers import RMSNorm
+
+pytestmark = pytest.mark.triton
+
+FP32 = dict(rtol=1e-6, atol=1e-6)
+DW32 = dict(rtol=1e-6, atol=5e-6)
+BF16 = dict(rtol=1e-2, atol=1e-2)
+
+
+def _norms(d: int, dtype=torch.float32):
+    out = {}
+    for kernels in ("torch", "triton"):
+        norm = RMSNorm(d, 1e-6, kernels).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.linspace(0.5, 1.5, d))
+        out[kernels] = norm
+    return out
+
+
+def _grads(outputs, inputs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o.float() * torch.randn(o.shape, generator=g)).sum() for o in outputs)
+    return torch.autograd.grad(loss, inputs)
+
+
+@pytest.mark.parametrize("shape", [(37, 100), (5, 3, 32)])
+def test_rmsnorm_matches_torch_fp32(shape):
+    """D=100 (not a power of two: masked lanes) and a [T, H, R] input as the q/k norms see."""
+    norms = _norms(shape[-1])
+    x = torch.randn(shape, requires_grad=True)
+    res = {}
+    for kernels, norm in norms.items():
+        y = norm(x)
+        res[kernels] = (y, *_grads([y], (x, norm.weight)))
+    for i, (a, b) in enumerate(zip(res["triton"], res["torch"], strict=True)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, **(DW32 if i == 2 else FP32))
+
+
+def test_rmsnorm_bf16_autocast_output_within_bound():
+    norms = _norms(64)
+    x = torch.randn(50, 64, requires_grad=True)
+    res = {}
+    for kernels, norm in norms.items():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = norm(x)  # fp32 input under autocast: the output is the matmuls' bf16
+        res[kernels] = (y, *_grads([y], (x, norm.weight)))
+    assert res["triton"][0].dtype == torch.bfloat16
+    for a, b in zip(res["triton"], res["torch"], strict=True):
+        torch.testing.assert_close(a, b, **BF16)
+
+
+@pytest.mark.parametrize("res_dtype", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm_matches_add_then_norm(res_dtype):
+    """x fp32 (the residual stream) + a branch output in fp32 or bf16 (under autocast)."""
+    norms = _norms(96)
+    x = torch.randn(41, 96, requires_grad=True)
+    r = torch.randn(41, 96).to(res_dtype).requires_grad_()
+    res = {}
+    for kernels, norm in norms.items():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=res_dtype == torch.bfloat16):
+            s, y = norm(x, residual=r)
+        res[kernels] = (s, y, *_grads([s, y], (x, r, norm.weight)))
+    for i, (a, b) in enumerate(zip(res["triton"], res["torch"], strict=True)):
+        assert a.dtype == b.dtype
+        tol = (DW32 if i == 4 else FP32) if res_dtype == torch.float32 else BF16
+        torch.testing.assert_close(a, b, **tol)
+    # The sum itself is one fp32 add in both paths.
+    assert torch.equal(res["triton"][0], res["torch"][0])
+
+
+def test_add_rmsnorm_bf16_sum_is_rounded_before_the_norm():
+    """bf16 + bf16: torch rounds the sum to bf16 and normalises the rounded sum."""
+    norms = _norms(64, torch.bfloat16)
+    x = torch.randn(33, 64).to(torch.bfloat16).requires_grad_()
+    r = torch.randn(33, 64).to(torch.bfloat16).requires_grad_()
+    res = {}
+    for kernels, norm in norms.items():
+        s, y = norm(x, residual=r)
+        res[kernels] = (s, y, *_grads([s, y], (x, r, norm.weight)))
+    assert torch.equal(res["triton"][0], res["torch"][0])
+    for a, b in zip(res["triton"][1:], res["torch"][1:], strict=True):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b, **BF16)
+
+
+def test_rmsnorm_backward_with_several_tiles_per_program(monkeypatch):
+    """Long inputs have more row tiles than backward programs: each program loops over tiles."""
+    from longctx_moe.kernels import triton_rmsnorm
+
+    monkeypatch.setattr(triton_rmsnorm, "_MAX_PROGS", 2)
+    norms = _norms(1024)  # 4 rows per tile: 23 rows are 6 tiles, 3 per program
+    x = torch.randn(23, 1024, requires_grad=True)
+    res = {}
+    for kernels, norm in norms.items():
+        y = norm(x)
+        res[kernels] = (y, *_grads([y], (x, norm.weight)))
+    for i, (a, b) in enumerate(zip(res["triton"], res["torch"], strict=True)):
+        torch.testing.assert_close(a, b, **(DW32 if i == 2 else FP32))
