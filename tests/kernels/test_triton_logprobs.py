@@ -86,6 +86,7 @@ def _sharded(rank, world_size, kernels):
     return [t.detach() for t in out]
 
 
+@pytest.mark.slow  # two gloo ranks
 def test_vocab_sharded_logprobs_match_whole_vocab():
     """Two ranks holding half the vocabulary each merge their statistics to the whole-vocab
     result of the torch path on one process (same tolerances as fp32 above)."""

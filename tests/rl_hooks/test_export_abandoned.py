@@ -48,6 +48,7 @@ def _leave_then_go_on(rank, world, how):
     return error, released, _names(full), [t for b in full for _, t in b], logp
 
 
+@pytest.mark.slow  # two gloo ranks
 @pytest.mark.parametrize("how", ["close", "drop"])
 def test_a_rank_leaving_the_export_stops_its_peer_and_both_go_on(how):
     ref = PolicyTrainer(config(*HF_SETS))
