@@ -69,24 +69,25 @@ def test_unknown_mode_is_refused_in_one_line():
         _model("some")
 
 
+def _first_forward_of_the_process(rank, world):
+    from longctx_moe.model.grouped_gemm import grouped_mm_works
+
+    # The launcher's ranks fork from a server that only imported modules: nothing probed yet.
+    assert grouped_mm_works.cache_info().currsize == 0
+    torch.manual_seed(0)
+    m = build_model(tiny_config(hidden_size=64, head_dim=16, expert_hidden_size=64))
+    m.set_recompute("selective")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(packed_batch([200], 64))
+    out.ce_sum.backward()
+    return grouped_mm_works.cache_info().currsize  # the probe ran inside this forward
+
+
 @pytest.mark.slow
 def test_selective_recompute_in_bf16_autocast_from_a_fresh_process():
     """The first forward of a process probes torch._grouped_mm (forward and backward) inside the
     experts' recompute region; the probe's saved tensors must stay out of that region, or the
     recomputation (which has the cached answer) saves fewer tensors and the backward fails."""
-    import subprocess
-    import sys
+    from tests.launcher import run_distributed
 
-    code = ("import torch\n"
-            "from longctx_moe.model import build_model\n"
-            "from tests.model.helpers import packed_batch, tiny_config\n"
-            "torch.manual_seed(0)\n"
-            "m = build_model(tiny_config(hidden_size=64, head_dim=16, expert_hidden_size=64))\n"
-            "m.set_recompute('selective')\n"
-            "with torch.autocast('cpu', dtype=torch.bfloat16):\n"
-            "    out = m(packed_batch([200], 64))\n"
-            "out.ce_sum.backward()\n"
-            "print('ok')\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+    assert run_distributed(_first_forward_of_the_process, 1, timeout=300) == [1]
