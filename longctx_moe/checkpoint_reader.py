@@ -2,25 +2,30 @@
 
 `CheckpointReader(step_dir, expect)` checks meta.json (format, the expected model config), then
 serves any slice of any tensor: `read(key, global_shape, offsets, shape)` copies the overlapping
-parts of the pieces that meta.json's index lists, from whichever rank files hold them. Each file's
-size and sha256 are checked against meta.json before its first read; a damaged, truncated or
-missing file is a one-line CheckpointError naming it and the older step to resume from.
+parts of the pieces that meta.json's index lists, from whichever rank files hold them. Each file is
+read once, whole, into memory, its sha256 computed on a second thread while the next block is read
+(both release the GIL), and checked with its size against meta.json before any tensor of it is
+used; `prefetch` reads several files at once. A damaged, truncated or missing file is a one-line
+CheckpointError naming it and the older step to resume from.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from longctx_moe.checkpoint import (
+    _ST_DTYPES,
     FORMAT_VERSION,
     CheckpointError,
     _complete_steps,
     _meta_or_none,
-    _sha256,
     _step_number,
     rank_file_name,
 )
@@ -75,19 +80,33 @@ class CheckpointReader:
                                   "model: use the matching model config or set checkpoint.resume=none")
         return self._index[key]
 
-    def file(self, name: str):
-        """The safetensors handle of rank file `name`, verified on first use."""
+    def file(self, name: str) -> RankFile:
+        """Rank file `name`, read and verified on first use."""
         if name not in self._open:
-            from safetensors import safe_open
-
             path = self.step_dir / name
-            _verify_file(path, (self.meta.get("files") or {}).get(name))
+            data = _read_verified(path, (self.meta.get("files") or {}).get(name))
             try:
-                self._open[name] = safe_open(str(path), framework="pt")
-            except Exception as e:  # noqa: BLE001 - a damaged header fails any way (SafetensorError, OSError, ...)
+                self._open[name] = RankFile(data)
+            except (ValueError, KeyError, TypeError, RuntimeError, struct.error) as e:  # a header no checksum vouched for
                 raise CheckpointError(f"checkpoint file '{path}' cannot be read as safetensors ({type(e).__name__}): it is "
                                       f"corrupt; {_older_step_hint(path.parent)}") from None
         return self._open[name]
+
+    def prefetch(self, names: list[str], workers: int = 4) -> None:
+        """Read and verify rank files `names` at once (reads and hashes release the GIL)."""
+        todo = [n for n in dict.fromkeys(names) if n not in self._open]
+        with ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
+            for name, handle in zip(todo, pool.map(self.file, todo), strict=True):
+                self._open[name] = handle
+
+    def files_of(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[str]:
+        """The rank files holding a part of the slice [offsets, offsets + shape) of `key`."""
+        out = []
+        for piece in self._index.get(key, {}).get("pieces", []):
+            if all(max(a, b) < min(a + n, b + m)
+                   for a, n, b, m in zip(offsets, shape, piece["offsets"], piece["shape"], strict=True)):
+                out.append(piece["file"])
+        return out
 
     def read(self, key: str, global_shape: tuple[int, ...], offsets: tuple[int, ...],
              shape: tuple[int, ...], copy: bool = True) -> torch.Tensor:
@@ -103,8 +122,8 @@ class CheckpointReader:
                                   "checkpoint.resume=none")
         for piece in entry["pieces"]:  # the slice is one stored piece (same layout): one copy
             if list(piece["offsets"]) == list(offsets) and list(piece["shape"]) == list(shape):
-                # safetensors maps the file copy-on-write and every read of a key shares those
-                # pages: a copy keeps what the caller changes (AdamW state) out of later reads.
+                # A view of the file's bytes, which every read of the key shares: a copy keeps
+                # what the caller changes (AdamW state) out of later reads.
                 data = self.file(piece["file"]).get_tensor(key)
                 return data.clone() if copy else data
         out = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
@@ -142,18 +161,65 @@ class CheckpointReader:
                                   f"{_older_step_hint(self.step_dir)}") from None
 
 
-def _verify_file(path: Path, entry: dict[str, Any] | None) -> None:
+_READ_BLOCK = 32 << 20  # bytes per read: hashed on one thread while the next is read on another
+
+
+def _read_verified(path: Path, entry: dict[str, Any] | None) -> torch.Tensor:
+    """uint8 [size]: the file's bytes, read once; its size and sha256 checked against `entry`."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint file '{path}' is missing; {_older_step_hint(path.parent)}")
-    if entry is None:
-        return  # no checksum recorded (meta.json edited by hand): the reader's own errors apply
     size = path.stat().st_size
-    if size != entry["bytes"]:
+    if entry is not None and size != entry["bytes"]:
         raise CheckpointError(f"checkpoint file '{path}' has {size} bytes but meta.json records {entry['bytes']} "
                               f"(truncated or overwritten); {_older_step_hint(path.parent)}")
-    if _sha256(path) != entry["sha256"]:
+    data = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(data.numpy())
+    digest, pos = hashlib.sha256(), 0
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as hasher:  # one worker: in order
+        while pos < size:
+            n = f.readinto(view[pos:pos + _READ_BLOCK])
+            if not n:
+                break
+            hasher.submit(digest.update, view[pos:pos + n])
+            pos += n
+    if pos != size:
+        raise CheckpointError(f"checkpoint file '{path}' ended after {pos} of its {size} bytes (changed while read); "
+                              f"{_older_step_hint(path.parent)}")
+    # No checksum recorded (meta.json edited by hand): the parser's own errors apply.
+    if entry is not None and digest.hexdigest() != entry["sha256"]:
         raise CheckpointError(f"checkpoint file '{path}' fails its sha256 check (its bytes changed after the save); "
                               f"{_older_step_hint(path.parent)}")
+    return data
+
+
+_TORCH_DTYPES = {name: dtype for dtype, name in _ST_DTYPES.items()}
+
+
+class RankFile:
+    """A safetensors file held in memory (uint8 `data`): tensors are views of its bytes."""
+
+    def __init__(self, data: torch.Tensor):
+        (n,) = struct.unpack("<Q", data[:8].numpy().tobytes())
+        if n > data.numel() - 8:
+            raise ValueError(f"header of {n} bytes in a file of {data.numel()}")
+        header = json.loads(data[8:8 + n].numpy().tobytes())
+        self._metadata = header.pop("__metadata__", None) or {}
+        self._data, self._start, self._header = data, 8 + n, header
+
+    def metadata(self) -> dict[str, str]:
+        return self._metadata
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        entry = self._header[key]
+        begin, end = entry["data_offsets"]
+        raw = self._data[self._start + begin:self._start + end]
+        dtype = _TORCH_DTYPES[entry["dtype"]]
+        if (self._start + begin) % dtype.itemsize:  # after an odd-sized tensor: realign by a copy
+            raw = raw.clone()
+        return raw.view(dtype).reshape(entry["shape"])
+
+    def get_slice(self, key: str) -> torch.Tensor:
+        return self.get_tensor(key)  # indexing a view copies nothing
 
 
 def _check_expected(step_dir: Path, meta: dict, expect: dict) -> None:

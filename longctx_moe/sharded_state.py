@@ -105,6 +105,7 @@ def load_trainer_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     if extra:
         raise CheckpointError(f"checkpoint '{reader.step_dir}' has an unexpected tensor '{extra[0][6:]}'; it was "
                               "written for a different model: use the matching model config or set checkpoint.resume=none")
+    reader.prefetch([f for name, t in own.items() for f in reader.files_of(f"model.{name}", slices[name][1], tuple(t.shape))])
     # load_state_dict copies into the parameters: the reads need no copy of their own.
     state = {name: reader.read(f"model.{name}", *slices[name], tuple(t.shape), copy=False) for name, t in own.items()}
     model.load_state_dict(state)
