@@ -3,9 +3,9 @@
 `CheckpointReader(step_dir, expect)` checks meta.json (format, the expected model config), then
 serves any slice of any tensor: `read(key, global_shape, offsets, shape)` copies the overlapping
 parts of the pieces that meta.json's index lists, from whichever rank files hold them. Each file is
-read once, whole, into memory, its sha256 computed on a second thread while the next block is read
-(both release the GIL), and checked with its size against meta.json before any tensor of it is
-used; `prefetch` reads several files at once. A damaged, truncated or missing file is a one-line
+read once, each tensor straight into memory of its own, its sha256 computed on a second thread while
+the next block is read (both release the GIL), and checked with its size against meta.json before
+any tensor of it is used; `prefetch` reads several files at once. A damaged, truncated or missing file is a one-line
 CheckpointError naming it and the older step to resume from.
 """
 
@@ -84,10 +84,11 @@ class CheckpointReader:
         """Rank file `name`, read and verified on first use."""
         if name not in self._open:
             path = self.step_dir / name
-            data = _read_verified(path, (self.meta.get("files") or {}).get(name))
             try:
-                self._open[name] = RankFile(data)
-            except (ValueError, KeyError, TypeError, RuntimeError, struct.error) as e:  # a header no checksum vouched for
+                self._open[name] = _read_verified(path, (self.meta.get("files") or {}).get(name))
+            except CheckpointError:
+                raise
+            except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:  # a header no checksum vouched for
                 raise CheckpointError(f"checkpoint file '{path}' cannot be read as safetensors ({type(e).__name__}): it is "
                                       f"corrupt; {_older_step_hint(path.parent)}") from None
         return self._open[name]
@@ -112,8 +113,8 @@ class CheckpointReader:
              shape: tuple[int, ...], copy: bool = True) -> torch.Tensor:
         """The slice [offsets, offsets + shape) of tensor `key` (whose global shape must be
         `global_shape`), assembled from the pieces that overlap it, in the stored dtype.
-        `copy=False`: where the slice is one stored piece, return the file's copy-on-write
-        mapping of it, shared with any later read of the key (for a caller that copies it)."""
+        `copy=False`: where the slice is one stored piece, return the reader's own tensor of it,
+        shared with any later read of the key (for a caller that reads each key once)."""
         entry = self._entry(key)
         if tuple(entry["global_shape"]) != tuple(global_shape):
             name = key.split(".", 1)[1] if key.startswith("model.") else key
@@ -122,8 +123,8 @@ class CheckpointReader:
                                   "checkpoint.resume=none")
         for piece in entry["pieces"]:  # the slice is one stored piece (same layout): one copy
             if list(piece["offsets"]) == list(offsets) and list(piece["shape"]) == list(shape):
-                # A view of the file's bytes, which every read of the key shares: a copy keeps
-                # what the caller changes (AdamW state) out of later reads.
+                # The reader's tensor, which every read of the key shares: a copy keeps what
+                # the caller changes out of later reads.
                 data = self.file(piece["file"]).get_tensor(key)
                 return data.clone() if copy else data
         out = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
@@ -162,64 +163,103 @@ class CheckpointReader:
 
 
 _READ_BLOCK = 32 << 20  # bytes per read: hashed on one thread while the next is read on another
+_TORCH_DTYPES = {name: dtype for dtype, name in _ST_DTYPES.items()}
 
 
-def _read_verified(path: Path, entry: dict[str, Any] | None) -> torch.Tensor:
-    """uint8 [size]: the file's bytes, read once; its size and sha256 checked against `entry`."""
+class RankFile:
+    """A safetensors file read into memory: one tensor of its own per key (what the optimizer
+    keeps needs no copy, and nothing holds the rest of the file alive)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str]):
+        self._tensors, self._metadata = tensors, metadata
+
+    def metadata(self) -> dict[str, str]:
+        return self._metadata
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self._tensors[key]
+
+    def get_slice(self, key: str) -> torch.Tensor:
+        return self._tensors[key]  # indexing it copies nothing
+
+
+class _HashedReader:
+    """Reads a file front to back into given buffers; a second thread hashes each block (in
+    order) while the next one is read: both release the GIL, so the checksum costs no pass."""
+
+    def __init__(self, f, hasher: ThreadPoolExecutor):
+        self.f, self.hasher, self.digest, self.pos = f, hasher, hashlib.sha256(), 0
+
+    def into(self, view: memoryview) -> int:
+        done = 0
+        while done < len(view):
+            n = self.f.readinto(view[done:done + _READ_BLOCK])
+            if not n:
+                break
+            self.hasher.submit(self.digest.update, view[done:done + n])
+            done += n
+        self.pos += done
+        return done
+
+    def bytes(self, n: int) -> bytes:
+        buf = bytearray(n)
+        return bytes(buf[:self.into(memoryview(buf))])
+
+
+def _parse_header(raw: bytes, size: int) -> tuple[int, int]:
+    """(header length, bytes before the tensor data) of a safetensors file; ValueError if malformed."""
+    if len(raw) < 8:
+        raise ValueError(f"{size} bytes, shorter than a header")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n > size - 8:
+        raise ValueError(f"a header of {n} bytes in a file of {size}")
+    return n, 8 + n
+
+
+def _read_tensors(r: _HashedReader, header: dict[str, Any], size: int) -> dict[str, torch.Tensor]:
+    """Every tensor of `header`, in file order, each read straight into its own memory."""
+    out = {}
+    base = r.pos
+    for key, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        begin, end = e["data_offsets"]
+        if begin != r.pos - base:
+            r.bytes(begin - (r.pos - base))  # a gap (none in our files): hashed, not kept
+        t = torch.empty(e["shape"], dtype=_TORCH_DTYPES[e["dtype"]])
+        if t.numel() * t.element_size() != end - begin:
+            raise ValueError(f"tensor '{key}' of shape {e['shape']} does not fill its {end - begin} bytes")
+        if t.numel():
+            r.into(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        out[key] = t
+    return out
+
+
+def _read_verified(path: Path, entry: dict[str, Any] | None) -> RankFile:
+    """The rank file at `path`, read once, its size and sha256 checked against `entry` (None: no
+    checksum recorded, meta.json edited by hand; the parser's own errors apply)."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint file '{path}' is missing; {_older_step_hint(path.parent)}")
     size = path.stat().st_size
     if entry is not None and size != entry["bytes"]:
         raise CheckpointError(f"checkpoint file '{path}' has {size} bytes but meta.json records {entry['bytes']} "
                               f"(truncated or overwritten); {_older_step_hint(path.parent)}")
-    data = torch.empty(size, dtype=torch.uint8)
-    view = memoryview(data.numpy())
-    digest, pos = hashlib.sha256(), 0
+    parsed, error = None, None
     with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as hasher:  # one worker: in order
-        while pos < size:
-            n = f.readinto(view[pos:pos + _READ_BLOCK])
-            if not n:
-                break
-            hasher.submit(digest.update, view[pos:pos + n])
-            pos += n
-    if pos != size:
-        raise CheckpointError(f"checkpoint file '{path}' ended after {pos} of its {size} bytes (changed while read); "
-                              f"{_older_step_hint(path.parent)}")
-    # No checksum recorded (meta.json edited by hand): the parser's own errors apply.
-    if entry is not None and digest.hexdigest() != entry["sha256"]:
+        r = _HashedReader(f, hasher)
+        try:
+            head = r.bytes(8)
+            n, _ = _parse_header(head, size)
+            header = json.loads(r.bytes(n))
+            metadata = header.pop("__metadata__", None) or {}
+            parsed = RankFile(_read_tensors(r, header, size), metadata)
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+            error = e  # a checksum mismatch explains it better, if there is one: hash the rest
+        r.bytes(size - r.pos)
+    if entry is not None and r.digest.hexdigest() != entry["sha256"]:
         raise CheckpointError(f"checkpoint file '{path}' fails its sha256 check (its bytes changed after the save); "
                               f"{_older_step_hint(path.parent)}")
-    return data
-
-
-_TORCH_DTYPES = {name: dtype for dtype, name in _ST_DTYPES.items()}
-
-
-class RankFile:
-    """A safetensors file held in memory (uint8 `data`): tensors are views of its bytes."""
-
-    def __init__(self, data: torch.Tensor):
-        (n,) = struct.unpack("<Q", data[:8].numpy().tobytes())
-        if n > data.numel() - 8:
-            raise ValueError(f"header of {n} bytes in a file of {data.numel()}")
-        header = json.loads(data[8:8 + n].numpy().tobytes())
-        self._metadata = header.pop("__metadata__", None) or {}
-        self._data, self._start, self._header = data, 8 + n, header
-
-    def metadata(self) -> dict[str, str]:
-        return self._metadata
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        entry = self._header[key]
-        begin, end = entry["data_offsets"]
-        raw = self._data[self._start + begin:self._start + end]
-        dtype = _TORCH_DTYPES[entry["dtype"]]
-        if (self._start + begin) % dtype.itemsize:  # after an odd-sized tensor: realign by a copy
-            raw = raw.clone()
-        return raw.view(dtype).reshape(entry["shape"])
-
-    def get_slice(self, key: str) -> torch.Tensor:
-        return self.get_tensor(key)  # indexing a view copies nothing
+    if error is not None:
+        raise error
+    return parsed
 
 
 def _check_expected(step_dir: Path, meta: dict, expect: dict) -> None:

@@ -127,7 +127,8 @@ def _optimizer_state(model, optimizer, slices: dict[str, Slice], reader: Checkpo
         for field in fields.get(name, []):
             key = f"optim.{field}.{name}"
             if reader.global_shape(key):  # exp_avg, exp_avg_sq: sliced like the tensor
-                entry[field] = reader.read(key, *where, tuple(tensor.shape))
+                # The reader's own tensor (read once per key): the optimizer keeps it, no copy.
+                entry[field] = reader.read(key, *where, tuple(tensor.shape), copy=False)
             else:  # step: a scalar
                 entry[field] = reader.read(key, (), (), ())
         if entry:
