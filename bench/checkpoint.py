@@ -133,8 +133,12 @@ def bench_size(name: str, reps: int, work: Path) -> dict:
         shutil.rmtree(root)
         (work / f"{name}.pt").unlink()
     result = {"size": name, "params": params, **sizes, **{k: statistics.median(v) for k, v in times.items()}}
+    result["spread"] = {k: [min(v), max(v)] for k, v in times.items()}  # over the rounds
     result["save_ratio"] = result["torch_save"] / result["ours_save"]
     result["load_ratio"] = result["torch_load"] / result["ours_load"]
+    # The target's form: ours / the peer, per round (same load on both), median.
+    result["load_over_torch_load"] = statistics.median(a / b for a, b in zip(times["ours_load"], times["torch_load"],
+                                                                             strict=True))
     return result
 
 
@@ -147,6 +151,11 @@ def print_table(rows: list[dict]) -> None:
               f"{r['ours_save']:>7.3f} {r['torch_save']:>7.3f} {r['save_ratio']:>6.2f} {r['async_blocked']:>9.3f} "
               f"{r['async_total']:>9.3f} {r['ours_load']:>7.3f} {r['torch_load']:>7.3f} {r['load_ratio']:>6.2f}")
     print("ratio = torch / ours (> 1: ours is faster); async blk = seconds training waits, async all = until published")
+    for r in rows:
+        lo, hi = r["spread"]["ours_load"]
+        tlo, thi = r["spread"]["torch_load"]
+        print(f"{r['size']}: load_over_torch_load {r['load_over_torch_load']:.2f} (median of rounds); load ours "
+              f"{lo:.3f}-{hi:.3f} s, torch {tlo:.3f}-{thi:.3f} s (min-max over the rounds)")
 
 
 def main(argv: list[str] | None = None) -> int:

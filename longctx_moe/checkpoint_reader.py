@@ -2,25 +2,30 @@
 
 `CheckpointReader(step_dir, expect)` checks meta.json (format, the expected model config), then
 serves any slice of any tensor: `read(key, global_shape, offsets, shape)` copies the overlapping
-parts of the pieces that meta.json's index lists, from whichever rank files hold them. Each file's
-size and sha256 are checked against meta.json before its first read; a damaged, truncated or
-missing file is a one-line CheckpointError naming it and the older step to resume from.
+parts of the pieces that meta.json's index lists, from whichever rank files hold them. Each file is
+read once, each tensor straight into memory of its own, its sha256 computed on a second thread while
+the next block is read (both release the GIL), and checked with its size against meta.json before
+any tensor of it is used; `prefetch` reads several files at once. A damaged, truncated or missing file is a one-line
+CheckpointError naming it and the older step to resume from.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from longctx_moe.checkpoint import (
+    _ST_DTYPES,
     FORMAT_VERSION,
     CheckpointError,
     _complete_steps,
     _meta_or_none,
-    _sha256,
     _step_number,
     rank_file_name,
 )
@@ -75,26 +80,41 @@ class CheckpointReader:
                                   "model: use the matching model config or set checkpoint.resume=none")
         return self._index[key]
 
-    def file(self, name: str):
-        """The safetensors handle of rank file `name`, verified on first use."""
+    def file(self, name: str) -> RankFile:
+        """Rank file `name`, read and verified on first use."""
         if name not in self._open:
-            from safetensors import safe_open
-
             path = self.step_dir / name
-            _verify_file(path, (self.meta.get("files") or {}).get(name))
             try:
-                self._open[name] = safe_open(str(path), framework="pt")
-            except Exception as e:  # noqa: BLE001 - a damaged header fails any way (SafetensorError, OSError, ...)
+                self._open[name] = _read_verified(path, (self.meta.get("files") or {}).get(name))
+            except CheckpointError:
+                raise
+            except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:  # a header no checksum vouched for
                 raise CheckpointError(f"checkpoint file '{path}' cannot be read as safetensors ({type(e).__name__}): it is "
                                       f"corrupt; {_older_step_hint(path.parent)}") from None
         return self._open[name]
+
+    def prefetch(self, names: list[str], workers: int = 4) -> None:
+        """Read and verify rank files `names` at once (reads and hashes release the GIL)."""
+        todo = [n for n in dict.fromkeys(names) if n not in self._open]
+        with ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
+            for name, handle in zip(todo, pool.map(self.file, todo), strict=True):
+                self._open[name] = handle
+
+    def files_of(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[str]:
+        """The rank files holding a part of the slice [offsets, offsets + shape) of `key`."""
+        out = []
+        for piece in self._index.get(key, {}).get("pieces", []):
+            if all(max(a, b) < min(a + n, b + m)
+                   for a, n, b, m in zip(offsets, shape, piece["offsets"], piece["shape"], strict=True)):
+                out.append(piece["file"])
+        return out
 
     def read(self, key: str, global_shape: tuple[int, ...], offsets: tuple[int, ...],
              shape: tuple[int, ...], copy: bool = True) -> torch.Tensor:
         """The slice [offsets, offsets + shape) of tensor `key` (whose global shape must be
         `global_shape`), assembled from the pieces that overlap it, in the stored dtype.
-        `copy=False`: where the slice is one stored piece, return the file's copy-on-write
-        mapping of it, shared with any later read of the key (for a caller that copies it)."""
+        `copy=False`: where the slice is one stored piece, return the reader's own tensor of it,
+        shared with any later read of the key (for a caller that reads each key once)."""
         entry = self._entry(key)
         if tuple(entry["global_shape"]) != tuple(global_shape):
             name = key.split(".", 1)[1] if key.startswith("model.") else key
@@ -103,8 +123,8 @@ class CheckpointReader:
                                   "checkpoint.resume=none")
         for piece in entry["pieces"]:  # the slice is one stored piece (same layout): one copy
             if list(piece["offsets"]) == list(offsets) and list(piece["shape"]) == list(shape):
-                # safetensors maps the file copy-on-write and every read of a key shares those
-                # pages: a copy keeps what the caller changes (AdamW state) out of later reads.
+                # The reader's tensor, which every read of the key shares: a copy keeps what
+                # the caller changes out of later reads.
                 data = self.file(piece["file"]).get_tensor(key)
                 return data.clone() if copy else data
         out = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
@@ -142,18 +162,104 @@ class CheckpointReader:
                                   f"{_older_step_hint(self.step_dir)}") from None
 
 
-def _verify_file(path: Path, entry: dict[str, Any] | None) -> None:
+_READ_BLOCK = 32 << 20  # bytes per read: hashed on one thread while the next is read on another
+_TORCH_DTYPES = {name: dtype for dtype, name in _ST_DTYPES.items()}
+
+
+class RankFile:
+    """A safetensors file read into memory: one tensor of its own per key (what the optimizer
+    keeps needs no copy, and nothing holds the rest of the file alive)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str]):
+        self._tensors, self._metadata = tensors, metadata
+
+    def metadata(self) -> dict[str, str]:
+        return self._metadata
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self._tensors[key]
+
+    def get_slice(self, key: str) -> torch.Tensor:
+        return self._tensors[key]  # indexing it copies nothing
+
+
+class _HashedReader:
+    """Reads a file front to back into given buffers; a second thread hashes each block (in
+    order) while the next one is read: both release the GIL, so the checksum costs no pass."""
+
+    def __init__(self, f, hasher: ThreadPoolExecutor):
+        self.f, self.hasher, self.digest, self.pos = f, hasher, hashlib.sha256(), 0
+
+    def into(self, view: memoryview) -> int:
+        done = 0
+        while done < len(view):
+            n = self.f.readinto(view[done:done + _READ_BLOCK])
+            if not n:
+                break
+            self.hasher.submit(self.digest.update, view[done:done + n])
+            done += n
+        self.pos += done
+        return done
+
+    def bytes(self, n: int) -> bytes:
+        buf = bytearray(n)
+        return bytes(buf[:self.into(memoryview(buf))])
+
+
+def _parse_header(raw: bytes, size: int) -> tuple[int, int]:
+    """(header length, bytes before the tensor data) of a safetensors file; ValueError if malformed."""
+    if len(raw) < 8:
+        raise ValueError(f"{size} bytes, shorter than a header")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n > size - 8:
+        raise ValueError(f"a header of {n} bytes in a file of {size}")
+    return n, 8 + n
+
+
+def _read_tensors(r: _HashedReader, header: dict[str, Any], size: int) -> dict[str, torch.Tensor]:
+    """Every tensor of `header`, in file order, each read straight into its own memory."""
+    out = {}
+    base = r.pos
+    for key, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        begin, end = e["data_offsets"]
+        if begin != r.pos - base:
+            r.bytes(begin - (r.pos - base))  # a gap (none in our files): hashed, not kept
+        t = torch.empty(e["shape"], dtype=_TORCH_DTYPES[e["dtype"]])
+        if t.numel() * t.element_size() != end - begin:
+            raise ValueError(f"tensor '{key}' of shape {e['shape']} does not fill its {end - begin} bytes")
+        if t.numel():
+            r.into(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        out[key] = t
+    return out
+
+
+def _read_verified(path: Path, entry: dict[str, Any] | None) -> RankFile:
+    """The rank file at `path`, read once, its size and sha256 checked against `entry` (None: no
+    checksum recorded, meta.json edited by hand; the parser's own errors apply)."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint file '{path}' is missing; {_older_step_hint(path.parent)}")
-    if entry is None:
-        return  # no checksum recorded (meta.json edited by hand): the reader's own errors apply
     size = path.stat().st_size
-    if size != entry["bytes"]:
+    if entry is not None and size != entry["bytes"]:
         raise CheckpointError(f"checkpoint file '{path}' has {size} bytes but meta.json records {entry['bytes']} "
                               f"(truncated or overwritten); {_older_step_hint(path.parent)}")
-    if _sha256(path) != entry["sha256"]:
+    parsed, error = None, None
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as hasher:  # one worker: in order
+        r = _HashedReader(f, hasher)
+        try:
+            head = r.bytes(8)
+            n, _ = _parse_header(head, size)
+            header = json.loads(r.bytes(n))
+            metadata = header.pop("__metadata__", None) or {}
+            parsed = RankFile(_read_tensors(r, header, size), metadata)
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+            error = e  # a checksum mismatch explains it better, if there is one: hash the rest
+        r.bytes(size - r.pos)
+    if entry is not None and r.digest.hexdigest() != entry["sha256"]:
         raise CheckpointError(f"checkpoint file '{path}' fails its sha256 check (its bytes changed after the save); "
                               f"{_older_step_hint(path.parent)}")
+    if error is not None:
+        raise error
+    return parsed
 
 
 def _check_expected(step_dir: Path, meta: dict, expect: dict) -> None:

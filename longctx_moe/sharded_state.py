@@ -105,6 +105,7 @@ def load_trainer_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     if extra:
         raise CheckpointError(f"checkpoint '{reader.step_dir}' has an unexpected tensor '{extra[0][6:]}'; it was "
                               "written for a different model: use the matching model config or set checkpoint.resume=none")
+    reader.prefetch([f for name, t in own.items() for f in reader.files_of(f"model.{name}", slices[name][1], tuple(t.shape))])
     # load_state_dict copies into the parameters: the reads need no copy of their own.
     state = {name: reader.read(f"model.{name}", *slices[name], tuple(t.shape), copy=False) for name, t in own.items()}
     model.load_state_dict(state)
@@ -126,7 +127,8 @@ def _optimizer_state(model, optimizer, slices: dict[str, Slice], reader: Checkpo
         for field in fields.get(name, []):
             key = f"optim.{field}.{name}"
             if reader.global_shape(key):  # exp_avg, exp_avg_sq: sliced like the tensor
-                entry[field] = reader.read(key, *where, tuple(tensor.shape))
+                # The reader's own tensor (read once per key): the optimizer keeps it, no copy.
+                entry[field] = reader.read(key, *where, tuple(tensor.shape), copy=False)
             else:  # step: a scalar
                 entry[field] = reader.read(key, (), (), ())
         if entry:
