@@ -284,8 +284,9 @@ class PolicyTrainer:
         return tokens, mine, [cp for _, _, cp in runs], dict(plan.cp_sizes_used)
 
     def _my_share(self, batch, seqs) -> tuple[list[float], list[MicroBatch], list, None]:
-        """sharded=True: this rank's sequences planned alone, padded with empty micro-batches to
-        the largest count over DP (the expert all-to-alls and gradient reduction line up)."""
+        """sharded=True: this rank's sequences planned alone, split (or padded with empty
+        micro-batches) to the largest count over DP (the expert all-to-alls and gradient
+        reduction line up)."""
         lengths = batch.seq_lengths()
         data = self.cfg.data
         local = plan_micro_batches([lengths[i] for i in seqs], 1, self.budget, self.pad_multiple,
@@ -295,7 +296,7 @@ class PolicyTrainer:
         counts = torch.zeros(2 * dp, dtype=torch.float64)
         counts[me], counts[dp + me] = len(local), sum(lengths[i] for i in seqs)
         self.runtime.all_reduce(counts, "dp")
-        local += [[]] * (int(counts[:dp].max()) - len(local))
+        local = _split_to(local, int(counts[:dp].max()))
         mine = [build_micro_batch(batch, s, self.pad_multiple) for s in local]
         return counts[dp:].tolist(), mine, [None] * len(mine), None
 
@@ -425,6 +426,20 @@ def _split(num_seqs: int, parts: int) -> list[list[int]]:
         raise ValueError(f"mini_batches={parts} must be in [1, number of sequences={num_seqs}]")
     bounds = [num_seqs * i // parts for i in range(parts + 1)]
     return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _split_to(micro: list[list[int]], count: int) -> list[list[int]]:
+    """`count` micro-batches: the ones with the most sequences halved while there are fewer
+    (a framework's loss may expect as many calls on every rank, as verl's metrics do), then
+    empty stand-ins when no micro-batch has two sequences left."""
+    micro = [list(mb) for mb in micro]
+    while len(micro) < count:
+        big = max(range(len(micro)), key=lambda i: len(micro[i]), default=None)
+        if big is None or len(micro[big]) < 2:
+            return micro + [[]] * (count - len(micro))
+        half = len(micro[big]) // 2
+        micro[big:big + 1] = [micro[big][:half], micro[big][half:]]
+    return micro
 
 
 def _scatter(dst_T: torch.Tensor, src_P: torch.Tensor, val_P: torch.Tensor, keep: bool) -> None:

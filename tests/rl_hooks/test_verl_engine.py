@@ -139,9 +139,13 @@ def test_training_worker_drives_the_engine_like_transformers_and_verl(tmp_path, 
     _check_rows(lp, lps, tol, "log_probs")
     _check_rows([r for run in runs for r in run["ent"]], ents, tol, "entropy")
     # TrainingWorker averages the per-rank loss sums over DP: every rank reports the global loss.
+    # It sums the micro-batch losses as torch.tensor(list of floats), i.e. in float32: a loss of
+    # ~0.06 is reported to ~4e-9 whatever the engine's precision (the float64 gradient check below
+    # is the exact one).
+    loss_tol = max(tol, 1e-7 * abs(float(loss)))
     for run in runs:
-        assert abs(run["loss"][0] - float(loss)) <= tol, (run["loss"], float(loss))
-        assert abs(run["metrics"]["loss"] - float(loss)) <= tol
+        assert abs(run["loss"][0] - float(loss)) <= loss_tol, (run["loss"], float(loss))
+        assert abs(run["metrics"]["loss"] - float(loss)) <= loss_tol
         assert "grad_norm" in run["metrics"] and "actor/pg_loss" in run["metrics"]
     hf = _hf_from_export(runs[0]["export"], folder, tmp_path / "export", dtype)
     got = hf.state_dict()
