@@ -329,10 +329,19 @@ class PolicyTrainer:
         self.trainer._set_lr(lr)
 
     def save(self, path: str) -> str:
-        """A checkpoint of model, optimizer and schedule (the project's format) under `path`."""
+        """A checkpoint of model, optimizer and schedule (the project's format) under `path`, and
+        `path`/config.yaml, so that `longctx-moe export-hf PATH OUT` exports it (data.path made
+        absolute there: the tokenizer is found wherever the export runs)."""
+        from longctx_moe.config import write_config
         from longctx_moe.train import save_trainer
 
-        return str(save_trainer(self.trainer, None, Path(path), self.ctx.rank, self.ctx.world_size, keep_last=0))
+        step_dir = save_trainer(self.trainer, None, Path(path), self.ctx.rank, self.ctx.world_size, keep_last=0)
+        if self.ctx.rank == 0:
+            data = self.cfg.data
+            if data.path and Path(data.path).exists():
+                data = dataclasses.replace(data, path=str(Path(data.path).resolve()))
+            write_config(dataclasses.replace(self.cfg, data=data), Path(path) / "config.yaml")
+        return str(step_dir)
 
     def load(self, path: str) -> None:
         """Load the newest checkpoint under `path` (or the step directory `path`), written under
