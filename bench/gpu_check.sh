@@ -15,4 +15,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 timeout 420 python bench/gpu_check.py --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}
 echo "gpu_check exit code: $rc" | tee -a "$OUT/gpu_check.log"
-exit "$rc"
+# The verl engine under verl's own TrainingWorker with the GPU visible (train.device=auto puts the
+# engine on cuda; verl's "nvidia" platform is picked over our host platform).
+timeout 300 python -m pytest tests/rl_hooks/test_verl_engine.py -q -x -k "float32 and 1" 2>&1 | tee "$OUT/verl_engine.log"
+verl_rc=${PIPESTATUS[0]}
+echo "verl engine test exit code: $verl_rc" | tee -a "$OUT/verl_engine.log"
+[ "$rc" -ne 0 ] && exit "$rc"
+exit "$verl_rc"
