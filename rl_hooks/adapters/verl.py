@@ -330,3 +330,54 @@ def metrics_to_verl(metrics: Mapping[str, Any]) -> dict[str, list[float]]:
     if not isinstance(steps, list) or not steps:
         fail(NAME, "metrics", "has no 'steps' list; pass the dict PolicyTrainer.train_step returned")
     return {f"actor/{VERL_METRIC_NAMES.get(k, k)}": [float(s[k]) for s in steps] for k in steps[0]}
+
+
+# ---------------------------------------------------------------- loss settings
+
+LOSS_MODES = {"vanilla": "ppo", "gspo": "gspo"}
+KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def _verl_key(actor: Any, key: str, default: Any = None) -> Any:
+    return actor.get(key, default) if hasattr(actor, "get") else getattr(actor, key, default)
+
+
+def loss_config_from_verl(actor: Any, num_seqs: int) -> tuple[Any, dict[str, int]]:
+    """verl's actor loss settings (its ActorConfig or the `actor_rollout_ref.actor` mapping) as
+    (PolicyLossConfig, {"mini_batches", "epochs"}) for a batch of `num_seqs` sequences, so that
+    `policy.train_step(batch, make_loss(cfg), **steps)` computes verl's ppo_loss: clip_ratio_low /
+    high (clip_ratio when unset), clip_ratio_c (verl's vanilla loss always applies its dual clip),
+    loss_agg_mode, use_kl_loss / kl_loss_coef / kl_loss_type (low_var_kl = our k3, clamped to
+    +-10 as verl does), entropy_coeff, ppo_epochs, ppo_mini_batch_size x rollout_n. Settings with
+    no exact counterpart raise AdapterError naming the key."""
+    from rl_hooks.losses import PolicyLossConfig
+
+    policy_loss = _verl_key(actor, "policy_loss") or {}
+    mode = _verl_key(policy_loss, "loss_mode", "vanilla")
+    if mode not in LOSS_MODES:
+        fail(NAME, "policy_loss.loss_mode", f"{mode!r} has no counterpart here; use one of "
+                                            f"{', '.join(LOSS_MODES)}, or train through the verl engine")
+    agg = _verl_key(actor, "loss_agg_mode", "token-mean")
+    if agg not in AGGS:
+        fail(NAME, "loss_agg_mode", f"{agg!r}: verl divides by loss_scale_factor or the padded "
+                                    f"response width, which a RolloutBatch has not; use one of {', '.join(AGGS)}")
+    if _verl_key(actor, "loss_scale_factor") is not None:
+        fail(NAME, "loss_scale_factor", "has no counterpart; leave it unset (null)")
+    kl_type = _verl_key(actor, "kl_loss_type", "low_var_kl")
+    use_kl = bool(_verl_key(actor, "use_kl_loss", False))
+    if use_kl and kl_type not in KL_TYPES:
+        fail(NAME, "kl_loss_type", f"{kl_type!r} has no counterpart; use one of {', '.join(KL_TYPES)}")
+    clip = _verl_key(actor, "clip_ratio", 0.2)
+    low, high = _verl_key(actor, "clip_ratio_low"), _verl_key(actor, "clip_ratio_high")
+    cfg = PolicyLossConfig(kind=LOSS_MODES[mode], agg=agg,
+                           eps_low=clip if low is None else low, eps_high=clip if high is None else high,
+                           dual_clip=_verl_key(actor, "clip_ratio_c", 3.0) if mode == "vanilla" else None,
+                           kl_coef=float(_verl_key(actor, "kl_loss_coef", 0.0)) if use_kl else 0.0,
+                           kl_type=KL_TYPES.get(kl_type, "k3"),
+                           entropy_coef=float(_verl_key(actor, "entropy_coeff", 0.0)))
+    per_step = int(_verl_key(actor, "ppo_mini_batch_size")) * int(_verl_key(actor, "rollout_n", 1))
+    if per_step <= 0 or num_seqs % per_step:
+        fail(NAME, "ppo_mini_batch_size", f"{per_step} sequences per mini-batch (x rollout_n) do not "
+                                          f"divide the batch's {num_seqs}; verl needs them to")
+    return cfg, {"mini_batches": num_seqs // per_step, "epochs": int(_verl_key(actor, "ppo_epochs", 1))}
