@@ -126,6 +126,7 @@ def _peak_bytes() -> int:
 def ours_worker(args) -> dict:
     from functools import partial
 
+    import torch.distributed as dist
     from omegaconf import OmegaConf
     from verl.utils import tensordict_utils as tu
     from verl.utils.config import omega_conf_to_dataclass
@@ -133,11 +134,8 @@ def ours_worker(args) -> dict:
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
 
-    from tests.rl_hooks.verl_cases import actor_config
-
-    import torch.distributed as dist
-
     from tests.launcher import free_port
+    from tests.rl_hooks.verl_cases import actor_config
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")

@@ -52,7 +52,7 @@ def test_sharded_batches_give_the_whole_batch_updates(sets):
     runs = run_distributed(_sharded, world_size=2, args=(sets,), timeout=300)
     got_logp = torch.cat([r[0] for r in runs])
     assert float((got_logp - want_logp).abs().max()) <= TOL
-    for logp, steps, ep_rank in runs:
+    for _, steps, ep_rank in runs:
         for got, want in zip(steps, want_steps, strict=True):
             for name, u in got.items():
                 ref = want[name]
