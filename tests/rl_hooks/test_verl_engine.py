@@ -4,8 +4,8 @@ TrainingWorker is the lowest verl layer that owns an engine; it runs here withou
 methods are called directly, as Ray would on each worker) on 1 and 2 gloo ranks. Each rank gets
 the contiguous chunk verl's dispatch hands its DP rank. One pass does what verl's PPO trainer does
 per step: old log-probs and entropies (infer_batch), one update with verl's ppo_loss
-(train_mini_batch), the weight export the rollout refit streams (get_per_tensor_param), and log-probs
-again on the updated weights.
+(train_mini_batch), the weight export the rollout refit streams (get_per_tensor_param), log-probs
+again on the updated weights, and a checkpoint saved, reset and loaded back.
 
 References: float32, transformers' forward scored by verl's logprobs_from_logits /
 entropy_from_logits and verl's ppo_loss, an AdamW step of transformers' parameters; float64, our
@@ -70,6 +70,17 @@ def _engine_pass(rank: int, world: int, folder: str, dtype: str) -> dict:
     reduced = {k: float(v) for k, v in reduce_metrics(dict(metrics)).items()}
     export = {n: t.clone() for n, t in worker.engine.get_per_tensor_param()[0]}
     lp2, _ = infer()
+    # Our checkpoint under verl's folder; reset() starts again from the HF weights, the load
+    # brings the updated ones back.
+    ckpt = f"{folder}/../ckpt/global_step_1/actor"
+    worker.save_checkpoint(ckpt, global_step=1)
+    worker.reset()
+    fresh, _ = infer()
+    worker.load_checkpoint(ckpt)
+    loaded, _ = infer()
+    assert all(torch.equal(a, b) for a, b in zip(loaded, lp2, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(fresh, lp2, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(fresh, lp, strict=True))
     return {"lp": lp, "ent": ent, "loss": loss, "metrics": reduced, "lp2": lp2,
             "export": export if rank == 0 else None}
 
