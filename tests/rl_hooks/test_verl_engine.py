@@ -33,7 +33,7 @@ pytest.importorskip("verl")
 TOL = {"float32": 1e-5, "float64": 1e-10}
 
 
-def _engine_pass(rank: int, world: int, folder: str, dtype: str) -> dict:
+def _engine_pass(rank: int, world: int, folder: str, dtype: str, layout: list[str]) -> dict:
     from omegaconf import OmegaConf
     from verl.utils import tensordict_utils as tu
     from verl.utils.config import omega_conf_to_dataclass
@@ -48,26 +48,31 @@ def _engine_pass(rank: int, world: int, folder: str, dtype: str) -> dict:
                                             {"path": folder}))
     assert EngineRegistry.get_engine_cls("language_model", "longctx_moe").__module__ == \
         "rl_hooks.plugins.verl.engine"
-    worker = TrainingWorker(vc.worker_config(folder, dtype))
+    worker = TrainingWorker(vc.worker_config(folder, dtype, layout))
     worker.reset()
+    # verl dispatches by the engine's DP rank: CP / TP ranks of a replica get the same chunk
+    dp_rank, dp = worker.engine.get_data_parallel_rank(), worker.engine.get_data_parallel_size()
     worker.set_loss_fn(partial(ppo_loss, config=vc.actor_config()))
     data = vc.padded_batch()
 
     def infer():
-        td = vc.share(data, rank, world)
+        td = vc.share(data, dp_rank, dp)
         tu.assign_non_tensor(td, calculate_entropy=True, compute_loss=False, temperature=1.0)
         out = worker.infer_batch(td)
+        if out is None:  # not a rank with outputs (a CP / TP rank other than the first)
+            return None, None
         return [x.clone() for x in tu.get(out, "log_probs").unbind()], \
             [x.clone() for x in tu.get(out, "entropy").unbind()]
 
     lp, ent = infer()
-    td = vc.share(data, rank, world)
+    td = vc.share(data, dp_rank, dp)
     b = data.batch_size[0]
     tu.assign_non_tensor(td, calculate_entropy=True, global_batch_size=b, mini_batch_size=b, epochs=1,
                          seed=0, dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=1.0)
-    metrics = tu.get(worker.train_mini_batch(td), "metrics")
-    loss = list(metrics["loss"])
-    reduced = {k: float(v) for k, v in reduce_metrics(dict(metrics)).items()}
+    out = worker.train_mini_batch(td)
+    metrics = None if out is None else tu.get(out, "metrics")
+    loss = None if out is None else list(metrics["loss"])
+    reduced = None if out is None else {k: float(v) for k, v in reduce_metrics(dict(metrics)).items()}
     export = {n: t.clone() for n, t in worker.engine.get_per_tensor_param()[0]}
     lp2, _ = infer()
     # Our checkpoint under verl's folder; reset() starts again from the HF weights, the load
@@ -78,10 +83,11 @@ def _engine_pass(rank: int, world: int, folder: str, dtype: str) -> dict:
     fresh, _ = infer()
     worker.load_checkpoint(ckpt)
     loaded, _ = infer()
-    assert all(torch.equal(a, b) for a, b in zip(loaded, lp2, strict=True))
-    assert not all(torch.equal(a, b) for a, b in zip(fresh, lp2, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(fresh, lp, strict=True))
-    return {"lp": lp, "ent": ent, "loss": loss, "metrics": reduced, "lp2": lp2,
+    if lp is not None:
+        assert all(torch.equal(a, b) for a, b in zip(loaded, lp2, strict=True))
+        assert not all(torch.equal(a, b) for a, b in zip(fresh, lp2, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(fresh, lp, strict=True))
+    return {"lp": lp, "ent": ent, "loss": loss, "metrics": reduced, "lp2": lp2, "dp_rank": dp_rank,
             "export": export if rank == 0 else None}
 
 
@@ -138,12 +144,24 @@ def _check_rows(got_rows, want_rows, tol, what):
         assert err <= tol, f"{what} row {i}: max |diff| {err:.3g} > {tol}"
 
 
+# (world, our parallel layout): data parallel on 1 and 2 ranks; context and expert parallel,
+# where both ranks hold the same DP chunk (CP) or the same chunk's other experts (EP2 x DP2).
+CASES = {"1": (1, []), "dp2": (2, []), "cp2": (2, ["parallel.cp=2"]), "ep2": (2, ["parallel.ep=2"])}
+PARAMS = [("float32", "1"), ("float64", "1"), ("float32", "dp2"), ("float64", "dp2"),
+          ("float64", "cp2"), ("float64", "ep2")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_training_worker_drives_the_engine_like_transformers_and_verl(tmp_path, world, dtype):
+@pytest.mark.parametrize("dtype,case", PARAMS, ids=[f"{d}-{c}" for d, c in PARAMS])
+def test_training_worker_drives_the_engine_like_transformers_and_verl(tmp_path, dtype, case):
+    world, layout = CASES[case]
     folder = vc.save_hf_model(tmp_path / "hf", dtype)
-    runs = run_distributed(_engine_pass, world_size=world, args=(str(folder), dtype), timeout=600)
+    runs = run_distributed(_engine_pass, world_size=world, args=(str(folder), dtype, layout), timeout=600)
+    export = runs[0]["export"]
+    # one result per DP chunk, in chunk order: verl's worker returns outputs on a replica's first
+    # CP / TP rank only
+    runs = sorted([run for run in runs if run["lp"] is not None], key=lambda run: run["dp_rank"])
+    assert len(runs) == len({run["dp_rank"] for run in runs})
     lps, ents, loss, after = _reference(folder, dtype)
     tol = TOL[dtype]
     lp = [r for run in runs for r in run["lp"]]
@@ -158,7 +176,7 @@ def test_training_worker_drives_the_engine_like_transformers_and_verl(tmp_path, 
         assert abs(run["loss"][0] - float(loss)) <= loss_tol, (run["loss"], float(loss))
         assert abs(run["metrics"]["loss"] - float(loss)) <= loss_tol
         assert "grad_norm" in run["metrics"] and "actor/pg_loss" in run["metrics"]
-    hf = _hf_from_export(runs[0]["export"], folder, tmp_path / "export", dtype)
+    hf = _hf_from_export(export, folder, tmp_path / "export", dtype)
     got = hf.state_dict()
     assert set(got) == set(after)
     for name, want in after.items():

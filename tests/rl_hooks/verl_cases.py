@@ -89,7 +89,7 @@ def actor_config(**over):
     return ActorConfig(**{**keys, **over})
 
 
-def worker_config(folder: Path, dtype: str, budget: int = 32):
+def worker_config(folder: Path, dtype: str, layout: list[str] = (), budget: int = 32):
     """verl's TrainingWorkerConfig from configs/verl_engine.yaml, through verl's own loader."""
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
@@ -98,7 +98,7 @@ def worker_config(folder: Path, dtype: str, budget: int = 32):
     yaml = OmegaConf.load(ROOT / "configs" / "verl_engine.yaml")
     yaml.model_config.path = str(folder)
     yaml.engine_config.config = str(ROOT / "configs" / "tiny_cpu.yaml")
-    yaml.engine_config.overrides = our_sets(dtype)
+    yaml.engine_config.overrides = our_sets(dtype) + list(layout)
     yaml.engine_config.max_token_len_per_gpu = budget
     yaml.engine_config.infer_max_token_len_per_gpu = budget
     yaml.engine_config.export_dtype = dtype
