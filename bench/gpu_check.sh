@@ -12,12 +12,18 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   python -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>&1 || true
 } > "$OUT/env.txt" 2>&1
-timeout 420 python bench/gpu_check.py --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
+timeout 300 python bench/gpu_check.py --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}
 echo "gpu_check exit code: $rc" | tee -a "$OUT/gpu_check.log"
 # The Triton kernels compiled for real: each against its torch path (max difference, fwd+bwd time).
-timeout 90 python bench/triton_kernels.py --reps 5 --out "$OUT/triton_kernels.json" 2>&1 | tee "$OUT/triton_kernels.log"
+timeout 60 python bench/triton_kernels.py --reps 5 --out "$OUT/triton_kernels.json" 2>&1 | tee "$OUT/triton_kernels.log"
 rc_triton=${PIPESTATUS[0]}
 echo "triton_kernels exit code: $rc_triton" | tee -a "$OUT/triton_kernels.log"
+# The verl engine under verl's own TrainingWorker with the GPU visible (train.device=auto puts the
+# engine on cuda; verl's "nvidia" platform is picked over our host platform).
+timeout 120 python -m pytest tests/rl_hooks/test_verl_engine.py -q -x -k "float32 and 1" 2>&1 | tee "$OUT/verl_engine.log"
+verl_rc=${PIPESTATUS[0]}
+echo "verl engine test exit code: $verl_rc" | tee -a "$OUT/verl_engine.log"
 [ "$rc" -eq 0 ] && rc=$rc_triton
+[ "$rc" -eq 0 ] && rc=$verl_rc
 exit "$rc"

@@ -8,6 +8,11 @@ sorted). Every estimator compares a reward with the rest of its group:
   * "drgrpo": r - mean_g (Dr.GRPO, arXiv:2503.20783: no division by the std, which over-weights
               groups whose rewards barely differ).
   * "rloo":   r_i - mean of the other members = n / (n - 1) * (r_i - mean_g); 0 for a group of one.
+  * "grpo_verl": "grpo" as verl computes it (verl/trainer/ppo/core_algos.py
+              compute_grpo_outcome_advantage): the same for groups of two or more, but a group of
+              one gets mean 0 and std 1, so its advantage is r / (1 + eps), the raw reward. Use it
+              where a run must match verl's numbers (e.g. batches from rl_hooks.adapters.verl);
+              "grpo" gives 0 there because a lone sample says nothing about its prompt's baseline.
 
 Shapes: S sequences, G groups, T tokens.
 """
@@ -18,7 +23,7 @@ import torch
 
 from rl_hooks.batch import RolloutBatch
 
-ESTIMATORS = ("grpo", "drgrpo", "rloo")
+ESTIMATORS = ("grpo", "drgrpo", "rloo", "grpo_verl")
 
 
 def compute_advantages(rewards_S: torch.Tensor, group_ids_S: torch.Tensor,
@@ -53,8 +58,9 @@ def compute_advantages(rewards_S: torch.Tensor, group_ids_S: torch.Tensor,
         # Two-pass variance (mean first): no cancellation when rewards are large and close.
         var_G = sum_G.index_add(0, group_S, dev_S.square()) / (n_G - 1)
         adv_S = dev_S / (var_G.sqrt()[group_S] + eps)
-    # A group of one has nothing to compare with; the 0/0 above becomes 0 here.
-    return torch.where(single_S, torch.zeros_like(adv_S), adv_S).to(rewards_S.dtype)
+    # A group of one has nothing to compare with; the 0/0 above becomes 0 here (verl: r / (1 + eps)).
+    lone_S = r_S / (1 + eps) if estimator == "grpo_verl" else torch.zeros_like(adv_S)
+    return torch.where(single_S, lone_S, adv_S).to(rewards_S.dtype)
 
 
 def token_advantages(batch: RolloutBatch, adv_S: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cp_attention.kernels import batch_invariant
 from longctx_moe.config import Config, ConfigError
@@ -65,13 +66,21 @@ class PolicyTrainer:
     layout, optimizer). Runs under torchrun like the trainer (or on one process).
 
     `micro_batch_tokens`: the token budget of one micro-batch per rank (default
-    data.micro_batch_tokens); `advantage_estimator`: grpo | drgrpo | rloo, used when a batch
+    data.micro_batch_tokens); `advantage_estimator`: grpo | drgrpo | rloo | grpo_verl, used when a batch
     brings rewards instead of advantages; `batch_invariant` (default on): attention runs each
     sequence in a kernel call of its own, so a sequence's log-probs are bitwise the same whatever
-    it is packed with (cp_attention.kernels.batch_invariant; one call per sequence)."""
+    it is packed with (cp_attention.kernels.batch_invariant; one call per sequence).
+
+    `sharded` (default off): each data-parallel rank passes its own share of the batch, as verl
+    and NeMo-RL dispatch it (every CP and TP rank of a DP replica the same share). The plan and
+    the micro-batches are then per rank, and the loss normalisers (loss tokens, sequences, longest
+    sequence) are summed over DP once per mini-batch, so the gradient is the same as the whole
+    batch's. Every rank needs the same number of sequences per mini-batch split (give each the
+    same `mini_batches`); Dynamic-CP, which schedules the whole batch, is refused."""
 
     def __init__(self, cfg: Config, *, micro_batch_tokens: int | None = None,
-                 advantage_estimator: str = "grpo", batch_invariant: bool = True):
+                 advantage_estimator: str = "grpo", batch_invariant: bool = True,
+                 sharded: bool = False):
         from data_packing.batch import pad_multiple
         from longctx_moe.train import build_dims, build_runtime, make_context
 
@@ -98,6 +107,11 @@ class PolicyTrainer:
         from rl_hooks.export import ExportGate
 
         self.export_gate = ExportGate()  # an export left open is settled before the next call
+        self.sharded = sharded
+        if sharded and self.dynamic is not None:
+            raise ConfigError("PolicyTrainer(sharded=True): parallel.dynamic_cp schedules the whole "
+                              "batch of a DP x CP block; pass the whole batch on every rank "
+                              "(sharded=False) or set parallel.dynamic_cp=false")
         if self.budget < self.pad_multiple:
             raise ConfigError(f"micro_batch_tokens={self.budget} is below the padding multiple "
                               f"{self.pad_multiple} of this layout; raise it")
@@ -162,7 +176,8 @@ class PolicyTrainer:
                     routes = self._record(routes, mb, shard, out, t, keep)
         for x in (logp, ent, routes):
             if x is not None:
-                self.runtime.all_reduce(x, "dp_cp")  # each token was kept by one rank
+                # each token was kept by one rank (of its CP group, when each DP rank has its own)
+                self.runtime.all_reduce(x, "cp" if self.sharded else "dp_cp")
         return LogProbs(logp.to(dtype), None if ent is None else ent.to(dtype),
                         None if routes is None else (routes - 1).to(torch.int16))
 
@@ -184,11 +199,19 @@ class PolicyTrainer:
     def train_step(self, batch: RolloutBatch, loss: LossFn, mini_batches: int = 1, epochs: int = 1,
                    lr: float | None = None, temperature: float = 1.0) -> dict[str, Any]:
         """Optimizer steps over `batch`: `epochs` passes of `mini_batches` mini-batches (one step
-        each). Returns the metrics of every step ("steps") and their means."""
+        each). Returns the metrics of every step ("steps") and their means.
+
+        `loss` is a LossFn, or a framework's own loss over whole sequences: a callable with
+        `per_sequence = True`, called once per micro-batch as `loss(seqs, logprobs_T, entropy_T)
+        -> LossOutput` with the micro-batch's sequence indices and their tokens' log-probs (and
+        entropies when it has `needs_entropy = True`, else None) back to back in the batch's
+        alignment, attached to the graph. It brings its own advantages and old log-probs (the
+        verl engine, rl_hooks/plugins/verl, runs verl's loss function this way)."""
         self.validate(batch)
         self.export_gate.settle()
-        batch = self._with_advantages(batch)
-        if batch.old_logprobs is None:
+        own = getattr(loss, "per_sequence", False)
+        batch = batch if own else self._with_advantages(batch)
+        if batch.old_logprobs is None and not own:
             old = self.compute_logprobs(batch, temperature, mini_batches=mini_batches).logprobs
             batch = dataclasses.replace(batch, old_logprobs=old)
         entropy = _wants_entropy(loss)
@@ -200,7 +223,7 @@ class PolicyTrainer:
 
     def _optimizer_step(self, batch, seqs, loss, lr, temperature, entropy) -> dict[str, float]:
         tokens, mine, groups, sizes = self._my_micro_batches(batch, seqs)
-        norm = _normalizers(batch, seqs)
+        norm = _normalizers(batch, seqs, self.runtime if self.sharded else None)
         objective = _PolicyObjective(batch, mine, loss, norm, LogProbHead(temperature, entropy),
                                      self.runtime)
         with batch_invariant(self.batch_invariant):
@@ -250,6 +273,8 @@ class PolicyTrainer:
         mini-batch's sequences are scheduled on the DP x CP block's sub-groups (every rank holds
         the whole batch: nothing to gather) and a rank's tokens are its share of each run."""
         lengths = batch.seq_lengths()
+        if self.sharded:
+            return self._my_share(batch, seqs)
         if self.dynamic is None:
             plan = self._plan(batch, seqs)
             tokens = [sum(lengths[i] for mb in rank for i in mb) for rank in plan]
@@ -264,6 +289,23 @@ class PolicyTrainer:
         runs = self.dynamic.my_runs(plan)
         mine = [build_micro_batch(batch, [seqs[i] for i in idx], multiple) for idx, multiple, _ in runs]
         return tokens, mine, [cp for _, _, cp in runs], dict(plan.cp_sizes_used)
+
+    def _my_share(self, batch, seqs) -> tuple[list[float], list[MicroBatch], list, None]:
+        """sharded=True: this rank's sequences planned alone, split (or padded with empty
+        micro-batches) to the largest count over DP (the expert all-to-alls and gradient
+        reduction line up)."""
+        lengths = batch.seq_lengths()
+        data = self.cfg.data
+        local = plan_micro_batches([lengths[i] for i in seqs], 1, self.budget, self.pad_multiple,
+                                   data.cost_per_token, data.cost_per_token_pair)[0]
+        local = [[seqs[i] for i in mb] for mb in local if mb]
+        dp, me = self.dims.dp, self.dims.rank_in("dp")
+        counts = torch.zeros(2 * dp, dtype=torch.float64)
+        counts[me], counts[dp + me] = len(local), sum(lengths[i] for i in seqs)
+        self.runtime.all_reduce(counts, "dp")
+        local = _split_to(local, int(counts[:dp].max()))
+        mine = [build_micro_batch(batch, s, self.pad_multiple) for s in local]
+        return counts[dp:].tolist(), mine, [None] * len(mine), None
 
     # ------------------------------------------------------------------ weights out
 
@@ -295,11 +337,20 @@ class PolicyTrainer:
         self.trainer._set_lr(lr)
 
     def save(self, path: str) -> str:
-        """A checkpoint of model, optimizer and schedule (the project's format) under `path`."""
+        """A checkpoint of model, optimizer and schedule (the project's format) under `path`, and
+        `path`/config.yaml, so that `longctx-moe export-hf PATH OUT` exports it (data.path made
+        absolute there: the tokenizer is found wherever the export runs)."""
+        from longctx_moe.config import write_config
         from longctx_moe.train import save_trainer
 
         self.export_gate.settle()
-        return str(save_trainer(self.trainer, None, Path(path), self.ctx.rank, self.ctx.world_size, keep_last=0))
+        step_dir = save_trainer(self.trainer, None, Path(path), self.ctx.rank, self.ctx.world_size, keep_last=0)
+        if self.ctx.rank == 0:
+            data = self.cfg.data
+            if data.path and Path(data.path).exists():
+                data = dataclasses.replace(data, path=str(Path(data.path).resolve()))
+            write_config(dataclasses.replace(self.cfg, data=data), Path(path) / "config.yaml")
+        return str(step_dir)
 
     def load(self, path: str) -> None:
         """Load the newest checkpoint under `path` (or the step directory `path`), written under
@@ -327,6 +378,9 @@ class _PolicyObjective:
         mb = self.micro[i]
         logp_P = self.runtime.gather_tokens(shard, out.logprobs_T)
         ent_P = None if out.entropy_T is None else self.runtime.gather_tokens(shard, out.entropy_T)
+        if getattr(self.loss_fn, "per_sequence", False):
+            res = self.loss_fn(mb.seqs, *_sequence_values(self.batch, mb, logp_P, ent_P))
+            return MicroLoss(res.loss, res.loss.detach() / shard.cp.size, res.metrics)
         src = mb.target_src_P.to(logp_P.device)
         pos_N = torch.nonzero((src >= 0) & self.batch.loss_mask[src.clamp_min(0).cpu()].to(src.device)).squeeze(1)
         tok_N = src[pos_N].cpu()
@@ -337,6 +391,25 @@ class _PolicyObjective:
         share = 1.0 / shard.cp.size
         metrics = {k: (v if k.endswith(("_max", "_min")) else v * share) for k, v in res.metrics.items()}
         return MicroLoss(res.loss, res.loss.detach() * share, metrics)
+
+
+def _sequence_values(batch: RolloutBatch, mb: MicroBatch, logp_P: torch.Tensor,
+                     ent_P: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The micro-batch's sequences back to back (mb.seqs order) as flat [T_mb] tensors in the
+    batch's alignment (0 at first tokens), still attached to the graph: log-probs, entropies."""
+    cu = batch.cu_seqlens.tolist()
+    local_T = torch.full((batch.num_tokens,), -1, dtype=torch.int64)
+    offset = 0
+    for s in mb.seqs:
+        n = cu[s + 1] - cu[s]
+        local_T[cu[s]:cu[s + 1]] = torch.arange(offset, offset + n)
+        offset += n
+    src = mb.target_src_P
+    scored_P = (src >= 0).to(logp_P.device)
+    index = local_T[src[src >= 0]].to(logp_P.device)
+    place = lambda x_P: None if x_P is None else \
+        x_P.new_zeros(offset).index_put((index,), x_P[scored_P])
+    return place(logp_P), place(ent_P)
 
 
 def _loss_inputs(batch: RolloutBatch, tok_N: torch.Tensor, logp_N, ent_N) -> LossInputs:
@@ -351,13 +424,19 @@ def _loss_inputs(batch: RolloutBatch, tok_N: torch.Tensor, logp_N, ent_N) -> Los
                       rollout_logprobs=pick(batch.rollout_logprobs), entropy=ent_N)
 
 
-def _normalizers(batch: RolloutBatch, seqs: list[int]) -> Normalizers:
-    """Global counts of one mini-batch: every rank holds the whole batch, so no collective."""
+def _normalizers(batch: RolloutBatch, seqs: list[int], runtime=None) -> Normalizers:
+    """Global counts of one mini-batch. Every rank holds the whole batch (no collective), or,
+    given the `runtime` of a sharded trainer, its own share: the counts are summed (the longest
+    sequence maximised) over DP."""
     mask, cu = batch.loss_mask, batch.cu_seqlens.tolist()
     per_seq = [int(mask[cu[s]:cu[s + 1]].sum()) for s in seqs]
     longest = max((cu[s + 1] - cu[s] for s in seqs), default=1)
-    return Normalizers(num_tokens=sum(per_seq), num_seqs=sum(1 for n in per_seq if n),
-                       constant=float(longest))
+    counts = [sum(per_seq), sum(1 for n in per_seq if n)]
+    if runtime is not None:
+        sums = runtime.all_reduce(torch.tensor(counts, dtype=torch.float64), "dp")
+        top = runtime.all_reduce(torch.tensor([longest], dtype=torch.float64), "dp", dist.ReduceOp.MAX)
+        counts, longest = [int(x) for x in sums.tolist()], int(top[0])
+    return Normalizers(num_tokens=counts[0], num_seqs=counts[1], constant=float(longest))
 
 
 def _split(num_seqs: int, parts: int) -> list[list[int]]:
@@ -366,6 +445,20 @@ def _split(num_seqs: int, parts: int) -> list[list[int]]:
         raise ValueError(f"mini_batches={parts} must be in [1, number of sequences={num_seqs}]")
     bounds = [num_seqs * i // parts for i in range(parts + 1)]
     return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _split_to(micro: list[list[int]], count: int) -> list[list[int]]:
+    """`count` micro-batches: the ones with the most sequences halved while there are fewer
+    (a framework's loss may expect as many calls on every rank, as verl's metrics do), then
+    empty stand-ins when no micro-batch has two sequences left."""
+    micro = [list(mb) for mb in micro]
+    while len(micro) < count:
+        big = max(range(len(micro)), key=lambda i: len(micro[i]), default=None)
+        if big is None or len(micro[big]) < 2:
+            return micro + [[]] * (count - len(micro))
+        half = len(micro[big]) // 2
+        micro[big:big + 1] = [micro[big][:half], micro[big][half:]]
+    return micro
 
 
 def _scatter(dst_T: torch.Tensor, src_P: torch.Tensor, val_P: torch.Tensor, keep: bool) -> None:

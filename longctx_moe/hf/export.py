@@ -42,8 +42,11 @@ INDEX = "model.safetensors.index.json"
 
 
 def checkpoint_step_dir(cfg: Config, run_dir: Path, step: int | None) -> Path:
-    """The step directory to export: `latest` (with checkpoint.py's fallback) or step N."""
+    """The step directory to export: `latest` (with checkpoint.py's fallback) or step N. A folder
+    of step directories itself (rl_hooks' PolicyTrainer.save) is its own checkpoint directory."""
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    if not cfg.checkpoint.dir and not ckpt_dir.is_dir() and any(run_dir.glob("step_*")):
+        ckpt_dir = run_dir
     if step is None:
         found = find_resume_dir(ckpt_dir, "auto")
         if found is None:
@@ -149,4 +152,11 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, dt
     files = write_safetensors(model, out, DTYPES[dtype], shard_bytes)
     write_config_json(cfg.model, out, DTYPES[dtype])
     return [f"exported {step_dir} ({dtype}) to {out}: {len(files)} safetensors shard(s), config.json",
-            write_tokenizer(Path(cfg.data.path), out)]
+            write_tokenizer(_data_dir(cfg.data.path, run_dir), out)]
+
+
+def _data_dir(path: str, run_dir: Path) -> Path:
+    """data.path as the run wrote it: absolute, relative to the config's own folder, or (as a
+    `make train` run from the repository root writes it) relative to the working directory."""
+    beside = run_dir / path
+    return beside if not Path(path).is_absolute() and (beside / "tokenizer.json").is_file() else Path(path)

@@ -179,8 +179,9 @@ def _per_sample(samples, values_T):
 
 def test_verl_round_trip():
     samples = _samples()
-    _assert_same(from_verl(_verl(samples)), _reference(samples))
-    fields, want = _verl(samples), _reference(samples)
+    fields = _verl(samples)
+    _assert_same(from_verl(fields, routes_known=_reported(fields)), _reference(samples))
+    want = _reference(samples)
     out = _fake_out(want.num_tokens)
     r_max = fields["responses"].shape[1]
     got_lp, got_ent = logprobs_to_verl(out, fields), entropy_to_verl(out, fields)
@@ -215,6 +216,11 @@ def test_verl_multi_turn_response_mask_and_groups():
     batch.validate(VOCAB)
 
 
+def _reported(fields) -> torch.Tensor:
+    """routes_known: every real token's routes were reported by the rollout engine."""
+    return fields["attention_mask"].bool()
+
+
 class _DataProto:
     """The two attributes of verl's DataProto the adapter reads (verl is not installed)."""
 
@@ -224,7 +230,8 @@ class _DataProto:
 
 def test_verl_accepts_a_data_proto_like_object():
     samples = _samples()
-    _assert_same(from_verl(_DataProto(_verl(samples))), _reference(samples))
+    fields = _verl(samples)
+    _assert_same(from_verl(_DataProto(fields), routes_known=_reported(fields)), _reference(samples))
 
 
 VERL_ERRORS = [
@@ -246,7 +253,7 @@ def test_verl_malformed_input_names_the_field(field, corrupt, words):
     fields = _verl(_samples())
     corrupt(fields)
     with pytest.raises(AdapterError, match=f"^verl field '{field}': .*{words}") as err:
-        from_verl(fields)
+        from_verl(fields, routes_known=_reported(fields) if "attention_mask" in fields else None)
     assert "\n" not in str(err.value)
 
 

@@ -1,0 +1,273 @@
+"""longctx-moe as a verl training engine: `strategy: longctx_moe` in a verl engine config.
+
+Registered in verl's `EngineRegistry` as model_type "language_model", backend "longctx_moe" for
+cpu and cuda (verl imports this module through `model.external_lib: rl_hooks.plugins.verl`, or
+VERL_USE_EXTERNAL_MODULES). Modelled on verl's torchtitan engine
+(verl/workers/engine/torchtitan/transformer_impl.py, verl 0.9.1): verl's `TrainingWorker` calls
+`initialize`, `train_mode` / `eval_mode`, `train_batch` / `infer_batch` with its no-padding
+TensorDict and its loss function, `lr_scheduler_step`, `get_per_tensor_param` (the weight sync to
+vLLM / SGLang), the data-parallel size / rank / group and `save_checkpoint` / `load_checkpoint`.
+
+The batch a rank receives is its data-parallel share (verl dispatches each DP rank its own chunk),
+so the engine drives `PolicyTrainer(sharded=True)`: our micro-batching by tokens, the parallel
+layout of our config (TP x CP x DP with EP), and global token normalisers summed over DP. verl's
+own loss function runs on our per-token log-probs and entropies in verl's shifted nested layout
+(rl_hooks.adapters.verl.ours_to_nested), once per micro-batch on the TensorDict rows of that
+micro-batch, so every verl loss option (clip ratios, loss_agg_mode, KL type, entropy coefficient,
+rollout IS weights) applies unchanged. verl scales its loss by dp_size because its FSDP engines
+average gradients over DP; our gradient reduction sums, so the engine divides by dp_size.
+
+One optimizer step is one call: forward, backward, gradient reduction, clipping and the update
+run together in `train_batch` (the overlapped gradient reduction and the global normalisers live
+in that step), so `forward_backward_batch(forward_only=False)` and a lone `optimizer_step` are
+refused with the call to make instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from verl.utils import tensordict_utils as tu
+from verl.utils.py_functional import append_to_dict
+from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
+
+from longctx_moe.config import ConfigError
+from longctx_moe.optim import LRSchedule, lr_at
+from rl_hooks.adapters.verl import from_verl, ours_to_nested
+from rl_hooks.losses import LossOutput
+from rl_hooks.plugins.verl.config import STRATEGY, build_config, check_engine_config
+
+# Fields the engine reads to rebuild the token layout (other fields go to verl's loss as they are).
+LAYOUT_FIELDS = ("input_ids", "prompts", "responses", "attention_mask", "response_mask")
+
+
+class LongctxMoeEngine(BaseEngine):
+    """A verl engine over rl_hooks.PolicyTrainer (see the module docstring)."""
+
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
+        super().__init__()
+        check_engine_config(engine_config)
+        self.model_config, self.engine_config = model_config, engine_config
+        self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
+        self.cfg = build_config(model_config.local_path, engine_config, optimizer_config)
+        self.mode = None
+        self.initialized = False
+        # The model, its parallel layout and optimizer are built here, as verl's torchtitan engine
+        # builds its trainer: verl asks for the DP rank before initialize().
+        self._build()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _build(self):
+        from rl_hooks.api import PolicyTrainer
+
+        self.policy = PolicyTrainer(self.cfg, sharded=True)
+        # verl advances its schedule once per train_mini_batch call, not per optimizer step.
+        self.schedule = LRSchedule(self.policy.trainer.optimizer, self.cfg.optim, self.cfg.train.steps)
+
+    def initialize(self):
+        """The HF weights, a fresh optimizer and schedule (verl's reset: again from the start)."""
+        if self.initialized:
+            self._build()
+        self.initialized = True
+
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        return self.engine_config.param_offload
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        return self.engine_config.optimizer_offload
+
+    def train_mode(self, **kwargs):
+        return _ModeCtx(self, "train", **kwargs)
+
+    def eval_mode(self, **kwargs):
+        return _ModeCtx(self, "eval", **kwargs)
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        """The model already lives where our config put it; on a CPU run parameters and optimizer
+        state are host memory, which is what an offload to "cpu" asks for."""
+        super().to(device, model=model, optimizer=optimizer, grad=grad)
+        here = self.policy.ctx.device.type
+        if device not in ("cpu", here):
+            raise ConfigError(f"engine.to({device!r}): the longctx_moe engine runs on {here}; "
+                              "moving it elsewhere is not implemented")
+
+    # ------------------------------------------------------------------ parallel layout
+
+    def get_data_parallel_size(self):
+        return self.policy.dims.dp
+
+    def get_data_parallel_rank(self):
+        return self.policy.dims.rank_in("dp")
+
+    def get_data_parallel_group(self):
+        group = self.policy.dims.group_or_none("dp")
+        if group is None and dist.is_initialized() and dist.get_world_size() == self.policy.dims.dp:
+            return dist.group.WORLD
+        return group
+
+    def is_mp_src_rank_with_outputs(self):
+        d = self.policy.dims
+        return d.rank_in("tp") == 0 and d.rank_in("cp") == 0
+
+    # ------------------------------------------------------------------ batches
+
+    def _prepare(self, data) -> tuple[Any, float, bool]:
+        """Global normalisers into `data` (as verl's engines set them); our RolloutBatch of the
+        rank's share, its temperature and whether entropies are wanted."""
+        num = data["loss_mask"].sum().to(torch.float64)
+        group = self.get_data_parallel_group()
+        if group is not None:
+            dist.all_reduce(num, group=group)
+        tu.assign_non_tensor(data, batch_num_tokens=int(num.item()), dp_size=self.get_data_parallel_size())
+        budget = tu.get_non_tensor_data(data, "max_token_len_per_gpu", None)
+        if tu.get_non_tensor_data(data, "use_dynamic_bsz", True) is False or budget is None:
+            raise ConfigError("verl batch: use_dynamic_bsz=false or no max_token_len_per_gpu; the "
+                              "longctx_moe engine packs micro-batches by tokens: set both")
+        self.policy.budget = int(budget) * self.policy.dims.cp
+        batch = from_verl({k: data[k] for k in LAYOUT_FIELDS if k in data.keys()})
+        entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
+        return batch, _temperature(data), entropy
+
+    def infer_batch(self, data, loss_function=None):
+        """log_probs (and entropy) [B, j] nested and shifted, as verl's engines return them."""
+        batch, temperature, entropy = self._prepare(data)
+        out = self.policy.compute_logprobs(batch, temperature, return_entropy=entropy)
+        cu = data["input_ids"].offsets()
+        model_output = {"log_probs": ours_to_nested(out.logprobs, cu)}
+        if entropy:
+            model_output["entropy"] = ours_to_nested(out.entropy, cu)
+        losses, metrics = [], {}
+        if loss_function is not None:  # verl's losses are normalised globally: one call is exact
+            with torch.no_grad():
+                loss, m = loss_function(model_output=model_output, data=data,
+                                        dp_group=self.get_data_parallel_group())
+            losses.append(float(loss))
+            append_to_dict(metrics, m)
+        return {"model_output": model_output, "loss": losses, "metrics": metrics}
+
+    def train_batch(self, data, loss_function):
+        """One optimizer step on the rank's share with verl's `loss_function`."""
+        batch, temperature, entropy = self._prepare(data)
+        loss = VerlLoss(data, loss_function, self.get_data_parallel_group(),
+                        self.get_data_parallel_size(), entropy)
+        lr = self.schedule.apply()
+        res = self.policy.train_step(batch, loss, lr=lr, temperature=temperature)
+        metrics = loss.metrics
+        if self.is_mp_src_rank_with_outputs():
+            metrics["grad_norm"] = res["grad_norm"]
+        return {"model_output": {}, "loss": loss.losses, "metrics": metrics}
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        if forward_only:
+            return self.infer_batch(data, loss_function)
+        raise ConfigError("the longctx_moe engine runs forward, backward and the optimizer step as "
+                          "one step; call train_batch")
+
+    def optimizer_zero_grad(self):
+        self.policy.trainer.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self):
+        raise ConfigError("the longctx_moe engine steps the optimizer inside train_batch (after "
+                          "its gradient reduction); call train_batch")
+
+    def lr_scheduler_step(self):
+        self.schedule.advance()
+        return lr_at(self.schedule.step_index, self.cfg.optim, self.cfg.train.steps)
+
+    # ------------------------------------------------------------------ weights and state
+
+    def get_per_tensor_param(self, **kwargs):
+        """(HF name, tensor) of every weight, gathered over TP / EP (collective: every rank
+        iterates to the end), in engine_config.export_dtype; no PEFT config."""
+        dtype = getattr(torch, self.engine_config.export_dtype)
+        buckets = self.policy.export_weights(dtype=dtype)
+        return (pair for bucket in buckets for pair in bucket), None
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None,
+                        **kwargs):
+        _refuse_remote(hdfs_path, max_ckpt_to_keep)
+        self.policy.save(local_path)
+        if self.policy.ctx.rank == 0:
+            state = {"schedule_step": self.schedule.step_index, "global_step": global_step}
+            (Path(local_path) / "verl_engine.json").write_text(json.dumps(state) + "\n")
+        if dist.is_initialized():
+            dist.barrier()
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
+        _refuse_remote(hdfs_path, None)
+        self.policy.load(local_path)
+        state = json.loads((Path(local_path) / "verl_engine.json").read_text())
+        self.schedule.step_index = int(state["schedule_step"])
+
+
+@EngineRegistry.register(model_type="language_model", backend=STRATEGY, device=["cpu", "cuda"])
+class LongctxMoeEngineWithLMHead(LongctxMoeEngine):
+    """The language-model engine verl's actor, reference and rollout-refit paths select."""
+
+
+class VerlLoss:
+    """verl's loss function on one micro-batch's sequences: a PolicyTrainer per-sequence loss.
+
+    Called with the micro-batch's sequence indices and their per-token log-probs (and entropies)
+    in our alignment; gives verl's loss function the same rows of verl's TensorDict and the values
+    in verl's shifted nested layout. Records verl's per-micro-batch losses and metrics."""
+
+    per_sequence = True
+
+    def __init__(self, data, loss_function, dp_group, dp_size: int, entropy: bool):
+        self.data, self.fn, self.dp_group, self.dp_size = data, loss_function, dp_group, dp_size
+        self.needs_entropy = entropy
+        self.losses: list[float] = []
+        self.metrics: dict[str, list] = {}
+
+    def __call__(self, seqs: list[int], logp_T: torch.Tensor, ent_T: torch.Tensor | None) -> LossOutput:
+        if not seqs:  # a stand-in micro-batch: no rows, still part of the graph
+            return LossOutput(logp_T.sum() * 0)
+        rows = tu.index_select_tensor_dict(self.data, seqs).to(logp_T.device)
+        cu = rows["input_ids"].offsets()
+        out = {"log_probs": ours_to_nested(logp_T, cu)}
+        if ent_T is not None:
+            out["entropy"] = ours_to_nested(ent_T, cu)
+        loss, metrics = self.fn(model_output=out, data=rows, dp_group=self.dp_group)
+        self.losses.append(float(loss.detach()))
+        append_to_dict(self.metrics, metrics)
+        return LossOutput(loss / self.dp_size)
+
+
+class _ModeCtx(BaseEngineCtx):
+    """verl's mode context (offload around the region) plus the model's train / eval mode."""
+
+    def __enter__(self):
+        super().__enter__()
+        self.engine.policy.runtime.model.train(self.mode == "train")
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        if self.mode == "train" and (self.zero_grad_on_exit or exc_type is not None):
+            self.engine.optimizer_zero_grad()
+        super().__exit__(exc_type, exc_value, traceback)
+
+
+def _temperature(data) -> float:
+    t = data["temperature"] if "temperature" in data.keys() else 1.0
+    if torch.is_tensor(t):
+        if t.numel() and bool((t != t.reshape(-1)[0]).any()):
+            raise ConfigError("verl batch: per-sample temperatures differ; the longctx_moe engine "
+                              "scores a batch at one temperature: split the batch by temperature")
+        t = float(t.reshape(-1)[0]) if t.numel() else 1.0
+    return float(t)
+
+
+def _refuse_remote(hdfs_path, max_ckpt_to_keep) -> None:
+    if hdfs_path is not None:
+        raise ConfigError(f"checkpoint hdfs_path={hdfs_path!r}: the longctx_moe engine writes local "
+                          "folders only; copy them yourself, or leave it unset")
+    if max_ckpt_to_keep is not None:
+        raise ConfigError(f"max_ckpt_to_keep={max_ckpt_to_keep}: each verl step folder holds one "
+                          "checkpoint of this engine; prune old global_step folders outside it")
