@@ -9,12 +9,9 @@ from longctx_moe.cli import main
 from longctx_moe.hf.load import load_hf_weights
 from rl_hooks.api import PolicyTrainer
 from tests.rl_hooks.helpers import config
-from tests.trainer.test_train_run import pack_small_corpus
 
 
-def test_export_hf_of_a_policy_save_folder_with_a_relative_data_path(tmp_path_factory, tmp_path,
-                                                                     monkeypatch, capsys):
-    corpus = pack_small_corpus(tmp_path_factory)
+def test_export_hf_of_a_policy_save_folder_with_a_relative_data_path(corpus, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(corpus.parent)  # data.path relative to where the RL job runs
     policy = PolicyTrainer(config(f"data.path={corpus.name}", "model.shared_expert_hidden_size=0"))
     policy.save(str(tmp_path / "save"))
