@@ -78,6 +78,10 @@ class WeightExport:
         self._open, self._sent = True, self._sent + 1
         return bucket
 
+    def send(self, value: None) -> Bucket:
+        """As a generator's: lets a generator delegate to this export with `yield from`."""
+        return next(self)
+
     def close(self) -> None:
         """Leave the export now (collective with the peers' next read): stops them at this bucket."""
         if self._open:

@@ -101,8 +101,7 @@ class _Rank:
         return fn(self.policy, *args, **kwargs)
 
     def export(self, bucket_bytes: int, dtype):
-        for bucket in self.policy.export_weights(bucket_bytes, dtype):  # noqa: UP028 (a plain loop: yield from would forward close())
-            yield bucket
+        yield from self.policy.export_weights(bucket_bytes, dtype)
 
     def drain_export(self, bucket_bytes: int, dtype) -> None:
         # The export is collective: every rank iterates it to the end, even one that keeps nothing.
