@@ -46,6 +46,7 @@ def _sharded(rank, world, sets):
     return _run(sets, True, rank, world)
 
 
+@pytest.mark.slow  # two or four gloo ranks
 @pytest.mark.parametrize("sets", [[], ["parallel.ep=2"]], ids=["dp2", "dp2-ep2"])
 def test_sharded_batches_give_the_whole_batch_updates(sets):
     want_logp, want_steps, _ = _run([], sharded=False)

@@ -114,14 +114,19 @@ def test_resolved_config_round_trips(tmp_path):
 
 def test_configs_in_repo_load():
     """Training configs load with load_config; an RL demo config (an `rl:` section beside the
-    trainer's) with the demo's loader, which hands the rest to load_config's rules."""
+    trainer's) with the demo's loader, which hands the rest to load_config's rules. A verl
+    TrainingWorker config (`engine_config`) is verl's format: verl's own loader reads it in
+    tests/rl_hooks/test_verl_engine.py; here its `config` must name a training config that loads."""
     from rl_hooks.demo import load_demo_config
 
     paths = sorted((ROOT / "configs").glob("*.yaml"))
     assert paths, "configs/ holds the default run's YAML"
     for path in paths:
-        if "rl" in yaml.safe_load(path.read_text()):
+        data = yaml.safe_load(path.read_text())
+        if "rl" in data:
             load_demo_config(path)
+        elif "engine_config" in data:
+            load_config(ROOT / data["engine_config"]["config"], data["engine_config"]["overrides"])
         else:
             load_config(path)
 

@@ -67,7 +67,7 @@ def test_rerunning_the_same_command_after_a_crash_resumes(tmp_path, corpus, caps
     capsys.readouterr()
     assert train_main(args(run_dir, corpus, 3)) == 0  # the very same command
     out = capsys.readouterr().out
-    assert f"names 'step_00000003', which is missing or has no readable meta.json; resuming from the newest " \
+    assert f"names 'step_00000003', which is missing; resuming from the newest " \
            f"complete step {ckpts / 'step_00000002'}" in out
     again = read_metrics(run_dir)
     assert [r["step"] for r in again] == [1, 2, 3]  # step 3 logged once, by the resumed run
