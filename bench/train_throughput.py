@@ -117,7 +117,7 @@ def model_config(overrides=(), dtype: str = "auto"):
 
     sets = [f"model.{k}={v}" for k, v in MODEL.items()]
     sets += ["optim.warmup_steps=0", "optim.lr=1e-4", "optim.grad_clip=1.0",
-             f"train.autocast_dtype={'none' if dtype == 'fp32' else dtype}", "train.compile=true"]
+             f"train.autocast_dtype={compute_dtype(dtype).setting}", "train.compile=true"]
     return load_config(None, sets + list(overrides))
 
 

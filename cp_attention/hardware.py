@@ -35,15 +35,16 @@ def isa_override() -> str:
     return "" if value == "native" else value
 
 
-def _cpuinfo_flags() -> set[str]:
+@functools.cache
+def _cpuinfo_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 @functools.cache
