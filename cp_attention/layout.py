@@ -70,15 +70,15 @@ class RingLayout:
         return chunk_rows(self.pieces[rank])
 
     def traffic(self, rank: int, kv_heads: int, head_dim: int, itemsize: int,
-                acc_itemsize: int) -> dict[str, tuple[int, int]]:
+                acc_itemsize: int, head_dim_v: int | None = None) -> dict[str, tuple[int, int]]:
         """(bytes, messages) ring rank `rank` sends per layer, by kind. Every message carries one
-        half block [2, Z/2, Hkv, D]. Half A goes round the whole ring (P-1 messages per pass);
+        half block [Z/2, Hkv, D + Dv] (K | V, or dK | dV; Dv = head_dim_v, default D). Half A goes round the whole ring (P-1 messages per pass);
         half B only travels to the ranks below its owner: forward and backward KV, P - rank
         messages (none from rank 0); dK/dV accumulators of B, P - 1 - rank messages."""
         p, z = self.size, self.zigzag_tokens
         if p == 1 or z == 0:
             return {k: (0, 0) for k in ("ring_fwd_kv", "ring_bwd_kv", "ring_bwd_dkv")}
-        half = z // 2 * 2 * kv_heads * head_dim
+        half = z // 2 * kv_heads * (head_dim + (head_dim if head_dim_v is None else head_dim_v))
         kv_msgs = (p - 1) + (p - rank if rank >= 1 else 0)
         dkv_msgs = (p - 1) + (p - 1 - rank)
         return {"ring_fwd_kv": (kv_msgs * half * itemsize, kv_msgs),

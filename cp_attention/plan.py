@@ -91,14 +91,15 @@ class CPPlan:
         return self._full_step
 
     def ring_bytes_per_rank(self, num_kv_heads: int, head_dim: int, itemsize: int,
-                            backward: bool = False, acc_itemsize: int | None = None) -> float:
+                            backward: bool = False, acc_itemsize: int | None = None,
+                            head_dim_v: int | None = None) -> float:
         """Mean over the ring ranks of the bytes one rank sends per layer (RingLayout.traffic);
         backward=True adds the backward pass (KV again, dK/dV in the accumulator dtype)."""
         kinds = ("ring_fwd_kv", "ring_bwd_kv", "ring_bwd_dkv") if backward else ("ring_fwd_kv",)
         total = 0
         for r in range(self.ring.size):
             tr = self.ring.traffic(r, num_kv_heads, head_dim, itemsize,
-                                   acc_itemsize or max(itemsize, 4))
+                                   acc_itemsize or max(itemsize, 4), head_dim_v)
             total += sum(tr[k][0] for k in kinds)
         return total / self.ring.size
 

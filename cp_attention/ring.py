@@ -1,17 +1,20 @@
 """Ring (p2p) context-parallel attention over a CP plan.
 
-    out_LHD, lse_HL = ring_attention(q_LHD, k_LHD, v_LHD, plan, group, causal=True, scale=None,
-                                     backend="auto", stats=None)
+    out_LHDv, lse_HL = ring_attention(q_LHD, k_LHD, v_LHDv, plan, group, causal=True, scale=None,
+                                      backend="auto", stats=None, sink=None)
 
-q [L, Hq, D], k / v [L, Hkv, D]: this rank's tokens in the plan's local order (plan.shard), heads
-possibly already TP-sharded (Hq % Hkv == 0, GQA). Returns out [L, Hq, D] in q's dtype and lse
-[Hq, L] (float32; float64 for float64 inputs; rows that see no key: out 0, lse -inf). Autograd:
-gradients flow to q, k, v (lse carries none). `group` is the CP group; its rank r must hold
+q [L, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv]: this rank's tokens in the plan's local order
+(plan.shard), heads possibly already TP-sharded (Hq % Hkv == 0, GQA). Returns out [L, Hq, Dv] in
+q's dtype and lse [Hq, L] (float32; float64 for float64 inputs; rows that see no key: out 0, lse
+-inf). Autograd: gradients flow to q, k, v and sink (lse carries none). sink [Hq] (gpt-oss): merged
+as one more LSE term after the last ring step, so each row counts it once (kernels/sinks.py); its
+gradient is this rank's rows' share (the CP gradient reduction sums the shares). `group` is the CP group; its rank r must hold
 plan.shard(x, r). `stats` (CommStats) accumulates what this rank sends.
 
 Schedule (P = group size, Z = the plan's ring tokens per rank: its zigzag pieces; whole documents
 never enter the ring). The ring runs towards lower ranks: at step t rank r holds the KV block of
-rank s = (r + t) % P. A block travels as two halves: A (the first chunks, chunk s of each zigzag
+rank s = (r + t) % P. A block (K and V concatenated on the head dim, [Z/2, Hkv, D + Dv] per
+half) travels as two halves: A (the first chunks, chunk s of each zigzag
 document) and B (the second chunks, chunk 2P-1-s). By causality only the ranks r < s need B (see
 cp_attention/schedule.py); the block visits them first (s-1, ..., 0), and after the wrap to P-1
 only A travels on. That saves a quarter of the ring bytes of plain zigzag (summed over ranks;
@@ -31,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from cp_attention.comm import CommStats, post_p2p, wait_all
-from cp_attention.kernels import accumulate_dtype, attn_backward, attn_forward
+from cp_attention.kernels import accumulate_dtype, add_sink, attn_backward, attn_forward, sink_grad
+from cp_attention.kernels.sinks import check_sink
 from cp_attention.layout import RingLayout
 from cp_attention.merge import merge_, new_accumulators
 from cp_attention.plan import CPPlan
@@ -41,8 +45,9 @@ KV_TAG, DKV_TAG = 0, 2  # KV halves A, B: 0, 1; dK/dV A, B, B home: 2, 3, 4
 
 def ring_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, group, causal: bool = True,
                    scale: float | None = None, backend: str = "auto",
-                   stats: CommStats | None = None):
-    """See the module docstring."""
+                   stats: CommStats | None = None, sink=None, window: int | None = None):
+    """See the module docstring. A sliding window is refused here (see check_ring_window)."""
+    check_ring_window(window, "ring_attention")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if plan.hierarchical_sizes[0] != 1:
         raise ValueError(f"ring_attention: the plan was made with hierarchical_sizes="
@@ -55,12 +60,22 @@ def ring_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, group, causal: bool = True
     if not causal:
         raise ValueError("ring_attention: only causal attention is planned (causal=False is not "
                          "supported); use a single-device kernel for bidirectional attention")
-    return RingAttention.apply(q_LHD, k_LHD, v_LHD, plan.ring, rank, group, scale, backend, stats)
+    check_sink(sink, q_LHD.shape[1])
+    return RingAttention.apply(q_LHD, k_LHD, v_LHD, sink, plan.ring, rank, group, scale, backend,
+                               stats)
+
+
+def check_ring_window(window: int | None, who: str) -> None:
+    """The ring's step kernels see zigzag chunks in local order, where the distance between a
+    query and a key is not their distance in the document, so a window cannot be applied there."""
+    if window is not None:
+        raise ValueError(f"{who}: sliding-window attention is not supported by the ring executor; "
+                         "set parallel.cp_backend=ulysses for models with sliding-window layers")
 
 
 def check_local_shapes(q, k, v, tokens: int, who: str) -> None:
-    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
-        raise ValueError(f"{who}: expects q [L, Hq, D], k and v [L, Hkv, D]; got q "
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"{who}: expects q [L, Hq, D], k [L, Hkv, D] and v [L, Hkv, Dv]; got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[0] != tokens or k.shape[0] != tokens:
         raise ValueError(f"{who}: this rank holds {tokens} tokens in the plan but q has "
@@ -71,19 +86,21 @@ class RingAttention(torch.autograd.Function):
     """Autograd wrapper of ring_forward / ring_backward on one ring layout and ring rank."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, rank, group, scale, backend, stats):
+    def forward(ctx, q, k, v, sink, layout, rank, group, scale, backend, stats):
         args = (layout, rank, group, scale, backend, stats)
-        out, lse = ring_forward(q, k, v, *args)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = ring_forward(q, k, v, *args, sink=sink)
+        ctx.save_for_backward(q, k, v, sink, out, lse)
         ctx.args = args
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        q, k, v, sink, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
+        dsink = None if sink is None else sink_grad(dout, out, lse, sink)
+        return dq, dk, dv, dsink, None, None, None, None, None, None
 
 
 def _full(r: int, t: int, p: int) -> bool:
@@ -113,17 +130,22 @@ class _Halves:
 
 
 def _own_halves(k, v, layout: RingLayout, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[2, Z/2, Hkv, D] each: K and V of this rank's first chunks (A) and second chunks (B)."""
+    """[Z/2, Hkv, D + Dv] each: K | V of this rank's first chunks (A) and second chunks (B)."""
     rows_a, rows_b = (x.to(k.device) for x in layout.chunk_rows(rank))
-    return (torch.stack([k.index_select(0, rows_a), v.index_select(0, rows_a)]),
-            torch.stack([k.index_select(0, rows_b), v.index_select(0, rows_b)]))
+    kv = torch.cat([k, v], dim=-1)
+    return kv.index_select(0, rows_a), kv.index_select(0, rows_b)
+
+
+def _split_kv(kv, d: int):
+    """[.., D + Dv] -> (K [.., D], V [.., Dv]) views."""
+    return kv[..., :d], kv[..., d:]
 
 
 def ring_forward(q, k, v, layout: RingLayout, rank: int, group, scale, backend,
-                 stats: CommStats | None):
-    """-> (out [L, Hq, D] q.dtype, lse [Hq, L] acc dtype)."""
+                 stats: CommStats | None, sink=None):
+    """-> (out [L, Hq, Dv] q.dtype, lse [Hq, L] acc dtype), the sink (if any) merged last."""
     p, z = layout.size, layout.zigzag_tokens
-    out_acc, lse_acc = new_accumulators(q)
+    out_acc, lse_acc = new_accumulators(q, v.shape[-1])
     use_ring = p > 1 and z > 0
     cur = _own_halves(k, v, layout, rank) if use_ring else None
     routes = _Halves(layout, rank, group, stats, "ring_fwd_kv") if use_ring else None
@@ -137,6 +159,8 @@ def ring_forward(q, k, v, layout: RingLayout, rank: int, group, scale, backend,
             merge_(out_acc, lse_acc, o, lse)
         wait_all(reqs)
         cur = nxt
+    if sink is not None:
+        out_acc, lse_acc = add_sink(out_acc, lse_acc, sink)
     return out_acc.to(q.dtype), lse_acc
 
 
@@ -148,7 +172,9 @@ def _calls(layout: RingLayout, rank: int, t: int, k, v, cur):
     elif cur is None:  # no ring tokens: every step after the first is empty
         return []
     else:
-        blocks = [("a", spec_a, cur[0]), ("b", spec_b, cur[1])]
+        d = k.shape[-1]
+        blocks = [("a", spec_a, _split_kv(cur[0], d)),
+                  ("b", spec_b, None if cur[1] is None else _split_kv(cur[1], d))]
     return [(w, s, kv) for w, s, kv in blocks if s is not None and not s.empty]
 
 
@@ -224,10 +250,10 @@ def ring_backward(dout, q, k, v, out, lse, layout: RingLayout, rank: int, group,
             g = attn_backward(dout, q, kv[0], kv[1], out, lse, spec.cu_q, spec.cu_k, spec.max_q,
                               spec.max_k, spec.causal, scale, backend)
             dq += g[0]
-            contrib[which] = torch.stack([g[1], g[2]]).to(adt)
+            contrib[which] = torch.cat([g[1], g[2]], dim=-1).to(adt)
         if t == 0 and "local" in contrib:
-            dk += contrib["local"][0]
-            dv += contrib["local"][1]
+            dk += contrib["local"][..., :k.shape[-1]]
+            dv += contrib["local"][..., k.shape[-1]:]
         elif t > 0 and use_ring:
             zeros = torch.zeros_like(travel.like)
             travel.step(t, contrib.get("a", zeros),
@@ -241,8 +267,8 @@ def ring_backward(dout, q, k, v, out, lse, layout: RingLayout, rank: int, group,
 
 def _add_home(dk, dv, layout: RingLayout, rank: int, home_a, home_b) -> None:
     rows_a, rows_b = (x.to(dk.device) for x in layout.chunk_rows(rank))
-    dk.index_add_(0, rows_a, home_a[0])
-    dv.index_add_(0, rows_a, home_a[1])
-    if home_b is not None:
-        dk.index_add_(0, rows_b, home_b[0])
-        dv.index_add_(0, rows_b, home_b[1])
+    for rows, home in ((rows_a, home_a), (rows_b, home_b)):
+        if home is not None:
+            g_k, g_v = _split_kv(home, dk.shape[-1])
+            dk.index_add_(0, rows, g_k)
+            dv.index_add_(0, rows, g_v)

@@ -5,8 +5,12 @@
     out_LHD, lse_HL = hierarchical_attention(q_LHD, k_LHD, v_LHD, plan, inner_group,
                                              outer_group, causal=True, ...)
 
-Shapes and dtypes as ring_attention (cp_attention/ring.py): q [L, Hq, D], k / v [L, Hkv, D] in the
-plan's local order, heads possibly TP-sharded; out [L, Hq, D], lse [Hq, L]; autograd-capable.
+Shapes and dtypes as ring_attention (cp_attention/ring.py): q [L, Hq, D], k [L, Hkv, D], v
+[L, Hkv, Dv] in the plan's local order, heads possibly TP-sharded; out [L, Hq, Dv], lse [Hq, L];
+autograd-capable. sink [Hq] (gpt-oss) as in ring_attention: each rank passes the logits of the
+heads it computes to its kernel, so every row counts its head's sink once. window (sliding
+window): Ulysses runs every document whole in one kernel call, so it applies the window there;
+hierarchical refuses it (its ring cannot, see ring.check_ring_window).
 
 Ulysses (P = group size): one all-to-all turns "my tokens, all heads" into "every rank's tokens,
 heads [r*Hq/P, (r+1)*Hq/P)"; the tokens are put back in physical order, one varlen kernel call
@@ -29,8 +33,9 @@ import torch.distributed as dist
 
 from cp_attention.comm import CommStats, _gather_heads, gather_heads, scatter_heads
 from cp_attention.kernels import varlen_attention
+from cp_attention.kernels.sinks import check_sink
 from cp_attention.plan import CPPlan
-from cp_attention.ring import RingAttention, check_local_shapes
+from cp_attention.ring import RingAttention, check_local_shapes, check_ring_window
 
 
 def check_heads(hq: int, hkv: int, size: int, who: str) -> None:
@@ -58,9 +63,17 @@ def _gather_lse(lse_hS, counts, group, stats) -> torch.Tensor:
     return _gather_heads(lse_hS.t().unsqueeze(-1), counts, group, stats, "a2a_fwd")[..., 0].t()
 
 
+def _head_slice(sink_H, rank: int, size: int):
+    """The sink logits of the query heads rank `rank` of a size-`size` all-to-all computes."""
+    if sink_H is None:
+        return None
+    per = sink_H.shape[0] // size
+    return sink_H[rank * per:(rank + 1) * per]
+
+
 def ulysses_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, group, causal: bool = True,
                       scale: float | None = None, backend: str = "auto",
-                      stats: CommStats | None = None):
+                      stats: CommStats | None = None, sink=None, window: int | None = None):
     """See the module docstring. Only causal per-document attention is planned (causal=True)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if size != plan.cp_size:
@@ -70,6 +83,7 @@ def ulysses_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, group, causal: bool = T
         raise ValueError("ulysses_attention: causal=False is not supported; use ring_attention")
     check_local_shapes(q_LHD, k_LHD, v_LHD, plan.local_tokens(rank), "ulysses_attention")
     check_heads(q_LHD.shape[1], k_LHD.shape[1], size, "ulysses_attention")
+    check_sink(sink, q_LHD.shape[1])
     counts = [plan.local_tokens(j) for j in range(size)]
     k_LHD, v_LHD = replicate_kv(k_LHD, v_LHD, size)
     order = torch.cat(plan.rank_index).to(q_LHD.device)  # physical position of each gathered row
@@ -79,15 +93,18 @@ def ulysses_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, group, causal: bool = T
                      for x in (q_LHD, k_LHD, v_LHD))
     spec = plan.full_sequence_step().to(q_LHD.device)
     out_S, lse_hS = varlen_attention(q_S, k_S, v_S, spec.cu_q, spec.cu_k, spec.max_q,
-                                     spec.max_k, True, scale, backend)
+                                     spec.max_k, True, scale, backend, window,
+                                     _head_slice(sink, rank, size))
     out = gather_heads(out_S.index_select(0, to_group), counts, group, stats)
     return out, _gather_lse(lse_hS.index_select(1, to_group), counts, group, stats)
 
 
 def hierarchical_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, inner_group, outer_group,
                            causal: bool = True, scale: float | None = None,
-                           backend: str = "auto", stats: CommStats | None = None):
+                           backend: str = "auto", stats: CommStats | None = None, sink=None,
+                           window: int | None = None):
     """See the module docstring. CP rank = outer_rank * inner + inner_rank."""
+    check_ring_window(window, "hierarchical_attention")
     inner, outer = plan.hierarchical_sizes
     got = (dist.get_world_size(inner_group), dist.get_world_size(outer_group))
     if got != (inner, outer):
@@ -99,10 +116,11 @@ def hierarchical_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, inner_group, outer
     check_local_shapes(q_LHD, k_LHD, v_LHD, plan.local_tokens(o * inner + i),
                        "hierarchical_attention")
     check_heads(q_LHD.shape[1], k_LHD.shape[1], inner, "hierarchical_attention")
+    check_sink(sink, q_LHD.shape[1])
     counts = [plan.local_tokens(o * inner + j) for j in range(inner)]
     k_LHD, v_LHD = replicate_kv(k_LHD, v_LHD, inner)
     q_S, k_S, v_S = (scatter_heads(x, counts, inner_group, stats) for x in (q_LHD, k_LHD, v_LHD))
-    out_S, lse_hS = RingAttention.apply(q_S, k_S, v_S, plan.ring, o, outer_group, scale,
-                                        backend, stats)
+    out_S, lse_hS = RingAttention.apply(q_S, k_S, v_S, _head_slice(sink, i, inner), plan.ring, o,
+                                        outer_group, scale, backend, stats)
     out = gather_heads(out_S, counts, inner_group, stats)
     return out, _gather_lse(lse_hS, counts, inner_group, stats)

@@ -5,7 +5,10 @@
     out_THD, lse_HT = varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)  # autograd
 
 Shape legend: T query tokens, S key tokens, Hq / Hkv heads (Hq % Hkv == 0, query head h uses kv
-head h // (Hq // Hkv)), D head dim, N documents. cu_q / cu_k: int32 [N+1] cumulative boundaries;
+head h // (Hq // Hkv)), D head dim of q / k, Dv of v / out (may differ: MLA), N documents.
+Options on every backend: window=W (sliding window: the W latest keys, bottom-right aligned;
+refused at start-up by a backend that cannot, see check_window_support) and, on
+varlen_attention, sink=[Hq] (gpt-oss attention sinks, cp_attention.kernels.sinks). cu_q / cu_k: int32 [N+1] cumulative boundaries;
 max_q / max_k: host ints. Causal masks are bottom-right aligned per document (flash-attn >= 2.1):
 query i of a document with lengths (Lq, Lk) sees keys j <= i + Lk - Lq. Rows that see no key, and
 trailing padding past cu_q[-1], return out = 0 and lse = -inf; their gradients are zero.
@@ -28,78 +31,122 @@ import torch
 from . import reference as _reference
 from ._buckets import batch_invariant
 from ._buckets import invariant_enabled as batch_invariant_enabled
-from ._common import accumulate_dtype, check_inputs, default_scale, doc_lengths
-from ._registry import BACKENDS, load_backend, resolve_backend
+from ._common import (
+    accumulate_dtype,
+    check_inputs,
+    check_window,
+    default_scale,
+    doc_lengths,
+    pad_head_dims,
+)
+from ._registry import BACKENDS, check_window_support, load_backend, resolve_backend
+from .sinks import add_sink, check_sink, sink_grad
 
-__all__ = ["BACKENDS", "accumulate_dtype", "batch_invariant", "batch_invariant_enabled", "attn_backward", "attn_forward", "reference_attention", "resolve_backend",
-           "varlen_attention"]
+__all__ = ["BACKENDS", "accumulate_dtype", "add_sink", "batch_invariant", "batch_invariant_enabled",
+           "attn_backward", "attn_forward", "check_window_support", "reference_attention",
+           "resolve_backend", "sink_grad", "varlen_attention"]
 
 
-def _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k) -> None:
+def _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal=True, window=None) -> None:
     check_inputs(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k)
+    check_window(window, causal)
     if cu_q.device.type == "cpu" and cu_k.device.type == "cpu":
         # Boundary values are checked only where reading them costs no device sync.
         doc_lengths(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], max_q, max_k)
 
 
+def _resolve(backend, q_THD, window):
+    name = resolve_backend(backend, q_THD.device, q_THD.dtype)
+    if window is not None:
+        check_window_support(name, q_THD.device)
+    return name
+
+
 def attn_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
-                 scale: float | None = None, backend: str = "auto"):
-    """q [T, Hq, D], k / v [S, Hkv, D] -> (out [T, Hq, D] input dtype, lse [Hq, T] float32/64)."""
-    _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k)
-    impl = load_backend(resolve_backend(backend, q_THD.device, q_THD.dtype))
-    return impl.forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale)
+                 scale: float | None = None, backend: str = "auto", window: int | None = None):
+    """q [T, Hq, D], k [S, Hkv, D], v [S, Hkv, Dv] -> (out [T, Hq, Dv] input dtype, lse [Hq, T]
+    float32/64). window: each query sees at most the `window` latest keys of its document (its
+    own position included; bottom-right aligned like the causal mask); None = all of them."""
+    _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, window)
+    name = _resolve(backend, q_THD, window)
+    scale = default_scale(scale, q_THD.shape[-1])
+    dv = v_SHD.shape[-1]
+    if name not in _NATIVE_DV and dv != q_THD.shape[-1]:
+        q_THD, k_SHD, v_SHD = pad_head_dims(q_THD, k_SHD, v_SHD)
+    out, lse = load_backend(name).forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal,
+                                          scale, window)
+    return out[..., :dv], lse
 
 
 def attn_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q: int,
-                  max_k: int, causal: bool, scale: float | None = None, backend: str = "auto"):
-    """-> (dq [T, Hq, D], dk [S, Hkv, D], dv [S, Hkv, D]) in the input dtype, for the passed
-    (possibly globally merged) out [T, Hq, D] and lse [Hq, T]."""
-    _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k)
-    if out_THD.shape != q_THD.shape or dout_THD.shape != q_THD.shape:
-        raise ValueError(f"out {tuple(out_THD.shape)} and dout {tuple(dout_THD.shape)} must match q "
-                         f"{tuple(q_THD.shape)}")
+                  max_k: int, causal: bool, scale: float | None = None, backend: str = "auto",
+                  window: int | None = None):
+    """-> (dq [T, Hq, D], dk [S, Hkv, D], dv [S, Hkv, Dv]) in the input dtype, for the passed
+    (possibly globally merged) out [T, Hq, Dv] and lse [Hq, T]."""
+    _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, window)
+    want = (*q_THD.shape[:2], v_SHD.shape[-1])
+    if out_THD.shape != want or dout_THD.shape != want:
+        raise ValueError(f"out {tuple(out_THD.shape)} and dout {tuple(dout_THD.shape)} must be "
+                         f"[T, Hq, Dv] = {list(want)}")
     if lse_HT.shape != (q_THD.shape[1], q_THD.shape[0]):
         raise ValueError(f"lse must be [Hq, T] = {[q_THD.shape[1], q_THD.shape[0]]}; got "
                          f"{list(lse_HT.shape)} (transpose a [T, H] lse)")
-    impl = load_backend(resolve_backend(backend, q_THD.device, q_THD.dtype))
-    return impl.backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k,
-                         causal, scale)
+    name = _resolve(backend, q_THD, window)
+    scale = default_scale(scale, q_THD.shape[-1])
+    d, dv = q_THD.shape[-1], v_SHD.shape[-1]
+    if name not in _NATIVE_DV and dv != d:
+        q_THD, k_SHD, v_SHD, out_THD, dout_THD = pad_head_dims(q_THD, k_SHD, v_SHD, out_THD,
+                                                               dout_THD)
+    gq, gk, gv = load_backend(name).backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q,
+                                             cu_k, max_q, max_k, causal, scale, window)
+    return gq[..., :d], gk[..., :d], gv[..., :dv]
+
+
+# Backends that take v with its own head dim; the others get q, k, v zero-padded to one width.
+_NATIVE_DV = ("reference",)
 
 
 def reference_attention(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
-                        scale: float | None = None):
-    """Dense masked float64 attention: same contract as attn_forward (out in the input dtype)."""
-    _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k)
-    return _reference.reference_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale)
+                        scale: float | None = None, window: int | None = None,
+                        sink_H: torch.Tensor | None = None):
+    """Dense masked float64 attention: same contract as attn_forward (out in the input dtype);
+    with `sink_H` the sink joins the softmax (see cp_attention.kernels.sinks)."""
+    _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, window)
+    check_sink(sink_H, q_THD.shape[1])
+    out, lse = _reference.reference_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal,
+                                            scale, window)
+    return (out, lse) if sink_H is None else add_sink(out, lse, sink_H)
 
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, backend):
-        name = resolve_backend(backend, q.device, q.dtype)
+    def forward(ctx, q, k, v, sink, cu_q, cu_k, max_q, max_k, causal, scale, backend, window):
+        name = _resolve(backend, q, window)
         scale = default_scale(scale, q.shape[-1])
-        out, lse = attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, name)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.args = (max_q, max_k, causal, scale, name)
+        out, lse = attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, name, window)
+        if sink is not None:
+            out, lse = add_sink(out, lse, sink)
+        ctx.save_for_backward(q, k, v, sink, out, lse, cu_q, cu_k)
+        ctx.args = (max_q, max_k, causal, scale, name, window)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        max_q, max_k, causal, scale, name = ctx.args
+        q, k, v, sink, out, lse, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, causal, scale, name, window = ctx.args
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        args = (cu_q, cu_k, max_q, max_k, causal, scale, name, window)
         if dlse is None:
-            grads = attn_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
-                                  name)
+            grads = attn_backward(dout, q, k, v, out, lse, *args)
         else:
-            grads = _backward_with_lse_grad(dout, dlse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
-                                            causal, scale, name)
-        return (*grads, None, None, None, None, None, None, None)
+            grads = _backward_with_lse_grad(dout, dlse, q, k, v, out, lse, *args)
+        dsink = None if sink is None else sink_grad(dout, out, lse, sink, dlse)
+        return (*grads, dsink, None, None, None, None, None, None, None, None)
 
 
 def _backward_with_lse_grad(dout, dlse_HT, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
-                            scale, name):
+                            scale, name, window):
     """d lse_i / d S_ij = P_ij, so an lse gradient adds P * dlse to dS = P * (dP - D). Every
     kernel computes D = rowsum(dout * out) itself; appending a column with out = 1, dout = -dlse
     (and zeros in q, k, v, so S and dP are unchanged) turns D into D - dlse. Eight columns keep
@@ -110,16 +157,20 @@ def _backward_with_lse_grad(dout, dlse_HT, q, k, v, out, lse, cu_q, cu_k, max_q,
     out_x = pad(out)
     out_x[..., -_EXTRA_COLS] = 1.0
     dq, dk, dv = attn_backward(dout_x, pad(q), pad(k), pad(v), out_x, lse, cu_q, cu_k, max_q, max_k,
-                               causal, scale, name)
+                               causal, scale, name, window)
     d = q.shape[-1]
-    return dq[..., :d], dk[..., :d], dv[..., :d]
+    return dq[..., :d], dk[..., :d], dv[..., :v.shape[-1]]
 
 
 _EXTRA_COLS = 8
 
 
 def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool = True,
-                     scale: float | None = None, backend: str = "auto"):
-    """Differentiable attn_forward: (out [T, Hq, D], lse [Hq, T]); gradients flow through both
-    (an lse gradient costs a backward on a head dim padded by 8)."""
-    return _VarlenAttention.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, backend)
+                     scale: float | None = None, backend: str = "auto", window: int | None = None,
+                     sink: torch.Tensor | None = None):
+    """Differentiable attn_forward: (out [T, Hq, Dv], lse [Hq, T]); gradients flow through both
+    (an lse gradient costs a backward on a head dim padded by 8). sink: [Hq] logits joining each
+    row's softmax (gpt-oss; cp_attention.kernels.sinks), with a gradient; lse then includes it."""
+    check_sink(sink, q.shape[1])
+    return _VarlenAttention.apply(q, k, v, sink, cu_q, cu_k, max_q, max_k, causal, scale, backend,
+                                  window)

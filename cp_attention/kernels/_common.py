@@ -1,7 +1,7 @@
 """Validation and small helpers shared by every varlen attention backend.
 
-Shape legend: T query tokens, S key tokens, Hq query heads, Hkv key/value heads, D head dim,
-N documents. cu_q / cu_k are int32 [N+1] cumulative boundaries; document i's queries are
+Shape legend: T query tokens, S key tokens, Hq query heads, Hkv key/value heads, D head dim of
+q and k, Dv head dim of v and out (MLA: Dv != D), N documents. cu_q / cu_k are int32 [N+1] cumulative boundaries; document i's queries are
 q[cu_q[i]:cu_q[i+1]] and its keys k[cu_k[i]:cu_k[i+1]]. Tokens past cu_q[-1] (cu_k[-1]) are
 trailing padding: output 0, lse -inf, zero gradients.
 """
@@ -32,8 +32,9 @@ def check_inputs(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q: int, max_k: int) -> Non
         raise ValueError(
             f"varlen attention expects q [T, Hq, D] and k, v [S, Hkv, D]; got q {tuple(q_THD.shape)}, "
             f"k {tuple(k_SHD.shape)}, v {tuple(v_SHD.shape)} (flatten the batch dim into tokens)")
-    if k_SHD.shape != v_SHD.shape:
-        raise ValueError(f"k {tuple(k_SHD.shape)} and v {tuple(v_SHD.shape)} must have the same shape")
+    if k_SHD.shape[:2] != v_SHD.shape[:2]:
+        raise ValueError(f"k {tuple(k_SHD.shape)} and v {tuple(v_SHD.shape)} must have the same "
+                         "tokens and heads (only their head dims may differ)")
     hq, hkv = q_THD.shape[1], k_SHD.shape[1]
     if q_THD.shape[2] != k_SHD.shape[2]:
         raise ValueError(f"head dim of q ({q_THD.shape[2]}) differs from k ({k_SHD.shape[2]})")
@@ -50,6 +51,28 @@ def check_inputs(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q: int, max_k: int) -> Non
                          "pass one boundary per document to both")
     if not isinstance(max_q, int) or not isinstance(max_k, int):
         raise ValueError("max_q and max_k must be host ints (never read them from a device tensor)")
+
+
+def check_window(window: int | None, causal: bool) -> None:
+    """A sliding window of `window` keys (the query's own included) needs causal attention."""
+    if window is None:
+        return
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window={window!r} must be a positive int (keys a query sees, itself "
+                         "included) or None for full causal attention")
+    if not causal:
+        raise ValueError("a sliding window needs causal=True (bidirectional windows are not "
+                         "supported); pass window=None for causal=False")
+
+
+def pad_head_dims(q_THD, k_SHD, v_SHD, *more_THDv):
+    """Zero-pad q, k (head dim D) and v and `more` (head dim Dv: out, dout) to max(D, Dv), for
+    kernels that need one head dim. Zero columns add nothing to q.k and give zero output columns,
+    so the result sliced back is exact (the scale must be fixed from the unpadded D)."""
+    d, dv = q_THD.shape[-1], v_SHD.shape[-1]
+    width = max(d, dv)
+    pad = lambda x: x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    return (pad(q_THD), pad(k_SHD), pad(v_SHD), *(pad(x) for x in more_THDv))
 
 
 def doc_lengths(cu_q, cu_k, total_q: int, total_k: int, max_q: int, max_k: int):

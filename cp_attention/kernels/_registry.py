@@ -50,3 +50,13 @@ def resolve_backend(name: str, device, dtype: torch.dtype | None = None) -> str:
     if reason is not None:
         raise RuntimeError(f"attention backend {name!r} is unavailable: {reason}")
     return name
+
+
+def check_window_support(name: str, device: torch.device) -> None:
+    """Raise a one-line error when backend `name` cannot run sliding-window attention here (a
+    window it cannot apply is refused, never ignored). Every backend's module may define
+    window_unsupported_reason(device); those that do not support windows everywhere."""
+    reason_fn = getattr(load_backend(name), "window_unsupported_reason", None)
+    reason = reason_fn(torch.device(device)) if reason_fn is not None else None
+    if reason is not None:
+        raise RuntimeError(f"attention backend {name!r} cannot apply a sliding window: {reason}")

@@ -24,19 +24,35 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def window_unsupported_reason(device: torch.device) -> str | None:
+    """None when the installed flash-attn takes a sliding window (2.3+: window_size)."""
+    if unavailable_reason(device) is not None:
+        return None  # resolve_backend already refused the backend itself
+    params = _params(_interface()._flash_attn_varlen_forward)
+    if "window_size" in params or "window_size_left" in params:
+        return None
+    return ("the installed flash-attn has no window_size; install flash-attn >= 2.3 or use "
+            "attention_backend=flex")
+
+
 def _interface():
     from flash_attn import flash_attn_interface  # lazy: GPU-only package
 
     return flash_attn_interface
 
 
+def _params(fn) -> dict:
+    """The named parameters of a flash-attn function (see _call_by_name)."""
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p: spec for p, spec in params.items() if spec.kind in named}
+
+
 def _call_by_name(fn, values: dict):
     """Call fn with the entries of `values` its signature names (version-proof binding).
     flash-attn >= 2.7 wraps these functions as torch custom ops (`CustomOpDef`, signature
     (*args, **kwargs)); the original function's signature is on `_init_fn`."""
-    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    params = {p: spec for p, spec in params.items() if spec.kind in named}
+    params = _params(fn)
     missing = [p for p, spec in params.items() if p not in values and spec.default is inspect._empty]
     if missing:
         raise RuntimeError(f"unsupported flash-attn version: {fn.__name__} needs {missing}; "
@@ -44,15 +60,18 @@ def _call_by_name(fn, values: dict):
     return fn(**{p: values[p] for p in params if p in values})
 
 
-def _common_args(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _common_args(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"flash_attn supports float16/bfloat16, not {q.dtype}; use backend='flex' "
                          "or 'reference' for this dtype")
+    # flash-attn's window (left, right) is bottom-right aligned like ours: W keys = W-1 before.
+    left, right = (-1, -1) if window is None else (window - 1, 0)
     return dict(q=q, k=k, v=v, cu_seqlens_q=cu_q.int(), cu_seqlens_k=cu_k.int(),
                 max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0,
                 softmax_scale=default_scale(scale, q.shape[-1]), causal=bool(causal),
-                window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=0.0,
-                alibi_slopes=None, return_softmax=False, deterministic=True, rng_state=None)
+                window_size=(left, right), window_size_left=left, window_size_right=right,
+                softcap=0.0, alibi_slopes=None, return_softmax=False, deterministic=True,
+                rng_state=None)
 
 
 def _fix_padding(out_THD, lse_HT, cu_q):
@@ -64,9 +83,10 @@ def _fix_padding(out_THD, lse_HT, cu_q):
     return out_THD, lse_HT
 
 
-def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None):
-    """-> (out [T, Hq, D] input dtype, lse [Hq, T] float32). GQA is native to flash-attn."""
-    args = _common_args(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale)
+def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None, window=None):
+    """-> (out [T, Hq, D] input dtype, lse [Hq, T] float32). GQA is native to flash-attn; a v
+    head dim != D arrives zero-padded (attn_forward), as flash-attn 2 wants one head dim."""
+    args = _common_args(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale, window)
     res = _call_by_name(_interface()._flash_attn_varlen_forward, args)
     # 2.6+: (out, lse, S_dmask, rng_state); 2.5: (out, q, k, v, out_padded, lse, S_dmask, rng).
     out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
@@ -76,9 +96,9 @@ def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None):
 
 
 def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k, causal,
-             scale=None):
+             scale=None, window=None):
     """Block gradients for a passed (possibly merged) out / lse; -> (dq, dk, dv)."""
-    args = _common_args(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale)
+    args = _common_args(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale, window)
     dq, dk, dv = torch.zeros_like(q_THD), torch.zeros_like(k_SHD), torch.zeros_like(v_SHD)
     args.update(dout=dout_THD.contiguous(), out=out_THD.contiguous(),
                 softmax_lse=kernel_lse(lse_HT.float()).contiguous(), dq=dq, dk=dk, dv=dv)

@@ -50,8 +50,9 @@ def _doc_index(cu, total, device):
     return torch.where(inside, doc, -1), pos
 
 
-def block_mask(cu_q, cu_k, total_q, total_k, causal, device):
-    """flex BlockMask for packed documents (bottom-right causal when asked)."""
+def block_mask(cu_q, cu_k, total_q, total_k, causal, device, window=None):
+    """flex BlockMask for packed documents (bottom-right causal when asked, and within the
+    `window` latest keys when given: blocks wholly outside it are skipped)."""
     flex = _flex()
     doc_q, pos_q = _doc_index(cu_q, total_q, device)
     doc_k, pos_k = _doc_index(cu_k, total_k, device)
@@ -62,7 +63,10 @@ def block_mask(cu_q, cu_k, total_q, total_k, causal, device):
 
     def mask_mod(b, h, qi, ki):
         same = doc_q[qi] == k_doc[ki]
-        return same & (pos_k[ki] <= pos_q[qi] + shift[qi]) if causal else same
+        if not causal:
+            return same
+        seen = same & (pos_k[ki] <= pos_q[qi] + shift[qi])
+        return seen if window is None else seen & (pos_k[ki] > pos_q[qi] + shift[qi] - window)
 
     return flex.create_block_mask(mask_mod, None, None, total_q, total_k, device=device)
 
@@ -88,19 +92,19 @@ def _local(q_THD, k_SHD, v_SHD, mask, scale):
     return out[0].transpose(0, 1), lse[0]
 
 
-def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None):
+def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None, window=None):
     """-> (out [T, Hq, D] input dtype, lse [Hq, T] float32, float64 for float64 inputs)."""
     scale = default_scale(scale, q_THD.shape[-1])
-    mask = block_mask(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal, q_THD.device)
+    mask = block_mask(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal, q_THD.device, window)
     out, lse = _local(q_THD, k_SHD, v_SHD, mask, scale)
     lse = torch.where(torch.isfinite(lse), lse, float("-inf")).to(accumulate_dtype(q_THD.dtype))
     return out.masked_fill((lse == float("-inf")).t()[..., None], 0), lse
 
 
 def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k, causal,
-             scale=None):
+             scale=None, window=None):
     """Block gradients for a passed (possibly merged) out / lse; -> (dq, dk, dv)."""
     scale = default_scale(scale, q_THD.shape[-1])
-    mask = block_mask(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal, q_THD.device)
+    mask = block_mask(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal, q_THD.device, window)
     local = lambda q, k, v: _local(q, k, v, mask, scale)
     return external_lse_grads(local, dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT)

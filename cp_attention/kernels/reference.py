@@ -1,7 +1,8 @@
 """Dense masked varlen attention in float64: the ground truth every backend is tested against.
 
 Materialises the full [Hq, T, S] score matrix, so it is for tests and small shapes only.
-Shape legend: T query tokens, S key tokens, Hq / Hkv heads, D head dim, G = Hq // Hkv.
+Shape legend: T query tokens, S key tokens, Hq / Hkv heads, D head dim of q / k, Dv of v,
+G = Hq // Hkv.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import torch
 from ._common import accumulate_dtype, default_scale
 
 
-def doc_mask_TS(cu_q, cu_k, total_q: int, total_k: int, causal: bool) -> torch.Tensor:
-    """bool [T, S]: query t may attend key s (same document, bottom-right causal when asked)."""
+def doc_mask_TS(cu_q, cu_k, total_q: int, total_k: int, causal: bool,
+                window: int | None = None) -> torch.Tensor:
+    """bool [T, S]: query t may attend key s (same document, bottom-right causal when asked,
+    and within the `window` latest keys when given)."""
     bq, bk = cu_q.tolist(), cu_k.tolist()
     doc_q = torch.full((total_q,), -1, dtype=torch.long)
     doc_k = torch.full((total_k,), -2, dtype=torch.long)
@@ -29,6 +32,8 @@ def doc_mask_TS(cu_q, cu_k, total_q: int, total_k: int, causal: bool) -> torch.T
     mask = doc_q[:, None] == doc_k[None, :]
     if causal:
         mask &= pos_k[None, :] <= (pos_q + shift)[:, None]
+    if window is not None:
+        mask &= pos_k[None, :] > (pos_q + shift - window)[:, None]
     return mask
 
 
@@ -39,10 +44,11 @@ def _scores_HTS(q_THD, k_SHD, mask_TS, scale):
     return s_HTS.masked_fill(~mask_TS, float("-inf"))
 
 
-def reference_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None):
-    """-> (out_THD in q's dtype, lse_HT float32/float64); computed in float64."""
+def reference_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None,
+                      window=None):
+    """-> (out_THDv in q's dtype, lse_HT float32/float64); computed in float64."""
     scale = default_scale(scale, q_THD.shape[-1])
-    mask_TS = doc_mask_TS(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal)
+    mask_TS = doc_mask_TS(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal, window)
     s_HTS = _scores_HTS(q_THD, k_SHD, mask_TS, scale)
     # Double where: rows that see no key get lse -inf without NaN gradients under autograd.
     seen_HT = mask_TS.any(-1).expand(s_HTS.shape[:2])
@@ -56,13 +62,13 @@ def reference_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, sca
 
 
 def reference_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k,
-                       causal, scale=None):
+                       causal, scale=None, window=None):
     """Gradients of this block given a (possibly larger, merged) (out, lse): float64 maths,
     results in the input dtype. dS = P * (dP - rowsum(dout * out)), P = exp(S - lse)."""
     scale = default_scale(scale, q_THD.shape[-1])
     hq, hkv = q_THD.shape[1], k_SHD.shape[1]
     g = hq // hkv
-    mask_TS = doc_mask_TS(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal)
+    mask_TS = doc_mask_TS(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal, window)
     s_HTS = _scores_HTS(q_THD, k_SHD, mask_TS, scale)
     lse = lse_HT.double()
     # Rows that see no key anywhere (lse = -inf) carry no gradient.

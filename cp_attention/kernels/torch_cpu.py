@@ -47,10 +47,10 @@ BIG_BLOCK_LEN = 768
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
-def _plan(cu_q, cu_k, causal, dtype, backward: bool = False):
+def _plan(cu_q, cu_k, causal, dtype, backward: bool = False, window: int | None = None):
     pad_to = BIG_BLOCK_LEN if backward and dtype in _REDUCED else 0
     return plan_buckets(tuple(cu_q.tolist()), tuple(cu_k.tolist()), bool(causal), pad_to,
-                        invariant_enabled())
+                        invariant_enabled(), window)
 
 
 def _backward_dtype(dtype, bk: Bucket):
@@ -142,18 +142,19 @@ def _forward_bucket(q_THD, k_SHD, v_SHD, bk: Bucket, scale):
     return _rows(o, bk, hq), lse
 
 
-def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None):
-    """-> (out_THD in the input dtype, lse_HT float32, or float64 for float64 inputs)."""
+def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None, window=None):
+    """-> (out_THD in the input dtype, lse_HT float32, or float64 for float64 inputs).
+    A sliding window runs on aten's kernel with a mask (our C++ kernels have no window)."""
     t, hq, d = q_THD.shape
     scale = default_scale(scale, d)
     # brgemm_forward: 2.7-3.9x aten's kernel on 2048-8192-token rows (see its module docstring);
     # per document by construction, so batch_invariant() needs nothing more from it.
-    if (_causal_self_bf16((q_THD, k_SHD, v_SHD), cu_q, cu_k, causal) and d <= 256
-            and brgemm_forward.available()):
+    if (window is None and _causal_self_bf16((q_THD, k_SHD, v_SHD), cu_q, cu_k, causal)
+            and d <= 256 and brgemm_forward.available()):
         res = brgemm_forward.try_varlen_causal_forward(q_THD, k_SHD, v_SHD, cu_q, scale)
         if res is not None:
             return res
-    plan = _plan(cu_q, cu_k, causal, q_THD.dtype)
+    plan = _plan(cu_q, cu_k, causal, q_THD.dtype, window=window)
     tiles = _tiling(plan, t, k_SHD.shape[0])
     plan = tiles or plan
     res = [_forward_bucket(q_THD, k_SHD, v_SHD, bk, scale) for bk in plan]
@@ -229,16 +230,17 @@ def _brgemm_backward_eligible(tensors, cu_q, cu_k, causal) -> bool:
 
 
 def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k, causal,
-             scale=None):
+             scale=None, window=None):
     """Gradients of this block for a (possibly larger, merged) (out, lse): (dq_THD, dk_SHD,
     dv_SHD) in the input dtype. The kernel computes rowsum(dout * out) from the out passed."""
     scale = default_scale(scale, q_THD.shape[2])
-    if _brgemm_backward_eligible((dout_THD, q_THD, k_SHD, v_SHD, out_THD), cu_q, cu_k, causal):
+    if window is None and _brgemm_backward_eligible((dout_THD, q_THD, k_SHD, v_SHD, out_THD),
+                                                    cu_q, cu_k, causal):
         grads = amx_backward.try_varlen_causal_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD,
                                                         kernel_lse(lse_HT), cu_q, scale)
         if grads is not None:
             return grads
-    plan = _plan(cu_q, cu_k, causal, q_THD.dtype, backward=True)
+    plan = _plan(cu_q, cu_k, causal, q_THD.dtype, backward=True, window=window)
     tiles = _tiling(plan, q_THD.shape[0], k_SHD.shape[0])
     plan = tiles or plan
     inputs = {}  # compute dtype -> inputs cast once for every bucket that needs them

@@ -35,6 +35,18 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def window_unsupported_reason(device: torch.device) -> str | None:
+    """None when both the public forward and aten's backward take a window (torch >= 2.10)."""
+    mod = _varlen_module()
+    if mod is None:
+        return None  # resolve_backend already refused the backend itself
+    schema = str(torch.ops.aten._flash_attention_backward.default._schema)
+    if "window_size" in inspect.signature(mod.varlen_attn).parameters and "window_size_left" in schema:
+        return None
+    return (f"torch {torch.__version__} varlen_attn has no window_size; upgrade torch or use "
+            "attention_backend=flex")
+
+
 def _check_dtype(q):
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"torch_varlen supports float16/bfloat16, not {q.dtype}; use backend='flex' "
@@ -45,7 +57,7 @@ def _expand_kv(x_SHD, groups):
     return x_SHD if groups == 1 else x_SHD.repeat_interleave(groups, dim=1)
 
 
-def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None):
+def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None, window=None):
     """-> (out [T, Hq, D] input dtype, lse [Hq, T] float32)."""
     _check_dtype(q_THD)
     mod = _varlen_module()
@@ -53,7 +65,9 @@ def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None):
     groups = q_THD.shape[1] // k_SHD.shape[1]
     kwargs = {"scale": scale}
     if "window_size" in params:
-        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+        # (left, right) keys around the bottom-right diagonal: W keys = W-1 before the query.
+        left = -1 if window is None else window - 1
+        kwargs["window_size"] = (left, 0) if causal else (-1, -1)
     else:
         kwargs["is_causal"] = bool(causal)
     if "enable_gqa" in params:
@@ -71,7 +85,7 @@ def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None):
 
 
 def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k, causal,
-             scale=None):
+             scale=None, window=None):
     """Block gradients for a passed (possibly merged) out / lse; -> (dq, dk, dv)."""
     _check_dtype(q_THD)
     groups = q_THD.shape[1] // k_SHD.shape[1]
@@ -81,7 +95,8 @@ def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, 
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         dout_THD.contiguous(), q_THD, k, v, out_THD.contiguous(),
         kernel_lse(lse_HT.float()).contiguous(), cu_q.int(), cu_k.int(), max_q, max_k, 0.0,
-        bool(causal), rng_state, unused, scale=scale)
+        bool(causal), rng_state, unused, scale=scale,
+        **({} if window is None else {"window_size_left": window - 1, "window_size_right": 0}))
     if groups > 1:
         s, _, d = dk.shape
         dk = dk.view(s, -1, groups, d).sum(2)

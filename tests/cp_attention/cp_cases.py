@@ -102,18 +102,27 @@ def real_mask(lens: list[int], slots: list[int]) -> torch.Tensor:
     return mask
 
 
-def random_qkv(case: dict, hq: int, hkv: int, d: int, dtype=torch.float64):
-    """(q [T, Hq, D], k, v [T, Hkv, D], dout [T, Hq, D]) in float64 from the case seed."""
+def random_qkv(case: dict, hq: int, hkv: int, d: int, dtype=torch.float64, dv: int | None = None):
+    """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv], dout [T, Hq, Dv]) from the case seed
+    (Dv = dv, default D)."""
     g = torch.Generator().manual_seed(case["seed"])
-    t = sum(case["slots"])
-    q, dout = (torch.randn(t, hq, d, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(t, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    t, dv = sum(case["slots"]), dv or d
+    q, dout = (torch.randn(t, hq, n, generator=g, dtype=torch.float64) for n in (d, dv))
+    k, v = (torch.randn(t, hkv, n, generator=g, dtype=torch.float64) for n in (d, dv))
     return q.to(dtype), k.to(dtype), v.to(dtype), dout.to(dtype)
 
 
-def dense_reference(q, k, v, lens, slots, scale=None):
+def _doc_mask(n: int, window: int | None) -> torch.Tensor:
+    """bool [n, n]: causal, and at most `window` latest keys (the query's own included)."""
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    return (j <= i) & (i - j < window) if window is not None else j <= i
+
+
+def dense_reference(q, k, v, lens, slots, scale=None, window=None, sink=None):
     """Causal masked softmax attention per document, float64, via plain tensor maths.
-    -> out [T, Hq, D] (0 at padding), lse [Hq, T] (-inf at padding); differentiable."""
+    -> out [T, Hq, Dv] (0 at padding), lse [Hq, T] (-inf at padding); differentiable.
+    window: the latest `window` keys only; sink [Hq]: one more softmax column with no value
+    (its rows' lse includes it, padding rows then have lse = sink)."""
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     outs, lses, start = [], [], 0
@@ -122,13 +131,16 @@ def dense_reference(q, k, v, lens, slots, scale=None):
         kd = k[start:start + n].repeat_interleave(hq // hkv, dim=1)
         vd = v[start:start + n].repeat_interleave(hq // hkv, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qd, kd) * scale
-        mask = torch.ones(n, n, dtype=torch.bool).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~_doc_mask(n, window), float("-inf"))
+        if sink is not None:
+            scores = torch.cat([scores, sink.double()[:, None, None].expand(hq, n, 1)], dim=-1)
         lse = torch.logsumexp(scores, dim=-1)
-        outs.append(torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), vd))
+        p = torch.exp(scores - lse[..., None])
+        outs.append(torch.einsum("hqk,khd->qhd", p[..., :n], vd))
         lses.append(lse)
         outs.append(q.new_zeros(s - n, hq, vd.shape[2]))
-        lses.append(q.new_full((hq, s - n), float("-inf")))
+        lses.append(q.new_full((hq, s - n), float("-inf")) if sink is None
+                    else sink.double()[:, None].expand(hq, s - n))
         start += s
     return torch.cat(outs), torch.cat(lses, dim=1)
 
