@@ -6,6 +6,7 @@ Shape legend: T query tokens, S key tokens, Hq / Hkv heads, D head dim.
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -30,14 +31,14 @@ def _cu(lens):
     return torch.tensor([0] + torch.tensor(lens, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32)
 
 
-def _make(lens_q, lens_k, hq, hkv, d, pad, dtype, seed):
+def _make(lens_q, lens_k, hq, hkv, d, pad, dtype, seed, dv=None):
     g = torch.Generator().manual_seed(seed)
     cu_q, cu_k = _cu(lens_q), _cu(lens_k)
     t, s = int(cu_q[-1]) + pad, int(cu_k[-1]) + pad
     q = torch.randn(t, hq, d, generator=g, dtype=torch.float64).to(dtype)
     k = torch.randn(s, hkv, d, generator=g, dtype=torch.float64).to(dtype)
-    v = torch.randn(s, hkv, d, generator=g, dtype=torch.float64).to(dtype)
-    dout = torch.randn(t, hq, d, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(s, hkv, dv or d, generator=g, dtype=torch.float64).to(dtype)
+    dout = torch.randn(t, hq, dv or d, generator=g, dtype=torch.float64).to(dtype)
     return q, k, v, dout, cu_q, cu_k, max(lens_q, default=0), max(lens_k, default=0)
 
 
@@ -56,29 +57,74 @@ def packs(draw):
     same = draw(st.booleans())
     lens_k = lens_q if same else draw(st.lists(length, min_size=n, max_size=n))
     hq, hkv = draw(st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3), (4, 1)]))
-    return lens_q, lens_k, hq, hkv, draw(st.integers(0, 3)), draw(st.booleans()), draw(st.integers(0, 99))
+    causal = draw(st.booleans())
+    # Sliding windows (causal only) from 1 key to wider than any document; the value head dim
+    # equal to the q/k one, smaller, or larger (MLA: 128 against 192).
+    window = draw(st.one_of(st.none(), st.integers(1, 30))) if causal else None
+    dv = draw(st.sampled_from([8, 4, 12]))
+    return (lens_q, lens_k, hq, hkv, draw(st.integers(0, 3)), causal, draw(st.integers(0, 99)),
+            window, dv)
 
 
 @settings(max_examples=60)
 @given(packs())
 def test_float64_matches_reference(case):
-    lens_q, lens_k, hq, hkv, pad, causal, seed = case
-    q, k, v, dout, cu_q, cu_k, mq, mk = _make(lens_q, lens_k, hq, hkv, 8, pad, torch.float64, seed)
+    lens_q, lens_k, hq, hkv, pad, causal, seed, window, dv = case
+    q, k, v, dout, cu_q, cu_k, mq, mk = _make(lens_q, lens_k, hq, hkv, 8, pad, torch.float64, seed,
+                                              dv)
     args = (cu_q, cu_k, mq, mk, causal)
-    out, lse = attn_forward(q, k, v, *args, backend="torch_cpu")
-    ref_out, ref_lse = reference_attention(q, k, v, *args)
+    out, lse = attn_forward(q, k, v, *args, backend="torch_cpu", window=window)
+    ref_out, ref_lse = reference_attention(q, k, v, *args, window=window)
     assert out.dtype == torch.float64 and lse.dtype == torch.float64
     torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
     _assert_lse(lse, ref_lse, 1e-10)
     assert torch.all(out[ref_lse.t() == NEG_INF] == 0)  # rows that see nothing: exactly 0
-    grads = attn_backward(dout, q, k, v, out, lse, *args, backend="torch_cpu")
-    ref_grads = reference_backward(dout, q, k, v, ref_out, ref_lse, *args)
-    for g, r in zip(grads, ref_grads, strict=False):
+    grads = attn_backward(dout, q, k, v, out, lse, *args, backend="torch_cpu", window=window)
+    ref_grads = reference_backward(dout, q, k, v, ref_out, ref_lse, *args, window=window)
+    for g, r in zip(grads, ref_grads, strict=True):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
     t_real, s_real = int(cu_q[-1]), int(cu_k[-1])
     assert torch.all(grads[0][t_real:] == 0) and torch.all(grads[1][s_real:] == 0)
     assert torch.all(grads[2][s_real:] == 0)
+
+
+def _dense_sink_attention(q_THD, k_SHD, v_SHD, mask_TS, sink_H, scale):
+    """gpt-oss's eager attention (transformers) on one [1, H, T, D] batch: the sink logit is a
+    last softmax column that is dropped before the values."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    g = q_THD.shape[1] // k_SHD.shape[1]
+    module = torch.nn.Module()
+    module.sinks, module.num_key_value_groups, module.training = sink_H, g, False
+    bias_TS = torch.zeros(mask_TS.shape, dtype=q_THD.dtype).masked_fill(~mask_TS, float("-inf"))
+    q, k, v = (x.transpose(0, 1)[None] for x in (q_THD, k_SHD, v_SHD))
+    out, _ = eager_attention_forward(module, q, k, v, bias_TS[None, None], scale)
+    return out[0]
+
+
+@settings(max_examples=25)
+@given(packs())
+def test_sinks_match_gpt_oss_eager_attention_in_float64(case):
+    """varlen_attention with a sink (and windows, Dv != D) against transformers' gpt-oss eager
+    attention: output, and gradients of q, k, v and the sink. Rows of query-only documents
+    (no key) see only the sink: output 0."""
+    lens_q, lens_k, hq, hkv, pad, causal, seed, window, dv = case
+    pytest.importorskip("transformers")
+    q, k, v, dout, cu_q, cu_k, mq, mk = _make(lens_q, lens_k, hq, hkv, 8, pad, torch.float64, seed,
+                                              dv)
+    sink = torch.randn(hq, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sink)]
+    out, _ = varlen_attention(*leaves[:3], cu_q, cu_k, mq, mk, causal, backend="torch_cpu",
+                              window=window, sink=leaves[3])
+    got = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v, sink)]
+    mask_TS = doc_mask_TS(cu_q, cu_k, q.shape[0], k.shape[0], causal, window)
+    ref = _dense_sink_attention(*ref_leaves[:3], mask_TS, ref_leaves[3], 8 ** -0.5)
+    want = torch.autograd.grad(ref, ref_leaves, dout)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-10, rtol=0)
 
 
 def test_reference_mask_is_bottom_right():
@@ -152,9 +198,10 @@ def test_padded_big_block_layout_is_exact(monkeypatch):
     from cp_attention.kernels import _buckets, torch_cpu
 
     pad_to = {}
-    monkeypatch.setattr(torch_cpu, "_plan", lambda cu_q, cu_k, causal, dtype, backward=False:
-                        _buckets.plan_buckets(tuple(cu_q.tolist()), tuple(cu_k.tolist()),
-                                              bool(causal), pad_to["len"]))
+    monkeypatch.setattr(torch_cpu, "_plan", lambda cu_q, cu_k, causal, dtype, backward=False,
+                        window=None: _buckets.plan_buckets(tuple(cu_q.tolist()),
+                                                           tuple(cu_k.tolist()), bool(causal),
+                                                           pad_to["len"], False, window))
     cases = [  # (pad length, lens_q, lens_k): a gathered padded bucket; then a one-document
         # bucket padded in place (the 20-token documents after it fill its padded slots)
         (64, [5, 1, 17, 9, 31, 2, 40], [7, 1, 17, 12, 31, 1, 40]),
@@ -359,6 +406,59 @@ def test_flash_attn_arguments_bind_by_name_across_releases():
         fa._call_by_name(lambda q, unknown_arg: None, vals)
     with pytest.raises(ValueError, match="float16/bfloat16"):
         fa._common_args(q.float(), q, q, _cu([2]), _cu([2]), 2, 2, True, None)
+
+
+def test_flash_attn_window_and_value_head_dim_contract(monkeypatch):
+    """The flash-attn adapter on CPU with the function it calls mocked: a window W reaches it as
+    flash-attn's bottom-right (W - 1, 0) in both spellings; a v head dim != D arrives zero-padded
+    to one head dim (flash-attn 2 takes one) and the output comes back sliced; an installed
+    version without a window is refused at start-up in one line naming the backend and the fix."""
+    from cp_attention.kernels import _registry
+    from cp_attention.kernels import flash_attn as fa
+
+    seen = {}
+
+    def fwd_26(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+               softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+               alibi_slopes=None, return_softmax=False):
+        seen.update(window=(window_size_left, window_size_right), dims=(q.shape[-1], v.shape[-1]),
+                    scale=softmax_scale)
+        return (v[:, :1].expand(-1, q.shape[1], -1).clone(),
+                torch.zeros(q.shape[1], q.shape[0]), None, None)
+
+    interface = type("FlashInterface", (), {"_flash_attn_varlen_forward": staticmethod(fwd_26)})
+    monkeypatch.setattr(fa, "_interface", lambda: interface)
+    monkeypatch.setattr(fa, "unavailable_reason", lambda device: None)
+    q, k, v, _, cu_q, cu_k, mq, mk = _make([3, 2], [3, 2], 4, 2, 8, 0, torch.bfloat16, 0, dv=4)
+    out, _ = attn_forward(q, k, v, cu_q, cu_k, mq, mk, True, backend="flash_attn", window=5)
+    assert seen == {"window": (4, 0), "dims": (8, 8), "scale": 1.0 / math.sqrt(8)}
+    assert out.shape == (5, 4, 4) and torch.equal(out, v[:, :1].expand(-1, 4, -1))
+    vals = fa._common_args(q, k, k, cu_q, cu_k, mq, mk, True, None, window=3)
+    assert vals["window_size"] == (2, 0)  # the 2.5 spelling
+    assert fa.window_unsupported_reason(torch.device("cuda")) is None
+
+    def fwd_old(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                softmax_scale, causal, return_softmax):
+        raise AssertionError("a window must be refused before the kernel is called")
+
+    interface._flash_attn_varlen_forward = staticmethod(fwd_old)
+    with pytest.raises(RuntimeError, match=r"'flash_attn' cannot apply a sliding window: .*"
+                                           r"flash-attn >= 2.3 or use attention_backend=flex"):
+        _registry.check_window_support("flash_attn", torch.device("cuda"))
+    with pytest.raises(RuntimeError, match="cannot apply a sliding window"):
+        attn_forward(q, k, v, cu_q, cu_k, mq, mk, True, backend="flash_attn", window=5)
+
+
+def test_window_and_head_dim_errors_name_cause_and_fix():
+    q, k, v, _, cu_q, cu_k, mq, mk = _make([3, 2], [3, 2], 4, 2, 8, 0, torch.float64, 0, dv=4)
+    with pytest.raises(ValueError, match="sliding window needs causal=True"):
+        attn_forward(q, k, v, cu_q, cu_k, mq, mk, False, window=3)
+    with pytest.raises(ValueError, match="window=0 must be a positive int"):
+        attn_forward(q, k, v, cu_q, cu_k, mq, mk, True, window=0)
+    with pytest.raises(ValueError, match="only their head dims may differ"):
+        attn_forward(q, k, v[:, :1], cu_q, cu_k, mq, mk, True)
+    with pytest.raises(ValueError, match=r"sink must be one logit per query head \[4\]"):
+        varlen_attention(q, k, v, cu_q, cu_k, mq, mk, sink=torch.zeros(2))
 
 
 def test_accumulate_dtype_is_float64_only_for_float64():
