@@ -344,6 +344,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Read YAML (or start from defaults when `path` is None), apply overrides, validate."""
     data = load_yaml(path) if path is not None else {}
     apply_overrides(data, list(overrides or []))
+    init_from = (data.get("train") or {}).get("init_from")
+    if init_from:  # a Hugging Face directory: its config.json fills the architecture keys of model.*
+        from longctx_moe.hf.load import fill_model_from_hf
+
+        fill_model_from_hf(data, init_from)
     return config_from_dict(data)
 
 

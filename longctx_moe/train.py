@@ -195,30 +195,36 @@ def build_runtime(cfg: Config, dims: Any, device: torch.device):
     """Build the single-device model, apply the parallel layout (also on one rank: the capacity
     and drop policy of the dispatcher, the global-batch aux loss) and return its runtime."""
     from longctx_moe.model import build_model
-    from longctx_moe.parallel.parallelize import parallelize
 
     check_backends(cfg, device)
     torch.manual_seed(cfg.train.seed)  # same init on every rank: replicas start identical
     dtype = {"fp32": torch.float32, "fp64": torch.float64}[cfg.train.param_dtype]
-    model = build_model(cfg.model)
-    if cfg.train.init_from:  # into the single-device model, so any parallel layout can follow
-        from longctx_moe.hf.load import load_hf_weights
+    if cfg.train.init_from:  # each rank reads only its slices into a model built on meta
+        from longctx_moe.hf.load import load_hf_sharded
+        from longctx_moe.model import Transformer
 
-        try:
-            model.load_state_dict(load_hf_weights(cfg.train.init_from, cfg.model))
-        except RuntimeError as e:  # a tensor of another shape: config.json and weights disagree
-            raise ConfigError(f"train.init_from='{cfg.train.init_from}': {str(e).splitlines()[-1].strip()}") from None
-    model = model.to(device=device, dtype=dtype)
-    model.set_recompute(cfg.train.recompute)
-    try:
-        runtime = parallelize(model, dims, cfg.parallel, cfg.data.micro_batch_tokens)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+        with torch.device("meta"):
+            model = Transformer(cfg.model).to(dtype=dtype)
+        runtime = _parallelize(cfg, model, dims)
+        load_hf_sharded(model, dims, cfg.train.init_from, device)
+    else:
+        model = build_model(cfg.model).to(device=device, dtype=dtype)
+        runtime = _parallelize(cfg, model, dims)
     if cfg.train.compile:
         from longctx_moe.compile import apply_compile
 
         apply_compile(model)
     return runtime
+
+
+def _parallelize(cfg: Config, model: Any, dims: Any):
+    from longctx_moe.parallel.parallelize import parallelize
+
+    model.set_recompute(cfg.train.recompute)
+    try:
+        return parallelize(model, dims, cfg.parallel, cfg.data.micro_batch_tokens)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def build_loader(cfg: Config, dims: Any):

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from cp_attention.kernels import batch_invariant
-from longctx_moe.config import Config, ConfigError
+from longctx_moe.config import Config, ConfigError, load_config
 from longctx_moe.model.transformer import LogProbHead
 from longctx_moe.precision import announce
 from longctx_moe.trainer import MicroLoss, Trainer
@@ -115,6 +115,13 @@ class PolicyTrainer:
         if self.budget < self.pad_multiple:
             raise ConfigError(f"micro_batch_tokens={self.budget} is below the padding multiple "
                               f"{self.pad_multiple} of this layout; raise it")
+
+    @classmethod
+    def from_pretrained(cls, hf_dir: str, overrides: list[str] | dict | None = None, **kwargs) -> PolicyTrainer:
+        """A policy starting from a Hugging Face directory: its config.json fills model.* (hf/families.py)
+        and each rank reads only its slices; `overrides` ("key=value" or {key: value}) set the rest."""
+        sets = [f"{k}={v}" for k, v in overrides.items()] if isinstance(overrides, dict) else list(overrides or [])
+        return cls(load_config(None, [f"train.init_from={hf_dir}", *sets]), **kwargs)
 
     # ------------------------------------------------------------------ info
 
@@ -310,10 +317,10 @@ class PolicyTrainer:
     # ------------------------------------------------------------------ weights out
 
     def weights_spec(self, dtype: torch.dtype = torch.bfloat16):
-        """Names (Hugging Face Qwen3-MoE, per expert), global shapes and dtypes of the export."""
+        """Names (the model's Hugging Face family, per expert), global shapes and dtypes of the export."""
         from longctx_moe.hf.weights import weights_spec
 
-        return weights_spec(self.runtime.model, dtype)
+        return weights_spec(self.runtime.model, dtype, self.dims)
 
     def export_weights(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype = torch.bfloat16):
         """Buckets of (HF name, tensor) of at most `bucket_bytes`, gathered over TP, ETP and EP;

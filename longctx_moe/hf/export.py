@@ -1,4 +1,4 @@
-"""Hugging Face Qwen3-MoE directories on disk: export a run's checkpoint.
+"""Hugging Face directories on disk (the model's family, model.hf_family): export a run's checkpoint.
 
 `export_run` (the `longctx-moe export-hf RUN_DIR OUT` command) consolidates the per-rank model
 states of one checkpoint step into the single-device model's state dict and writes
@@ -6,6 +6,7 @@ states of one checkpoint step into the single-device model's state dict and writ
     OUT/model-00001-of-0000N.safetensors ...   one tensor per expert and projection (the names
     OUT/model.safetensors.index.json           hf.weights streams to engines), shards capped
     OUT/config.json                            hf.interop.to_hf_config of the run's model.*
+                                               (the family's config class and architectures)
     OUT/tokenizer.json, tokenizer_config.json  the corpus tokenizer, when data.path has one
 
 No process group is needed: the checkpoint's index records every piece's global shape and
@@ -118,7 +119,6 @@ def write_safetensors(model: torch.nn.Module, out: Path, dtype: torch.dtype, sha
 
 def write_config_json(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> None:
     hf = to_hf_config(cfg)  # RoPE has no trained length limit: HF's default max_position_embeddings
-    hf.architectures = ["Qwen3MoeForCausalLM"]
     hf.dtype = dtype
     hf.save_pretrained(out)
 
@@ -142,9 +142,10 @@ def write_tokenizer(data_path: Path, out: Path) -> str:
 def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, dtype: str = "fp32",
                shard_bytes: int = 2 * 10**9) -> list[str]:
     """Write the HF directory `out` from run `run_dir`'s checkpoint; returns report lines.
-    Raises ConfigError / CheckpointError (one line) or ValueError (a model Qwen3-MoE lacks)."""
+    Raises ConfigError / CheckpointError (one line) or ValueError (a model its family lacks)."""
     run_dir, out = Path(run_dir), Path(out)
-    cfg = load_config(run_dir / "config.yaml")
+    # The run's config.yaml holds the resolved model.*; the directory it started from may be gone.
+    cfg = load_config(run_dir / "config.yaml", ["train.init_from="])
     _check_supported(cfg.model)  # before reading gigabytes of checkpoint
     step_dir = checkpoint_step_dir(cfg, run_dir, step)
     model = load_consolidated_model(cfg, step_dir)

@@ -1,112 +1,193 @@
-"""Reading a Hugging Face Qwen3-MoE directory into our model (`train.init_from`): its config.json
-checked against model.*, its safetensors read (per-expert or transformers 5's fused expert names)
-and converted to our single-device state dict."""
+"""Reading a Hugging Face directory into our model (`train.init_from`, PolicyTrainer.from_pretrained).
+
+    fill_model_from_hf   config.json -> the architecture keys of model.* (the family's table in
+                         hf/families.py); a setting the user gave that contradicts it is refused
+    load_hf_sharded      each rank reads only the slices of its own parameters, lazily, with
+                         safetensors' safe_open + get_slice: the slices are those
+                         sharded_state.global_slices says the rank holds (the one owner of every
+                         piece's global shape and offsets), so no rank builds the whole model
+
+Expert tensors are read per expert (`experts.{e}.gate_proj` ..., every family's on-disk form) or
+from transformers 5's fused `mlp.experts.gate_up_proj` / `down_proj`, whichever the files hold.
+Legend: E experts, L local experts, D hidden, F expert hidden (f: this rank's F slice).
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 
 from longctx_moe.config import ConfigError
-from longctx_moe.hf.interop import _check_supported, from_hf_state_dict
-from longctx_moe.model.config import ModelConfig
-
-# config.json key -> model.* key, for the architecture check of train.init_from.
-_HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidden_layers": "num_layers",
-            "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
-            "num_experts": "num_experts", "num_experts_per_tok": "top_k",
-            "moe_intermediate_size": "expert_hidden_size", "norm_topk_prob": "router_renormalize",
-            "tie_word_embeddings": "tie_embeddings", "rms_norm_eps": "norm_eps"}
+from longctx_moe.hf.families import model_values
+from longctx_moe.hf.interop import _check_supported, expert_names, fused_expert_names, name_pairs
 
 
-def _hf_value(hf: dict, key: str):
-    """config.json's value of model.`key` in our terms (None when absent: HF's default)."""
-    if key == "rope_theta":
-        return (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta"))
-    if key == "first_k_dense":
-        layers = hf.get("mlp_only_layers") or []
-        return len(layers) if layers == list(range(len(layers))) else f"mlp_only_layers={layers}"
-    if key == "num_experts":  # the HF hub's name; transformers 5 saves `num_local_experts`
-        return hf.get("num_experts", hf.get("num_local_experts"))
-    if key == "head_dim" and hf.get("head_dim") is None:
-        return hf.get("hidden_size", 0) // max(1, hf.get("num_attention_heads", 1))
-    return hf.get({v: k for k, v in _HF_KEYS.items()}.get(key, key))
-
-
-def check_hf_config(hf_dir: Path, cfg: ModelConfig) -> None:
-    """config.json must describe model.*'s architecture; one line naming the first key that differs."""
-    where = f"train.init_from='{hf_dir}'"
+def read_hf_config(hf_dir: str | Path) -> dict:
+    path = Path(hf_dir) / "config.json"
     try:
-        hf = json.loads((hf_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        raise ConfigError(f"{where} has no readable config.json; point it at a Qwen3-MoE directory "
-                          "(config.json + *.safetensors), e.g. one written by longctx-moe export-hf") from None
-    if hf.get("model_type") != "qwen3_moe":
-        raise ConfigError(f"{where} holds model_type={hf.get('model_type')!r}, not 'qwen3_moe'; only "
-                          "Qwen3-MoE weights can initialise this model")
-    keys = [*_HF_KEYS.values(), "rope_theta", "first_k_dense"]
-    keys += ["dense_hidden_size"] if cfg.first_k_dense else []
-    for key in keys:
-        have = hf.get("intermediate_size") if key == "dense_hidden_size" else _hf_value(hf, key)
-        want = getattr(cfg, key)
-        if have is not None and have != want and not (isinstance(want, float) and abs(have - want) <= 1e-12 * abs(want)):
-            raise ConfigError(f"{where} has {key}={have!r} in config.json but model.{key}={want!r}; "
-                              f"set model.{key}={have!r} (or init from a matching directory)")
-    if hf.get("decoder_sparse_step", 1) != 1:
-        raise ConfigError(f"{where} has decoder_sparse_step={hf['decoder_sparse_step']} (MoE every "
-                          "k-th layer), which this model cannot express; use a checkpoint with 1")
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"train.init_from='{hf_dir}': cannot read '{path}' ({e}); point it at a Hugging "
+                          "Face model directory or an export-hf output") from None
 
 
-def _read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"train.init_from='{hf_dir}' holds no *.safetensors file; export one with "
-                          "longctx-moe export-hf or point it at a Hugging Face model directory")
-    sd = {}
-    for path in files:
-        try:
-            sd.update(load_file(str(path)))
-        except (SafetensorError, OSError) as e:
-            raise ConfigError(f"train.init_from: '{path}' is not a readable safetensors file ({e}); "
-                              "re-download or re-export it") from None
-    return sd
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-12)
+    return a == b
 
 
-def _fuse_experts(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Per-expert names (`experts.{e}.gate_proj.weight` [F, D], up_proj, down_proj [D, F]) ->
-    transformers 5's fused `experts.gate_up_proj` [E, 2F, D] and `experts.down_proj` [E, D, F]."""
-    for i in range(cfg.first_k_dense, cfg.num_layers):
-        base = f"model.layers.{i}.mlp.experts"
-        if f"{base}.0.gate_proj.weight" not in sd:
-            continue  # already fused (or missing: from_hf_state_dict names it)
-        try:
-            gate_up = [torch.cat([sd.pop(f"{base}.{e}.gate_proj.weight"), sd.pop(f"{base}.{e}.up_proj.weight")])
-                       for e in range(cfg.num_experts)]
-            down = [sd.pop(f"{base}.{e}.down_proj.weight") for e in range(cfg.num_experts)]
-        except KeyError as e:
-            raise ConfigError(f"train.init_from: tensor {e} is missing; the directory does not hold "
-                              f"model.num_experts={cfg.num_experts} experts per layer") from None
-        sd[f"{base}.gate_up_proj"], sd[f"{base}.down_proj"] = torch.stack(gate_up), torch.stack(down)
-    return sd
+def fill_model_from_hf(data: dict, hf_dir: str) -> None:
+    """Set data["model"]'s architecture keys from `hf_dir`/config.json, in place. A key the
+    config (YAML or --set) already gives must agree; ConfigError names the first that does not."""
+    from longctx_moe.config import _coerce, _field_types
+    from longctx_moe.model.config import ModelConfig
+
+    values = model_values(read_hf_config(hf_dir))
+    model = data.setdefault("model", {}) or {}
+    data["model"] = model
+    types = _field_types(ModelConfig)
+    for key, value in values.items():
+        if key in model and not _same(_coerce(f"model.{key}", model[key], types[key]), value):
+            raise ConfigError(f"train.init_from='{hf_dir}': config.json gives model.{key}={value!r} but the "
+                              f"config sets model.{key}={model[key]!r}; drop that setting (init_from "
+                              "fills the architecture) or init from a matching directory")
+        model[key] = value
 
 
-def load_hf_weights(hf_dir: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our single-device state dict from a Qwen3-MoE safetensors directory (either expert naming)."""
-    hf_dir = Path(hf_dir)
+class HFTensors:
+    """The tensors of a directory's *.safetensors files, opened lazily; `slice` reads only the
+    asked-for rectangle and counts the bytes it read."""
+
+    def __init__(self, hf_dir: str | Path):
+        from safetensors import safe_open
+
+        self.dir = Path(hf_dir)
+        files = sorted(self.dir.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"train.init_from='{hf_dir}' holds no *.safetensors file; export one with "
+                              "longctx-moe export-hf or point it at a Hugging Face model directory")
+        self.handles, self.where = [], {}
+        for path in files:
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own error types (SafetensorError, OSError)
+                raise ConfigError(f"train.init_from: '{path}' is not a readable safetensors file ({e}); "
+                                  "re-download or re-export it") from None
+            self.handles.append(handle)
+            self.where.update((name, handle) for name in handle.keys())
+        self.bytes_read = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def slice(self, name: str, starts: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.where:
+            raise ConfigError(f"train.init_from='{self.dir}': tensor '{name}' is missing; the directory "
+                              "does not match its config.json (re-export or re-download it)")
+        part = self.where[name].get_slice(name)
+        shape = tuple(part.get_shape())
+        if len(shape) != len(sizes) or any(s + n > g for s, n, g in zip(starts, sizes, shape, strict=True)):
+            raise ConfigError(f"train.init_from='{self.dir}': tensor '{name}' has shape {list(shape)}, which "
+                              f"does not hold the slice at {list(starts)} of size {list(sizes)} the model "
+                              "needs; the weights do not match config.json")
+        out = part[tuple(slice(s, s + n) for s, n in zip(starts, sizes, strict=True))]
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+
+def _expert_slice(src: HFTensors, cfg, layer: int, which: str, full, offsets, local) -> torch.Tensor:
+    """This rank's piece of experts.w_gate_up [E, D, 2, F] or experts.w_down [E, F, D]."""
+    e0, n = offsets[0], local[0]
+    if which == "w_gate_up":  # [L, D, 2, f] from gate/up [F, D] rows [f0, f0 + f)
+        (d0, _, f0), (d, _, f) = offsets[1:], local[1:]
+        if expert_names(cfg, layer, 0)[0] not in src:
+            gate_up = fused_expert_names(layer)[0]  # [E, 2F, D]: gate rows, then up rows
+            parts = [src.slice(gate_up, (e0, half * full[3] + f0, d0), (n, f, d)) for half in (0, 1)]
+            return torch.stack(parts, 2).permute(0, 3, 2, 1)  # [L, f, 2, D] -> [L, D, 2, f]
+        pieces = []
+        for e in range(e0, e0 + n):
+            gate, up, _ = expert_names(cfg, layer, e)
+            pieces.append(torch.stack([src.slice(gate, (f0, d0), (f, d)).t(), src.slice(up, (f0, d0), (f, d)).t()], 1))
+        return torch.stack(pieces)
+    (f0, d0), (f, d) = offsets[1:], local[1:]  # w_down [L, f, D] from down [D, F] columns
+    if expert_names(cfg, layer, 0)[2] not in src:
+        return src.slice(fused_expert_names(layer)[1], (e0, d0, f0), (n, d, f)).transpose(1, 2)
+    return torch.stack([src.slice(expert_names(cfg, layer, e)[2], (d0, f0), (d, f)).t()
+                        for e in range(e0, e0 + n)])
+
+
+def _read_piece(src: HFTensors, cfg, hf_of: dict, name: str, full, offsets, local) -> torch.Tensor:
+    if name in hf_of:
+        return src.slice(hf_of[name], offsets, local)
+    parts = name.split(".")  # layers.{i}.ffn.experts.{w_gate_up|w_down} or router.expert_bias
+    if parts[-2] == "experts":
+        return _expert_slice(src, cfg, int(parts[1]), parts[-1], full, offsets, local)
+    if name.endswith("router.expert_bias"):  # the aux-loss-free bias is ours alone: HF routes with none
+        return torch.zeros(local, dtype=torch.float32)
+    raise ConfigError(f"train.init_from: the model's tensor '{name}' has no Hugging Face name in family "
+                      f"{cfg.hf_family}")
+
+
+def load_hf_sharded(model: torch.nn.Module, dims, hf_dir: str | Path, device: torch.device | str = "cpu") -> int:
+    """Fill a parallelized `model` (parameters possibly on the meta device: they are allocated
+    on `device` here) with the slices this rank holds, read from `hf_dir`; returns the bytes read."""
+    from longctx_moe.sharded_state import global_slices
+
+    cfg = model.cfg
     try:
         _check_supported(cfg)
     except ValueError as e:
         raise ConfigError(f"train.init_from: {e}") from None
-    check_hf_config(hf_dir, cfg)
-    sd = _fuse_experts(_read_safetensors(hf_dir), cfg)
+    hf_of = dict(name_pairs(cfg))
     if cfg.tie_embeddings:
-        sd.setdefault("lm_head.weight", sd.get("model.embed_tokens.weight"))
-    try:
-        return from_hf_state_dict(sd, cfg)
-    except (ValueError, RuntimeError) as e:
-        raise ConfigError(f"train.init_from='{hf_dir}': {e}") from None
+        hf_of.pop("lm_head.weight", None)
+    src = HFTensors(hf_dir)
+    slices = global_slices(model, dims)
+    state = {}
+    for name, t in model.state_dict().items():
+        full, offsets = slices[name]
+        state[name] = _read_piece(src, cfg, hf_of, name, full, offsets, tuple(t.shape)).to(t.dtype)
+    materialize(model, device)
+    model.load_state_dict(state)
+    return src.bytes_read
+
+
+def materialize(model: torch.nn.Module, device: torch.device | str = "cpu") -> None:
+    """Give every meta parameter and buffer real (uninitialised) storage on `device` in place: the
+    objects, and the tags parallelization set on them (tp_dim, reduce_axis...), stay the same."""
+    for module in model.modules():
+        for name, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is None or not t.is_meta:
+                continue
+            tags = dict(t.__dict__)
+            real = torch.empty(t.shape, dtype=t.dtype, device=device)
+            if isinstance(t, torch.nn.Parameter):
+                real = torch.nn.Parameter(real, requires_grad=t.requires_grad)
+            torch.utils.swap_tensors(t, real)
+            t.__dict__.update(tags)
+
+
+class _OneDevice:
+    """The degrees of an unparallelized model, for global_slices without a process group."""
+
+    tp = ep = etp = 1
+
+    def rank_in(self, axis) -> int:
+        return 0
+
+
+def load_hf_model(hf_dir: str | Path, overrides: list[str] | None = None) -> torch.nn.Module:
+    """Our single-device model (fp32, eval) holding `hf_dir`'s weights; model.* from its
+    config.json plus `overrides` (non-architecture keys, e.g. model.attention_backend)."""
+    from longctx_moe.config import load_config
+    from longctx_moe.model import Transformer
+
+    cfg = load_config(None, [f"train.init_from={hf_dir}", *(overrides or [])])
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    load_hf_sharded(model, _OneDevice(), hf_dir)
+    return model.eval()

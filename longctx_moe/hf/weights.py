@@ -1,11 +1,12 @@
-"""The model's weights as Hugging Face Qwen3-MoE tensors, in byte-capped buckets, gathered across
+"""The model's weights as Hugging Face tensors of the model's family (model.hf_family), in byte-capped buckets, gathered across
 tensor and expert parallelism: what rollout engines load (rl_hooks.export pushes them) and what
 `longctx-moe export-hf` writes as shards.
 
-Names are those of a Qwen3-MoE checkpoint as inference engines load it (vLLM, SGLang, and
+Names are those of the family's checkpoints as inference engines load them (vLLM, SGLang, and
 transformers' `from_pretrained`, which fuses them itself): `model.layers.{i}.self_attn.q_proj.weight`,
 ..., and one tensor per expert and projection with the expert's global id,
-`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` [F, D], `up_proj` [F, D], `down_proj` [D, F].
+`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` [F, D], `up_proj` [F, D], `down_proj` [D, F]
+(Mixtral: `block_sparse_moe.experts.{e}.w1|w3|w2`; hf/families.py holds each family's names).
 An expert's three tensors always travel in one bucket (engines load an expert as a unit), and a
 bucket holds whole tensors only; MoE sync time is set by the number of tensors as much as by bytes,
 which is why they travel in buckets rather than one by one.
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from longctx_moe.hf.interop import _check_supported, _name_map
+from longctx_moe.hf.interop import _check_supported, expert_names, name_pairs
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -40,52 +41,29 @@ class TensorSpec:
 
 def _expert_specs(cfg, layer: int, dtype) -> list[TensorSpec]:
     d, f = cfg.hidden_size, cfg.expert_hidden_size
-    base = f"model.layers.{layer}.mlp.experts"
-    return [TensorSpec(f"{base}.{e}.{name}.weight", shape, dtype)
+    return [TensorSpec(name, shape, dtype)
             for e in range(cfg.num_experts)
-            for name, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f)))]
+            for name, shape in zip(expert_names(cfg, layer, e), ((f, d), (f, d), (d, f)), strict=True)]
 
 
-def _units(model, dtype) -> list[tuple[str, list[TensorSpec]]]:
-    """The non-expert part of the export in order: (our parameter name, its HF tensor spec).
-    Experts follow, layer by layer, one unit of three tensors per expert (_layer_experts)."""
+def _units(model, dtype, dims=None) -> list[tuple[str, list[TensorSpec]]]:
+    """The non-expert part of the export in order: (our state-dict name, its HF tensor spec).
+    Global shapes come from sharded_state.global_slices, the one description of every rank's
+    piece. Experts follow, layer by layer, one unit of three tensors per expert (_layer_experts)."""
+    from longctx_moe.hf.load import _OneDevice
+    from longctx_moe.sharded_state import global_slices
+
     cfg = model.cfg
     _check_supported(cfg)
-    params = dict(model.named_parameters())
-    units = []
-    for ours, hf, _ in _name_map(cfg):
-        if ".experts." in ours:
-            continue
-        shape = _global_shape(params[ours], cfg, ours)
-        units.append((ours, [TensorSpec(hf, shape, dtype)]))
-    return units
+    slices = global_slices(model, dims if dims is not None else _OneDevice())
+    return [(ours, [TensorSpec(hf, slices[ours][0], dtype)]) for ours, hf in name_pairs(cfg)]
 
 
-def _global_shape(p: torch.nn.Parameter, cfg, name: str) -> tuple[int, ...]:
-    shape = list(p.shape)
-    if getattr(p, "tp_sharded", False):
-        shape[p.tp_dim] = _full_size(cfg, name, p.tp_dim)
-    return tuple(shape)
-
-
-def _full_size(cfg, name: str, dim: int) -> int:
-    """The unsharded size along a TP-sharded dimension, from the config (no communication)."""
-    h, g, r = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    if name in ("embed.weight", "lm_head.weight"):  # the vocab-parallel embedding and head
-        return cfg.vocab_size
-    if name.endswith(("attn.wq.weight", "attn.wo.weight")):
-        return h * r
-    if name.endswith(("attn.wk.weight", "attn.wv.weight")):
-        return g * r
-    if ".ffn.shared." in name:  # a shared expert: TP-sharded like a dense SwiGLU, its own width
-        return cfg.shared_expert_hidden_size
-    return cfg.dense_hidden_size  # a dense SwiGLU's hidden units
-
-
-def weights_spec(model, dtype: torch.dtype = torch.bfloat16) -> list[TensorSpec]:
-    """Every exported tensor's name, global shape and dtype, in export order (no communication)."""
+def weights_spec(model, dtype: torch.dtype = torch.bfloat16, dims=None) -> list[TensorSpec]:
+    """Every exported tensor's name, global shape and dtype, in export order (no communication).
+    `dims`: the ParallelDims the model was parallelized with (None: a single-device model)."""
     cfg = model.cfg
-    specs = [s for _, unit in _units(model, dtype) for s in unit]
+    specs = [s for _, unit in _units(model, dtype, dims) for s in unit]
     for layer in range(cfg.first_k_dense, cfg.num_layers):
         specs += _expert_specs(cfg, layer, dtype)
     return specs
@@ -122,21 +100,21 @@ def _layer_experts(model, layer: int, dims, dtype) -> list[list[tuple[str, torch
     w_gate_up_ED2F = _gather_ep(_gather_etp(experts.w_gate_up, dims), dims)
     w_down_EFD = _gather_ep(_gather_etp(experts.w_down, dims), dims)
     f = w_down_EFD.shape[1]
-    base = f"model.layers.{layer}.mlp.experts"
     units = []
     for e in range(w_down_EFD.shape[0]):
         gate_up_2FD = w_gate_up_ED2F[e].flatten(1).t()
-        units.append([(f"{base}.{e}.gate_proj.weight", gate_up_2FD[:f].to(dtype).contiguous()),
-                      (f"{base}.{e}.up_proj.weight", gate_up_2FD[f:].to(dtype).contiguous()),
-                      (f"{base}.{e}.down_proj.weight", w_down_EFD[e].t().to(dtype).contiguous())])
+        gate, up, down = expert_names(model.cfg, layer, e)
+        units.append([(gate, gate_up_2FD[:f].to(dtype).contiguous()),
+                      (up, gate_up_2FD[f:].to(dtype).contiguous()),
+                      (down, w_down_EFD[e].t().to(dtype).contiguous())])
     return units
 
 
 def _all_units(model, dims, dtype) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Units of whole tensors in export order, gathered (collective on every rank)."""
-    params = dict(model.named_parameters())
-    for ours, specs in _units(model, dtype):
-        yield [(specs[0].name, _gather_tp(params[ours], dims).to(dtype).contiguous())]
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for ours, specs in _units(model, dtype, dims):
+        yield [(specs[0].name, _gather_tp(tensors[ours], dims).to(dtype).contiguous())]
     for layer in range(model.cfg.first_k_dense, model.cfg.num_layers):
         yield from _layer_experts(model, layer, dims, dtype)
 

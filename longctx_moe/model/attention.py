@@ -107,30 +107,41 @@ def attend(q_THR, k_TGR, v_TGR, layout: DocLayout, backend: str) -> torch.Tensor
 
 
 class Attention(nn.Module):
-    """GQA self-attention with optional per-head q/k RMSNorm (Qwen3) and RoPE from position_ids."""
+    """GQA self-attention with optional q/k RMSNorm and RoPE from position_ids. The norm runs per
+    head (Qwen3: weight [R]) or over the whole projection (OLMoE: weight [H R] and [G R], one
+    mean of squares per token); q, k and v may carry biases (Qwen2-MoE)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.rope_theta = cfg.rope_theta
-        d = cfg.hidden_size
-        self.wq = nn.Linear(d, cfg.num_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        d, bias = cfg.hidden_size, cfg.qkv_bias
+        self.wq = nn.Linear(d, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.wk = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.wv = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.kernels) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.kernels) if cfg.qk_norm else None
+        self.norm_full_width = cfg.qk_norm_scope == "full"
+        q_width, k_width = ((cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+                            if self.norm_full_width else (cfg.head_dim, cfg.head_dim))
+        self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.kernels) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.kernels) if cfg.qk_norm else None
         self.backend = cfg.attention_backend
 
-    def forward(self, x_TD: torch.Tensor, layout: DocLayout) -> torch.Tensor:
+    def _project(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q_THR, k_TGR, v_TGR after the q/k norm (before RoPE)."""
         t = x_TD.shape[0]
+        q_TX, k_TY, v_TY = self.wq(x_TD), self.wk(x_TD), self.wv(x_TD)
+        if self.q_norm is not None and self.norm_full_width:
+            q_TX, k_TY = self.q_norm(q_TX), self.k_norm(k_TY)
         # Head counts come from the weights so TP (which shards wq/wk/wv by heads) needs no edit here.
-        q_THR = self.wq(x_TD).view(t, -1, self.head_dim)
-        k_TGR = self.wk(x_TD).view(t, -1, self.head_dim)
-        v_TGR = self.wv(x_TD).view(t, -1, self.head_dim)
-        if self.q_norm is not None:
+        q_THR, k_TGR = q_TX.view(t, -1, self.head_dim), k_TY.view(t, -1, self.head_dim)
+        if self.q_norm is not None and not self.norm_full_width:
             q_THR, k_TGR = self.q_norm(q_THR), self.k_norm(k_TGR)
+        return q_THR, k_TGR, v_TY.view(t, -1, self.head_dim)
+
+    def forward(self, x_TD: torch.Tensor, layout: DocLayout) -> torch.Tensor:
+        q_THR, k_TGR, v_TGR = self._project(x_TD)
         cos_TR, sin_TR = layout.rope_cos_sin(self.head_dim, self.rope_theta, q_THR.dtype)
         q_THR, k_TGR = apply_rope(q_THR, cos_TR, sin_TR), apply_rope(k_TGR, cos_TR, sin_TR)
         out_THR = attend(q_THR, k_TGR, v_TGR, layout, self.backend)
-        return self.wo(out_THR.reshape(t, -1))
+        return self.wo(out_THR.reshape(x_TD.shape[0], -1))

@@ -13,6 +13,7 @@ CHOICES = {
     "grouped_gemm": ("auto", "grouped_mm", "loop"),
     "expert_precision": ("auto", "autocast", "param"),
     "kernels": ("auto", "torch", "triton"),
+    "qk_norm_scope": ("head", "full"),
 }
 
 
@@ -60,6 +61,21 @@ class ModelConfig:
     # Cross-entropy over the vocabulary in chunks of this many tokens (bounds fp32 logits memory).
     loss_chunk_tokens: int = 1024
 
+    # ---- Pretrained-family features (the HF families of longctx_moe.hf.families) ----
+    # The Hugging Face model_type that export-hf and the weight exporter write; train.init_from
+    # sets it (and every architecture key) from the directory's config.json.
+    hf_family: str = "qwen3_moe"
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2-MoE, GLM-4.5)
+    # q/k RMSNorm per head (Qwen3, GLM-4.5) or over the whole q / k projection width (OLMoE).
+    qk_norm_scope: str = "head"
+    shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x w) (Qwen2-MoE)
+    # Group-limited top-k (DeepSeek-V3, GLM-4.5): experts form router_groups groups, each group
+    # is scored by the sum of its two best (biased) scores, and experts are picked from the
+    # router_topk_groups best groups only. 1 group = plain top-k.
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this (after renorm)
+
     def validate(self) -> None:
         """Raise ValueError naming the key, its value and the fix."""
         for key, allowed in CHOICES.items():
@@ -76,9 +92,29 @@ class ModelConfig:
         if self.top_k > self.num_experts:
             raise ValueError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}; "
                              "lower top_k or raise num_experts")
+        self._validate_family_features()
         if not 0 <= self.first_k_dense <= self.num_layers:
             raise ValueError(f"model.first_k_dense={self.first_k_dense} must lie in "
                              f"[0, model.num_layers={self.num_layers}]")
+
+    def _validate_family_features(self) -> None:
+        g, tg = self.router_groups, self.router_topk_groups
+        if g < 1 or self.num_experts % g:
+            raise ValueError(f"model.router_groups={g} must be >= 1 and divide model.num_experts="
+                             f"{self.num_experts}; choose a divisor")
+        if not 1 <= tg <= g:
+            raise ValueError(f"model.router_topk_groups={tg} must lie in [1, model.router_groups={g}]")
+        if g > 1 and self.top_k > tg * (self.num_experts // g):
+            raise ValueError(f"model.top_k={self.top_k} exceeds the experts of model.router_topk_groups="
+                             f"{tg} groups of {self.num_experts // g}; raise router_topk_groups")
+        if g > 1 and self.num_experts // g < 2:
+            raise ValueError(f"model.router_groups={g} leaves fewer than 2 experts per group (a group "
+                             "is scored by its two best experts); use fewer groups")
+        if self.routed_scaling_factor <= 0:
+            raise ValueError(f"model.routed_scaling_factor={self.routed_scaling_factor} must be > 0")
+        if self.shared_expert_gate and self.shared_expert_hidden_size < 1:
+            raise ValueError("model.shared_expert_gate=true needs a shared expert; set "
+                             "model.shared_expert_hidden_size > 0")
 
     @property
     def num_moe_layers(self) -> int:

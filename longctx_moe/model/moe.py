@@ -69,6 +69,8 @@ class Router(nn.Module):
         self.top_k, self.score, self.renormalize = cfg.top_k, cfg.router_score, cfg.router_renormalize
         self.use_bias, self.bias_rate = cfg.expert_bias, cfg.expert_bias_update_rate
         self.kernels = cfg.kernels
+        self.groups, self.topk_groups = cfg.router_groups, cfg.router_topk_groups
+        self.scale = cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         # Aux-loss-free balancing bias (DeepSeek-V3): selection only, updated by update_bias.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
@@ -80,18 +82,32 @@ class Router(nn.Module):
         dtype = accumulate_dtype(x_TD.dtype)
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
-        if use_triton(self.kernels, logits_TE):
+        # The Triton kernel has no group-limited selection: those routers take the torch path.
+        if self.groups == 1 and use_triton(self.kernels, logits_TE):
             bias_E = self.expert_bias if self.use_bias else None
             scores_TE, topk_idx_TK, topk_weight_TK = ops().router_topk(
                 logits_TE, self.score, self.top_k, self.renormalize, bias_E)
             if replay_TK is None:
-                return topk_idx_TK, topk_weight_TK, RouterAux(logits_TE, scores_TE)
+                return topk_idx_TK, topk_weight_TK * self.scale, RouterAux(logits_TE, scores_TE)
             # Replayed routes: the given experts' weights are gathered from the kernel's scores.
             return self._weights(logits_TE, scores_TE, topk_idx_TK, replay_TK)
         scores_TE = logits_TE.softmax(-1) if self.score == "softmax" else logits_TE.sigmoid()
         select_TE = scores_TE + self.expert_bias.to(dtype) if self.use_bias else scores_TE
+        if self.groups > 1:
+            select_TE = self._limit_to_groups(select_TE)
         topk_idx_TK = torch.topk(select_TE, self.top_k, dim=-1).indices
         return self._weights(logits_TE, scores_TE, topk_idx_TK, replay_TK)
+
+    def _limit_to_groups(self, select_TE: torch.Tensor) -> torch.Tensor:
+        """Selection scores with every expert outside the token's router_topk_groups best groups
+        set to 0 (a group's score: the sum of its two best selection scores). Zero, not -inf, as
+        DeepSeek-V3 and GLM-4.5 mask, so a checkpoint routes exactly as trained."""
+        t, e = select_TE.shape
+        select_TGX = select_TE.view(t, self.groups, e // self.groups)
+        group_TG = select_TGX.topk(2, dim=-1).values.sum(-1)
+        best_TG = torch.topk(group_TG, self.topk_groups, dim=-1).indices
+        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, best_TG, True)
+        return select_TGX.masked_fill(~keep_TG[:, :, None], 0.0).view(t, e)
 
     def _weights(self, logits_TE, scores_TE, topk_idx_TK, replay_TK):
         """(idx, weights, aux) of the selected (or replayed) experts from the scores."""
@@ -101,7 +117,7 @@ class Router(nn.Module):
         topk_weight_TK = scores_TE.gather(1, topk_idx_TK)
         if self.renormalize:
             topk_weight_TK = topk_weight_TK / topk_weight_TK.sum(-1, keepdim=True).clamp_min(1e-20)
-        return topk_idx_TK, topk_weight_TK, aux
+        return topk_idx_TK, topk_weight_TK * self.scale, aux
 
     def _replay(self, live_TK: torch.Tensor, given_TK: torch.Tensor, aux: RouterAux) -> torch.Tensor:
         """The given experts where all K are known, live ones elsewhere; records agreement (the
@@ -308,6 +324,21 @@ def _triton_dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts: GroupedExperts)
     return ops().unpermute(y_PD, slot_TK, topk_weight_TK.to(y_PD.dtype))
 
 
+class SharedExpert(SwiGLU):
+    """The always-on expert: a dense SwiGLU, optionally scaled per token by sigmoid(x w_gate_T1)
+    (Qwen2-MoE's `shared_expert_gate`). TP shards it like a dense MLP; the scale is per token, so
+    it may multiply the pre-reduction partial sums (the gate's gradient is then partial per TP
+    rank: tensor_parallel tags it)."""
+
+    def __init__(self, dim: int, hidden: int, gated: bool):
+        super().__init__(dim, hidden)
+        self.gate = nn.Linear(dim, 1, bias=False) if gated else None
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        y_TD = super().forward(x_TD)
+        return y_TD if self.gate is None else y_TD * torch.sigmoid(self.gate(x_TD))
+
+
 class MoE(nn.Module):
     """Routed experts (+ optional shared expert). forward(x_TD, layout) -> (y_TD, MoEStats)."""
 
@@ -318,7 +349,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_hidden_size,
                                       cfg.grouped_gemm, cfg.expert_precision)
         hs = cfg.shared_expert_hidden_size
-        self.shared = SwiGLU(cfg.hidden_size, hs) if hs > 0 else None
+        self.shared = SharedExpert(cfg.hidden_size, hs, cfg.shared_expert_gate) if hs > 0 else None
         # Expert parallelism replaces it with a dispatcher over the EP group (parallel/dispatch.py).
         self.dispatcher = LocalDispatcher(cfg.kernels)
 

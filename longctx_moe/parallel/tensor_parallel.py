@@ -95,6 +95,10 @@ def _keep(linear: nn.Module, dim: int, start: int, stop: int) -> None:
     w = linear.weight.narrow(dim, start, stop - start).clone()
     linear.weight = nn.Parameter(w, requires_grad=linear.weight.requires_grad)
     _tag(linear.weight, dim)
+    if getattr(linear, "bias", None) is not None and dim == 0:  # a bias follows its output rows
+        linear.bias = nn.Parameter(linear.bias.narrow(0, start, stop - start).clone(),
+                                   requires_grad=linear.bias.requires_grad)
+        _tag(linear.bias, 0)
     if dim == 0:
         linear.out_features = stop - start
     elif hasattr(linear, "in_features"):
@@ -113,11 +117,18 @@ class ReplicatedKVLinear(nn.Module):
         self.weight = nn.Parameter(linear.weight.detach()[rank * n:(rank + 1) * n].clone(),
                                    requires_grad=linear.weight.requires_grad)
         _tag(self.weight, 0)
+        self.bias = None
+        if linear.bias is not None:  # stored and gathered like the weight's rows
+            self.bias = nn.Parameter(linear.bias.detach()[rank * n:(rank + 1) * n].clone(),
+                                     requires_grad=linear.bias.requires_grad)
+            _tag(self.bias, 0)
         self.head, self.head_dim, self.rank, self.group = head, head_dim, rank, group
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        rows = slice(self.head * self.head_dim, (self.head + 1) * self.head_dim)
         w_GRD = _GatherRowShards.apply(self.weight, self.group, self.rank)
-        return F.linear(x_TD, w_GRD.narrow(0, self.head * self.head_dim, self.head_dim))
+        b_R = None if self.bias is None else _GatherRowShards.apply(self.bias, self.group, self.rank)[rows]
+        return F.linear(x_TD, w_GRD[rows], b_R)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -187,6 +198,8 @@ def shard_swiglu(mlp: nn.Module, rank: int, size: int, group,
     _keep(mlp.w_gate, 0, lo, hi)
     _keep(mlp.w_up, 0, lo, hi)
     _keep(mlp.w_down, 1, lo, hi)
+    if getattr(mlp, "gate", None) is not None:  # a gated shared expert: scales partial sums
+        mlp.gate.weight.reduce_axis = Axis.WORLD
     _add_tp_hooks(mlp, group, sequence_parallel, regather)
 
 
@@ -204,6 +217,9 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
                          f"over tp={size}; pad vocab_size to a multiple of tp")
     for block in model.layers:
         h, g, r = block.attn.num_heads, block.attn.num_kv_heads, block.attn.head_dim
+        if block.attn.norm_full_width and block.attn.q_norm is not None and size > 1:
+            raise ValueError(f"model.qk_norm_scope=full (OLMoE) normalises q and k over all heads, "
+                             f"which tp={size} splits between ranks; use parallel.tp=1")
         if h % size:
             raise ValueError(f"tensor parallelism over {size} ranks needs num_heads={h} divisible "
                              "by tp; choose tp dividing num_heads")

@@ -1,0 +1,228 @@
+"""The registry of Hugging Face MoE families this model can be: one `Family` per `model_type`.
+
+Each family is a small table: how its config.json keys become model.* (straight copies, values
+the family implies, and settings we refuse, each named by its HF key), and how its weight names
+map to ours. Everything else (hf/load.py, hf/export.py, hf/weights.py, the config fill of
+train.init_from) reads these tables; no other file branches on the family.
+
+Our names vs. a family's (layer i; `moe` is the family's MoE prefix, `mlp` or `block_sparse_moe`):
+    attn.wq|wk|wv|wo            self_attn.q_proj|k_proj|v_proj|o_proj  (.weight, q/k/v .bias)
+    attn.q_norm|k_norm          self_attn.q_norm|k_norm
+    attn_norm, ffn_norm         input_layernorm, post_attention_layernorm
+    ffn.w_gate|w_up|w_down      mlp.gate_proj|up_proj|down_proj        (dense layers)
+    ffn.router.weight           {moe}.gate.weight
+    ffn.router.expert_bias      {moe}.gate.e_score_correction_bias      (where the family has it)
+    ffn.shared.w_gate|w_up|w_down  {moe}.{shared}.gate_proj|up_proj|down_proj
+    ffn.shared.gate.weight      {moe}.shared_expert_gate.weight
+    ffn.experts.w_gate_up [E, D, 2, F]  {moe}.experts.{e}.{gate}|{up} [F, D] per expert
+    ffn.experts.w_down [E, F, D]        {moe}.experts.{e}.{down} [D, F] per expert
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from longctx_moe.model.config import ModelConfig
+
+# config.json key -> model.* key, shared by every family.
+COMMON_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
+               "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+               "num_key_value_heads": "num_kv_heads", "num_experts_per_tok": "top_k",
+               "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
+
+# The architecture keys a family may leave unmapped, at the value that means "not there".
+FEATURE_DEFAULTS = {"qkv_bias": False, "qk_norm_scope": "head", "shared_expert_hidden_size": 0,
+                    "shared_expert_gate": False, "first_k_dense": 0, "router_groups": 1,
+                    "router_topk_groups": 1, "routed_scaling_factor": 1.0, "expert_bias": False}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A config.json setting the model cannot express: `bad(value)` is true for refused values
+    (`value` is None where the key is absent)."""
+
+    key: str
+    bad: Callable[[object], bool]
+    why: str
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    config_class: str  # the transformers config class
+    architecture: str  # config.json "architectures"
+    keys: dict[str, str]  # config.json key -> model.* key (beyond COMMON_KEYS)
+    implied: dict[str, object]  # model.* values every checkpoint of the family has
+    refusals: tuple[Refusal, ...] = ()
+    moe: str = "mlp"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared: str = "shared_expert"
+    derive: Callable[[dict], dict] | None = None  # model.* values computed from several keys
+    export: Callable[[ModelConfig], dict] | None = None  # HF kwargs beyond the inverted keys
+    fixed_hf: dict[str, object] = field(default_factory=dict)  # HF kwargs we always write
+
+
+def _not(value) -> Callable[[object], bool]:
+    return lambda v: v not in (None, value)
+
+
+def _truthy(v) -> bool:
+    return bool(v)
+
+
+def _dense_prefix(hf: dict) -> dict:
+    """Qwen's mlp_only_layers as first_k_dense: only a prefix [0, k) of dense layers exists here."""
+    layers = sorted(hf.get("mlp_only_layers") or [])
+    if layers != list(range(len(layers))):
+        raise_family(f"mlp_only_layers={layers}", hf, "only the first k layers may be dense here")
+    out = {"first_k_dense": len(layers)}
+    if layers:
+        out["dense_hidden_size"] = hf["intermediate_size"]
+    return out
+
+
+def _qwen_export(cfg: ModelConfig) -> dict:
+    return {"mlp_only_layers": list(range(cfg.first_k_dense)), "intermediate_size": cfg.dense_hidden_size,
+            "decoder_sparse_step": 1, "use_sliding_window": False}
+
+
+def _qwen2_derive(hf: dict) -> dict:
+    width = hf.get("shared_expert_intermediate_size", 0)
+    return {**_dense_prefix(hf), "shared_expert_hidden_size": width, "shared_expert_gate": width > 0}
+
+
+def _glm_derive(hf: dict) -> dict:
+    out = {"first_k_dense": hf.get("first_k_dense_replace", 0),
+           "shared_expert_hidden_size": hf.get("n_shared_experts", 0) * hf["moe_intermediate_size"]}
+    if out["first_k_dense"]:
+        out["dense_hidden_size"] = hf["intermediate_size"]
+    return out
+
+
+def _glm_export(cfg: ModelConfig) -> dict:
+    shared, f = cfg.shared_expert_hidden_size, cfg.expert_hidden_size
+    if shared % f:
+        raise ValueError(f"glm4_moe writes shared experts as n_shared_experts x moe_intermediate_size; "
+                         f"model.shared_expert_hidden_size={shared} is not a multiple of {f}")
+    return {"first_k_dense_replace": cfg.first_k_dense, "intermediate_size": cfg.dense_hidden_size,
+            "n_shared_experts": shared // f, "partial_rotary_factor": 1.0}
+
+
+_NO_SLIDING = Refusal("use_sliding_window", _truthy, "sliding-window attention")
+_QWEN_SPARSE = Refusal("decoder_sparse_step", _not(1), "MoE every k-th layer")
+
+FAMILIES = {f.model_type: f for f in (
+    Family("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+           keys={"num_experts": "num_experts", "moe_intermediate_size": "expert_hidden_size",
+                 "norm_topk_prob": "router_renormalize", "head_dim": "head_dim"},
+           implied={"qk_norm": True, "qk_norm_scope": "head", "qkv_bias": False, "router_score": "softmax",
+                    "shared_expert_hidden_size": 0, "shared_expert_gate": False, "expert_bias": False},
+           refusals=(_NO_SLIDING, _QWEN_SPARSE, Refusal("attention_bias", _truthy, "attention biases"),),
+           derive=_dense_prefix, export=_qwen_export),
+    Family("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+           keys={"num_experts": "num_experts", "moe_intermediate_size": "expert_hidden_size",
+                 "norm_topk_prob": "router_renormalize", "qkv_bias": "qkv_bias"},
+           implied={"qk_norm": False, "router_score": "softmax", "expert_bias": False},
+           refusals=(_NO_SLIDING, _QWEN_SPARSE), derive=_qwen2_derive,
+           export=lambda cfg: {**_qwen_export(cfg), "shared_expert_intermediate_size": cfg.shared_expert_hidden_size}),
+    Family("mixtral", "MixtralConfig", "MixtralForCausalLM",
+           keys={"num_local_experts": "num_experts", "intermediate_size": "expert_hidden_size",
+                 "head_dim": "head_dim"},
+           implied={"qk_norm": False, "qkv_bias": False, "router_score": "softmax", "router_renormalize": True,
+                    "shared_expert_hidden_size": 0, "first_k_dense": 0, "expert_bias": False},
+           refusals=(Refusal("sliding_window", _not(None), "sliding-window attention"),
+                     Refusal("router_jitter_noise", _not(0.0), "router jitter noise")),
+           moe="block_sparse_moe", expert_names=("w1", "w3", "w2"), fixed_hf={"sliding_window": None}),
+    Family("olmoe", "OlmoeConfig", "OlmoeForCausalLM",
+           keys={"num_experts": "num_experts", "intermediate_size": "expert_hidden_size",
+                 "norm_topk_prob": "router_renormalize"},
+           implied={"qk_norm": True, "qk_norm_scope": "full", "qkv_bias": False, "router_score": "softmax",
+                    "shared_expert_hidden_size": 0, "first_k_dense": 0, "expert_bias": False},
+           refusals=(Refusal("attention_bias", _truthy, "attention biases"),
+                     Refusal("clip_qkv", _not(None), "clipping of q, k and v"))),
+    Family("glm4_moe", "Glm4MoeConfig", "Glm4MoeForCausalLM",
+           keys={"n_routed_experts": "num_experts", "moe_intermediate_size": "expert_hidden_size",
+                 "norm_topk_prob": "router_renormalize", "head_dim": "head_dim",
+                 "attention_bias": "qkv_bias", "use_qk_norm": "qk_norm", "n_group": "router_groups",
+                 "topk_group": "router_topk_groups", "routed_scaling_factor": "routed_scaling_factor"},
+           implied={"qk_norm_scope": "head", "router_score": "sigmoid", "expert_bias": True,
+                    "shared_expert_gate": False},
+           shared="shared_experts", derive=_glm_derive, export=_glm_export),
+)}
+
+
+def raise_family(setting: str, hf: dict, why: str):
+    from longctx_moe.config import ConfigError
+
+    raise ConfigError(f"config.json: {setting} ({hf.get('model_type')}) is not supported by this "
+                      f"model: {why}; use a checkpoint without it")
+
+
+def family_of(model_type: str | None) -> Family:
+    if model_type not in FAMILIES:
+        from longctx_moe.config import ConfigError
+
+        raise ConfigError(f"config.json: model_type={model_type!r} is not a supported family; "
+                          f"supported: {', '.join(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def _rope(hf: dict) -> dict:
+    """rope_theta from transformers 5's rope_parameters (or the older top-level keys); RoPE
+    variants and partial rotary are refused by name (they belong to the attention's RoPE)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise_family(f"rope_parameters.rope_type={kind!r}", hf, "only plain RoPE is implemented")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise_family(f"partial_rotary_factor={partial}", hf, "partial RoPE is not implemented yet")
+    return {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+
+
+def model_values(hf: dict) -> dict:
+    """model.* values (the architecture) of a config.json dict; ConfigError (one line, naming
+    the HF key) for a family or setting the model cannot express."""
+    fam = family_of(hf.get("model_type"))
+    if hf.get("hidden_act", "silu") != "silu":
+        raise_family(f"hidden_act={hf['hidden_act']!r}", hf, "experts and MLPs are SwiGLU (silu)")
+    for r in fam.refusals:
+        if r.bad(hf.get(r.key)):
+            raise_family(f"{r.key}={hf.get(r.key)!r}", hf, r.why)
+    out = {**FEATURE_DEFAULTS, "hf_family": fam.model_type, **fam.implied}
+    for hf_key, key in {**COMMON_KEYS, **fam.keys}.items():
+        if hf.get(hf_key) is not None:
+            out[key] = hf[hf_key]
+    out.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    out.setdefault("num_kv_heads", hf["num_attention_heads"])
+    out.update(_rope(hf))
+    if fam.derive is not None:
+        out.update(fam.derive(hf))
+    return out
+
+
+def hf_config(cfg: ModelConfig, max_position_embeddings: int = 32768):
+    """The transformers config object of `cfg`'s family; ValueError naming the model.* key for a
+    feature the family cannot express."""
+    import transformers
+
+    fam = family_of(cfg.hf_family)
+    for key, want in fam.implied.items():
+        if getattr(cfg, key) != want:
+            raise ValueError(f"{fam.model_type} cannot express this model: model.{key} must be {want!r} "
+                             "for HF interop (or pick another model.hf_family)")
+    kwargs = {hf_key: getattr(cfg, key) for hf_key, key in {**COMMON_KEYS, **fam.keys}.items()}
+    kwargs.update(hidden_act="silu", max_position_embeddings=max_position_embeddings,
+                  initializer_range=cfg.init_std, use_cache=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, **fam.fixed_hf)
+    if fam.export is not None:
+        kwargs.update(fam.export(cfg))
+    hf = getattr(transformers, fam.config_class)(**kwargs)
+    back = model_values(hf.to_dict())  # what a reader of this config.json would build
+    for key, value in back.items():
+        if key != "hf_family" and getattr(cfg, key) != value:
+            raise ValueError(f"{fam.model_type} cannot express this model: model.{key}={getattr(cfg, key)!r} "
+                             f"would read back as {value!r}; pick another model.hf_family")
+    hf.architectures = [fam.architecture]
+    return hf

@@ -1,0 +1,72 @@
+"""Small random checkpoints of every supported family, made with transformers' own config
+classes and saved with save_pretrained (no downloads), and the reference log-probs."""
+
+from __future__ import annotations
+
+import torch
+
+BASE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, initializer_range=0.2, rms_norm_eps=1e-6)
+
+# Two configurations per family: the second varies what the family lets vary (renormalisation,
+# GQA, tied embeddings, dense first layers, q/k norm...).
+CASES = {
+    "qwen2_moe": [dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=24, intermediate_size=40),
+                  dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=8, norm_topk_prob=True,
+                       shared_expert_intermediate_size=16, intermediate_size=24, mlp_only_layers=[0],
+                       num_hidden_layers=3, qkv_bias=True, tie_word_embeddings=True)],
+    "mixtral": [dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16),
+                dict(num_local_experts=6, num_experts_per_tok=1, intermediate_size=24,
+                     num_key_value_heads=4, head_dim=16, tie_word_embeddings=True)],
+    "olmoe": [dict(num_experts=4, num_experts_per_tok=2, intermediate_size=16),
+              dict(num_experts=8, num_experts_per_tok=3, intermediate_size=8, norm_topk_prob=True,
+                   num_key_value_heads=4)],
+    # partial_rotary_factor=1.0: partial RoPE is not in this model yet (config.json refuses it).
+    "glm4_moe": [dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=40,
+                      first_k_dense_replace=1, n_group=2, topk_group=1, n_shared_experts=1,
+                      routed_scaling_factor=2.5, partial_rotary_factor=1.0, head_dim=8),
+                 dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=8, intermediate_size=24,
+                      first_k_dense_replace=0, n_group=4, topk_group=2, n_shared_experts=2, norm_topk_prob=False,
+                      attention_bias=True, use_qk_norm=True, partial_rotary_factor=1.0, head_dim=8)],
+}
+CONFIG_CLASS = {"qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig", "olmoe": "OlmoeConfig",
+                "glm4_moe": "Glm4MoeConfig"}
+IDS = [f"{fam}-{i}" for fam, cases in CASES.items() for i in range(len(cases))]
+PARAMS = [(fam, kw) for fam, cases in CASES.items() for kw in cases]
+
+
+def hf_config(family: str, kwargs: dict):
+    import transformers
+
+    cfg = getattr(transformers, CONFIG_CLASS[family])(**{**BASE, **kwargs})
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"  # the grouped_mm experts reject float64
+    return cfg
+
+
+def save_random(family: str, kwargs: dict, path, seed: int = 0):
+    """A random checkpoint of `family` in `path`; returns the transformers model (float32)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family, kwargs)).eval()
+    with torch.no_grad():  # HF initialises the GLM correction bias at 0; a real one is not
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias") or name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    return model
+
+
+def hf_token_logprobs(model, docs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """log p(doc[t+1] | doc[:t+1]) of each document on its own (transformers' forward)."""
+    out = []
+    with torch.no_grad():
+        for tokens in docs:
+            logits = model(input_ids=tokens[None]).logits[0].to(torch.float64)
+            out.append(logits[:-1].log_softmax(-1).gather(1, tokens[1:, None])[:, 0])
+    return out

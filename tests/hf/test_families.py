@@ -1,0 +1,110 @@
+"""Every supported Hugging Face MoE family, on small random checkpoints saved by transformers:
+train.init_from's config fill and lazy load, per-token log-probs of packed documents against
+transformers' forward on each document alone, a training step, and export -> transformers load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from longctx_moe.config import ConfigError, load_config
+from longctx_moe.hf.load import load_hf_model
+from longctx_moe.model.transformer import LogProbHead
+from tests.hf.families_cases import IDS, PARAMS, hf_config, hf_token_logprobs, save_random
+from tests.model.helpers import packed_batch
+
+transformers = pytest.importorskip("transformers")
+DOCS = [7, 1, 12, 5]  # packed together; a one-token document has no target
+
+
+@pytest.fixture(params=PARAMS, ids=IDS)
+def checkpoint(request, tmp_path):
+    family, kwargs = request.param
+    path = tmp_path / "hf"
+    return family, kwargs, path, save_random(family, kwargs, path)
+
+
+def _packed_logprobs(model, batch) -> list[torch.Tensor]:
+    with torch.no_grad():
+        logp_T = model(batch, head=LogProbHead()).logprobs_T.to(torch.float64)
+    cu = batch.cu_seqlens.tolist()
+    return [logp_T[s:e - 1] for s, e in zip(cu[:-1], cu[1:], strict=True)]
+
+
+def _docs(batch) -> list[torch.Tensor]:
+    cu = batch.cu_seqlens.tolist()
+    return [batch.tokens[s:e] for s, e in zip(cu[:-1], cu[1:], strict=True)]
+
+
+def test_packed_logprobs_match_transformers_per_document(checkpoint):
+    family, kwargs, path, hf = checkpoint
+    ours = load_hf_model(path)
+    assert ours.cfg.hf_family == family
+    batch = packed_batch(DOCS, ours.cfg.vocab_size, generator=torch.Generator().manual_seed(1))
+    mine, theirs = _packed_logprobs(ours, batch), hf_token_logprobs(hf, _docs(batch))
+    # float32 on both sides: the two forwards round differently (fused vs. per-expert GEMMs,
+    # attention kernels), ~1e-6 on log-probs of size ~5 after a few layers.
+    for m, t in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(m, t, atol=2e-5, rtol=0)
+    assert torch.cat(theirs).std() > 0.1  # weights large enough that routing matters
+
+
+def test_export_loads_in_transformers_with_the_same_logits(checkpoint, tmp_path):
+    from longctx_moe.hf.export import write_config_json, write_safetensors
+
+    family, kwargs, path, hf = checkpoint
+    ours = load_hf_model(path)
+    with torch.no_grad():  # a trained model: every tensor moved, so the export is not the input
+        for p in ours.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    out = tmp_path / "export"
+    out.mkdir()
+    write_safetensors(ours, out, torch.float32, 1 << 20)
+    write_config_json(ours.cfg, out, torch.float32)
+    assert json.loads((out / "config.json").read_text())["model_type"] == family
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    batch = packed_batch([9], ours.cfg.vocab_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        mine = ours.logits(batch)
+        theirs = back(input_ids=batch.tokens[None]).logits[0]
+    torch.testing.assert_close(mine, theirs, atol=2e-5, rtol=0)
+    again = load_hf_model(out)  # and our reader takes the export back exactly
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values(), strict=True))
+
+
+def test_a_training_step_moves_every_weight(checkpoint):
+    family, kwargs, path, hf = checkpoint
+    ours = load_hf_model(path).train()
+    batch = packed_batch(DOCS, ours.cfg.vocab_size, generator=torch.Generator().manual_seed(3))
+    out = ours(batch)
+    (out.ce_sum / out.num_targets + out.aux_loss + out.z_loss).backward()
+    dead = [n for n, p in ours.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not dead, f"no gradient reached {dead}"
+
+
+def test_architecture_setting_that_contradicts_config_json_is_refused(tmp_path):
+    save_random("mixtral", PARAMS[2][1], tmp_path)
+    with pytest.raises(ConfigError, match="config.json gives model.num_experts=4 but the config sets"):
+        load_config(None, [f"train.init_from={tmp_path}", "model.num_experts=8"])
+    cfg = load_config(None, [f"train.init_from={tmp_path}", "model.num_experts=4", "model.aux_loss_coeff=0"])
+    assert (cfg.model.num_experts, cfg.model.router_renormalize, cfg.model.aux_loss_coeff) == (4, True, 0)
+
+
+@pytest.mark.parametrize("family,key,value,named", [
+    ("mixtral", "sliding_window", 4096, "sliding_window=4096 (mixtral)"),
+    ("olmoe", "clip_qkv", 8.0, "clip_qkv=8.0 (olmoe)"),
+    ("glm4_moe", "partial_rotary_factor", 0.5, "partial_rotary_factor=0.5 (glm4_moe)"),
+    ("qwen2_moe", "use_sliding_window", True, "use_sliding_window=True (qwen2_moe)")])
+def test_unsupported_hf_setting_is_refused_naming_the_key(tmp_path, family, key, value, named):
+    kwargs = {**dict(PARAMS[IDS.index(f"{family}-0")][1]), key: value}
+    hf_config(family, kwargs).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, [f"train.init_from={tmp_path}"])
+
+
+def test_unknown_family_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    with pytest.raises(ConfigError, match="model_type='gpt_oss' is not a supported family"):
+        load_config(None, [f"train.init_from={tmp_path}"])
