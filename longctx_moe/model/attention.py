@@ -22,6 +22,7 @@ from data_packing.batch import PackedBatch
 from longctx_moe.compile import eager_only
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.layers import RMSNorm, apply_rope, rope_cos_sin
+from longctx_moe.model.rope import RopeSpec, apply_partial_rope, rope_tables
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,14 @@ class DocLayout:
     reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Router replay: int [T, L_moe, K] experts to force per token and MoE layer (-1: route live).
     replay_TLK: torch.Tensor | None = None
+
+    def rope_tables(self, spec, dtype: torch.dtype):
+        """cos, sin [T, R] of a RoPE variant (longctx_moe.model.rope.RopeSpec), cached."""
+        key = (spec, dtype)
+        if key not in self.rope:
+            cos, sin = rope_tables(self.position_ids_T, spec)
+            self.rope[key] = (cos.to(dtype), sin.to(dtype))
+        return self.rope[key]
 
     def rope_cos_sin(self, head_dim: int, theta: float, dtype: torch.dtype):
         key = (head_dim, theta, dtype)
@@ -94,15 +103,18 @@ def doc_layout(batch: PackedBatch, *, doc_id_T: torch.Tensor | None = None, num_
 # Kept out of torch.compile: the varlen kernels plan buckets on the host (data-dependent shapes),
 # and the context-parallel executors run collectives.
 @eager_only
-def attend(q_THR, k_TGR, v_TGR, layout: DocLayout, backend: str) -> torch.Tensor:
-    """Causal attention inside each document of `layout`: out_THR (input dtype)."""
+def attend(q_THR, k_TGR, v_TGR, layout: DocLayout, backend: str, window: int | None = None,
+           sink_H: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention inside each document of `layout`: out_THRv (input dtype); `window` a
+    sliding window, `sink_H` [H] attention-sink logits (cp_attention.kernels.sinks)."""
+    extras = {k: v for k, v in (("window", window), ("sink", sink_H)) if v is not None}
     if layout.attend is not None:
-        return layout.attend(q_THR, k_TGR, v_TGR, backend)
+        return layout.attend(q_THR, k_TGR, v_TGR, backend, **extras)
     from cp_attention.kernels import varlen_attention
 
     cu = layout.cu_attn_S
     out_THR, _lse_HT = varlen_attention(q_THR, k_TGR, v_TGR, cu, cu, layout.max_attn,
-                                        layout.max_attn, causal=True, backend=backend)
+                                        layout.max_attn, causal=True, backend=backend, **extras)
     return out_THR
 
 
@@ -111,7 +123,7 @@ class Attention(nn.Module):
     head (Qwen3: weight [R]) or over the whole projection (OLMoE: weight [H R] and [G R], one
     mean of squares per token); q, k and v may carry biases (Qwen2-MoE)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.rope_theta = cfg.rope_theta
@@ -119,13 +131,30 @@ class Attention(nn.Module):
         self.wq = nn.Linear(d, cfg.num_heads * cfg.head_dim, bias=bias)
         self.wk = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.wv = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=False)
+        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=cfg.attention_out_bias)
+        self._init_family_features(cfg, layer_idx)
         self.norm_full_width = cfg.qk_norm_scope == "full"
         q_width, k_width = ((cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
                             if self.norm_full_width else (cfg.head_dim, cfg.head_dim))
         self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.kernels) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.kernels) if cfg.qk_norm else None
         self.backend = cfg.attention_backend
+
+    def _init_family_features(self, cfg: ModelConfig, layer_idx: int) -> None:
+        """Sinks (gpt-oss), this layer's sliding window, and a RoPE variant (partial rotary,
+        YaRN); None / absent where the config asks for none, so plain models are unchanged."""
+        self.window = cfg.window_of(layer_idx)
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
+        plain = cfg.partial_rotary_factor == 1.0 and cfg.rope_scaling is None
+        self.rope_spec = None if plain else RopeSpec.from_config(
+            cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    def _rotate(self, q_THR, k_TGR, layout: DocLayout):
+        if self.rope_spec is None:
+            cos_TR, sin_TR = layout.rope_cos_sin(self.head_dim, self.rope_theta, q_THR.dtype)
+            return apply_rope(q_THR, cos_TR, sin_TR), apply_rope(k_TGR, cos_TR, sin_TR)
+        cos_TR, sin_TR = layout.rope_tables(self.rope_spec, q_THR.dtype)
+        return apply_partial_rope(q_THR, cos_TR, sin_TR), apply_partial_rope(k_TGR, cos_TR, sin_TR)
 
     def _project(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q_THR, k_TGR, v_TGR after the q/k norm (before RoPE)."""
@@ -141,7 +170,6 @@ class Attention(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, layout: DocLayout) -> torch.Tensor:
         q_THR, k_TGR, v_TGR = self._project(x_TD)
-        cos_TR, sin_TR = layout.rope_cos_sin(self.head_dim, self.rope_theta, q_THR.dtype)
-        q_THR, k_TGR = apply_rope(q_THR, cos_TR, sin_TR), apply_rope(k_TGR, cos_TR, sin_TR)
-        out_THR = attend(q_THR, k_TGR, v_TGR, layout, self.backend)
+        q_THR, k_TGR = self._rotate(q_THR, k_TGR, layout)
+        out_THR = attend(q_THR, k_TGR, v_TGR, layout, self.backend, self.window, self.sinks)
         return self.wo(out_THR.reshape(x_TD.shape[0], -1))

@@ -76,6 +76,21 @@ class ModelConfig:
     router_topk_groups: int = 1
     routed_scaling_factor: float = 1.0  # the routed experts' weights times this (after renorm)
 
+    # ---- Attention features of pretrained families (model.rope, cp_attention kernels) ----
+    # Partial rotary (GLM-4.5): RoPE on the first int(head_dim * factor) dims of each head.
+    partial_rotary_factor: float = 1.0
+    # transformers' rope_scaling dict; type "yarn" (DeepSeek-V3) with factor,
+    # original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim. None: plain.
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 0  # YaRN's factor when rope_scaling has none
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in the softmax denominator
+    # Sliding-window attention (gpt-oss): a query sees its `sliding_window` latest keys (itself
+    # included) in layers whose layer_types entry is "sliding_attention"; 0 = no window.
+    # layer_types None with a window = every layer windowed.
+    sliding_window: int = 0
+    layer_types: list | None = None  # per layer: "sliding_attention" | "full_attention"
+    attention_out_bias: bool = False  # a bias on the output projection (gpt-oss)
+
     def validate(self) -> None:
         """Raise ValueError naming the key, its value and the fix."""
         for key, allowed in CHOICES.items():
@@ -93,6 +108,7 @@ class ModelConfig:
             raise ValueError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}; "
                              "lower top_k or raise num_experts")
         self._validate_family_features()
+        self._validate_attention_features()
         if not 0 <= self.first_k_dense <= self.num_layers:
             raise ValueError(f"model.first_k_dense={self.first_k_dense} must lie in "
                              f"[0, model.num_layers={self.num_layers}]")
@@ -115,6 +131,38 @@ class ModelConfig:
         if self.shared_expert_gate and self.shared_expert_hidden_size < 1:
             raise ValueError("model.shared_expert_gate=true needs a shared expert; set "
                              "model.shared_expert_hidden_size > 0")
+
+    def _validate_attention_features(self) -> None:
+        from longctx_moe.model.rope import RopeSpec
+
+        rotary = self.rotary_dim
+        if not 0 < self.partial_rotary_factor <= 1 or rotary < 2 or rotary % 2:
+            raise ValueError(f"model.partial_rotary_factor={self.partial_rotary_factor} must lie in "
+                             f"(0, 1] and give an even rotary width (head_dim * factor = {rotary})")
+        RopeSpec.from_config(rotary, self.rope_theta, self.rope_scaling, self.max_position_embeddings)
+        if self.sliding_window < 0:
+            raise ValueError(f"model.sliding_window={self.sliding_window} must be >= 0 (0 = none)")
+        if self.layer_types is None:
+            return
+        kinds = ("sliding_attention", "full_attention")
+        if len(self.layer_types) != self.num_layers or any(k not in kinds for k in self.layer_types):
+            raise ValueError(f"model.layer_types must list {self.num_layers} entries (num_layers) "
+                             f"from {kinds}; got {self.layer_types}")
+        if "sliding_attention" in self.layer_types and self.sliding_window < 1:
+            raise ValueError("model.layer_types has sliding_attention layers but "
+                             "model.sliding_window is 0; set the window size")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def window_of(self, layer_idx: int) -> int | None:
+        """The sliding window of layer `layer_idx` (None: full causal attention)."""
+        if self.sliding_window < 1:
+            return None
+        if self.layer_types is not None and self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def num_moe_layers(self) -> int:

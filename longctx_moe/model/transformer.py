@@ -53,7 +53,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.kernels)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer_idx)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.kernels)
         self.is_moe = layer_idx >= cfg.first_k_dense
         self.ffn = MoE(cfg) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.dense_hidden_size)

@@ -81,7 +81,8 @@ class CPAttend:
     def __init__(self, plan, cp: CPGroup):
         self.plan, self.cp = plan, cp
 
-    def __call__(self, q_LHR, k_LGR, v_LGR, backend: str) -> torch.Tensor:
+    def __call__(self, q_LHR, k_LGR, v_LGR, backend: str, window: int | None = None,
+                 sink=None) -> torch.Tensor:
         from cp_attention.ring import ring_attention
         from cp_attention.ulysses import hierarchical_attention, ulysses_attention
 
@@ -90,13 +91,14 @@ class CPAttend:
             raise RuntimeError(f"CP attention got {q_LHR.shape[0]} tokens but this rank's plan holds "
                                f"{plan.local_tokens(cp.rank)}; run the model on the shard the "
                                "runtime made (runtime.shard), not on the full batch")
+        extras = dict(backend=backend, window=window, sink=sink)
         if cp.backend == "ring":
-            out, _ = ring_attention(q_LHR, k_LGR, v_LGR, plan, cp.group, backend=backend)
+            out, _ = ring_attention(q_LHR, k_LGR, v_LGR, plan, cp.group, **extras)
         elif cp.backend == "ulysses":
-            out, _ = ulysses_attention(q_LHR, k_LGR, v_LGR, plan, cp.group, backend=backend)
+            out, _ = ulysses_attention(q_LHR, k_LGR, v_LGR, plan, cp.group, **extras)
         else:
             out, _ = hierarchical_attention(q_LHR, k_LGR, v_LGR, plan, cp.inner, cp.outer,
-                                            backend=backend)
+                                            **extras)
         return out
 
 

@@ -43,6 +43,7 @@ def parallelize(model: nn.Module, dims=None, cfg: ParallelConfig | None = None,
         dims.build_groups(0)
     cfg = cfg or dims.config or ParallelConfig(tp=dims.tp, cp=dims.cp, ep=dims.ep, etp=dims.etp)
     check_supported(dims, cfg)
+    check_attention_features(model, dims, cfg)
     if dims.tp > 1:
         apply_tensor_parallel(model, dims, cfg.sequence_parallel)
     if hasattr(model, "moe_layers"):
@@ -77,6 +78,25 @@ def _a2a_size(dims, cfg: ParallelConfig) -> int:
     none under ring CP, the whole run under Ulysses, cp_inner under hierarchical CP."""
     return {"ring": 1, "ulysses": cfg.dynamic_max_cp, "hierarchical": dims.cp_inner}[
         cfg.cp_backend]
+
+
+def check_attention_features(model: nn.Module, dims, cfg: ParallelConfig) -> None:
+    """Sliding windows need a CP executor and a kernel backend that can apply them: refused
+    here, at start-up, rather than by the first forward."""
+    windows = [layer.attn.window for layer in getattr(model, "layers", [])
+               if getattr(layer.attn, "window", None) is not None]
+    if not windows:
+        return
+    cp_runs = dims.cp > 1 or cfg.dynamic_cp
+    if cp_runs and cfg.cp_backend != "ulysses":
+        raise ValueError(f"model.sliding_window={windows[0]} with parallel.cp_backend="
+                         f"{cfg.cp_backend}: the ring cannot apply a window; set "
+                         "parallel.cp_backend=ulysses")
+    backend = model.cfg.attention_backend
+    if backend != "auto":
+        from cp_attention.kernels import check_window_support
+
+        check_window_support(backend, next(model.parameters()).device)
 
 
 def check_supported(dims, cfg: ParallelConfig) -> None:

@@ -184,10 +184,20 @@ def shard_attention(attn: nn.Module, rank: int, size: int, group,
         attn.wk = ReplicatedKVLinear(attn.wk, head, r, rank, size, group)
         attn.wv = ReplicatedKVLinear(attn.wv, head, r, rank, size, group)
     _keep(attn.wo, 1, rank * hq * r, (rank + 1) * hq * r)
+    _keep_sinks(attn, rank * hq, (rank + 1) * hq)
     for norm in (attn.q_norm, attn.k_norm):
         for p in norm.parameters() if norm is not None else ():
             p.reduce_axis = Axis.WORLD  # partial per TP rank: sums over TP as well as DP x CP
     _add_tp_hooks(attn, group, sequence_parallel, regather)
+
+
+@torch.no_grad()
+def _keep_sinks(attn: nn.Module, start: int, stop: int) -> None:
+    """gpt-oss sinks are one logit per query head: they follow the heads [start, stop)."""
+    if getattr(attn, "sinks", None) is not None:
+        attn.sinks = nn.Parameter(attn.sinks[start:stop].clone(),
+                                  requires_grad=attn.sinks.requires_grad)
+        _tag(attn.sinks, 0)
 
 
 def shard_swiglu(mlp: nn.Module, rank: int, size: int, group,
@@ -220,6 +230,9 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
         if block.attn.norm_full_width and block.attn.q_norm is not None and size > 1:
             raise ValueError(f"model.qk_norm_scope=full (OLMoE) normalises q and k over all heads, "
                              f"which tp={size} splits between ranks; use parallel.tp=1")
+        if block.attn.wo.bias is not None and size > 1:
+            raise ValueError(f"model.attention_out_bias=true: the row-parallel output projection "
+                             f"would add its bias on each of tp={size} ranks; use parallel.tp=1")
         if h % size:
             raise ValueError(f"tensor parallelism over {size} ranks needs num_heads={h} divisible "
                              "by tp; choose tp dividing num_heads")
