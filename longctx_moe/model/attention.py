@@ -104,10 +104,12 @@ def doc_layout(batch: PackedBatch, *, doc_id_T: torch.Tensor | None = None, num_
 # and the context-parallel executors run collectives.
 @eager_only
 def attend(q_THR, k_TGR, v_TGR, layout: DocLayout, backend: str, window: int | None = None,
-           sink_H: torch.Tensor | None = None) -> torch.Tensor:
+           sink_H: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention inside each document of `layout`: out_THRv (input dtype); `window` a
-    sliding window, `sink_H` [H] attention-sink logits (cp_attention.kernels.sinks)."""
-    extras = {k: v for k, v in (("window", window), ("sink", sink_H)) if v is not None}
+    sliding window, `sink_H` [H] attention-sink logits (cp_attention.kernels.sinks), `scale`
+    the softmax scale (default head_dim^-0.5)."""
+    extras = {k: v for k, v in (("window", window), ("sink", sink_H), ("scale", scale))
+              if v is not None}
     if layout.attend is not None:
         return layout.attend(q_THR, k_TGR, v_TGR, backend, **extras)
     from cp_attention.kernels import varlen_attention

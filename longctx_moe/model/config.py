@@ -14,6 +14,7 @@ CHOICES = {
     "expert_precision": ("auto", "autocast", "param"),
     "kernels": ("auto", "torch", "triton"),
     "qk_norm_scope": ("head", "full"),
+    "attention_type": ("gqa", "mla"),
 }
 
 
@@ -90,6 +91,17 @@ class ModelConfig:
     sliding_window: int = 0
     layer_types: list | None = None  # per layer: "sliding_attention" | "full_attention"
     attention_out_bias: bool = False  # a bias on the output projection (gpt-oss)
+    # Multi-head Latent Attention (DeepSeek-V3, model.mla) with attention_type=mla: q through a
+    # rank-q_lora_rank bottleneck (0 = a plain q projection), k / v from a rank-kv_lora_rank
+    # latent; q/k heads of qk_nope_head_dim + qk_rope_head_dim (the rope part of k shared by
+    # all heads), v heads of v_head_dim. head_dim / num_kv_heads are not used by MLA layers.
+    attention_type: str = "gqa"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rope dims stored as interleaved pairs (DeepSeek-V3 default)
 
     def validate(self) -> None:
         """Raise ValueError naming the key, its value and the fix."""
@@ -142,6 +154,8 @@ class ModelConfig:
         RopeSpec.from_config(rotary, self.rope_theta, self.rope_scaling, self.max_position_embeddings)
         if self.sliding_window < 0:
             raise ValueError(f"model.sliding_window={self.sliding_window} must be >= 0 (0 = none)")
+        if self.attention_type == "mla":
+            self._validate_mla()
         if self.layer_types is None:
             return
         kinds = ("sliding_attention", "full_attention")
@@ -151,6 +165,21 @@ class ModelConfig:
         if "sliding_attention" in self.layer_types and self.sliding_window < 1:
             raise ValueError("model.layer_types has sliding_attention layers but "
                              "model.sliding_window is 0; set the window size")
+
+    def _validate_mla(self) -> None:
+        from longctx_moe.model.rope import RopeSpec
+
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.attention_type=mla needs model.{key} >= 1")
+        if self.qk_rope_head_dim % 2 or self.q_lora_rank < 0:
+            raise ValueError(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even and "
+                             f"model.q_lora_rank={self.q_lora_rank} >= 0 (0 = no q bottleneck)")
+        if self.qkv_bias or self.attention_out_bias or self.qk_norm:
+            raise ValueError("model.attention_type=mla has no q/k/v/output biases or q/k norm; "
+                             "set model.qkv_bias, attention_out_bias and qk_norm to false")
+        RopeSpec.from_config(self.qk_rope_head_dim, self.rope_theta, self.rope_scaling,
+                             self.max_position_embeddings)
 
     @property
     def rotary_dim(self) -> int:

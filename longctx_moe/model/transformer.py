@@ -22,6 +22,7 @@ from longctx_moe.model.attention import Attention, DocLayout, doc_layout
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.layers import RMSNorm, SwiGLU, autocast_dtype
 from longctx_moe.model.losses import VocabShard, chunked_cross_entropy, chunked_token_logprobs
+from longctx_moe.model.mla import MLAttention
 from longctx_moe.model.moe import MoE, MoEStats
 from longctx_moe.model.recompute import MODES, BlockRecompute, recompute_call
 
@@ -53,7 +54,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.kernels)
-        self.attn = Attention(cfg, layer_idx)
+        self.attn = (MLAttention if cfg.attention_type == "mla" else Attention)(cfg, layer_idx)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.kernels)
         self.is_moe = layer_idx >= cfg.first_k_dense
         self.ffn = MoE(cfg) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.dense_hidden_size)

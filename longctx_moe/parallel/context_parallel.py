@@ -82,7 +82,7 @@ class CPAttend:
         self.plan, self.cp = plan, cp
 
     def __call__(self, q_LHR, k_LGR, v_LGR, backend: str, window: int | None = None,
-                 sink=None) -> torch.Tensor:
+                 sink=None, scale: float | None = None) -> torch.Tensor:
         from cp_attention.ring import ring_attention
         from cp_attention.ulysses import hierarchical_attention, ulysses_attention
 
@@ -91,7 +91,7 @@ class CPAttend:
             raise RuntimeError(f"CP attention got {q_LHR.shape[0]} tokens but this rank's plan holds "
                                f"{plan.local_tokens(cp.rank)}; run the model on the shard the "
                                "runtime made (runtime.shard), not on the full batch")
-        extras = dict(backend=backend, window=window, sink=sink)
+        extras = dict(backend=backend, window=window, sink=sink, scale=scale)
         if cp.backend == "ring":
             out, _ = ring_attention(q_LHR, k_LGR, v_LGR, plan, cp.group, **extras)
         elif cp.backend == "ulysses":

@@ -200,6 +200,24 @@ def _keep_sinks(attn: nn.Module, start: int, stop: int) -> None:
         _tag(attn.sinks, 0)
 
 
+def shard_mla(attn: nn.Module, rank: int, size: int, group, sequence_parallel: bool = False,
+              regather=None) -> None:
+    """MLA (model.mla): heads [rank*H/size, (rank+1)*H/size) of q_b (or q_proj), kv_b and
+    o_proj; the low-rank down-projections and their norms stay whole on every rank, their
+    gradients partial per TP rank (each covers this rank's heads), so summed over TP too."""
+    hq = attn.num_heads // size
+    qk, kv = attn.nope + attn.rope_dim, attn.nope + attn.v_dim
+    q_up = attn.q_b_proj if hasattr(attn, "q_b_proj") else attn.q_proj
+    _keep(q_up, 0, rank * hq * qk, (rank + 1) * hq * qk)
+    _keep(attn.kv_b_proj, 0, rank * hq * kv, (rank + 1) * hq * kv)
+    _keep(attn.o_proj, 1, rank * hq * attn.v_dim, (rank + 1) * hq * attn.v_dim)
+    _keep_sinks(attn, rank * hq, (rank + 1) * hq)
+    for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+        for p in getattr(attn, name).parameters() if hasattr(attn, name) else ():
+            p.reduce_axis = Axis.WORLD
+    _add_tp_hooks(attn, group, sequence_parallel, regather)
+
+
 def shard_swiglu(mlp: nn.Module, rank: int, size: int, group,
                  sequence_parallel: bool = False, regather=None) -> None:
     """Hidden units [rank*F/size, (rank+1)*F/size) of a dense SwiGLU."""
@@ -226,25 +244,38 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
         raise ValueError(f"the vocabulary-parallel embedding and LM head split vocab_size={v} "
                          f"over tp={size}; pad vocab_size to a multiple of tp")
     for block in model.layers:
-        h, g, r = block.attn.num_heads, block.attn.num_kv_heads, block.attn.head_dim
-        if block.attn.norm_full_width and block.attn.q_norm is not None and size > 1:
-            raise ValueError(f"model.qk_norm_scope=full (OLMoE) normalises q and k over all heads, "
-                             f"which tp={size} splits between ranks; use parallel.tp=1")
-        if block.attn.wo.bias is not None and size > 1:
-            raise ValueError(f"model.attention_out_bias=true: the row-parallel output projection "
-                             f"would add its bias on each of tp={size} ranks; use parallel.tp=1")
-        if h % size:
-            raise ValueError(f"tensor parallelism over {size} ranks needs num_heads={h} divisible "
-                             "by tp; choose tp dividing num_heads")
-        if g % size and (size % g or g * r % size):
-            raise ValueError(f"tp={size} with num_kv_heads={g}, head_dim={r}: KV heads are split "
-                             "when tp divides num_kv_heads, or replicated when num_kv_heads "
-                             "divides tp and tp divides num_kv_heads*head_dim; choose such a tp")
+        if hasattr(block.attn, "kv_b_proj"):  # MLA: heads split, down-projections whole
+            _check_mla(block.attn.num_heads, size)
+        else:
+            _check_gqa(block.attn, size)
         for mlp in _dense_mlps(block):
             if mlp.w_gate.out_features % size:
                 raise ValueError(f"a dense MLP of hidden size {mlp.w_gate.out_features} cannot "
                                  f"be split over tp={size}; choose tp dividing dense_hidden_size "
                                  "and shared_expert_hidden_size")
+
+
+def _check_gqa(attn: nn.Module, size: int) -> None:
+    h, g, r = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    if attn.norm_full_width and attn.q_norm is not None and size > 1:
+        raise ValueError(f"model.qk_norm_scope=full (OLMoE) normalises q and k over all heads, "
+                         f"which tp={size} splits between ranks; use parallel.tp=1")
+    if attn.wo.bias is not None and size > 1:
+        raise ValueError(f"model.attention_out_bias=true: the row-parallel output projection "
+                         f"would add its bias on each of tp={size} ranks; use parallel.tp=1")
+    if h % size:
+        raise ValueError(f"tensor parallelism over {size} ranks needs num_heads={h} divisible "
+                         "by tp; choose tp dividing num_heads")
+    if g % size and (size % g or g * r % size):
+        raise ValueError(f"tp={size} with num_kv_heads={g}, head_dim={r}: KV heads are split "
+                         "when tp divides num_kv_heads, or replicated when num_kv_heads "
+                         "divides tp and tp divides num_kv_heads*head_dim; choose such a tp")
+
+
+def _check_mla(heads: int, size: int) -> None:
+    if heads % size:
+        raise ValueError(f"tensor parallelism over {size} ranks needs num_heads={heads} "
+                         "divisible by tp; choose tp dividing num_heads")
 
 
 def apply_tensor_parallel(model: nn.Module, dims, sequence_parallel: bool = False) -> None:
@@ -257,7 +288,8 @@ def apply_tensor_parallel(model: nn.Module, dims, sequence_parallel: bool = Fals
     regather = (lambda: model.recompute != "full") if sp else None
     shard_vocabulary(model, rank, size, group, sp)
     for block in model.layers:
-        shard_attention(block.attn, rank, size, group, sp, regather)
+        shard = shard_mla if hasattr(block.attn, "kv_b_proj") else shard_attention
+        shard(block.attn, rank, size, group, sp, regather)
         for mlp in _dense_mlps(block):
             # A shared expert runs inside its MoE layer on the rank's own tokens under SP: the
             # same gather / reduce-scatter pair as a dense MLP.
