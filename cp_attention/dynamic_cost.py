@@ -97,6 +97,8 @@ class DynamicCPCost:
     a2a_size: int = 1
     q_bytes_per_token: float = 0.0
     kv_heads: int = 1
+    c_window: float = 0.0
+    window: int = 0
 
     def __post_init__(self):
         if min(self.a, self.b, self.kv_bytes_per_token, self.ring_step_seconds,
@@ -117,8 +119,17 @@ class DynamicCPCost:
 
     def compute_seconds(self, n, size: int):
         """(a*n + b*n^2 / eff(n/size)) / size = (a*n + b*n^2) / size + b*n*n_half: the
-        inefficiency of short tiles costs every rank of the run b*n*n_half, whatever its size."""
-        return (self.a * n + self.b * n * n) / size + self.b * n * self.attn_half_tokens
+        inefficiency of short tiles costs every rank of the run b*n*n_half, whatever its size;
+        plus the windowed layers' pairs (window_pairs) split over the run."""
+        return ((self.a * n + self.b * n * n + self.c_window * self.window_pairs(n)) / size
+                + self.b * n * self.attn_half_tokens)
+
+    def window_pairs(self, n):
+        """Query-key pairs of one windowed layer over a sequence of n tokens (0 without one)."""
+        w = self.window
+        if w <= 0:
+            return 0.0 * n
+        return n * (n + 1) / 2 if n <= w else w * n - w * (w - 1) / 2
 
     def split(self, size: int) -> tuple[int, int]:
         """(g, r): a run of `size` ranks exchanges heads over g = min(size, a2a_size) ranks and
@@ -172,7 +183,8 @@ class DynamicCPCost:
                    active_params_per_token: float, flops_per_s: float, bandwidth: float,
                    attention_flops_per_s: float | None = None, itemsize: int = 2,
                    overlap: float = 0.5, ring_latency: float = 0.0,
-                   attn_half_tokens: float = 0.0, a2a_size: int = 1) -> DynamicCPCost:
+                   attn_half_tokens: float = 0.0, a2a_size: int = 1,
+                   window_layers: int = 0, window: int = 0) -> DynamicCPCost:
         """Constants from a model description and achieved (not peak) throughputs.
 
         a = 6 * active matmul params / flops_per_s (2 FLOPs per multiply-add, backward twice the
@@ -184,10 +196,14 @@ class DynamicCPCost:
         wait); every layer runs one ring forward and one backward, so ring_step_seconds = 2 *
         num_layers * ring_latency. attn_half_tokens: the tile efficiency's n_half. a2a_size:
         1 for ring CP, the largest run for Ulysses, the inner size for hierarchical CP.
+        window_layers of the layers attend in a sliding window of `window` keys (c_window).
         """
         attn = attention_flops_per_s or flops_per_s
+        per_pair = 3.0 * 4 * num_heads * head_dim / attn  # one layer, one pair, fwd + bwd
+        window_layers = window_layers if window > 0 else 0
         return cls(a=6.0 * active_params_per_token / flops_per_s,
-                   b=3.0 * 4 * num_heads * head_dim * num_layers / 2 / attn,
+                   b=per_pair * (num_layers - window_layers) / 2,
+                   c_window=per_pair * window_layers, window=window if window_layers else 0,
                    kv_bytes_per_token=3.0 * 2 * num_kv_heads * head_dim * itemsize * num_layers,
                    bandwidth=bandwidth, overlap=overlap,
                    ring_step_seconds=2.0 * num_layers * ring_latency,

@@ -69,7 +69,9 @@ def _dynamic_cp(model: nn.Module, dims, cfg: ParallelConfig, capacity_tokens: in
         head_dim=m.head_dim, active_params_per_token=active_matmul_params(m),
         flops_per_s=cfg.dcp_tflops * 1e12, bandwidth=cfg.dcp_bandwidth_gbps * 1e9,
         ring_latency=cfg.dcp_ring_latency_us * 1e-6, attn_half_tokens=cfg.dcp_attn_half_tokens,
-        a2a_size=_a2a_size(dims, cfg))
+        a2a_size=_a2a_size(dims, cfg),
+        window_layers=sum(m.window_of(i) is not None for i in range(m.num_layers)),
+        window=m.sliding_window)
     return DynamicCP(dims, capacity, cost, cfg.dynamic_max_cp, cfg.cp_backend, cfg.sequence_parallel)
 
 
