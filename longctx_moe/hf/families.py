@@ -8,6 +8,8 @@ train.init_from) reads these tables; no other file branches on the family.
 Our names vs. a family's (layer i; `moe` is the family's MoE prefix, `mlp` or `block_sparse_moe`):
     attn.wq|wk|wv|wo            self_attn.q_proj|k_proj|v_proj|o_proj  (.weight, q/k/v .bias)
     attn.q_norm|k_norm          self_attn.q_norm|k_norm
+    attn.<name> (MLA)           self_attn.<name>: q_a_proj, q_a_layernorm, q_b_proj (or q_proj),
+                                kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj (deepseek_v3)
     attn_norm, ffn_norm         input_layernorm, post_attention_layernorm
     ffn.w_gate|w_up|w_down      mlp.gate_proj|up_proj|down_proj        (dense layers)
     ffn.router.weight           {moe}.gate.weight
@@ -34,7 +36,15 @@ COMMON_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
 # The architecture keys a family may leave unmapped, at the value that means "not there".
 FEATURE_DEFAULTS = {"qkv_bias": False, "qk_norm_scope": "head", "shared_expert_hidden_size": 0,
                     "shared_expert_gate": False, "first_k_dense": 0, "router_groups": 1,
-                    "router_topk_groups": 1, "routed_scaling_factor": 1.0, "expert_bias": False}
+                    "router_topk_groups": 1, "routed_scaling_factor": 1.0, "expert_bias": False,
+                    "partial_rotary_factor": 1.0, "rope_scaling": None, "attention_type": "gqa"}
+# DeepSeek-V3's MLA: config.json key -> model.* key (q_lora_rank null = no q bottleneck = 0).
+MLA_KEYS = {"kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
+            "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim",
+            "rope_interleave": "rope_interleave"}
+# YaRN keys carried into model.rope_scaling (model.rope), as config.json spells them.
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+              "mscale_all_dim", "attention_factor", "truncate")
 
 
 @dataclass(frozen=True)
@@ -106,7 +116,17 @@ def _glm_export(cfg: ModelConfig) -> dict:
         raise ValueError(f"glm4_moe writes shared experts as n_shared_experts x moe_intermediate_size; "
                          f"model.shared_expert_hidden_size={shared} is not a multiple of {f}")
     return {"first_k_dense_replace": cfg.first_k_dense, "intermediate_size": cfg.dense_hidden_size,
-            "n_shared_experts": shared // f, "partial_rotary_factor": 1.0}
+            "n_shared_experts": shared // f, "partial_rotary_factor": cfg.partial_rotary_factor}
+
+
+def _deepseek_derive(hf: dict) -> dict:
+    return {**_glm_derive(hf), "q_lora_rank": hf.get("q_lora_rank") or 0}
+
+
+def _deepseek_export(cfg: ModelConfig) -> dict:
+    out = _glm_export(cfg)
+    del out["partial_rotary_factor"]
+    return {**out, "q_lora_rank": cfg.q_lora_rank or None, "head_dim": cfg.qk_rope_head_dim}
 
 
 _NO_SLIDING = Refusal("use_sliding_window", _truthy, "sliding-window attention")
@@ -149,6 +169,15 @@ FAMILIES = {f.model_type: f for f in (
            implied={"qk_norm_scope": "head", "router_score": "sigmoid", "expert_bias": True,
                     "shared_expert_gate": False},
            shared="shared_experts", derive=_glm_derive, export=_glm_export),
+    Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+           keys={"n_routed_experts": "num_experts", "moe_intermediate_size": "expert_hidden_size",
+                 "norm_topk_prob": "router_renormalize", "n_group": "router_groups",
+                 "topk_group": "router_topk_groups", "routed_scaling_factor": "routed_scaling_factor",
+                 **MLA_KEYS},
+           implied={"attention_type": "mla", "qk_norm": False, "qkv_bias": False,
+                    "router_score": "sigmoid", "expert_bias": True, "shared_expert_gate": False},
+           refusals=(Refusal("attention_bias", _truthy, "attention biases"),),
+           shared="shared_experts", derive=_deepseek_derive, export=_deepseek_export),
 )}
 
 
@@ -169,16 +198,20 @@ def family_of(model_type: str | None) -> Family:
 
 
 def _rope(hf: dict) -> dict:
-    """rope_theta from transformers 5's rope_parameters (or the older top-level keys); RoPE
-    variants and partial rotary are refused by name (they belong to the attention's RoPE)."""
+    """rope_theta, partial_rotary_factor and a YaRN rope_scaling (model.rope) from transformers
+    5's rope_parameters (or the older top-level keys); other RoPE variants are refused by name."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise_family(f"rope_parameters.rope_type={kind!r}", hf, "only plain RoPE is implemented")
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise_family(f"partial_rotary_factor={partial}", hf, "partial RoPE is not implemented yet")
-    return {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if kind not in ("default", "yarn"):
+        raise_family(f"rope_parameters.rope_type={kind!r}", hf, "plain RoPE and YaRN are implemented")
+    out = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+           "partial_rotary_factor": float(rope.get("partial_rotary_factor",
+                                                   hf.get("partial_rotary_factor") or 1.0))}
+    if kind == "yarn":
+        out["rope_scaling"] = {"type": "yarn", **{k: rope[k] for k in _YARN_KEYS
+                                                  if rope.get(k) is not None}}
+        out["max_position_embeddings"] = hf.get("max_position_embeddings", 0)
+    return out
 
 
 def model_values(hf: dict) -> dict:
@@ -202,6 +235,14 @@ def model_values(hf: dict) -> dict:
     return out
 
 
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    """transformers 5's rope_parameters of cfg (inverse of _rope)."""
+    if cfg.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    yarn = {k: v for k, v in cfg.rope_scaling.items() if k not in ("type", "rope_type")}
+    return {"rope_type": "yarn", "rope_theta": cfg.rope_theta, **yarn}
+
+
 def hf_config(cfg: ModelConfig, max_position_embeddings: int = 32768):
     """The transformers config object of `cfg`'s family; ValueError naming the model.* key for a
     feature the family cannot express."""
@@ -213,9 +254,9 @@ def hf_config(cfg: ModelConfig, max_position_embeddings: int = 32768):
             raise ValueError(f"{fam.model_type} cannot express this model: model.{key} must be {want!r} "
                              "for HF interop (or pick another model.hf_family)")
     kwargs = {hf_key: getattr(cfg, key) for hf_key, key in {**COMMON_KEYS, **fam.keys}.items()}
-    kwargs.update(hidden_act="silu", max_position_embeddings=max_position_embeddings,
-                  initializer_range=cfg.init_std, use_cache=False,
-                  rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, **fam.fixed_hf)
+    kwargs.update(hidden_act="silu", initializer_range=cfg.init_std, use_cache=False,
+                  max_position_embeddings=cfg.max_position_embeddings or max_position_embeddings,
+                  rope_parameters=_rope_parameters(cfg), **fam.fixed_hf)
     if fam.export is not None:
         kwargs.update(fam.export(cfg))
     hf = getattr(transformers, fam.config_class)(**kwargs)

@@ -38,8 +38,17 @@ def _family(cfg: ModelConfig) -> Family:
     return family_of(cfg.hf_family)
 
 
+# MLA (model.mla) keeps transformers' DeepseekV3Attention names under attn. / self_attn.
+_MLA = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+_MLA_Q = {True: ("q_a_proj", "q_a_layernorm", "q_b_proj"), False: ("q_proj",)}
+
+
 def _attn_names(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
     ours, hf = f"layers.{i}.", f"model.layers.{i}."
+    if cfg.attention_type == "mla":
+        norms = [(ours + a + ".weight", hf + _ATTN[a] + ".weight") for a in ("attn_norm", "ffn_norm")]
+        return norms + [(f"{ours}attn.{n}.weight", f"{hf}self_attn.{n}.weight")
+                        for n in (*_MLA_Q[cfg.q_lora_rank > 0], *_MLA)]
     pairs = [(ours + a + ".weight", hf + b + ".weight") for a, b in _ATTN.items()
              if cfg.qk_norm or a not in ("attn.q_norm", "attn.k_norm")]
     if cfg.qkv_bias:

@@ -22,16 +22,30 @@ CASES = {
     "olmoe": [dict(num_experts=4, num_experts_per_tok=2, intermediate_size=16),
               dict(num_experts=8, num_experts_per_tok=3, intermediate_size=8, norm_topk_prob=True,
                    num_key_value_heads=4)],
-    # partial_rotary_factor=1.0: partial RoPE is not in this model yet (config.json refuses it).
+    # GLM-4.5's partial RoPE (half the head dims rotate), then full RoPE.
     "glm4_moe": [dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=40,
                       first_k_dense_replace=1, n_group=2, topk_group=1, n_shared_experts=1,
-                      routed_scaling_factor=2.5, partial_rotary_factor=1.0, head_dim=8),
+                      routed_scaling_factor=2.5, partial_rotary_factor=0.5, head_dim=8),
                  dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=8, intermediate_size=24,
                       first_k_dense_replace=0, n_group=4, topk_group=2, n_shared_experts=2, norm_topk_prob=False,
                       attention_bias=True, use_qk_norm=True, partial_rotary_factor=1.0, head_dim=8)],
+    # MLA: a q bottleneck or none, interleaved rope dims or not, YaRN with mscale.
+    "deepseek_v3": [dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                         intermediate_size=40, first_k_dense_replace=1, n_group=2, topk_group=1,
+                         n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=12,
+                         kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+                         num_key_value_heads=4, max_position_embeddings=1024,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                          "original_max_position_embeddings": 256, "beta_fast": 32,
+                                          "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}),
+                    dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=8,
+                         intermediate_size=24, first_k_dense_replace=0, n_group=4, topk_group=2,
+                         n_shared_experts=2, norm_topk_prob=False, q_lora_rank=None, kv_lora_rank=8,
+                         qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8,
+                         num_key_value_heads=4, rope_interleave=False)],
 }
 CONFIG_CLASS = {"qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig", "olmoe": "OlmoeConfig",
-                "glm4_moe": "Glm4MoeConfig"}
+                "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config"}
 IDS = [f"{fam}-{i}" for fam, cases in CASES.items() for i in range(len(cases))]
 PARAMS = [(fam, kw) for fam, cases in CASES.items() for kw in cases]
 

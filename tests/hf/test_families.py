@@ -95,7 +95,8 @@ def test_architecture_setting_that_contradicts_config_json_is_refused(tmp_path):
 @pytest.mark.parametrize("family,key,value,named", [
     ("mixtral", "sliding_window", 4096, "sliding_window=4096 (mixtral)"),
     ("olmoe", "clip_qkv", 8.0, "clip_qkv=8.0 (olmoe)"),
-    ("glm4_moe", "partial_rotary_factor", 0.5, "partial_rotary_factor=0.5 (glm4_moe)"),
+    ("glm4_moe", "rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+     "rope_parameters.rope_type='dynamic' (glm4_moe)"),
     ("qwen2_moe", "use_sliding_window", True, "use_sliding_window=True (qwen2_moe)")])
 def test_unsupported_hf_setting_is_refused_naming_the_key(tmp_path, family, key, value, named):
     kwargs = {**dict(PARAMS[IDS.index(f"{family}-0")][1]), key: value}
