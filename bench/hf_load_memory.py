@@ -1,8 +1,9 @@
 """Per-rank cost of train.init_from: a random Mixtral-family checkpoint (transformers' config class,
 save_pretrained) loaded by 1 rank and by 4 ranks under EP4 (gloo, CPU). Each rank builds the model
 on the meta device, parallelizes it and reads only its slices (hf.load.load_hf_sharded). Reported
-per rank: the bytes read from the safetensors files, and the RSS growth over the load (peak RSS,
-ru_maxrss, minus the RSS before it: the interpreter and torch are not the load's).
+per rank: the bytes read from the safetensors files, and the RSS growth over the load (the peak
+RSS during it, VmHWM reset just before, minus the RSS before it: the interpreter and torch are
+not the load's; the file pages mapped by safetensors count).
 
     python bench/hf_load_memory.py --out bench/results/hf_load_memory.json
 """
@@ -17,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import resource  # noqa: E402
 import socket  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -26,9 +26,16 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def _status_mb(field: str) -> float:
+    """VmRSS (now) or VmHWM (peak since the last reset) of this process, in MiB."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM to the current RSS
+        f.write("5")
 
 
 def _load(rank: int, world: int, hf_dir: str, port: int, queue) -> None:
@@ -46,10 +53,10 @@ def _load(rank: int, world: int, hf_dir: str, port: int, queue) -> None:
     with torch.device("meta"):
         model = Transformer(cfg.model)
     parallelize(model, dims, cfg.parallel)
-    before = _rss_mb()
+    _reset_peak()
+    before = _status_mb("VmRSS")
     read = load_hf_sharded(model, dims, hf_dir)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    queue.put((rank, read, peak - before))
+    queue.put((rank, read, _status_mb("VmHWM") - before))
     dist.destroy_process_group()
 
 

@@ -108,3 +108,34 @@ def test_unknown_family_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
     with pytest.raises(ConfigError, match="model_type='gpt_oss' is not a supported family"):
         load_config(None, [f"train.init_from={tmp_path}"])
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "olmoe", "glm4_moe"])
+def test_family_configs_are_expressible_in_their_family(family):
+    from pathlib import Path
+
+    from longctx_moe.hf.interop import to_hf_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / f"configs/families/{family}_tiny.yaml")
+    hf = to_hf_config(cfg.model)  # reads its own config.json values back: raises on any loss
+    assert (cfg.model.hf_family, hf.model_type) == (family, family)
+
+
+def test_a_model_its_family_cannot_express_is_refused_by_key():
+    from longctx_moe.hf.interop import to_hf_config
+    from tests.model.helpers import tiny_config
+
+    with pytest.raises(ValueError, match="mixtral cannot express this model: model.shared_expert_hidden_size"):
+        to_hf_config(tiny_config(hf_family="mixtral", qk_norm=False, shared_expert_hidden_size=8))
+    with pytest.raises(ValueError, match="olmoe cannot express this model: model.router_groups"):
+        to_hf_config(tiny_config(hf_family="olmoe", qk_norm_scope="full", router_renormalize=False,
+                                 router_groups=2, router_topk_groups=1))
+
+
+def test_full_width_qk_norm_is_refused_under_tensor_parallelism():
+    from longctx_moe.model import build_model
+    from longctx_moe.parallel.tensor_parallel import check_tensor_parallel
+    from tests.model.helpers import tiny_config
+
+    with pytest.raises(ValueError, match="qk_norm_scope=full .* use parallel.tp=1"):
+        check_tensor_parallel(build_model(tiny_config(qk_norm_scope="full")), 2)
