@@ -139,3 +139,14 @@ def test_full_width_qk_norm_is_refused_under_tensor_parallelism():
 
     with pytest.raises(ValueError, match="qk_norm_scope=full .* use parallel.tp=1"):
         check_tensor_parallel(build_model(tiny_config(qk_norm_scope="full")), 2)
+
+
+def test_from_pretrained_config_takes_the_architecture_from_config_json(tmp_path):
+    from pathlib import Path
+
+    save_random("olmoe", PARAMS[IDS.index("olmoe-1")][1], tmp_path)
+    yaml = Path(__file__).resolve().parents[2] / "configs/from_pretrained.yaml"
+    cfg = load_config(yaml, [f"train.init_from={tmp_path}"])
+    m = cfg.model
+    assert (m.hf_family, m.num_experts, m.top_k, m.qk_norm_scope, m.router_renormalize) == ("olmoe", 8, 3, "full", True)
+    assert m.aux_loss_coeff == 1e-3  # not architecture: the YAML's value stands
