@@ -164,7 +164,7 @@ def materialize(model: torch.nn.Module, device: torch.device | str = "cpu") -> N
     """Give every meta parameter and buffer real (uninitialised) storage on `device` in place: the
     objects, and the tags parallelization set on them (tp_dim, reduce_axis...), stay the same."""
     for module in model.modules():
-        for name, t in [*module._parameters.items(), *module._buffers.items()]:
+        for t in [*module._parameters.values(), *module._buffers.values()]:
             if t is None or not t.is_meta:
                 continue
             tags = dict(t.__dict__)

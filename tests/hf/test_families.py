@@ -132,13 +132,15 @@ def test_a_model_its_family_cannot_express_is_refused_by_key():
                                  router_groups=2, router_topk_groups=1))
 
 
-def test_full_width_qk_norm_is_refused_under_tensor_parallelism():
+def test_full_width_qk_norm_with_replicated_kv_heads_is_refused():
     from longctx_moe.model import build_model
     from longctx_moe.parallel.tensor_parallel import check_tensor_parallel
     from tests.model.helpers import tiny_config
 
-    with pytest.raises(ValueError, match="qk_norm_scope=full .* use parallel.tp=1"):
-        check_tensor_parallel(build_model(tiny_config(qk_norm_scope="full")), 2)
+    model = build_model(tiny_config(qk_norm_scope="full", num_heads=4, num_kv_heads=2))
+    check_tensor_parallel(model, 2)  # KV heads split: the norm's sum of squares is reduced over TP
+    with pytest.raises(ValueError, match="qk_norm_scope=full .* tp=4 replicates num_kv_heads=2"):
+        check_tensor_parallel(model, 4)
 
 
 def test_from_pretrained_config_takes_the_architecture_from_config_json(tmp_path):

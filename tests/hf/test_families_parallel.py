@@ -1,5 +1,5 @@
-"""Every family from a Hugging Face directory under TP2 x CP2 x EP2 on 8 gloo ranks (OLMoE, whose
-q/k norm spans all heads, under CP2 x EP2 with TP1) against one process, float64: each rank reads
+"""Every family from a Hugging Face directory under TP2 x CP2 x EP2 on 8 gloo ranks against one
+process, float64 (OLMoE's q/k norm over all heads sums its squares over TP): each rank reads
 only its slices (PolicyTrainer.from_pretrained), and log-probs and one optimizer step's parameter
 updates (which reveal the gradients: tests/rl_hooks/helpers.py) equal the single-process ones.
 Tolerance 1e-10: float64, only the summation order differs (sums over ranks)."""
@@ -7,7 +7,6 @@ Tolerance 1e-10: float64, only the summation order differs (sums over ranks)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rl_hooks import PolicyLossConfig, PolicyTrainer, make_loss
 from tests.hf.families_cases import CASES, save_random
@@ -19,8 +18,7 @@ SETS = ["train.param_dtype=fp64", "train.autocast_dtype=none", "train.num_thread
         "train.host_allocator=default", "model.loss_chunk_tokens=5", "model.aux_loss_coeff=0",
         "model.z_loss_coeff=0", "model.expert_bias_update_rate=0", f"optim.eps={EPS}",
         "optim.weight_decay=0", "optim.grad_clip=0", "optim.warmup_steps=0", "optim.schedule=constant"]
-LAYOUT = {"olmoe": ["parallel.cp=2", "parallel.ep=2"]}
-DEFAULT_LAYOUT = ["parallel.tp=2", "parallel.cp=2", "parallel.ep=2"]
+LAYOUT = ["parallel.tp=2", "parallel.cp=2", "parallel.ep=2"]
 COLUMN_SHARDED = ("wo.weight", "w_down.weight")  # TP's row-parallel layers keep input columns
 
 
@@ -35,7 +33,7 @@ def _run(hf_dir: str, sets: list[str]):
 
 
 def _rank(rank, world, dirs):
-    return {family: _run(path, LAYOUT.get(family, DEFAULT_LAYOUT)) for family, path in dirs.items()}
+    return {family: _run(path, LAYOUT) for family, path in dirs.items()}
 
 
 def _slice(name, got, want, where):

@@ -93,7 +93,6 @@ def _engine_pass(rank: int, world: int, folder: str, dtype: str, layout: list[st
 
 def _our_logits(folder, dtype):
     from data_packing.batch import PackedBatch, position_ids_from_cu
-    from longctx_moe.config import load_config
     from longctx_moe.hf.load import load_hf_model
 
     model = load_hf_model(folder, vc.SETS).to(vc.DTYPES[dtype][1])
