@@ -1,5 +1,5 @@
 """The `longctx-moe` command: `train` (one process, or N local ranks with --nproc), `export-hf`
-(a run's checkpoint as a Hugging Face Qwen3-MoE directory, longctx_moe.hf.export), `report` (PNG
+(a run's checkpoint as a Hugging Face directory of its family, longctx_moe.hf.export), `report` (PNG
 plots of a run's metrics.jsonl, longctx_moe.report),
 `plan-groups` (provided by longctx_moe.parallel.plan_groups, imported lazily), and the commands
 packages above this one register under the `longctx_moe.commands` entry-point group (rl_hooks
@@ -27,7 +27,7 @@ def _train_parser(sub) -> None:
 
 
 def _export_parser(sub) -> None:
-    p = sub.add_parser("export-hf", help="write a run's checkpoint as a Hugging Face Qwen3-MoE directory")
+    p = sub.add_parser("export-hf", help="write a run's checkpoint as a Hugging Face directory of its model.hf_family")
     p.add_argument("run_dir", help="the run directory (holds config.yaml and checkpoints/)")
     p.add_argument("out", help="output directory (safetensors shards, config.json, tokenizer)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: latest)")
@@ -37,7 +37,7 @@ def _export_parser(sub) -> None:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    """User errors (a model Qwen3-MoE lacks, a missing or corrupt checkpoint): one line, status 2."""
+    """User errors (a model its HF family lacks, a missing or corrupt checkpoint): one line, status 2."""
     from longctx_moe.checkpoint import CheckpointError
     from longctx_moe.hf.export import export_run
 

@@ -72,8 +72,9 @@ class TrainConfig:
     # (blocks above 1 MiB returned on free: memory, for long context and CP ranks) | default
     host_allocator: str = "tuned"
     run_dir: str = "runs/default"
-    # A Qwen3-MoE safetensors directory (longctx-moe export-hf, or a Hugging Face download) whose
-    # weights start the run; its config.json must match model.*. A checkpoint to resume wins.
+    # A Hugging Face directory of a supported MoE family (longctx-moe export-hf, or a download)
+    # whose weights start the run; its config.json fills model.* (longctx_moe.hf.families), each
+    # rank reading only its slices. A checkpoint to resume wins.
     init_from: str = ""
     # A collective that waits longer than this (a peer crashed or hangs) raises instead of
     # blocking forever; covers the slowest checkpoint save or load of one rank.

@@ -5,7 +5,7 @@
     losses.py       PPO / GSPO / CISPO / policy-gradient losses, aggregations, KL, corrections
     microbatch.py   a RolloutBatch split into balanced micro-batches per data-parallel rank
     api.py          PolicyTrainer: compute_logprobs, train_step, weight export, save / load, info
-    export.py       weights as Hugging Face Qwen3-MoE tensors in byte-capped buckets (TP / EP gathered)
+    export.py       weights as Hugging Face tensors of the model's family in byte-capped buckets (TP / EP gathered)
     sampler.py      HFSampler: transformers' Qwen3-MoE as a rollout engine fed by push_weights
     demo.py         the GRPO demo (`longctx-moe rl --config configs/grpo_tiny.yaml`)
     ray_group.py    RayPolicyGroup: the trainer's ranks as Ray actors behind one driver handle

@@ -1,8 +1,9 @@
-"""Hugging Face interop: our model in transformers' Qwen3-MoE terms.
+"""Hugging Face interop: our model as a checkpoint of one of several MoE families.
 
-    interop.py  config and state-dict conversion between our model and transformers' classes
+    families.py the registry: per model_type, config.json keys <-> model.*, refused settings, names
+    interop.py  names and state dicts between our model and a family's (on disk and in memory)
     weights.py  the policy's weights as HF-named tensors in byte-capped buckets, gathered over
                 TP / EP / ETP (rollout engines' weight sync, and export-hf's shards)
-    export.py   `longctx-moe export-hf`: a run's checkpoint as an HF directory
-    load.py     `train.init_from`: an HF directory into our model
+    export.py   `longctx-moe export-hf`: a run's checkpoint as an HF directory of its family
+    load.py     `train.init_from`: config.json into model.*, each rank reading only its slices
 """

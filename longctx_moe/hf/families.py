@@ -33,6 +33,9 @@ COMMON_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
                "num_key_value_heads": "num_kv_heads", "num_experts_per_tok": "top_k",
                "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
 
+# Another name transformers 5 writes for a key (Qwen3MoeConfig saves num_local_experts).
+ALIASES = {"num_experts": "num_local_experts"}
+
 # The architecture keys a family may leave unmapped, at the value that means "not there".
 FEATURE_DEFAULTS = {"qkv_bias": False, "qk_norm_scope": "head", "shared_expert_hidden_size": 0,
                     "shared_expert_gate": False, "first_k_dense": 0, "router_groups": 1,
@@ -69,6 +72,7 @@ class Family:
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared: str = "shared_expert"
     derive: Callable[[dict], dict] | None = None  # model.* values computed from several keys
+    derives: tuple[str, ...] = ()  # the model.* keys `derive` sets
     export: Callable[[ModelConfig], dict] | None = None  # HF kwargs beyond the inverted keys
     fixed_hf: dict[str, object] = field(default_factory=dict)  # HF kwargs we always write
 
@@ -139,12 +143,13 @@ FAMILIES = {f.model_type: f for f in (
            implied={"qk_norm": True, "qk_norm_scope": "head", "qkv_bias": False, "router_score": "softmax",
                     "shared_expert_hidden_size": 0, "shared_expert_gate": False, "expert_bias": False},
            refusals=(_NO_SLIDING, _QWEN_SPARSE, Refusal("attention_bias", _truthy, "attention biases"),),
-           derive=_dense_prefix, export=_qwen_export),
+           derive=_dense_prefix, derives=("first_k_dense",), export=_qwen_export),
     Family("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
            keys={"num_experts": "num_experts", "moe_intermediate_size": "expert_hidden_size",
                  "norm_topk_prob": "router_renormalize", "qkv_bias": "qkv_bias"},
            implied={"qk_norm": False, "router_score": "softmax", "expert_bias": False},
            refusals=(_NO_SLIDING, _QWEN_SPARSE), derive=_qwen2_derive,
+           derives=("first_k_dense", "shared_expert_hidden_size", "shared_expert_gate"),
            export=lambda cfg: {**_qwen_export(cfg), "shared_expert_intermediate_size": cfg.shared_expert_hidden_size}),
     Family("mixtral", "MixtralConfig", "MixtralForCausalLM",
            keys={"num_local_experts": "num_experts", "intermediate_size": "expert_hidden_size",
@@ -168,7 +173,8 @@ FAMILIES = {f.model_type: f for f in (
                  "topk_group": "router_topk_groups", "routed_scaling_factor": "routed_scaling_factor"},
            implied={"qk_norm_scope": "head", "router_score": "sigmoid", "expert_bias": True,
                     "shared_expert_gate": False},
-           shared="shared_experts", derive=_glm_derive, export=_glm_export),
+           shared="shared_experts", derive=_glm_derive, derives=("first_k_dense", "shared_expert_hidden_size"),
+           export=_glm_export),
     Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
            keys={"n_routed_experts": "num_experts", "moe_intermediate_size": "expert_hidden_size",
                  "norm_topk_prob": "router_renormalize", "n_group": "router_groups",
@@ -177,7 +183,9 @@ FAMILIES = {f.model_type: f for f in (
            implied={"attention_type": "mla", "qk_norm": False, "qkv_bias": False,
                     "router_score": "sigmoid", "expert_bias": True, "shared_expert_gate": False},
            refusals=(Refusal("attention_bias", _truthy, "attention biases"),),
-           shared="shared_experts", derive=_deepseek_derive, export=_deepseek_export),
+           shared="shared_experts", derive=_deepseek_derive,
+           derives=("first_k_dense", "shared_expert_hidden_size", "q_lora_rank"),
+           export=_deepseek_export),
 )}
 
 
@@ -225,8 +233,9 @@ def model_values(hf: dict) -> dict:
             raise_family(f"{r.key}={hf.get(r.key)!r}", hf, r.why)
     out = {**FEATURE_DEFAULTS, "hf_family": fam.model_type, **fam.implied}
     for hf_key, key in {**COMMON_KEYS, **fam.keys}.items():
-        if hf.get(hf_key) is not None:
-            out[key] = hf[hf_key]
+        value = hf.get(hf_key, hf.get(ALIASES.get(hf_key, "")))
+        if value is not None:
+            out[key] = value
     out.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
     out.setdefault("num_kv_heads", hf["num_attention_heads"])
     out.update(_rope(hf))
@@ -243,16 +252,29 @@ def _rope_parameters(cfg: ModelConfig) -> dict:
     return {"rope_type": "yarn", "rope_theta": cfg.rope_theta, **yarn}
 
 
+def check_expressible(cfg: ModelConfig) -> Family:
+    """cfg's family, after checking the values every checkpoint of it has (ValueError naming the
+    model.* key otherwise); hf_config checks the rest by reading its own config back."""
+    fam = family_of(cfg.hf_family)
+    for key, want in {**FEATURE_DEFAULTS, **fam.implied}.items():
+        if key in fam.implied or not _maps(fam, key):
+            if getattr(cfg, key) != want:
+                raise ValueError(f"{fam.model_type} cannot express this model: model.{key} must be {want!r} "
+                                 "for HF interop (or pick another model.hf_family)")
+    return fam
+
+
+def _maps(fam: Family, key: str) -> bool:
+    """Whether some config.json key of `fam` sets model.`key` (directly or derived)."""
+    return key in fam.keys.values() or key in fam.derives
+
+
 def hf_config(cfg: ModelConfig, max_position_embeddings: int = 32768):
     """The transformers config object of `cfg`'s family; ValueError naming the model.* key for a
     feature the family cannot express."""
     import transformers
 
-    fam = family_of(cfg.hf_family)
-    for key, want in fam.implied.items():
-        if getattr(cfg, key) != want:
-            raise ValueError(f"{fam.model_type} cannot express this model: model.{key} must be {want!r} "
-                             "for HF interop (or pick another model.hf_family)")
+    fam = check_expressible(cfg)
     kwargs = {hf_key: getattr(cfg, key) for hf_key, key in {**COMMON_KEYS, **fam.keys}.items()}
     kwargs.update(hidden_act="silu", initializer_range=cfg.init_std, use_cache=False,
                   max_position_embeddings=cfg.max_position_embeddings or max_position_embeddings,

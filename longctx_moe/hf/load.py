@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from longctx_moe.config import ConfigError
-from longctx_moe.hf.families import model_values
-from longctx_moe.hf.interop import _check_supported, expert_names, fused_expert_names, name_pairs
+from longctx_moe.hf.families import check_expressible, model_values
+from longctx_moe.hf.interop import expert_names, fused_expert_names, name_pairs
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
@@ -84,16 +84,16 @@ class HFTensors:
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
-    def slice(self, name: str, starts: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    def slice(self, name: str, full: tuple[int, ...], starts: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The [starts, starts + sizes) rectangle of tensor `name`, whose shape must be `full`."""
         if name not in self.where:
             raise ConfigError(f"train.init_from='{self.dir}': tensor '{name}' is missing; the directory "
                               "does not match its config.json (re-export or re-download it)")
         part = self.where[name].get_slice(name)
         shape = tuple(part.get_shape())
-        if len(shape) != len(sizes) or any(s + n > g for s, n, g in zip(starts, sizes, shape, strict=True)):
-            raise ConfigError(f"train.init_from='{self.dir}': tensor '{name}' has shape {list(shape)}, which "
-                              f"does not hold the slice at {list(starts)} of size {list(sizes)} the model "
-                              "needs; the weights do not match config.json")
+        if shape != tuple(full):
+            raise ConfigError(f"train.init_from='{self.dir}': tensor '{name}' has shape {list(shape)} but the "
+                              f"model needs {list(full)}; the weights do not match config.json")
         out = part[tuple(slice(s, s + n) for s, n in zip(starts, sizes, strict=True))]
         self.bytes_read += out.numel() * out.element_size()
         return out
@@ -101,28 +101,34 @@ class HFTensors:
 
 def _expert_slice(src: HFTensors, cfg, layer: int, which: str, full, offsets, local) -> torch.Tensor:
     """This rank's piece of experts.w_gate_up [E, D, 2, F] or experts.w_down [E, F, D]."""
-    e0, n = offsets[0], local[0]
+    e0, n, big_e = offsets[0], local[0], full[0]
+    per_expert = expert_names(cfg, layer, 0)[0] in src
+    if per_expert and expert_names(cfg, layer, big_e)[0] in src:
+        raise ConfigError(f"train.init_from='{src.dir}': layer {layer} has more than model.num_experts="
+                          f"{big_e} experts; the weights do not match config.json")
     if which == "w_gate_up":  # [L, D, 2, f] from gate/up [F, D] rows [f0, f0 + f)
-        (d0, _, f0), (d, _, f) = offsets[1:], local[1:]
-        if expert_names(cfg, layer, 0)[0] not in src:
+        (d0, _, f0), (d, _, f), (big_d, _, big_f) = offsets[1:], local[1:], full[1:]
+        if not per_expert:
             gate_up = fused_expert_names(layer)[0]  # [E, 2F, D]: gate rows, then up rows
-            parts = [src.slice(gate_up, (e0, half * full[3] + f0, d0), (n, f, d)) for half in (0, 1)]
+            parts = [src.slice(gate_up, (big_e, 2 * big_f, big_d), (e0, half * big_f + f0, d0), (n, f, d))
+                     for half in (0, 1)]
             return torch.stack(parts, 2).permute(0, 3, 2, 1)  # [L, f, 2, D] -> [L, D, 2, f]
         pieces = []
         for e in range(e0, e0 + n):
             gate, up, _ = expert_names(cfg, layer, e)
-            pieces.append(torch.stack([src.slice(gate, (f0, d0), (f, d)).t(), src.slice(up, (f0, d0), (f, d)).t()], 1))
+            pieces.append(torch.stack([src.slice(w, (big_f, big_d), (f0, d0), (f, d)).t() for w in (gate, up)], 1))
         return torch.stack(pieces)
-    (f0, d0), (f, d) = offsets[1:], local[1:]  # w_down [L, f, D] from down [D, F] columns
-    if expert_names(cfg, layer, 0)[2] not in src:
-        return src.slice(fused_expert_names(layer)[1], (e0, d0, f0), (n, d, f)).transpose(1, 2)
-    return torch.stack([src.slice(expert_names(cfg, layer, e)[2], (d0, f0), (d, f)).t()
+    (f0, d0), (f, d), (big_f, big_d) = offsets[1:], local[1:], full[1:]  # w_down [L, f, D] from down [D, F]
+    if not per_expert:
+        down = fused_expert_names(layer)[1]
+        return src.slice(down, (big_e, big_d, big_f), (e0, d0, f0), (n, d, f)).transpose(1, 2)
+    return torch.stack([src.slice(expert_names(cfg, layer, e)[2], (big_d, big_f), (d0, f0), (d, f)).t()
                         for e in range(e0, e0 + n)])
 
 
 def _read_piece(src: HFTensors, cfg, hf_of: dict, name: str, full, offsets, local) -> torch.Tensor:
     if name in hf_of:
-        return src.slice(hf_of[name], offsets, local)
+        return src.slice(hf_of[name], full, offsets, local)
     parts = name.split(".")  # layers.{i}.ffn.experts.{w_gate_up|w_down} or router.expert_bias
     if parts[-2] == "experts":
         return _expert_slice(src, cfg, int(parts[1]), parts[-1], full, offsets, local)
@@ -139,7 +145,7 @@ def load_hf_sharded(model: torch.nn.Module, dims, hf_dir: str | Path, device: to
 
     cfg = model.cfg
     try:
-        _check_supported(cfg)
+        check_expressible(cfg)
     except ValueError as e:
         raise ConfigError(f"train.init_from: {e}") from None
     hf_of = dict(name_pairs(cfg))
@@ -147,12 +153,10 @@ def load_hf_sharded(model: torch.nn.Module, dims, hf_dir: str | Path, device: to
         hf_of.pop("lm_head.weight", None)
     src = HFTensors(hf_dir)
     slices = global_slices(model, dims)
-    state = {}
-    for name, t in model.state_dict().items():
-        full, offsets = slices[name]
-        state[name] = _read_piece(src, cfg, hf_of, name, full, offsets, tuple(t.shape)).to(t.dtype)
     materialize(model, device)
-    model.load_state_dict(state)
+    with torch.no_grad():  # piece by piece into the parameters: one piece in flight at a time
+        for name, t in model.state_dict().items():
+            t.copy_(_read_piece(src, cfg, hf_of, name, *slices[name], tuple(t.shape)))
     return src.bytes_read
 
 
@@ -160,7 +164,7 @@ def materialize(model: torch.nn.Module, device: torch.device | str = "cpu") -> N
     """Give every meta parameter and buffer real (uninitialised) storage on `device` in place: the
     objects, and the tags parallelization set on them (tp_dim, reduce_axis...), stay the same."""
     for module in model.modules():
-        for name, t in [*module._parameters.items(), *module._buffers.items()]:
+        for t in [*module._parameters.values(), *module._buffers.values()]:
             if t is None or not t.is_meta:
                 continue
             tags = dict(t.__dict__)

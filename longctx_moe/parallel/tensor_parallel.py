@@ -84,6 +84,45 @@ class _GatherRowShards(torch.autograd.Function):
         return grad.narrow(0, ctx.rank * ctx.n, ctx.n), None, None
 
 
+class _SumBothWays(torch.autograd.Function):
+    """All-reduce (sum) over TP whose backward is the all-reduce of the gradients too: every rank
+    uses the sum for its own slice, so each rank's gradient of it is partial."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class WidthShardedRMSNorm(nn.Module):
+    """A q or k RMSNorm over the whole projection width (OLMoE) when TP keeps this rank's heads:
+    the weight keeps the rank's columns [start, start + n) (`tp_dim = 0`), and the mean of
+    squares is summed over TP before it normalises the rank's slice. Legend: T tokens, X the
+    rank's width, W the whole width."""
+
+    def __init__(self, norm: nn.Module, start: int, n: int, group):
+        super().__init__()
+        self.weight = nn.Parameter(norm.weight.detach()[start:start + n].clone(),
+                                   requires_grad=norm.weight.requires_grad)
+        _tag(self.weight, 0)
+        self.eps, self.width, self.group = norm.eps, norm.weight.shape[0], group
+
+    def forward(self, x_TX: torch.Tensor) -> torch.Tensor:
+        dtype = torch.float64 if x_TX.dtype == torch.float64 else torch.float32
+        x = x_TX.to(dtype)
+        ss_T1 = _SumBothWays.apply(x.square().sum(-1, keepdim=True), self.group)
+        y = x * torch.rsqrt(ss_T1 / self.width + self.eps) * self.weight.to(dtype)
+        return y.to(x_TX.dtype)
+
+
 def _tag(p: nn.Parameter, dim: int) -> None:
     p.tp_sharded = True
     p.tp_dim = dim  # global size = tp x local along `dim`; TP rank r holds the r-th slice
@@ -185,7 +224,10 @@ def shard_attention(attn: nn.Module, rank: int, size: int, group,
         attn.wv = ReplicatedKVLinear(attn.wv, head, r, rank, size, group)
     _keep(attn.wo, 1, rank * hq * r, (rank + 1) * hq * r)
     _keep_sinks(attn, rank * hq, (rank + 1) * hq)
-    for norm in (attn.q_norm, attn.k_norm):
+    if attn.norm_full_width and attn.q_norm is not None:  # checked: the KV heads split here
+        attn.q_norm = WidthShardedRMSNorm(attn.q_norm, rank * hq * r, hq * r, group)
+        attn.k_norm = WidthShardedRMSNorm(attn.k_norm, rank * (g // size) * r, (g // size) * r, group)
+    for norm in () if attn.norm_full_width else (attn.q_norm, attn.k_norm):
         for p in norm.parameters() if norm is not None else ():
             p.reduce_axis = Axis.WORLD  # partial per TP rank: sums over TP as well as DP x CP
     _add_tp_hooks(attn, group, sequence_parallel, regather)
@@ -257,9 +299,9 @@ def check_tensor_parallel(model: nn.Module, size: int) -> None:
 
 def _check_gqa(attn: nn.Module, size: int) -> None:
     h, g, r = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    if attn.norm_full_width and attn.q_norm is not None and size > 1:
-        raise ValueError(f"model.qk_norm_scope=full (OLMoE) normalises q and k over all heads, "
-                         f"which tp={size} splits between ranks; use parallel.tp=1")
+    if attn.norm_full_width and attn.q_norm is not None and g % size:
+        raise ValueError(f"model.qk_norm_scope=full (OLMoE) normalises k over all KV heads, but "
+                         f"tp={size} replicates num_kv_heads={g}; choose a tp dividing num_kv_heads")
     if attn.wo.bias is not None and size > 1:
         raise ValueError(f"model.attention_out_bias=true: the row-parallel output projection "
                          f"would add its bias on each of tp={size} ranks; use parallel.tp=1")

@@ -109,3 +109,47 @@ def test_unknown_family_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
     with pytest.raises(ConfigError, match="model_type='gpt_oss' is not a supported family"):
         load_config(None, [f"train.init_from={tmp_path}"])
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "olmoe", "glm4_moe"])
+def test_family_configs_are_expressible_in_their_family(family):
+    from pathlib import Path
+
+    from longctx_moe.hf.interop import to_hf_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / f"configs/families/{family}_tiny.yaml")
+    hf = to_hf_config(cfg.model)  # reads its own config.json values back: raises on any loss
+    assert (cfg.model.hf_family, hf.model_type) == (family, family)
+
+
+def test_a_model_its_family_cannot_express_is_refused_by_key():
+    from longctx_moe.hf.interop import to_hf_config
+    from tests.model.helpers import tiny_config
+
+    with pytest.raises(ValueError, match="mixtral cannot express this model: model.shared_expert_hidden_size"):
+        to_hf_config(tiny_config(hf_family="mixtral", qk_norm=False, shared_expert_hidden_size=8))
+    with pytest.raises(ValueError, match="olmoe cannot express this model: model.router_groups"):
+        to_hf_config(tiny_config(hf_family="olmoe", qk_norm_scope="full", router_renormalize=False,
+                                 router_groups=2, router_topk_groups=1))
+
+
+def test_full_width_qk_norm_with_replicated_kv_heads_is_refused():
+    from longctx_moe.model import build_model
+    from longctx_moe.parallel.tensor_parallel import check_tensor_parallel
+    from tests.model.helpers import tiny_config
+
+    model = build_model(tiny_config(qk_norm_scope="full", num_heads=4, num_kv_heads=2))
+    check_tensor_parallel(model, 2)  # KV heads split: the norm's sum of squares is reduced over TP
+    with pytest.raises(ValueError, match="qk_norm_scope=full .* tp=4 replicates num_kv_heads=2"):
+        check_tensor_parallel(model, 4)
+
+
+def test_from_pretrained_config_takes_the_architecture_from_config_json(tmp_path):
+    from pathlib import Path
+
+    save_random("olmoe", PARAMS[IDS.index("olmoe-1")][1], tmp_path)
+    yaml = Path(__file__).resolve().parents[2] / "configs/from_pretrained.yaml"
+    cfg = load_config(yaml, [f"train.init_from={tmp_path}"])
+    m = cfg.model
+    assert (m.hf_family, m.num_experts, m.top_k, m.qk_norm_scope, m.router_renormalize) == ("olmoe", 8, 3, "full", True)
+    assert m.aux_loss_coeff == 1e-3  # not architecture: the YAML's value stands

@@ -83,12 +83,20 @@ def test_export_under_ep2_tp2_equals_one_process():
             assert torch.equal(a, b), name
 
 
-def test_full_size_of_a_tp_sharded_shared_expert_is_its_own_width():
-    # Shared experts are TP-sharded like dense SwiGLUs but may be wider or narrower than them.
+def test_spec_shapes_are_the_global_slices_of_the_parameters():
+    # Shapes come from sharded_state.global_slices (the checkpoint's description of each piece),
+    # not from names: a shared expert wider than the dense MLP keeps its own width.
     from longctx_moe.config import load_config
-    from longctx_moe.hf.weights import _full_size
+    from longctx_moe.hf.weights import weights_spec
+    from longctx_moe.model import build_model
 
-    cfg = load_config(None, ["model.shared_expert_hidden_size=96", "model.dense_hidden_size=64"]).model
-    assert _full_size(cfg, "layers.1.ffn.shared.w_gate.weight", 0) == 96
-    assert _full_size(cfg, "layers.1.ffn.shared.w_down.weight", 1) == 96
-    assert _full_size(cfg, "layers.0.ffn.w_up.weight", 0) == 64
+    cfg = load_config(None, ["model.shared_expert_hidden_size=96", "model.dense_hidden_size=64",
+                             "model.first_k_dense=1", "model.hf_family=glm4_moe", "model.qk_norm=false",
+                             "model.router_score=sigmoid", "model.expert_bias=true",
+                             "model.expert_hidden_size=32"]).model
+    spec = {s.name: s.shape for s in weights_spec(build_model(cfg), torch.float32)}
+    d = cfg.hidden_size
+    assert spec["model.layers.1.mlp.shared_experts.gate_proj.weight"] == (96, d)
+    assert spec["model.layers.1.mlp.shared_experts.down_proj.weight"] == (d, 96)
+    assert spec["model.layers.0.mlp.up_proj.weight"] == (64, d)
+    assert spec["model.layers.1.mlp.gate.e_score_correction_bias"] == (cfg.num_experts,)

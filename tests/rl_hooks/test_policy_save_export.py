@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from longctx_moe.cli import main
-from longctx_moe.hf.load import load_hf_weights
+from longctx_moe.hf.load import load_hf_model
 from rl_hooks.api import PolicyTrainer
 from tests.rl_hooks.helpers import config
 
@@ -21,6 +21,6 @@ def test_export_hf_of_a_policy_save_folder_with_a_relative_data_path(corpus, tmp
     assert "tokenizer: copied" in report, report
     assert (tmp_path / "hf" / "tokenizer.json").read_text() == (corpus / "tokenizer.json").read_text()
     # The exported float32 weights are the float64 model's, rounded once.
-    got = load_hf_weights(tmp_path / "hf", policy.cfg.model)
+    got = load_hf_model(tmp_path / "hf").state_dict()
     for name, p in policy.runtime.model.state_dict().items():
         torch.testing.assert_close(got[name].double(), p.double(), rtol=1e-7, atol=1e-7)

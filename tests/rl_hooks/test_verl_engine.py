@@ -93,13 +93,9 @@ def _engine_pass(rank: int, world: int, folder: str, dtype: str, layout: list[st
 
 def _our_logits(folder, dtype):
     from data_packing.batch import PackedBatch, position_ids_from_cu
-    from longctx_moe.config import load_config
-    from longctx_moe.hf.load import load_hf_weights
-    from longctx_moe.model import build_model
+    from longctx_moe.hf.load import load_hf_model
 
-    cfg = load_config(None, vc.SETS)
-    model = build_model(cfg.model).to(vc.DTYPES[dtype][1])
-    model.load_state_dict(load_hf_weights(folder, cfg.model))
+    model = load_hf_model(folder, vc.SETS).to(vc.DTYPES[dtype][1])
 
     def logits_of(ids):
         cu = torch.tensor([0, ids.numel()], dtype=torch.int32)

@@ -140,7 +140,7 @@ def test_init_from_mismatched_config_is_one_line(ep_run, corpus, tmp_path, capsy
     rc = train_main(_sets(tmp_path / "r", corpus, 1, f"train.init_from={out}", "model.num_experts=4"))
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1
-    assert "num_experts=8 in config.json but model.num_experts=4" in err
+    assert "config.json gives model.num_experts=8 but the config sets model.num_experts=4" in err
 
 
 @pytest.mark.slow
@@ -169,7 +169,7 @@ def test_refused_model_and_bad_checkpoints_are_one_line(ep_run, tmp_path, capsys
     sigmoid = tmp_path / "sigmoid"
     write_config(load_config(ep_run / "config.yaml", ["model.router_score=sigmoid"]), sigmoid / "config.yaml")
     err = _one_line_error(["export-hf", str(sigmoid), str(tmp_path / "o1")], capsys)
-    assert "Qwen3-MoE cannot express this model: model.router_score must be 'softmax'" in err
+    assert "qwen3_moe cannot express this model: model.router_score must be 'softmax'" in err
 
     empty = tmp_path / "empty"
     write_config(load_config(ep_run / "config.yaml", [f"train.run_dir={empty}"]), empty / "config.yaml")
@@ -191,14 +191,14 @@ def test_refused_model_and_bad_checkpoints_are_one_line(ep_run, tmp_path, capsys
 def test_init_from_reads_a_transformers_saved_directory(ep_run, tmp_path):
     """What from_pretrained + save_pretrained writes (fused or per-expert names, whichever
     transformers 5 chooses) reads back into exactly our consolidated weights."""
-    from longctx_moe.hf.load import load_hf_weights
+    from longctx_moe.hf.load import load_hf_model
 
     out = _export(ep_run, tmp_path / "hf")
     resaved = tmp_path / "resaved"
     transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).save_pretrained(resaved)
     cfg = load_config(ep_run / "config.yaml")
     want = load_consolidated_model(cfg, checkpoint_step_dir(cfg, ep_run, None)).state_dict()
-    got = load_hf_weights(resaved, cfg.model)
+    got = load_hf_model(resaved).state_dict()
     assert got.keys() == want.keys()
     for name, t in want.items():
         if not name.endswith("expert_bias"):  # ours alone: HF routing is a zero bias
@@ -209,7 +209,7 @@ def test_init_from_reads_a_transformers_saved_directory(ep_run, tmp_path):
 def test_init_from_reads_fused_expert_names(ep_run, tmp_path):
     """transformers 5's in-memory layout (`experts.gate_up_proj` [E, 2F, D]) is accepted too."""
     from longctx_moe.hf.interop import to_hf_state_dict
-    from longctx_moe.hf.load import load_hf_weights
+    from longctx_moe.hf.load import load_hf_model
 
     out = _export(ep_run, tmp_path / "hf")
     fused = tmp_path / "fused"
@@ -220,5 +220,5 @@ def test_init_from_reads_fused_expert_names(ep_run, tmp_path):
     sd = to_hf_state_dict(model)
     assert "model.layers.0.mlp.experts.gate_up_proj" in sd
     safetensors_torch.save_file(sd, str(fused / "model.safetensors"))
-    got = load_hf_weights(fused, cfg.model)
+    got = load_hf_model(fused).state_dict()
     assert all(torch.equal(got[k], v) for k, v in model.state_dict().items() if not k.endswith("expert_bias"))

@@ -5,7 +5,8 @@ the optimizer. `LongctxMoeEngineConfig` is verl's `EngineConfig` with `strategy:
 the path of our own YAML (model.*, parallel.*, train.*: the parallel layout TP x CP x DP with EP
 comes from there); `LongctxMoeOptimizerConfig` is verl's `OptimizerConfig` plus the schedule
 keys our optimizer has. `build_config` merges them: the HF folder becomes train.init_from (its
-config.json is checked against model.*), verl's optimizer keys become optim.*.
+config.json fills model.*; a YAML value that contradicts it is refused), verl's optimizer keys
+become optim.*.
 
 verl settings with no meaning for this engine are refused at start-up (`check_engine_config`),
 never accepted and ignored.
@@ -113,8 +114,8 @@ def build_config(model_path: str, engine: LongctxMoeEngineConfig,
     """Our Config: engine.config's YAML, verl's optimizer keys, the HF weights, the overrides
     (last, so a user's explicit key wins)."""
     if not engine.config:
-        raise ConfigError("engine config: empty; set it to a longctx-moe YAML (model.* must match "
-                          "the HF model's config.json), e.g. configs/tiny_cpu.yaml")
+        raise ConfigError("engine config: empty; set it to a longctx-moe YAML (the HF model's "
+                          "config.json fills model.*), e.g. configs/from_pretrained.yaml")
     sets = [f"train.init_from={model_path}"]
     if optim is not None and not engine.forward_only:
         sets += optimizer_overrides(optim)

@@ -1,0 +1,65 @@
+"""Every family from a Hugging Face directory under TP2 x CP2 x EP2 on 8 gloo ranks against one
+process, float64 (OLMoE's q/k norm over all heads sums its squares over TP): each rank reads
+only its slices (PolicyTrainer.from_pretrained), and log-probs and one optimizer step's parameter
+updates (which reveal the gradients: tests/rl_hooks/helpers.py) equal the single-process ones.
+Tolerance 1e-10: float64, only the summation order differs (sums over ranks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_hooks import PolicyLossConfig, PolicyTrainer, make_loss
+from tests.hf.families_cases import CASES, save_random
+from tests.launcher import run_distributed
+from tests.rl_hooks.helpers import EPS, params, rollout_batch, updates
+
+TOL = 1e-10
+SETS = ["train.param_dtype=fp64", "train.autocast_dtype=none", "train.num_threads=1",
+        "train.host_allocator=default", "model.loss_chunk_tokens=5", "model.aux_loss_coeff=0",
+        "model.z_loss_coeff=0", "model.expert_bias_update_rate=0", f"optim.eps={EPS}",
+        "optim.weight_decay=0", "optim.grad_clip=0", "optim.warmup_steps=0", "optim.schedule=constant"]
+LAYOUT = ["parallel.tp=2", "parallel.cp=2", "parallel.ep=2"]
+COLUMN_SHARDED = ("wo.weight", "w_down.weight")  # TP's row-parallel layers keep input columns
+
+
+def _run(hf_dir: str, sets: list[str]):
+    policy = PolicyTrainer.from_pretrained(hf_dir, SETS + sets, micro_batch_tokens=24)
+    batch = rollout_batch()
+    out = policy.compute_logprobs(batch)
+    before = params(policy)
+    policy.train_step(batch, make_loss(PolicyLossConfig(kind="ppo")), lr=EPS)
+    where = {"tp": policy.dims.rank_in("tp"), "ep": policy.dims.rank_in("ep")}
+    return out.logprobs, updates(policy, before), where
+
+
+def _rank(rank, world, dirs):
+    return {family: _run(path, LAYOUT) for family, path in dirs.items()}
+
+
+def _slice(name, got, want, where):
+    """This rank's piece of the single-process tensor `want` for a parameter shaped like `got`."""
+    if got.shape == want.shape:
+        return want
+    if name.endswith(COLUMN_SHARDED) and got.shape[1] != want.shape[1]:
+        n = got.shape[1]
+        return want[:, where["tp"] * n:(where["tp"] + 1) * n]
+    n = got.shape[0]
+    part = where["ep"] if "experts" in name else where["tp"]
+    return want[part * n:(part + 1) * n]
+
+
+@pytest.mark.slow
+def test_families_match_one_process_under_tp2_cp2_ep2_float64(tmp_path):
+    dirs = {}
+    for family, cases in CASES.items():
+        dirs[family] = str(tmp_path / family)
+        save_random(family, cases[0], dirs[family])
+    refs = {family: _run(path, []) for family, path in dirs.items()}
+    results = run_distributed(_rank, world_size=8, args=(dirs,), timeout=900)
+    for got in results:
+        for family, (logp, steps, where) in got.items():
+            ref_logp, ref_steps, _ = refs[family]
+            assert (logp - ref_logp).abs().max() < TOL, family
+            assert any(v.abs().max() > 0 for v in ref_steps.values())
+            for name, g in steps.items():
+                assert (g - _slice(name, g, ref_steps[name], where)).abs().max() < TOL, (family, name)
