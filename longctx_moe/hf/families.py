@@ -72,7 +72,8 @@ class Family:
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared: str = "shared_expert"
     derive: Callable[[dict], dict] | None = None  # model.* values computed from several keys
-    derives: tuple[str, ...] = ()  # the model.* keys `derive` sets
+    # model.* keys set beyond `keys` (by `derive`, or the RoPE reader) that the export writes back
+    derives: tuple[str, ...] = ()
     export: Callable[[ModelConfig], dict] | None = None  # HF kwargs beyond the inverted keys
     fixed_hf: dict[str, object] = field(default_factory=dict)  # HF kwargs we always write
 
@@ -173,7 +174,8 @@ FAMILIES = {f.model_type: f for f in (
                  "topk_group": "router_topk_groups", "routed_scaling_factor": "routed_scaling_factor"},
            implied={"qk_norm_scope": "head", "router_score": "sigmoid", "expert_bias": True,
                     "shared_expert_gate": False},
-           shared="shared_experts", derive=_glm_derive, derives=("first_k_dense", "shared_expert_hidden_size"),
+           shared="shared_experts", derive=_glm_derive,
+           derives=("first_k_dense", "shared_expert_hidden_size", "partial_rotary_factor"),
            export=_glm_export),
     Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
            keys={"n_routed_experts": "num_experts", "moe_intermediate_size": "expert_hidden_size",
@@ -184,7 +186,7 @@ FAMILIES = {f.model_type: f for f in (
                     "router_score": "sigmoid", "expert_bias": True, "shared_expert_gate": False},
            refusals=(Refusal("attention_bias", _truthy, "attention biases"),),
            shared="shared_experts", derive=_deepseek_derive,
-           derives=("first_k_dense", "shared_expert_hidden_size", "q_lora_rank"),
+           derives=("first_k_dense", "shared_expert_hidden_size", "q_lora_rank", "rope_scaling"),
            export=_deepseek_export),
 )}
 
