@@ -82,7 +82,8 @@ class PolicyTrainer:
                  advantage_estimator: str = "grpo", batch_invariant: bool = True,
                  sharded: bool = False):
         from data_packing.batch import pad_multiple
-        from longctx_moe.train import build_dims, build_runtime, make_context
+        from longctx_moe.build import build_dims, build_runtime
+        from longctx_moe.process import make_context
 
         self.cfg = cfg
         self.ctx = make_context(cfg)
@@ -340,8 +341,8 @@ class PolicyTrainer:
         """A checkpoint of model, optimizer and schedule (the project's format) under `path`, and
         `path`/config.yaml, so that `longctx-moe export-hf PATH OUT` exports it (data.path made
         absolute there: the tokenizer is found wherever the export runs)."""
+        from longctx_moe.checkpoint.trainer_state import save_trainer
         from longctx_moe.config import write_config
-        from longctx_moe.train import save_trainer
 
         self.export_gate.settle()
         step_dir = save_trainer(self.trainer, None, Path(path), self.ctx.rank, self.ctx.world_size, keep_last=0)
@@ -355,8 +356,8 @@ class PolicyTrainer:
     def load(self, path: str) -> None:
         """Load the newest checkpoint under `path` (or the step directory `path`), written under
         any parallel layout."""
-        from longctx_moe.checkpoint import find_resume_dir
-        from longctx_moe.train import load_trainer
+        from longctx_moe.checkpoint.steps import find_resume_dir
+        from longctx_moe.checkpoint.trainer_state import load_trainer
 
         self.export_gate.settle()
         step_dir = find_resume_dir(Path(path), "auto") or Path(path)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from longctx_moe.checkpoint.sharded_state import global_slices
 from longctx_moe.model import build_model
 from longctx_moe.model.attention import doc_layout
 from longctx_moe.model.losses import VocabShard, chunked_cross_entropy, chunked_token_logprobs
@@ -21,7 +22,6 @@ from longctx_moe.model.transformer import LogProbHead
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.parallelize import parallelize
-from longctx_moe.sharded_state import global_slices
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch, tiny_config
 

@@ -4,7 +4,7 @@ A parallelized model holds pieces of whole tensors: TP ranks keep rows or column
 attention and dense-MLP weights (tensor_parallel.py tags them `tp_dim`), EP ranks keep a range
 of experts along dim 0 (expert_parallel.py sets `expert_offset`). `global_slices` is the one
 place that says which global slice of every state-dict tensor this rank holds; the checkpoint
-records each piece with its global shape and offsets (checkpoint.py), and any other layout reads
+records each piece with its global shape and offsets (save.py), and any other layout reads
 back the slices it needs.
 
 Keys: `model.<state-dict name>`, and `optim.<field>.<parameter name>` for AdamW's per-parameter
@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from longctx_moe.checkpoint import CheckpointError, Piece
-from longctx_moe.checkpoint_reader import CheckpointReader
+from longctx_moe.checkpoint.errors import CheckpointError
+from longctx_moe.checkpoint.reader import CheckpointReader
+from longctx_moe.checkpoint.save import Piece
 
 Slice = tuple[tuple[int, ...], tuple[int, ...]]  # (global shape, offsets of this rank's piece)
 
