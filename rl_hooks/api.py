@@ -161,8 +161,8 @@ class PolicyTrainer:
         # mini-batch's forward route every token alike (ratio exactly 1).
         def shard_of(item):
             mb, cp = item
-            return self.runtime.shard(mb.packed.to(self.ctx.device), cp,
-                                      replay_TLK=replay_routes(batch, mb))
+            return self.runtime.shard(mb.packed.to(self.ctx.device), cp, replay_TLK=replay_routes(batch, mb),
+                                      num_targets=mb.packed.num_target_tokens())
         for seqs in _split(batch.num_seqs, mini_batches):
             _, mine, groups, _ = self._my_micro_batches(batch, seqs)
             for (mb, _), shard, out in self.runtime.forwards(list(zip(mine, groups, strict=True)),

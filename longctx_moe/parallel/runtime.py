@@ -116,11 +116,13 @@ class ParallelRuntime:
     # ------------------------------------------------------------------ per micro-batch
 
     def shard(self, batch: PackedBatch, cp: CPGroup | None = None,
-              replay_TLK: torch.Tensor | None = None) -> Shard:
+              replay_TLK: torch.Tensor | None = None, num_targets: int | None = None) -> Shard:
         """This rank's part of `batch` on the CP group `cp` (default: the mesh's static CP).
-        `replay_TLK` (int [T, L_moe, K], -1 = route live) forces the experts of each token."""
+        `replay_TLK` (int [T, L_moe, K], -1 = route live) forces the experts of each token.
+        `num_targets`: the batch's target tokens where the caller counted them already on the
+        host (the trainer, once per micro-batch), else counted here."""
         cp = self.static_cp if cp is None else cp
-        n = batch.num_target_tokens()
+        n = batch.num_target_tokens() if num_targets is None else num_targets
         reducer = self._stats_reducer(cp)
         if cp.size > 1:
             local, layout, plan = shard_for_cp(batch, cp, reducer, replay_TLK)

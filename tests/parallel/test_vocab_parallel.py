@@ -42,7 +42,7 @@ def _loss_inputs(seed: int):
 
 def _ce(h, w, inputs, chunk, temp, shard):
     labels_T, weight_T = inputs[2], inputs[3]
-    return chunked_cross_entropy(h, w, labels_T, weight_T, chunk, shard)[0]
+    return chunked_cross_entropy(h, w, labels_T, weight_T, chunk, shard)
 
 
 def _rl(h, w, inputs, chunk, temp, shard):
