@@ -53,7 +53,7 @@ def save_trainer(trainer: Trainer, loader: Any, ckpt_dir: Path, rank: int, world
     meta = {**resume_expectations(trainer.cfg), "parallel": dataclasses.asdict(trainer.cfg.parallel),
             "layout": _layout(dims),
             "trainer": {"step": trainer.step, "schedule": trainer.schedule.state_dict()}}
-    pieces = trainer_pieces(trainer.model, trainer.optimizer, dims)
+    pieces = trainer_pieces(trainer.model, trainer.optimizer)
     staged = stage_checkpoint(ckpt_dir, trainer.step, pieces, rank, copy=background)
     if background:
         return AsyncSave(staged, rank_state, meta, world_size, keep_last)
@@ -110,7 +110,7 @@ def load_trainer(trainer: Trainer, loader: Any, step_dir: Path, rank: int, world
     old = reader.meta.get("layout") or {}
     same = old == _layout(trainer.dims) and reader.meta.get("world_size") == world_size
     try:
-        load_trainer_pieces(trainer.model, trainer.optimizer, trainer.dims, reader)
+        load_trainer_pieces(trainer.model, trainer.optimizer, reader)
         trainer.schedule.load_state_dict(reader.meta["trainer"]["schedule"])
         trainer.step = int(reader.meta["trainer"]["step"])
         # Same layout: every rank continues its own streams. Another one: the RNG of rank 0.

@@ -11,8 +11,8 @@ bucket holds whole tensors only; MoE sync time is set by the number of tensors a
 which is why they travel in buckets rather than one by one.
 
 Every rank of the trainer takes part (each bucket is assembled with collectives over tp, ep and
-etp: an expert's hidden units split over etp are concatenated along `etp_dim` first) and
-every rank yields every bucket, so an engine colocated with any rank can load from it; a sink that
+etp: an expert's hidden units split over etp are concatenated along their declared `etp` split
+first) and every rank yields every bucket, so an engine colocated with any rank can load from it; a sink that
 feeds one engine should push from one rank.
 
 Legend: E experts (global), L local experts of an EP rank, D hidden, F expert hidden.
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from longctx_moe.hf.interop import _check_supported, _name_map
+from longctx_moe.parallel.sharding import global_slice, split_dim
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -56,30 +57,9 @@ def _units(model, dtype) -> list[tuple[str, list[TensorSpec]]]:
     for ours, hf, _ in _name_map(cfg):
         if ".experts." in ours:
             continue
-        shape = _global_shape(params[ours], cfg, ours)
+        shape, _ = global_slice(params[ours])  # the split its parallelizer declared
         units.append((ours, [TensorSpec(hf, shape, dtype)]))
     return units
-
-
-def _global_shape(p: torch.nn.Parameter, cfg, name: str) -> tuple[int, ...]:
-    shape = list(p.shape)
-    if getattr(p, "tp_sharded", False):
-        shape[p.tp_dim] = _full_size(cfg, name, p.tp_dim)
-    return tuple(shape)
-
-
-def _full_size(cfg, name: str, dim: int) -> int:
-    """The unsharded size along a TP-sharded dimension, from the config (no communication)."""
-    h, g, r = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    if name in ("embed.weight", "lm_head.weight"):  # the vocab-parallel embedding and head
-        return cfg.vocab_size
-    if name.endswith(("attn.wq.weight", "attn.wo.weight")):
-        return h * r
-    if name.endswith(("attn.wk.weight", "attn.wv.weight")):
-        return g * r
-    if ".ffn.shared." in name:  # a shared expert: TP-sharded like a dense SwiGLU, its own width
-        return cfg.shared_expert_hidden_size
-    return cfg.dense_hidden_size  # a dense SwiGLU's hidden units
 
 
 def weights_spec(model, dtype: torch.dtype = torch.bfloat16) -> list[TensorSpec]:
@@ -102,7 +82,7 @@ def _gather_along(p: torch.Tensor, dims, axis: str, dim: int | None) -> torch.Te
 
 
 def _gather_tp(p: torch.Tensor, dims) -> torch.Tensor:
-    return _gather_along(p, dims, "tp", p.tp_dim if getattr(p, "tp_sharded", False) else None)
+    return _gather_along(p, dims, "tp", split_dim(p, "tp"))
 
 
 def _gather_ep(p: torch.Tensor, dims) -> torch.Tensor:
@@ -112,8 +92,8 @@ def _gather_ep(p: torch.Tensor, dims) -> torch.Tensor:
 
 def _gather_etp(p: torch.Tensor, dims) -> torch.Tensor:
     """An expert weight whose hidden units are split over etp -> all of them (etp rank r holds
-    the r-th slice along `etp_dim`, expert_parallel.shard_expert_hidden)."""
-    return _gather_along(p, dims, "etp", getattr(p, "etp_dim", None))
+    the r-th slice along its declared `etp` split, expert_parallel.shard_expert_hidden)."""
+    return _gather_along(p, dims, "etp", split_dim(p, "etp"))
 
 
 def _layer_experts(model, layer: int, dims, dtype) -> list[list[tuple[str, torch.Tensor]]]:

@@ -5,7 +5,7 @@ columns (row-parallel). With tp > num_kv_heads each KV head is replicated over t
 ranks whose query heads read it: wk / wv become `ReplicatedKVLinear`, which stores an ordinary
 1/tp row shard of the whole projection and all-gathers it per forward (its backward sums the
 gradient over TP and keeps the rank's rows), so checkpoints, export and the gradient norm see a
-plain `tp_dim = 0` shard and a replicated head is never stored or updated twice.
+plain `tp` split along dim 0 and a replicated head is never stored or updated twice.
 
 Dense SwiGLU MLPs (first_k_dense layers, shared experts): w_gate / w_up column-parallel, w_down
 row-parallel. Each sharded module gets Megatron's conjugate pair as hooks: `copy` on its input
@@ -14,12 +14,11 @@ row-parallel. Each sharded module gets Megatron's conjugate pair as hooks: `copy
 parallelism the pair becomes all-gather / reduce-scatter of tokens (sequence_parallel.py).
 
 Replicated parameters fed by local heads only (the per-head q/k RMSNorm weights) get partial
-gradients on each TP rank: they are tagged reduce_axis = "world" (TP x CP x DP). Sharded ones are
-tagged `tp_sharded = True` (the gradient norm sums their squares over TP) and `tp_dim` (the
-dimension whose global size is tp x the local one, rank r holding the r-th slice: the checkpoint's
-and the exporters' one description of a TP shard).
+gradients on each TP rank: they are tagged reduce_axis = "world" (TP x CP x DP). Sharded ones
+declare a `tp` split (sharding.declare_split: the dimension whose global size is tp x the local
+one, rank r holding the r-th slice), which the gradient norm, the checkpoint and the exporter read.
 
-Vocabulary: the embedding and the LM head keep rows [r V/tp, (r+1) V/tp) (`tp_dim = 0`). The
+Vocabulary: the embedding and the LM head keep rows [r V/tp, (r+1) V/tp) (a `tp` split along dim 0). The
 embedding becomes `VocabParallelEmbedding` (a lookup of the ids this rank holds, all-reduced over
 TP); the head's losses get the TP group through `model.vocab_shard` and reduce the softmax
 statistics per chunk (model/losses.py), so no rank forms [T, V]. The final norm and the routers
@@ -43,6 +42,7 @@ from longctx_moe.parallel.sequence_parallel import (
     apply_sequence_parallel,
     scatter_tokens,
 )
+from longctx_moe.parallel.sharding import declare_split
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -84,17 +84,17 @@ class _GatherRowShards(torch.autograd.Function):
         return grad.narrow(0, ctx.rank * ctx.n, ctx.n), None, None
 
 
-def _tag(p: nn.Parameter, dim: int) -> None:
-    p.tp_sharded = True
-    p.tp_dim = dim  # global size = tp x local along `dim`; TP rank r holds the r-th slice
+def _tag(p: nn.Parameter, dim: int, rank: int, size: int) -> None:
+    declare_split(p, Axis.TP, dim, size, rank)  # global size = tp x local along `dim`
 
 
 @torch.no_grad()
 def _keep(linear: nn.Module, dim: int, start: int, stop: int) -> None:
     """Keep rows (dim 0: output features) or columns (dim 1: input features) [start, stop)."""
+    size = linear.weight.shape[dim] // (stop - start)
     w = linear.weight.narrow(dim, start, stop - start).clone()
     linear.weight = nn.Parameter(w, requires_grad=linear.weight.requires_grad)
-    _tag(linear.weight, dim)
+    _tag(linear.weight, dim, start // (stop - start), size)
     if dim == 0:
         linear.out_features = stop - start
     elif hasattr(linear, "in_features"):
@@ -112,7 +112,7 @@ class ReplicatedKVLinear(nn.Module):
         n = linear.out_features // size
         self.weight = nn.Parameter(linear.weight.detach()[rank * n:(rank + 1) * n].clone(),
                                    requires_grad=linear.weight.requires_grad)
-        _tag(self.weight, 0)
+        _tag(self.weight, 0, rank, size)
         self.head, self.head_dim, self.rank, self.group = head, head_dim, rank, group
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -133,7 +133,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.group, self.sequence_parallel = rank * n, group, sequence_parallel
         self.weight = nn.Parameter(embed.weight.detach()[self.start:self.start + n].clone(),
                                    requires_grad=embed.weight.requires_grad)
-        _tag(self.weight, 0)
+        _tag(self.weight, 0, rank, size)
 
     def forward(self, tokens_T: torch.Tensor) -> torch.Tensor:
         n = self.weight.shape[0]

@@ -98,7 +98,7 @@ def _run(sets, dims, steps):
     grads: list = []
     _capture_grads(trainer, grads)
     results = [trainer.train_step(mbs) for mbs in steps]
-    slices = global_slices(trainer.model, dims) if dims is not None else None
+    slices = global_slices(trainer.model) if dims is not None else None
     state = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     steps_out = [(r.loss, r.grad_norm, g) for r, g in zip(results, grads, strict=True)]
     return trainer, steps_out, state, slices

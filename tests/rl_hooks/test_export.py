@@ -83,12 +83,17 @@ def test_export_under_ep2_tp2_equals_one_process():
             assert torch.equal(a, b), name
 
 
-def test_full_size_of_a_tp_sharded_shared_expert_is_its_own_width():
-    # Shared experts are TP-sharded like dense SwiGLUs but may be wider or narrower than them.
+def test_export_spec_of_a_tp_sharded_weight_has_its_global_shape():
+    # The exporter's global shape is the split TP declared on the weight (parallel/sharding.py).
     from longctx_moe.config import load_config
-    from longctx_moe.hf.weights import _full_size
+    from longctx_moe.hf.weights import weights_spec
+    from longctx_moe.model import build_model
+    from longctx_moe.parallel.tensor_parallel import shard_swiglu
 
-    cfg = load_config(None, ["model.shared_expert_hidden_size=96", "model.dense_hidden_size=64"]).model
-    assert _full_size(cfg, "layers.1.ffn.shared.w_gate.weight", 0) == 96
-    assert _full_size(cfg, "layers.1.ffn.shared.w_down.weight", 1) == 96
-    assert _full_size(cfg, "layers.0.ffn.w_up.weight", 0) == 64
+    cfg = load_config(None, ["model.dense_hidden_size=64", "model.first_k_dense=1"]).model
+    model = build_model(cfg)
+    shard_swiglu(model.layers[0].ffn, 1, 2, None)  # TP rank 1 of 2 (no forward: no group needed)
+    assert model.layers[0].ffn.w_up.weight.shape[0] == 32
+    shapes = {s.name: s.shape for s in weights_spec(model, torch.float32)}
+    assert shapes["model.layers.0.mlp.up_proj.weight"] == (64, cfg.hidden_size)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (cfg.hidden_size, 64)
