@@ -60,6 +60,11 @@ class ModelConfig:
     # Cross-entropy over the vocabulary in chunks of this many tokens (bounds fp32 logits memory).
     loss_chunk_tokens: int = 1024
 
+    def __post_init__(self) -> None:
+        # Checked once, when the value is made: by the config loader, or by a library caller
+        # building the section itself. The components that take it do not check it again.
+        self.validate()
+
     def validate(self) -> None:
         """Raise ValueError naming the key, its value and the fix."""
         for key, allowed in CHOICES.items():
