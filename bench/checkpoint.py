@@ -5,9 +5,9 @@ One process, two model sizes: the tiny default run (configs/tiny_cpu.yaml's mode
 and exp_avg_sq (3x the parameters in fp32) plus schedule, RNG and step. Timed in the same run,
 alternating so that both sides see the same machine load:
 
-- ours, sync: `train.save_trainer` (CPU copy, safetensors by global slice, sha256, fsync of files
-  and directories, atomic publication); load: `train.load_trainer` into a fresh trainer
-  (checksum verified, every slice read, optimizer rebuilt);
+- ours, sync: `checkpoint.trainer_state.save_trainer` (CPU copy, safetensors by global slice,
+  sha256, fsync of files and directories, atomic publication); load: `load_trainer` into a fresh
+  trainer (checksum verified, every slice read, optimizer rebuilt);
 - ours, async: the time training is blocked (`save_trainer(background=True)` returns after the
   CPU copy), and the time until the step is published;
 - torch.save: the model's and optimizer's state dicts in one file, fsynced; load: torch.load
@@ -34,10 +34,10 @@ import torch  # noqa: E402
 
 from bench.bench_io import write_json  # noqa: E402
 from longctx_moe import host  # noqa: E402
+from longctx_moe.checkpoint.trainer_state import load_trainer, save_trainer  # noqa: E402
 from longctx_moe.config import load_config  # noqa: E402
 from longctx_moe.model import build_model  # noqa: E402
 from longctx_moe.parallel.parallelize import parallelize  # noqa: E402
-from longctx_moe.train import load_trainer, save_trainer  # noqa: E402
 from longctx_moe.trainer import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

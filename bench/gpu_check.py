@@ -119,7 +119,8 @@ def check_model_bf16(device) -> dict:
         ref, ref_h = ref_model(cpu_batch), ref_model.hidden_states(cpu_batch)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             out, h = gpu_model(dev_batch), gpu_model.hidden_states(dev_batch)
-    ref_loss, loss = float(ref.ce_sum) / ref.num_targets, float(out.ce_sum) / out.num_targets
+    n = cpu_batch.num_target_tokens()
+    ref_loss, loss = float(ref.ce_sum) / n, float(out.ce_sum) / n
     h_err = float((h.double().cpu() - ref_h).abs().mean())
     return {"loss_ref_fp64": ref_loss, "loss_bf16": loss, "hidden_mean_err": h_err,
             "hidden_max_err": _max_err(h, ref_h), "ok": abs(loss - ref_loss) / ref_loss < 1e-2 and h_err < 2e-2}
@@ -160,11 +161,12 @@ def time_train_step(device, steps: int) -> dict:
     model = build_model(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     batch = _batch(_doc_lengths(8 * 2048, seed=5), cfg.vocab_size, device)
+    n = batch.num_target_tokens()
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16):
             out = model(batch)
-        (out.ce_sum / out.num_targets + out.aux_loss + out.z_loss).backward()
+        (out.ce_sum / n + out.aux_loss + out.z_loss).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -55,7 +55,7 @@ def _load(rank: int, world: int, hf_dir: str, port: int, queue) -> None:
     parallelize(model, dims, cfg.parallel)
     _reset_peak()
     before = _status_mb("VmRSS")
-    read = load_hf_sharded(model, dims, hf_dir)
+    read = load_hf_sharded(model, hf_dir)
     queue.put((rank, read, _status_mb("VmHWM") - before))
     dist.destroy_process_group()
 

@@ -189,7 +189,7 @@ def build_side(side: str, cfg, dims=None, routes: str = "live"):
     HF runner (same architecture, same weights)."""
     from train_throughput import hf_runner
 
-    from longctx_moe.train import build_runtime
+    from longctx_moe.build import build_runtime
     from longctx_moe.trainer import Trainer
 
     if side == "hf":

@@ -85,9 +85,9 @@ def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap
         step_fn,
     )
 
+    from longctx_moe.build import build_runtime
     from longctx_moe.host import configure_cpu
     from longctx_moe.parallel.dims import ParallelDims
-    from longctx_moe.train import build_runtime
     from longctx_moe.trainer import Trainer
 
     configure_cpu(threads, allocator)

@@ -39,8 +39,9 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from bench.bench_io import write_json  # noqa: E402
-from longctx_moe.checkpoint import KILL_ENV, step_dir_name  # noqa: E402
-from longctx_moe.checkpoint_reader import CheckpointReader  # noqa: E402
+from longctx_moe.checkpoint.faults import KILL_ENV  # noqa: E402
+from longctx_moe.checkpoint.reader import CheckpointReader  # noqa: E402
+from longctx_moe.checkpoint.steps import step_dir_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("step", "save", "prune", "random")

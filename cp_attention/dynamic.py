@@ -49,13 +49,13 @@ Legend: B block ranks, N sequences, M slots, s run size, n padded length, C capa
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from cp_attention.dynamic_cost import DynamicCPCost, padded_length
+from cp_attention.dynamic_slot import OpenRun, Slot
 from data_packing.batch import pad_multiple, pad_to
 
 # A packing on larger runs (step 4, and the later candidate plans) is adopted only if it is at
@@ -120,95 +120,6 @@ class DynamicPlan:
 
 
 @dataclass
-class _OpenRun:
-    """A run being filled: tokens and load (seconds) per rank; version tags its heap entries."""
-
-    first: int
-    size: int
-    seqs: list[int] = field(default_factory=list)
-    tokens: int = 0
-    load: float = 0.0
-    version: int = 0
-
-
-class _Slot:
-    """One slot under construction: its runs, a buddy allocator of free aligned rank blocks
-    (sizes 1..top), and per run size a heap of (load, first, version, run) entries plus the
-    runs parked for want of room (see lightest)."""
-
-    def __init__(self, block_size: int, sizes: list[int]):
-        self.sizes, self.top = sizes, sizes[-1]
-        self.free: dict[int, set[int]] = {s: set() for s in sizes}
-        self.free[self.top] = set(range(0, block_size, self.top))
-        self.free_top = self.top  # largest size with a free block, 0 when none
-        self.runs: list[_OpenRun] = []
-        self.heaps: dict[int, list] = {s: [] for s in sizes}
-        self.parked: dict[int, list] = {s: [] for s in sizes}  # (-room, first, version, run)
-        self.ceiling = 0.0
-
-    def _refresh_free_top(self) -> None:
-        self.free_top = max((s for s in self.sizes if self.free[s]), default=0)
-
-    def take(self, size: int) -> int:
-        """First rank of a free block of `size`: the lowest of the smallest free size that fits,
-        split down (its upper halves stay free)."""
-        t = min(s for s in self.sizes if s >= size and self.free[s])
-        first = min(self.free[t])
-        self.free[t].remove(first)
-        while t > size:
-            t //= 2
-            self.free[t].add(first + t)
-        self._refresh_free_top()
-        return first
-
-    def give(self, first: int, size: int) -> None:
-        """Free a block, merging it with free buddies."""
-        while size < self.top and first ^ size in self.free[size]:
-            self.free[size].remove(first ^ size)
-            first, size = min(first, first ^ size), 2 * size
-        self.free[size].add(first)
-        self._refresh_free_top()
-
-    def open_run(self, size: int, fixed: float = 0.0) -> _OpenRun:
-        """A new run on free ranks; its load starts at the run's fixed seconds."""
-        run = _OpenRun(self.take(size), size, load=fixed)
-        self.runs.append(run)
-        return run
-
-    def add(self, run: _OpenRun, seq: int, tokens: int, seconds: float) -> None:
-        run.seqs.append(seq)
-        run.tokens += tokens
-        run.load += seconds
-        run.version += 1
-        heapq.heappush(self.heaps[run.size], (run.load, run.first, run.version, run))
-        self.ceiling = max(self.ceiling, run.load)
-
-    def lightest(self, size: int, room_needed: int, capacity: int, min_room: int):
-        """Least-loaded run of `size` with capacity - tokens >= room_needed, or None.
-
-        Runs without room for the current request are parked, ordered by room, and come back
-        when a request fits them: sequences arrive roughly longest first, so requests shrink and
-        each run is parked about once (a lookup skipping full runs would make placement O(N^2)).
-        Stale entries and runs that no sequence fits any more (room < min_room) are dropped."""
-        heap, parked = self.heaps[size], self.parked[size]
-        while parked and -parked[0][0] >= room_needed:
-            _, _, version, run = heapq.heappop(parked)
-            if version == run.version:
-                heapq.heappush(heap, (run.load, run.first, run.version, run))
-        while heap:
-            _, first, version, run = heap[0]
-            room = capacity - run.tokens
-            if version != run.version or room < min_room:
-                heapq.heappop(heap)
-            elif room < room_needed:
-                heapq.heappop(heap)
-                heapq.heappush(parked, (-room, first, version, run))
-            else:
-                return run
-        return None
-
-
-@dataclass
 class _Problem:
     """Per-sequence tables of one schedule() call: options[i] = [(size, tokens per rank,
     seconds)] for the sizes sequence i may use, smallest first."""
@@ -264,7 +175,7 @@ def schedule(lengths: Sequence[int], block_size: int, max_cp: int, capacity_toke
     return _finish(best[1], prob)
 
 
-def _candidate(prob: _Problem, order: list[int], raise_in_place: bool | None) -> list[_Slot]:
+def _candidate(prob: _Problem, order: list[int], raise_in_place: bool | None) -> list[Slot]:
     """Steps (2)-(4) with or without raising into existing larger runs; None: the static plan,
     every sequence on top-size runs."""
     if raise_in_place is None:  # exactly schedule(..., static_cp=top): each option list ends
@@ -335,11 +246,11 @@ def _order(prob: _Problem) -> list[int]:
 
 
 def _place(prob: _Problem, seqs: list[int], floor: int = 1, max_slots: int | None = None,
-           raise_in_place: bool = True) -> list[_Slot] | None:
+           raise_in_place: bool = True) -> list[Slot] | None:
     """Step (2): greedy placement of seqs, in that order (module docstring). floor: smallest run
     size a sequence may use; max_slots: return None rather than open more slots;
     raise_in_place: consider existing larger runs."""
-    slots: list[_Slot] = []
+    slots: list[Slot] = []
     for i in seqs:
         options = prob.options[i]
         if floor > options[0][0]:
@@ -354,7 +265,7 @@ def _place(prob: _Problem, seqs: list[int], floor: int = 1, max_slots: int | Non
         if best is None or best[0] > alone * (1 + _EPS):  # a new slot is the cheapest place
             if max_slots is not None and len(slots) == max_slots:
                 return None
-            slots.append(_Slot(prob.block_size, prob.sizes))
+            slots.append(Slot(prob.block_size, prob.sizes))
             best = (alone, size, len(slots) - 1, alone, -1, None, tokens, seconds)
         _, size, m, _, _, run, tokens, seconds = best
         run = run or slots[m].open_run(size, prob.fixed[size])
@@ -362,7 +273,7 @@ def _place(prob: _Problem, seqs: list[int], floor: int = 1, max_slots: int | Non
     return slots
 
 
-def _repack(slot: _Slot, prob: _Problem, order: list[int], raise_in_place: bool) -> _Slot:
+def _repack(slot: Slot, prob: _Problem, order: list[int], raise_in_place: bool) -> Slot:
     """Step (4): the slot's sequences packed again with every run size floor 2, 4, ..., top; the
     fastest packing that fits one slot wins, the smallest floor on ties. Small runs pack coarsely
     (a sequence fills more than half of a run it needs), so a slot of like-density sequences can
@@ -383,7 +294,7 @@ def _repack(slot: _Slot, prob: _Problem, order: list[int], raise_in_place: bool)
     return best
 
 
-def _best_option(slots: list[_Slot], options: list[tuple[int, int, float]], prob: _Problem):
+def _best_option(slots: list[Slot], options: list[tuple[int, int, float]], prob: _Problem):
     """Cheapest placement among existing slots: (increase of the slot's time, size, slot,
     resulting run cost, first rank (-1: a new run), run or None, tokens per rank, seconds), or
     None; the first five fields order the options. Slots are scanned in order, so the scan stops
@@ -420,7 +331,7 @@ def _run_seconds(prob: _Problem, seqs: list[int], size: int) -> tuple[int, float
     return sum(pads) // size, prob.cost.run_seconds(pads, size)
 
 
-def _spread_idle(slot: _Slot, prob: _Problem) -> None:
+def _spread_idle(slot: Slot, prob: _Problem) -> None:
     """Step (3): while the slot has free ranks, double the run that sets its time onto free
     ranks (its buddy block, or any free block of twice its size) if that lowers its cost."""
     if slot.free_top == 0 or not slot.runs:
@@ -454,7 +365,7 @@ def _spread_idle(slot: _Slot, prob: _Problem) -> None:
     slot.ceiling = max(r.load for r in slot.runs)
 
 
-def _shrink(slot: _Slot, prob: _Problem) -> None:
+def _shrink(slot: Slot, prob: _Problem) -> None:
     """Step (5): halve runs below the slot's time: a run's sequences are split (LPT, by cost on
     half the ranks) over its two halves while neither half then exceeds the slot's time or the
     capacity; the step time stays, the ring bytes drop."""
@@ -473,13 +384,13 @@ def _shrink(slot: _Slot, prob: _Problem) -> None:
     slot.runs = sorted(done, key=lambda r: r.first)
 
 
-def _halve(run: _OpenRun, prob: _Problem, ceiling: float) -> list[_OpenRun] | None:
+def _halve(run: OpenRun, prob: _Problem, ceiling: float) -> list[OpenRun] | None:
     """The run's sequences on its two halves (costliest first, each to the lighter half with
     room), or None if a half would be too slow or too full."""
     half = run.size // 2
     if half < 1 or any(prob.options[i][0][0] > half for i in run.seqs):
         return None
-    parts = [_OpenRun(run.first, half), _OpenRun(run.first + half, half)]
+    parts = [OpenRun(run.first, half), OpenRun(run.first + half, half)]
     costs = {}
     for i in run.seqs:
         pad = prob.padded(prob.lengths[i], half)
@@ -496,7 +407,7 @@ def _halve(run: _OpenRun, prob: _Problem, ceiling: float) -> list[_OpenRun] | No
     return parts if max(p.load for p in parts) <= ceiling * (1 + _EPS) else None
 
 
-def _finish(slots: list[_Slot], prob: _Problem) -> DynamicPlan:
+def _finish(slots: list[Slot], prob: _Problem) -> DynamicPlan:
     """Frozen runs (idle ranks as empty runs of one), costs recomputed at the final run sizes."""
     rank_cost = np.zeros(prob.block_size)
     out, slot_seconds, cp_bytes, used = [], [], 0.0, {}

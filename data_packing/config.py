@@ -30,6 +30,11 @@ class DataConfig:
     # checksum (reads all data once), "sizes" compares file sizes only (instant).
     verify: str = "full"
 
+    def __post_init__(self) -> None:
+        # Checked once, when the value is made: by the config loader, or by a library caller
+        # building the section itself. The components that take it do not check it again.
+        self.validate()
+
     def validate(self) -> None:
         """Raise ValueError naming the `data.<key>`, its value and the fix."""
         checks = [

@@ -136,7 +136,6 @@ class StepLoader:
         """`layout_multiple`: what the parallel layout needs every document padded to
         (data_packing.batch.pad_multiple); documents are padded to its lcm with the user's
         data.pad_multiple, which is read, never written."""
-        cfg.validate()
         if not (dp_size >= 1 and 0 <= dp_rank < dp_size):
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
         self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size

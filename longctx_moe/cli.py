@@ -38,7 +38,7 @@ def _export_parser(sub) -> None:
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
     """User errors (a model its HF family lacks, a missing or corrupt checkpoint): one line, status 2."""
-    from longctx_moe.checkpoint import CheckpointError
+    from longctx_moe.checkpoint.errors import CheckpointError
     from longctx_moe.hf.export import export_run
 
     try:
@@ -73,7 +73,7 @@ def _train_argv(args: argparse.Namespace) -> list[str]:
 def launch_local(nproc: int, train_argv: list[str], max_restarts: int = 0) -> int:
     """Run `python -m longctx_moe.train` on `nproc` local ranks (torchrun --standalone); when a
     rank fails, torchrun stops the others and starts all again, up to `max_restarts` times (the
-    ranks resume from the latest complete checkpoint: train.maybe_resume).
+    ranks resume from the latest complete checkpoint: checkpoint.resume.maybe_resume).
 
     Exit status: 0; 2 when the ranks stopped on a user error (rank 0 printed it); 128 + the
     signal when this launcher was stopped (its ranks are stopped with it); 1 otherwise.
@@ -82,7 +82,7 @@ def launch_local(nproc: int, train_argv: list[str], max_restarts: int = 0) -> in
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from longctx_moe.train import LAUNCHER_PID_ENV
+    from longctx_moe.process import LAUNCHER_PID_ENV
 
     launcher_args = get_args_parser().parse_args(
         ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
@@ -126,8 +126,8 @@ def _report_failures(failures: dict) -> int:
 
 def check_before_launch(args: argparse.Namespace) -> int:
     """Config and layout errors, found here once rather than by every rank: 0 or exit status 2."""
+    from longctx_moe.build import check_layout
     from longctx_moe.config import ConfigError, load_config
-    from longctx_moe.train import check_layout
 
     try:
         check_layout(load_config(args.config, args.overrides), args.nproc)

@@ -116,8 +116,9 @@ class Config:
 
 
 # Closed sets of string values of the sections defined here. The model, data and parallel
-# sections check their own (their `validate()`), except model.attention_backend: its values are
-# the kernel registry's, which the model package does not read.
+# sections check their own (their `validate()`, run when each is made, _build), except
+# model.attention_backend: its values are the kernel registry's, which the model package does not
+# read.
 CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "optim.impl": ("auto", "fused", "foreach", "for_loop"),
@@ -206,7 +207,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             kwargs[name] = _build(tp, value, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(f"{prefix}{name}", value, tp)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a section's own check: the message names `<section>.<key>` already
+        raise ConfigError(str(e)) from None
 
 
 def config_from_dict(data: dict) -> Config:
@@ -411,16 +415,6 @@ def _check_trainer(cfg: Config) -> None:
              "(or set logging.tensorboard=false)")
 
 
-def _check_components(cfg: Config) -> None:
-    # Each component owns the checks of its section; their one-line ValueErrors already name the
-    # `<section>.<key>`, so they pass through unchanged as ConfigErrors.
-    for section in (cfg.model, cfg.data, cfg.parallel):
-        try:
-            section.validate()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-
 def _float_fields(node: Any, prefix: str = ""):
     """(dotted key, value) of every float setting, lists included, in declaration order."""
     for f in dataclasses.fields(node):
@@ -441,8 +435,8 @@ def _check_finite(cfg: Config) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Raise ConfigError (one line) for the first invalid value."""
+    """Raise ConfigError (one line) for the first invalid value. The model, data and parallel
+    sections checked their own when they were made (_build)."""
     _check_choices(cfg)
-    _check_components(cfg)
     _check_trainer(cfg)
     _check_finite(cfg)

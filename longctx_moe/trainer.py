@@ -104,7 +104,7 @@ class Trainer:
     """Owns the model's optimizer and schedule and runs optimizer steps through `runtime`.
 
     `runtime`: the ParallelRuntime of `parallelize(model, dims, cfg.parallel)`, whose model
-    follows `model(batch, layout=None) -> ForwardOutput(ce_sum, num_targets, aux_loss, z_loss,
+    follows `model(batch, layout=None) -> ForwardOutput(ce_sum, aux_loss, z_loss,
     expert_counts [L_moe, E])`.
     """
 
@@ -124,18 +124,19 @@ class Trainer:
         """The run's compute dtype (self.compute, resolved once from train.autocast_dtype)."""
         return self.compute.context(self.device.type)
 
-    def step_totals(self, micro_batches: list[PackedBatch],
-                    cp_groups: list | None = None) -> tuple[int, int, float | None]:
+    def step_totals(self, micro_batches: list[PackedBatch], cp_groups: list,
+                    targets: list[int]) -> tuple[int, int, float | None]:
         """(G target tokens, real tokens, model FLOPs) of this step over the DP x CP block.
+        `cp_groups`: each micro-batch's CPGroup (None: the static one); `targets`: each
+        micro-batch's target tokens (PackedBatch.num_target_tokens, counted once by the caller).
 
         Every rank of a CP group (the static one, or a Dynamic-CP run's) holds the same
         (unsharded) micro-batch: only the group's first rank counts it (one collective)."""
-        groups = cp_groups or [None] * len(micro_batches)
-        mine = [mb for mb, cp in zip(micro_batches, groups, strict=True)
-                if (cp or self.runtime.static_cp).rank == 0]
+        firsts = [(cp or self.runtime.static_cp).rank == 0 for cp in cp_groups]
+        mine = [mb for mb, first in zip(micro_batches, firsts, strict=True) if first]
         lengths = [n for mb in mine for n in mb.doc_lengths()]
         flops = step_flops(self.cfg.model, lengths)
-        local = [sum(mb.num_target_tokens() for mb in mine), sum(lengths), flops or 0.0]
+        local = [sum(n for n, first in zip(targets, firsts, strict=True) if first), sum(lengths), flops or 0.0]
         t = self.runtime.all_reduce(torch.tensor(local, dtype=torch.float64), Axis.DP_CP)
         return int(t[0]), int(t[1]), (float(t[2]) if flops is not None else None)
 
@@ -149,12 +150,14 @@ class Trainer:
         reset_peak_memory(self.device)
         lr = self.schedule.apply() if lr is None else self._set_lr(lr)
         work, cp_sizes = self._work(micro_batches, objective, cp_groups)
-        g, num_tokens, flops = self.step_totals([mb for mb, _ in work], [cp for _, cp in work])
+        # Counted once, on the host batches: the step total and each micro-batch's weight use it.
+        targets = [mb.num_target_tokens() for mb, _ in work]
+        g, num_tokens, flops = self.step_totals([mb for mb, _ in work], [cp for _, cp in work], targets)
         if g == 0:
             raise ValueError(f"step {self.step + 1}: the global batch has no target tokens (all labels are -100); "
                              "check the data (documents of length >= 2) and data.global_batch_tokens")
         self._lent_rows()  # forget what forwards outside a step (compute_logprobs) ran
-        sums, counts, metrics = self._accumulate(work, g, objective or CrossEntropy())
+        sums, counts, metrics = self._accumulate(work, targets, g, objective or CrossEntropy())
         self.runtime.reduce_gradients()
         self.runtime.all_reduce(sums, Axis.DP_CP)
         if counts is not None:
@@ -215,14 +218,15 @@ class Trainer:
         slots, sizes = self.runtime.dynamic.reschedule(micro_batches, self.device)
         return [(s.batch, s.cp) for s in slots], sizes
 
-    def _accumulate(self, work: list, g: int, objective: Objective):
+    def _accumulate(self, work: list, targets: list[int], g: int, objective: Objective):
         """Backward every (micro-batch, CP group); return sums [loss, main, aux, z] (fp64), the
         summed expert counts [L_moe, E] (fp64) of this rank, and the objective's metrics."""
         sums = torch.zeros(4, dtype=torch.float64)
         counts, metrics = None, {}
         def shard_of(item):
             i, (mb, cp) = item
-            return self.runtime.shard(mb.to(self.device), cp, replay_TLK=objective.replay(i))
+            return self.runtime.shard(mb.to(self.device), cp, replay_TLK=objective.replay(i),
+                                      num_targets=targets[i])
         for (i, _), shard, out in self.runtime.forwards(list(enumerate(work)), shard_of, objective.head,
                                                         self.autocast):
             n = shard.num_targets

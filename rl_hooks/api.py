@@ -38,17 +38,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from cp_attention.kernels import batch_invariant
 from longctx_moe.config import Config, ConfigError, load_config
 from longctx_moe.model.transformer import LogProbHead
 from longctx_moe.precision import announce
-from longctx_moe.trainer import MicroLoss, Trainer
+from longctx_moe.trainer import Trainer
 from rl_hooks.advantages import compute_advantages, token_advantages
 from rl_hooks.batch import RolloutBatch
-from rl_hooks.losses import LossFn, LossInputs, Normalizers
+from rl_hooks.losses import LossFn
 from rl_hooks.microbatch import MicroBatch, build_micro_batch, plan_micro_batches, replay_routes
+from rl_hooks.objective import PolicyObjective, normalizers
 
 
 @dataclass
@@ -82,7 +82,8 @@ class PolicyTrainer:
                  advantage_estimator: str = "grpo", batch_invariant: bool = True,
                  sharded: bool = False):
         from data_packing.batch import pad_multiple
-        from longctx_moe.train import build_dims, build_runtime, make_context
+        from longctx_moe.build import build_dims, build_runtime
+        from longctx_moe.process import make_context
 
         self.cfg = cfg
         self.ctx = make_context(cfg)
@@ -167,8 +168,8 @@ class PolicyTrainer:
         # mini-batch's forward route every token alike (ratio exactly 1).
         def shard_of(item):
             mb, cp = item
-            return self.runtime.shard(mb.packed.to(self.ctx.device), cp,
-                                      replay_TLK=replay_routes(batch, mb))
+            return self.runtime.shard(mb.packed.to(self.ctx.device), cp, replay_TLK=replay_routes(batch, mb),
+                                      num_targets=mb.packed.num_target_tokens())
         for seqs in _split(batch.num_seqs, mini_batches):
             _, mine, groups, _ = self._my_micro_batches(batch, seqs)
             for (mb, _), shard, out in self.runtime.forwards(list(zip(mine, groups, strict=True)),
@@ -230,8 +231,8 @@ class PolicyTrainer:
 
     def _optimizer_step(self, batch, seqs, loss, lr, temperature, entropy) -> dict[str, float]:
         tokens, mine, groups, sizes = self._my_micro_batches(batch, seqs)
-        norm = _normalizers(batch, seqs, self.runtime if self.sharded else None)
-        objective = _PolicyObjective(batch, mine, loss, norm, LogProbHead(temperature, entropy),
+        norm = normalizers(batch, seqs, self.runtime if self.sharded else None)
+        objective = PolicyObjective(batch, mine, loss, norm, LogProbHead(temperature, entropy),
                                      self.runtime)
         with batch_invariant(self.batch_invariant):
             res = self.trainer.train_step([mb.packed for mb in mine], objective, lr=lr,
@@ -320,7 +321,7 @@ class PolicyTrainer:
         """Names (the model's Hugging Face family, per expert), global shapes and dtypes of the export."""
         from longctx_moe.hf.weights import weights_spec
 
-        return weights_spec(self.runtime.model, dtype, self.dims)
+        return weights_spec(self.runtime.model, dtype)
 
     def export_weights(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype = torch.bfloat16):
         """Buckets of (HF name, tensor) of at most `bucket_bytes`, gathered over TP, ETP and EP;
@@ -347,8 +348,8 @@ class PolicyTrainer:
         """A checkpoint of model, optimizer and schedule (the project's format) under `path`, and
         `path`/config.yaml, so that `longctx-moe export-hf PATH OUT` exports it (data.path made
         absolute there: the tokenizer is found wherever the export runs)."""
+        from longctx_moe.checkpoint.trainer_state import save_trainer
         from longctx_moe.config import write_config
-        from longctx_moe.train import save_trainer
 
         self.export_gate.settle()
         step_dir = save_trainer(self.trainer, None, Path(path), self.ctx.rank, self.ctx.world_size, keep_last=0)
@@ -362,88 +363,12 @@ class PolicyTrainer:
     def load(self, path: str) -> None:
         """Load the newest checkpoint under `path` (or the step directory `path`), written under
         any parallel layout."""
-        from longctx_moe.checkpoint import find_resume_dir
-        from longctx_moe.train import load_trainer
+        from longctx_moe.checkpoint.steps import find_resume_dir
+        from longctx_moe.checkpoint.trainer_state import load_trainer
 
         self.export_gate.settle()
         step_dir = find_resume_dir(Path(path), "auto") or Path(path)
         load_trainer(self.trainer, None, step_dir, self.ctx.rank, self.ctx.world_size)
-
-
-class _PolicyObjective:
-    """The trainer's Objective for one mini-batch of a RolloutBatch (see longctx_moe.trainer)."""
-
-    def __init__(self, batch: RolloutBatch, micro: list[MicroBatch], loss: LossFn,
-                 norm: Normalizers, head: LogProbHead, runtime):
-        self.batch, self.micro, self.loss_fn, self.norm = batch, micro, loss, norm
-        self.head, self.runtime = head, runtime
-
-    def replay(self, i: int) -> torch.Tensor | None:
-        return replay_routes(self.batch, self.micro[i])
-
-    def micro_loss(self, i: int, out, shard, g: int) -> MicroLoss:
-        mb = self.micro[i]
-        logp_P = self.runtime.gather_tokens(shard, out.logprobs_T)
-        ent_P = None if out.entropy_T is None else self.runtime.gather_tokens(shard, out.entropy_T)
-        if getattr(self.loss_fn, "per_sequence", False):
-            res = self.loss_fn(mb.seqs, *_sequence_values(self.batch, mb, logp_P, ent_P))
-            return MicroLoss(res.loss, res.loss.detach() / shard.cp.size, res.metrics)
-        src = mb.target_src_P.to(logp_P.device)
-        pos_N = torch.nonzero((src >= 0) & self.batch.loss_mask[src.clamp_min(0).cpu()].to(src.device)).squeeze(1)
-        tok_N = src[pos_N].cpu()
-        inp = _loss_inputs(self.batch, tok_N, logp_P[pos_N], None if ent_P is None else ent_P[pos_N])
-        res = self.loss_fn(inp, self.norm)
-        # Every CP rank of the group computed this same loss: its share of the step total is
-        # 1/cp (the gradient is not scaled: gather_tokens' backward keeps only own tokens).
-        share = 1.0 / shard.cp.size
-        metrics = {k: (v if k.endswith(("_max", "_min")) else v * share) for k, v in res.metrics.items()}
-        return MicroLoss(res.loss, res.loss.detach() * share, metrics)
-
-
-def _sequence_values(batch: RolloutBatch, mb: MicroBatch, logp_P: torch.Tensor,
-                     ent_P: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The micro-batch's sequences back to back (mb.seqs order) as flat [T_mb] tensors in the
-    batch's alignment (0 at first tokens), still attached to the graph: log-probs, entropies."""
-    cu = batch.cu_seqlens.tolist()
-    local_T = torch.full((batch.num_tokens,), -1, dtype=torch.int64)
-    offset = 0
-    for s in mb.seqs:
-        n = cu[s + 1] - cu[s]
-        local_T[cu[s]:cu[s + 1]] = torch.arange(offset, offset + n)
-        offset += n
-    src = mb.target_src_P
-    scored_P = (src >= 0).to(logp_P.device)
-    index = local_T[src[src >= 0]].to(logp_P.device)
-    place = lambda x_P: None if x_P is None else \
-        x_P.new_zeros(offset).index_put((index,), x_P[scored_P])
-    return place(logp_P), place(ent_P)
-
-
-def _loss_inputs(batch: RolloutBatch, tok_N: torch.Tensor, logp_N, ent_N) -> LossInputs:
-    dev, dtype = logp_N.device, logp_N.dtype
-    pick = lambda x: None if x is None else x[tok_N].to(dev, dtype)
-    seq_N = batch.seq_of_token()[tok_N]
-    _, seq_index = torch.unique_consecutive(seq_N, return_inverse=True)
-    return LossInputs(logprobs=logp_N, old_logprobs=pick(batch.old_logprobs),
-                      advantages=pick(batch.advantages), seq_index=seq_index.to(dev),
-                      num_seqs_local=int(seq_N.unique().numel()),
-                      ref_logprobs=pick(batch.ref_logprobs),
-                      rollout_logprobs=pick(batch.rollout_logprobs), entropy=ent_N)
-
-
-def _normalizers(batch: RolloutBatch, seqs: list[int], runtime=None) -> Normalizers:
-    """Global counts of one mini-batch. Every rank holds the whole batch (no collective), or,
-    given the `runtime` of a sharded trainer, its own share: the counts are summed (the longest
-    sequence maximised) over DP."""
-    mask, cu = batch.loss_mask, batch.cu_seqlens.tolist()
-    per_seq = [int(mask[cu[s]:cu[s + 1]].sum()) for s in seqs]
-    longest = max((cu[s + 1] - cu[s] for s in seqs), default=1)
-    counts = [sum(per_seq), sum(1 for n in per_seq if n)]
-    if runtime is not None:
-        sums = runtime.all_reduce(torch.tensor(counts, dtype=torch.float64), "dp")
-        top = runtime.all_reduce(torch.tensor([longest], dtype=torch.float64), "dp", dist.ReduceOp.MAX)
-        counts, longest = [int(x) for x in sums.tolist()], int(top[0])
-    return Normalizers(num_tokens=counts[0], num_seqs=counts[1], constant=float(longest))
 
 
 def _split(num_seqs: int, parts: int) -> list[list[int]]:

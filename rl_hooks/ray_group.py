@@ -143,7 +143,7 @@ class RayPolicyGroup:
                  grace_s: float = 10.0, micro_batch_tokens: int | None = None,
                  advantage_estimator: str = "grpo", batch_invariant: bool = True):
         ray = _import_ray()
-        from longctx_moe.train import check_layout
+        from longctx_moe.build import check_layout
 
         check_layout(cfg, num_ranks)  # an impossible layout fails here, before any actor starts
         self.cfg, self.num_ranks, self.grace_s = cfg, num_ranks, grace_s

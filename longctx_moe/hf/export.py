@@ -24,13 +24,10 @@ from pathlib import Path
 
 import torch
 
-from longctx_moe.checkpoint import (
-    CheckpointError,
-    find_resume_dir,
-    load_model_state,
-    step_dir_name,
-)
-from longctx_moe.checkpoint_reader import CheckpointReader
+from longctx_moe.checkpoint.errors import CheckpointError
+from longctx_moe.checkpoint.reader import CheckpointReader
+from longctx_moe.checkpoint.steps import find_resume_dir, step_dir_name
+from longctx_moe.checkpoint.trainer_state import load_model_state, resume_expectations
 from longctx_moe.config import Config, ConfigError, load_config
 from longctx_moe.hf.interop import _check_supported, to_hf_config
 from longctx_moe.model.config import ModelConfig
@@ -43,7 +40,7 @@ INDEX = "model.safetensors.index.json"
 
 
 def checkpoint_step_dir(cfg: Config, run_dir: Path, step: int | None) -> Path:
-    """The step directory to export: `latest` (with checkpoint.py's fallback) or step N. A folder
+    """The step directory to export: `latest` (with checkpoint/steps.py's fallback) or step N. A folder
     of step directories itself (rl_hooks' PolicyTrainer.save) is its own checkpoint directory."""
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     if not cfg.checkpoint.dir and not ckpt_dir.is_dir() and any(run_dir.glob("step_*")):
@@ -64,9 +61,7 @@ def checkpoint_step_dir(cfg: Config, run_dir: Path, step: int | None) -> Path:
 def consolidated_state(cfg: Config, step_dir: Path) -> dict[str, torch.Tensor]:
     """The single-device model's state dict from checkpoint `step_dir`, whatever layout wrote
     it: every tensor read whole from the pieces its index records (each rank file verified by
-    checkpoint.py: size and sha256; the model config checked against meta.json)."""
-    from longctx_moe.train import resume_expectations
-
+    checkpoint/rank_file.py: size and sha256; the model config checked against meta.json)."""
     reader = CheckpointReader(step_dir, resume_expectations(cfg))
     out = {}
     for key in reader.keys("model."):

@@ -4,7 +4,7 @@
                          hf/families.py); a setting the user gave that contradicts it is refused
     load_hf_sharded      each rank reads only the slices of its own parameters, lazily, with
                          safetensors' safe_open + get_slice: the slices are those
-                         sharded_state.global_slices says the rank holds (the one owner of every
+                         checkpoint.sharded_state.global_slices says the rank holds (the one owner of every
                          piece's global shape and offsets), so no rank builds the whole model
 
 Expert tensors are read per expert (`experts.{e}.gate_proj` ..., every family's on-disk form) or
@@ -138,10 +138,10 @@ def _read_piece(src: HFTensors, cfg, hf_of: dict, name: str, full, offsets, loca
                       f"{cfg.hf_family}")
 
 
-def load_hf_sharded(model: torch.nn.Module, dims, hf_dir: str | Path, device: torch.device | str = "cpu") -> int:
+def load_hf_sharded(model: torch.nn.Module, hf_dir: str | Path, device: torch.device | str = "cpu") -> int:
     """Fill a parallelized `model` (parameters possibly on the meta device: they are allocated
     on `device` here) with the slices this rank holds, read from `hf_dir`; returns the bytes read."""
-    from longctx_moe.sharded_state import global_slices
+    from longctx_moe.checkpoint.sharded_state import global_slices
 
     cfg = model.cfg
     try:
@@ -152,7 +152,7 @@ def load_hf_sharded(model: torch.nn.Module, dims, hf_dir: str | Path, device: to
     if cfg.tie_embeddings:
         hf_of.pop("lm_head.weight", None)
     src = HFTensors(hf_dir)
-    slices = global_slices(model, dims)
+    slices = global_slices(model)
     materialize(model, device)
     with torch.no_grad():  # piece by piece into the parameters: one piece in flight at a time
         for name, t in model.state_dict().items():
@@ -162,7 +162,7 @@ def load_hf_sharded(model: torch.nn.Module, dims, hf_dir: str | Path, device: to
 
 def materialize(model: torch.nn.Module, device: torch.device | str = "cpu") -> None:
     """Give every meta parameter and buffer real (uninitialised) storage on `device` in place: the
-    objects, and the tags parallelization set on them (tp_dim, reduce_axis...), stay the same."""
+    objects, and what parallelization set on them (declared splits, reduce_axis...), stay the same."""
     for module in model.modules():
         for t in [*module._parameters.values(), *module._buffers.values()]:
             if t is None or not t.is_meta:
@@ -175,15 +175,6 @@ def materialize(model: torch.nn.Module, device: torch.device | str = "cpu") -> N
             t.__dict__.update(tags)
 
 
-class _OneDevice:
-    """The degrees of an unparallelized model, for global_slices without a process group."""
-
-    tp = ep = etp = 1
-
-    def rank_in(self, axis) -> int:
-        return 0
-
-
 def load_hf_model(hf_dir: str | Path, overrides: list[str] | None = None) -> torch.nn.Module:
     """Our single-device model (fp32, eval) holding `hf_dir`'s weights; model.* from its
     config.json plus `overrides` (non-architecture keys, e.g. model.attention_backend)."""
@@ -193,5 +184,5 @@ def load_hf_model(hf_dir: str | Path, overrides: list[str] | None = None) -> tor
     cfg = load_config(None, [f"train.init_from={hf_dir}", *(overrides or [])])
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    load_hf_sharded(model, _OneDevice(), hf_dir)
+    load_hf_sharded(model, hf_dir)
     return model.eval()

@@ -12,8 +12,8 @@ bucket holds whole tensors only; MoE sync time is set by the number of tensors a
 which is why they travel in buckets rather than one by one.
 
 Every rank of the trainer takes part (each bucket is assembled with collectives over tp, ep and
-etp: an expert's hidden units split over etp are concatenated along `etp_dim` first) and
-every rank yields every bucket, so an engine colocated with any rank can load from it; a sink that
+etp: an expert's hidden units split over etp are concatenated along their declared `etp` split
+first) and every rank yields every bucket, so an engine colocated with any rank can load from it; a sink that
 feeds one engine should push from one rank.
 
 Legend: E experts (global), L local experts of an EP rank, D hidden, F expert hidden.
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from longctx_moe.hf.interop import _check_supported, expert_names, name_pairs
+from longctx_moe.parallel.sharding import split_dim
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -46,24 +47,23 @@ def _expert_specs(cfg, layer: int, dtype) -> list[TensorSpec]:
             for name, shape in zip(expert_names(cfg, layer, e), ((f, d), (f, d), (d, f)), strict=True)]
 
 
-def _units(model, dtype, dims=None) -> list[tuple[str, list[TensorSpec]]]:
+def _units(model, dtype) -> list[tuple[str, list[TensorSpec]]]:
     """The non-expert part of the export in order: (our state-dict name, its HF tensor spec).
-    Global shapes come from sharded_state.global_slices, the one description of every rank's
-    piece. Experts follow, layer by layer, one unit of three tensors per expert (_layer_experts)."""
-    from longctx_moe.hf.load import _OneDevice
-    from longctx_moe.sharded_state import global_slices
+    Global shapes come from the splits the parallelizers declared (checkpoint.sharded_state.
+    global_slices). Experts follow, layer by layer, one unit of three tensors per expert
+    (_layer_experts)."""
+    from longctx_moe.checkpoint.sharded_state import global_slices
 
     cfg = model.cfg
     _check_supported(cfg)
-    slices = global_slices(model, dims if dims is not None else _OneDevice())
+    slices = global_slices(model)
     return [(ours, [TensorSpec(hf, slices[ours][0], dtype)]) for ours, hf in name_pairs(cfg)]
 
 
-def weights_spec(model, dtype: torch.dtype = torch.bfloat16, dims=None) -> list[TensorSpec]:
-    """Every exported tensor's name, global shape and dtype, in export order (no communication).
-    `dims`: the ParallelDims the model was parallelized with (None: a single-device model)."""
+def weights_spec(model, dtype: torch.dtype = torch.bfloat16) -> list[TensorSpec]:
+    """Every exported tensor's name, global shape and dtype, in export order (no communication)."""
     cfg = model.cfg
-    specs = [s for _, unit in _units(model, dtype, dims) for s in unit]
+    specs = [s for _, unit in _units(model, dtype) for s in unit]
     for layer in range(cfg.first_k_dense, cfg.num_layers):
         specs += _expert_specs(cfg, layer, dtype)
     return specs
@@ -80,7 +80,7 @@ def _gather_along(p: torch.Tensor, dims, axis: str, dim: int | None) -> torch.Te
 
 
 def _gather_tp(p: torch.Tensor, dims) -> torch.Tensor:
-    return _gather_along(p, dims, "tp", p.tp_dim if getattr(p, "tp_sharded", False) else None)
+    return _gather_along(p, dims, "tp", split_dim(p, "tp"))
 
 
 def _gather_ep(p: torch.Tensor, dims) -> torch.Tensor:
@@ -90,8 +90,8 @@ def _gather_ep(p: torch.Tensor, dims) -> torch.Tensor:
 
 def _gather_etp(p: torch.Tensor, dims) -> torch.Tensor:
     """An expert weight whose hidden units are split over etp -> all of them (etp rank r holds
-    the r-th slice along `etp_dim`, expert_parallel.shard_expert_hidden)."""
-    return _gather_along(p, dims, "etp", getattr(p, "etp_dim", None))
+    the r-th slice along its declared `etp` split, expert_parallel.shard_expert_hidden)."""
+    return _gather_along(p, dims, "etp", split_dim(p, "etp"))
 
 
 def _layer_experts(model, layer: int, dims, dtype) -> list[list[tuple[str, torch.Tensor]]]:
@@ -113,7 +113,7 @@ def _layer_experts(model, layer: int, dims, dtype) -> list[list[tuple[str, torch
 def _all_units(model, dims, dtype) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Units of whole tensors in export order, gathered (collective on every rank)."""
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    for ours, specs in _units(model, dtype, dims):
+    for ours, specs in _units(model, dtype):
         yield [(specs[0].name, _gather_tp(tensors[ours], dims).to(dtype).contiguous())]
     for layer in range(model.cfg.first_k_dense, model.cfg.num_layers):
         yield from _layer_experts(model, layer, dims, dtype)

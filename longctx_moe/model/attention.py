@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,6 +47,9 @@ class DocLayout:
     reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Router replay: int [T, L_moe, K] experts to force per token and MoE layer (-1: route live).
     replay_TLK: torch.Tensor | None = None
+    # With two micro-batches in flight, this one's turn (parallel/interleave.py's Turn): the MoE
+    # layer hands it to the dispatcher, whose all-to-all waits let the other one compute.
+    in_flight: Any = None
 
     def rope_tables(self, spec, dtype: torch.dtype):
         """cos, sin [T, R] of a RoPE variant (longctx_moe.model.rope.RopeSpec), cached."""

@@ -103,6 +103,11 @@ class ModelConfig:
     v_head_dim: int = 0
     rope_interleave: bool = False  # rope dims stored as interleaved pairs (DeepSeek-V3 default)
 
+    def __post_init__(self) -> None:
+        # Checked once, when the value is made: by the config loader, or by a library caller
+        # building the section itself. The components that take it do not check it again.
+        self.validate()
+
     def validate(self) -> None:
         """Raise ValueError naming the key, its value and the fix."""
         for key, allowed in CHOICES.items():

@@ -243,8 +243,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor,
                           loss_weight_T: torch.Tensor | None = None,
                           chunk_tokens: int = 1024,
-                          shard: VocabShard | None = None) -> tuple[torch.Tensor, int]:
-    """(ce_sum, num_targets): sum over target tokens (labels != -100) of loss_weight * CE of the
+                          shard: VocabShard | None = None) -> torch.Tensor:
+    """ce_sum: sum over target tokens (labels != -100) of loss_weight * CE of the
     logits h @ W^T. h [T, D] (any float dtype), W [V, D]; ce_sum is fp32 (float64 for float64).
 
     Only target rows are projected, chunk_tokens at a time, in the autocast dtype when autocast is on.
@@ -252,13 +252,11 @@ def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torc
     group must pass the same h and labels, and gets the same ce_sum."""
     if chunk_tokens < 1:
         raise ValueError(f"model.loss_chunk_tokens={chunk_tokens} must be >= 1")
-    idx_N = (labels_T != IGNORE_INDEX).nonzero().squeeze(1)  # host sync: num_targets is a host int
+    idx_N = (labels_T != IGNORE_INDEX).nonzero().squeeze(1)
     labels_N = labels_T.index_select(0, idx_N)
     weight_N = None if loss_weight_T is None else loss_weight_T.index_select(0, idx_N)
     cdtype = autocast_dtype(h_TD)
-    ce_sum = _LinearCrossEntropy.apply(h_TD, w_VD, idx_N, labels_N, weight_N, chunk_tokens, cdtype,
-                                       shard)
-    return ce_sum, int(idx_N.numel())
+    return _LinearCrossEntropy.apply(h_TD, w_VD, idx_N, labels_N, weight_N, chunk_tokens, cdtype, shard)
 
 
 class _LinearLogProbs(torch.autograd.Function):

@@ -358,19 +358,22 @@ class MoE(nn.Module):
         if self.shared is not None and getattr(self.dispatcher, "overlaps_shared", False):
             # An expert-parallel dispatcher computes routed + shared itself, the shared expert
             # while the tokens travel (parallel/dispatch.py); the same sum as below.
-            y_TD = self.dispatch(x_TD, topk_idx_TK, topk_weight_TK, self.shared)
+            y_TD = self.dispatch(x_TD, topk_idx_TK, topk_weight_TK, self.shared, layout.in_flight)
         else:
-            y_TD = self.dispatch(x_TD, topk_idx_TK, topk_weight_TK)
+            y_TD = self.dispatch(x_TD, topk_idx_TK, topk_weight_TK, turn=layout.in_flight)
             if self.shared is not None:
                 y_TD = y_TD + self.shared(x_TD)
         return y_TD, self.stats(topk_idx_TK, aux, layout)
 
     # Kept out of torch.compile: expert row counts are data dependent (padding, all-to-all splits).
     @eager_only
-    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, shared=None) -> torch.Tensor:
+    def dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, shared=None, turn=None) -> torch.Tensor:
+        """`turn`: DocLayout.in_flight, for a dispatcher whose transfers hand over to another
+        micro-batch in flight; passed only when there is one (the local dispatcher moves nothing)."""
+        extra = {} if turn is None else {"turn": turn}
         if shared is None:
-            return self.dispatcher(x_TD, topk_idx_TK, topk_weight_TK, self.experts)
-        return self.dispatcher(x_TD, topk_idx_TK, topk_weight_TK, self.experts, shared)
+            return self.dispatcher(x_TD, topk_idx_TK, topk_weight_TK, self.experts, **extra)
+        return self.dispatcher(x_TD, topk_idx_TK, topk_weight_TK, self.experts, shared, **extra)
 
     # Kept out of torch.compile: padding rows are dropped by a boolean mask (data-dependent shapes).
     @eager_only

@@ -29,8 +29,9 @@ from longctx_moe.model.recompute import MODES, BlockRecompute, recompute_call
 
 @dataclass
 class ForwardOutput:
-    ce_sum: torch.Tensor  # fp32 scalar: sum over target tokens of (loss_weight *) cross-entropy
-    num_targets: int  # target tokens in this micro-batch
+    # fp32 scalar: sum over target tokens of (loss_weight *) cross-entropy; the count to divide
+    # by is the caller's (PackedBatch.num_target_tokens, summed over the step)
+    ce_sum: torch.Tensor
     aux_loss: torch.Tensor  # scalar, already times aux_loss_coeff, summed over MoE layers
     z_loss: torch.Tensor  # scalar, already times z_loss_coeff, summed over MoE layers
     expert_counts: torch.Tensor  # int64 [L, E]: real tokens routed per expert after top-k
@@ -73,7 +74,6 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        cfg.validate()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_layers)])
@@ -135,15 +135,14 @@ class Transformer(nn.Module):
         h_TD, stats = self._run(batch, layout)
         logp_T = ent_T = None
         if head is None:
-            ce_sum, n = chunked_cross_entropy(h_TD, self.output_weight(), batch.labels,
-                                              batch.loss_weight, self.cfg.loss_chunk_tokens,
-                                              self.vocab_shard)
+            ce_sum = chunked_cross_entropy(h_TD, self.output_weight(), batch.labels, batch.loss_weight,
+                                           self.cfg.loss_chunk_tokens, self.vocab_shard)
         else:
             logp_T, ent_T = chunked_token_logprobs(h_TD, self.output_weight(), batch.labels,
                                                    self.cfg.loss_chunk_tokens, head.temperature,
                                                    head.entropy, self.vocab_shard, self.cfg.kernels)
             w_T = logp_T if batch.loss_weight is None else logp_T * batch.loss_weight
-            ce_sum, n = -w_T.sum(), batch.num_target_tokens()
+            ce_sum = -w_T.sum()
         zero = h_TD.new_zeros((), dtype=torch.float32)
         e, t = self.cfg.num_experts, batch.num_tokens
         counts = (torch.stack([s.counts_E for s in stats]) if stats
@@ -151,7 +150,7 @@ class Transformer(nn.Module):
         routes = (torch.stack([s.topk_idx_TK for s in stats], 1) if stats
                   else torch.zeros(t, 0, self.cfg.top_k, dtype=torch.int64, device=h_TD.device))
         return ForwardOutput(
-            ce_sum=ce_sum, num_targets=n,
+            ce_sum=ce_sum,
             aux_loss=sum((s.aux_loss for s in stats), zero),
             z_loss=sum((s.z_loss for s in stats), zero),
             expert_counts=counts, routes_TLK=routes, logprobs_T=logp_T, entropy_T=ent_T,

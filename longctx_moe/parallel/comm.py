@@ -24,8 +24,9 @@ step is 2^-9 in scaled units):
 Communication a rank waits for is labelled for the profiler (torch.profiler.record_function):
 `comm.a2a` a synchronous all-to-all, `comm.a2a_launch` / `comm.a2a_wait` the two halves of an
 asynchronous one, `comm.counts` the split-size exchange; bench/moe_overlap.py sums them. Before
-blocking on an asynchronous one, a micro-batch in flight with another hands over to it
-(interleave.py): the wait then starts after the other's compute, which it overlapped.
+blocking on an asynchronous one started with a `turn` (a micro-batch in flight with another,
+interleave.py), the forward hands over to the other: the wait then starts after the other's
+compute, which it overlapped.
 
 Quantisation is treated as the identity in backward (straight-through); gradients travel in the
 codec's `grad` codec (bf16 for the fp8 codec: e4m3 is for activations, as in DeepEP / MegaScale).
@@ -39,7 +40,7 @@ from torch.profiler import record_function
 
 from longctx_moe.choices import check_choice
 from longctx_moe.parallel.config import DISPATCH_DTYPES
-from longctx_moe.parallel.interleave import hand_over
+from longctx_moe.parallel.interleave import Turn
 
 # Flat collectives over one buffer: torch 2.13 renamed them (`*_single`) and deprecated the old
 # names, which torch 2.11 (the GPU image) has only.
@@ -140,8 +141,8 @@ class _Transfer:
     """One asynchronous all-to-all in flight: the work handle, the buffers it must keep alive
     until it completes, and how to decode what arrives."""
 
-    def __init__(self, x_ND, send_splits, recv_splits, group, codec):
-        self.send_buf = codec.encode(x_ND)
+    def __init__(self, x_ND, send_splits, recv_splits, group, codec, turn: Turn | None = None):
+        self.send_buf, self.turn = codec.encode(x_ND), turn
         self.out = self.send_buf.new_empty((sum(recv_splits),) + tuple(self.send_buf.shape[1:]))
         with record_function("comm.a2a_launch"):
             self.work = dist.all_to_all_single(self.out, self.send_buf, recv_splits,
@@ -149,7 +150,8 @@ class _Transfer:
         self.dtype, self.dim, self.codec = x_ND.dtype, x_ND.shape[1], codec
 
     def wait(self) -> torch.Tensor:
-        hand_over()  # with two micro-batches in flight, the other one computes meanwhile
+        if self.turn is not None:  # two micro-batches in flight: the other one computes meanwhile
+            self.turn.hand_over()
         with record_function("comm.a2a_wait"):
             self.work.wait()
         self.send_buf = None
@@ -160,8 +162,9 @@ class _Link:
     """What the start and wait halves of one all-to-all share: its layout, and the transfer in
     flight in each direction."""
 
-    def __init__(self, send_splits, recv_splits, group, codec):
+    def __init__(self, send_splits, recv_splits, group, codec, turn: Turn | None):
         self.send, self.recv, self.group, self.codec = send_splits, recv_splits, group, codec
+        self.turn = turn  # the forward's; the backward runs one micro-batch at a time
         self.forward: _Transfer | None = None
         self.backward: _Transfer | None = None
 
@@ -178,7 +181,7 @@ class _StartRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, link):
         ctx.link = link
-        link.forward = _Transfer(x_ND, link.send, link.recv, link.group, link.codec)
+        link.forward = _Transfer(x_ND, link.send, link.recv, link.group, link.codec, link.turn)
         return x_ND.new_empty(0)
 
     @staticmethod
@@ -214,10 +217,11 @@ class AllToAllInFlight:
 
 
 def start_all_to_all_rows(x_ND: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                          group, codec: Codec | None = None) -> AllToAllInFlight:
+                          group, codec: Codec | None = None, turn: Turn | None = None) -> AllToAllInFlight:
     """Launch `all_to_all_rows` asynchronously; call `.wait()` on the result, once, on every
-    rank of `group` before the next collective that must follow it."""
-    link = _Link(list(send_splits), list(recv_splits), group, codec or Codec())
+    rank of `group` before the next collective that must follow it. `turn`: this micro-batch's
+    Turn when two are in flight (the forward's wait hands over first)."""
+    link = _Link(list(send_splits), list(recv_splits), group, codec or Codec(), turn)
     return AllToAllInFlight(_StartRows.apply(x_ND, link), link)
 
 

@@ -1,7 +1,7 @@
 """ParallelConfig: parallel degrees and strategies (owned by the parallel package).
 
-`validate()` checks what needs no world size (closed sets, the capacity factor); the degrees are
-checked against the world by `ParallelDims.from_config`, which also calls `validate()`.
+`validate()` checks what needs no world size (closed sets, the capacity factor), once, when the
+value is made; the degrees are checked against the world by `ParallelDims.from_config`.
 """
 
 from __future__ import annotations
@@ -90,6 +90,11 @@ class ParallelConfig:
     def dynamic_max_cp(self) -> int:
         """The largest Dynamic-CP run size: max_cp, or cp where max_cp is 0."""
         return self.max_cp or self.cp
+
+    def __post_init__(self) -> None:
+        # Checked once, when the value is made: by the config loader, or by a library caller
+        # building the section itself. The components that take it do not check it again.
+        self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the `parallel.<key>`, its value and the fix."""

@@ -233,7 +233,6 @@ class ParallelDims:
     def from_config(cls, cfg: ParallelConfig, world_size: int, model_cfg: Any = None) -> ParallelDims:
         """Validate `cfg` for `world_size` ranks (and the model, when given); derive dp and edp."""
         _check_degrees(cfg, world_size)
-        cfg.validate()
         inner, outer = _check_hierarchical(cfg)
         dyn = _check_dynamic_cp(cfg, world_size // cfg.tp)
         cp_a2a = {"ulysses": max(cfg.cp, cfg.max_cp), "hierarchical": inner}.get(cfg.cp_backend, 1)

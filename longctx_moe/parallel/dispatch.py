@@ -22,8 +22,9 @@ travel and returns routed + shared; in the backward the shared expert's backward
 tokens' gradients travel back (comm.start_all_to_all_rows). The arithmetic is the same as the
 synchronous path, so the results are bitwise equal. The combine all-to-all stays synchronous:
 within one micro-batch nothing independent is left to compute by then. With two micro-batches in
-flight (parallel.micro_batches_in_flight=2, interleave.py) both all-to-alls are asynchronous and
-the other micro-batch computes while they travel.
+flight (parallel.micro_batches_in_flight=2, interleave.py) the call is given the micro-batch's
+`turn`: both all-to-alls are then asynchronous and the other micro-batch computes while they
+travel.
 
 TP without sequence parallelism: TP peers hold the same tokens. With `tp_group`, each peer
 dispatches one contiguous chunk of them and the outputs are all-gathered back (Megatron-Core's
@@ -65,7 +66,7 @@ from longctx_moe.parallel.comm import (
 from longctx_moe.parallel.config import DROP_POLICIES, check_capacity_factor
 from longctx_moe.parallel.dims import Axis
 from longctx_moe.parallel.expert_lending import lend_weights, make_plan, source_tables
-from longctx_moe.parallel.interleave import interleaving
+from longctx_moe.parallel.interleave import Turn
 
 
 @dataclass
@@ -181,18 +182,19 @@ class _EPDispatcher:
         dispatcher does not lend (AllToAllDispatcher counts them)."""
         return None
 
-    def __call__(self, x_TD, topk_idx_TK, topk_weight_TK, experts, shared=None):
+    def __call__(self, x_TD, topk_idx_TK, topk_weight_TK, experts, shared=None, turn: Turn | None = None):
         """y_TD (+ shared(x_TD) when `shared` is given); with `tp_group`, each TP peer
         dispatches only its chunk of the (replicated) tokens and the outputs are gathered back,
-        so no expert runs a token twice."""
+        so no expert runs a token twice. `turn`: the micro-batch's Turn when two are in flight."""
         side = None if shared is None else (lambda: shared(x_TD))
+        turn = turn if turn is not None and turn.active else None
         if self.tp_group is None:  # one TP rank, or SP: the tokens are this rank's own
-            y_TD, side_TD = self._dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts, side)
+            y_TD, side_TD = self._dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts, side, turn)
         else:
             T, g = x_TD.shape[0], self.tp_group
             idx_NK = split_replicated(topk_idx_TK, g).detach()
             y_ND, side_TD = self._dispatch(split_replicated(x_TD, g), idx_NK,
-                                           split_replicated(topk_weight_TK, g), experts, side)
+                                           split_replicated(topk_weight_TK, g), experts, side, turn)
             y_TD = gather_replicated(y_ND, T, g)
         # The same sum, in the same order, as MoE's `routed + shared` without overlap.
         return y_TD if side_TD is None else y_TD + side_TD
@@ -270,7 +272,7 @@ class AllToAllDispatcher(_EPDispatcher):
         self.rank_rows: list[int] | None = None
         self.step_rows: list[int] | None = None  # rank_rows summed until take_step_rows()
 
-    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, experts, side=None):
+    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, experts, side=None, turn: Turn | None = None):
         """(routed y_TD, side() or None): dispatch / experts / combine."""
         routing = self._route(x_TD, topk_idx_TK, topk_weight_TK, experts)
         if self.ep_size == 1:
@@ -286,9 +288,9 @@ class AllToAllDispatcher(_EPDispatcher):
             send = send_RS.sum(1).tolist()
         recv = recv_RS.sum(1).tolist()
         x_ND = x_TD.index_select(0, routing.token_N)
-        x_MD, side_TD = self._send_tokens(x_ND, send, recv, side)
+        x_MD, side_TD = self._send_tokens(x_ND, send, recv, side, turn)
         y_MD = self._run_experts(x_MD, recv_RS, experts, borrowed)
-        y_ND = self._send_back(y_MD, recv, send)
+        y_ND = self._send_back(y_MD, recv, send, turn)
         D, dtype = x_TD.shape[1], x_TD.dtype
         self.wire_bytes = (self._remote_rows(send) * self.codec.wire_bytes_per_row(D, dtype)
                            + self._remote_rows(recv) * self.combine_codec.wire_bytes_per_row(D, dtype)
@@ -325,21 +327,21 @@ class AllToAllDispatcher(_EPDispatcher):
         send_RL = routing.counts_E.view(self.ep_size, self.local_experts)
         return send_RL, exchange_counts(send_RL, self.group)
 
-    def _send_tokens(self, x_ND, send, recv, side):
+    def _send_tokens(self, x_ND, send, recv, side, turn: Turn | None):
         """Dispatch stage: (rows for my experts x_MD, side() if it ran while they travelled).
-        With another micro-batch in flight (interleave.py) the all-to-all is asynchronous even
-        without side work: the other micro-batch computes while it travels."""
+        With another micro-batch in flight (a `turn`, interleave.py) the all-to-all is
+        asynchronous even without side work: the other micro-batch computes while it travels."""
         overlap_side = self.overlap and side is not None
-        if not (overlap_side or interleaving()):
+        if not (overlap_side or turn is not None):
             return all_to_all_rows(x_ND, send, recv, self.group, self.codec), None
-        in_flight = start_all_to_all_rows(x_ND, send, recv, self.group, self.codec)
+        in_flight = start_all_to_all_rows(x_ND, send, recv, self.group, self.codec, turn)
         side_TD = side() if overlap_side else None
         return in_flight.wait(), side_TD
 
-    def _send_back(self, y_MD, recv, send):
+    def _send_back(self, y_MD, recv, send, turn: Turn | None):
         """Combine stage's all-to-all (asynchronous with another micro-batch in flight)."""
-        if interleaving():
-            return start_all_to_all_rows(y_MD, recv, send, self.group, self.combine_codec).wait()
+        if turn is not None:
+            return start_all_to_all_rows(y_MD, recv, send, self.group, self.combine_codec, turn).wait()
         return all_to_all_rows(y_MD, recv, send, self.group, self.combine_codec)
 
     def _run_experts(self, x_MD, recv_RS, experts, borrowed=None):
@@ -365,8 +367,9 @@ class AllGatherDispatcher(_EPDispatcher):
     the all-to-all once top-k * R is small relative to R (see bench/moe_dispatch.py).
     """
 
-    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, experts, side=None):
-        """(routed y_TD, side() or None); the side work runs after the routed experts."""
+    def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, experts, side=None, turn: Turn | None = None):
+        """(routed y_TD, side() or None); the side work runs after the routed experts. The
+        all-gather is synchronous: `turn` has no wait to hand over at."""
         return self._gather_dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts), _call(side)
 
     def _gather_dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, experts):

@@ -20,7 +20,7 @@ group, and AdamW is elementwise (tests/parallel/test_distributed_optimizer.py ho
 sent, so a rank holds reduced gradients for its slabs only between backward and step.
 
 Slabs are rectangular, so a checkpoint stores each rank's AdamW state as a global slice of the
-parameter (sharded_state.py): a checkpoint written with R replicas loads under any other R,
+parameter (checkpoint/sharded_state.py): a checkpoint written with R replicas loads under any other R,
 or into the replicated optimizer.
 """
 

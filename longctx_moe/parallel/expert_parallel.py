@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from longctx_moe.parallel.sharding import carry_splits, declare_split, split_dim
+
 
 @torch.no_grad()
 def shard_experts(experts: nn.Module, ep_rank: int, ep_size: int) -> nn.Module:
@@ -39,8 +41,10 @@ def shard_experts(experts: nn.Module, ep_rank: int, ep_size: int) -> nn.Module:
         if p.shape[0] != E:
             raise ValueError(f"expert parameter {name!r} has shape {tuple(p.shape)}; expected "
                              f"dim 0 = num_experts = {E}")
-        piece = p[ep_rank * local:(ep_rank + 1) * local].clone()
-        setattr(experts, name, nn.Parameter(piece, requires_grad=p.requires_grad))
+        piece = nn.Parameter(p[ep_rank * local:(ep_rank + 1) * local].clone(), requires_grad=p.requires_grad)
+        carry_splits(p, piece)
+        declare_split(piece, "ep", 0, ep_size, ep_rank)
+        setattr(experts, name, piece)
     experts.num_local_experts, experts.expert_offset = local, ep_rank * local
     return experts
 
@@ -48,7 +52,7 @@ def shard_experts(experts: nn.Module, ep_rank: int, ep_size: int) -> nn.Module:
 @torch.no_grad()
 def shard_expert_hidden(experts: nn.Module, etp_rank: int, etp_size: int) -> nn.Module:
     """Keep this ETP rank's hidden units of every expert (in place): w_down's rows and
-    w_gate_up's gate and up columns of those units, tagged `etp_dim` (module doc)."""
+    w_gate_up's gate and up columns of those units, with an `etp` split declared (module doc)."""
     w_gate_up, w_down = experts.w_gate_up, experts.w_down
     hidden = w_down.shape[1]
     if tuple(w_gate_up.shape[2:]) != (2, hidden):
@@ -57,16 +61,17 @@ def shard_expert_hidden(experts: nn.Module, etp_rank: int, etp_size: int) -> nn.
     if hidden % etp_size:
         raise ValueError(f"expert_hidden_size={hidden} is not divisible by etp={etp_size}; "
                          "choose etp dividing it")
-    if getattr(w_down, "etp_dim", None) is not None:
+    if split_dim(w_down, "etp") is not None:
         raise ValueError("experts are already split over etp; shard a freshly built model once")
-    u = hidden // etp_size
-    _keep(experts, "w_down", 1, etp_rank * u, u)
-    _keep(experts, "w_gate_up", 3, etp_rank * u, u)
+    _keep(experts, "w_down", 1, etp_rank, etp_size)
+    _keep(experts, "w_gate_up", 3, etp_rank, etp_size)
     return experts
 
 
-def _keep(experts: nn.Module, name: str, dim: int, start: int, size: int) -> None:
+def _keep(experts: nn.Module, name: str, dim: int, etp_rank: int, etp_size: int) -> None:
     p = getattr(experts, name)
-    piece = nn.Parameter(p.narrow(dim, start, size).clone(), requires_grad=p.requires_grad)
-    piece.etp_dim = dim  # global size = etp x local along `dim`; ETP rank p holds the p-th slice
+    u = p.shape[dim] // etp_size
+    piece = nn.Parameter(p.narrow(dim, etp_rank * u, u).clone(), requires_grad=p.requires_grad)
+    carry_splits(p, piece)
+    declare_split(piece, "etp", dim, etp_size, etp_rank)  # global size = etp x local along `dim`
     setattr(experts, name, piece)

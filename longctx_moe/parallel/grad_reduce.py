@@ -31,6 +31,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from longctx_moe.parallel.dims import Axis
+from longctx_moe.parallel.sharding import split_dim
 
 
 def is_expert_module(module: nn.Module) -> bool:
@@ -208,12 +209,12 @@ def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], dims,
 
 def norm_axes(p: nn.Parameter, is_expert: bool, dims) -> tuple[str, ...]:
     """The axes over which a reduced gradient's square sum is summed for the global norm: those
-    that split the parameter (experts over ep, and over etp where `etp_dim` splits them;
-    TP-sharded weights over tp). A replicated parameter counts once."""
+    that split the parameter (experts over ep, and over etp where an `etp` split is declared;
+    TP-sharded weights over tp: sharding.py). A replicated parameter counts once."""
     if is_expert:
-        split = dims.etp > 1 and getattr(p, "etp_dim", None) is not None
+        split = dims.etp > 1 and split_dim(p, Axis.ETP) is not None
         return (Axis.EP, Axis.ETP) if split else (Axis.EP,)
-    return (Axis.TP,) if getattr(p, "tp_sharded", False) else ()
+    return (Axis.TP,) if split_dim(p, Axis.TP) is not None else ()
 
 
 def global_norm(items: list[tuple[tuple[str, ...], torch.Tensor | None]], dims) -> torch.Tensor:

@@ -5,8 +5,10 @@ With one micro-batch, a rank that has launched its tokens' all-to-all can only c
 not depend on them (the shared expert, dispatch.py); with two, it can compute the other
 micro-batch's attention, router and experts. `run_interleaved` runs the two forwards in two
 threads that take turns: exactly one computes at any moment (so they never share the cores), and
-the turn passes only where communication code is about to block on a transfer it has launched
-(`hand_over`, called by comm._Transfer.wait). The schedule is therefore a fixed function of the
+the turn passes only where communication code is about to block on a transfer it has launched.
+Each callable is given its `Turn`, a value the runtime puts into its micro-batch's DocLayout
+(`in_flight`); the MoE layer passes it to the dispatcher, whose all-to-all waits call
+`Turn.hand_over` (comm._Transfer.wait). Nothing is kept per thread. The schedule is therefore a fixed function of the
 program, not of timing:
 
     A: ... launch a2a(A, 1) | B: ... launch a2a(B, 1) | A: wait, experts, launch combine(A, 1) |
@@ -28,8 +30,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-_local = threading.local()
 
 
 class _Turns:
@@ -60,28 +60,30 @@ class _Turns:
             self._cond.notify_all()
 
 
-def hand_over() -> None:
-    """Called right before blocking on a launched transfer: in a thread of `run_interleaved`, the
-    other micro-batch runs until its own next transfer (or its end); elsewhere a no-op."""
-    slot = getattr(_local, "slot", None)
-    if slot is not None:
-        turns, me = slot
-        turns.pass_turn(me)
+class Turn:
+    """One of two micro-batches in flight, while its forward runs: communication code launches
+    its transfers asynchronously and calls `hand_over` right before blocking on one. Once the
+    forward has ended (a recomputation in the backward reuses its layout) it is `active` no more:
+    transfers are synchronous again, as for one micro-batch."""
+
+    def __init__(self, turns: _Turns, me: int):
+        self._turns, self._me = turns, me
+        self.active = True
+
+    def hand_over(self) -> None:
+        """The other micro-batch runs until its own next transfer (or its end)."""
+        if self.active:
+            self._turns.pass_turn(self._me)
 
 
-def interleaving() -> bool:
-    """Whether this thread is one of two micro-batches in flight (communication code then
-    launches its transfers asynchronously, so there is a window to hand over)."""
-    return getattr(_local, "slot", None) is not None
-
-
-def run_interleaved(fns: list[Callable[[], Any]]) -> list[Any]:
-    """[fn() for fn in fns] for one or two callables; two run in turns (module doc), each in a
-    copy of the caller's context variables (cp_attention's batch-invariant switch) and grad
-    mode. Autocast is not carried over: `fns` enter what they need. An exception in either is
-    raised here after both threads have ended."""
+def run_interleaved(fns: list[Callable[[Turn | None], Any]]) -> list[Any]:
+    """[fn(turn) for fn in fns] for one or two callables: one runs in the caller with turn
+    None; two run in turns (module doc), each given its Turn, in a copy of the caller's context
+    variables (cp_attention's batch-invariant switch) and grad mode. Autocast is not carried
+    over: `fns` enter what they need. An exception in either is raised here after both threads
+    have ended."""
     if len(fns) == 1:
-        return [fns[0]()]
+        return [fns[0](None)]
     if len(fns) != 2:
         raise ValueError(f"run_interleaved takes one or two micro-batches, got {len(fns)}")
     turns = _Turns()
@@ -91,15 +93,15 @@ def run_interleaved(fns: list[Callable[[], Any]]) -> list[Any]:
     grad = torch.is_grad_enabled()
 
     def body(me: int) -> None:
-        _local.slot = (turns, me)
+        turn = Turn(turns, me)
         turns.wait_turn(me)
         try:
             with torch.set_grad_enabled(grad):
-                results[me] = contexts[me].run(fns[me])
+                results[me] = contexts[me].run(fns[me], turn)
         except BaseException as e:  # re-raised in the caller's thread
             errors[me] = e
         finally:
-            _local.slot = None
+            turn.active = False
             turns.finish(me)
 
     threads = [threading.Thread(target=body, args=(i,), name=f"micro-batch-{i}") for i in (0, 1)]

@@ -38,6 +38,7 @@ sequence parallelism the MoE layers complete them over TP themselves (sequence_p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +60,7 @@ from longctx_moe.parallel.grad_reduce import (
     split_params,
     stats_reducer,
 )
-from longctx_moe.parallel.interleave import run_interleaved
+from longctx_moe.parallel.interleave import Turn, run_interleaved
 
 
 @dataclass
@@ -115,11 +116,13 @@ class ParallelRuntime:
     # ------------------------------------------------------------------ per micro-batch
 
     def shard(self, batch: PackedBatch, cp: CPGroup | None = None,
-              replay_TLK: torch.Tensor | None = None) -> Shard:
+              replay_TLK: torch.Tensor | None = None, num_targets: int | None = None) -> Shard:
         """This rank's part of `batch` on the CP group `cp` (default: the mesh's static CP).
-        `replay_TLK` (int [T, L_moe, K], -1 = route live) forces the experts of each token."""
+        `replay_TLK` (int [T, L_moe, K], -1 = route live) forces the experts of each token.
+        `num_targets`: the batch's target tokens where the caller counted them already on the
+        host (the trainer, once per micro-batch), else counted here."""
         cp = self.static_cp if cp is None else cp
-        n = batch.num_target_tokens()
+        n = batch.num_target_tokens() if num_targets is None else num_targets
         reducer = self._stats_reducer(cp)
         if cp.size > 1:
             local, layout, plan = shard_for_cp(batch, cp, reducer, replay_TLK)
@@ -130,12 +133,17 @@ class ParallelRuntime:
             layout = doc_layout(batch, reduce_stats=reducer, replay_TLK=replay)
         return Shard(batch, layout, n, cp)
 
-    def forward(self, shard: Shard, head=None):
+    def forward(self, shard: Shard, head=None, turn: Turn | None = None):
         """The model's ForwardOutput on this rank's tokens (aux / z rescaled for the global-batch
-        aux loss). `head`: a model.LogProbHead for per-token log-probs instead of the fused CE."""
+        aux loss). `head`: a model.LogProbHead for per-token log-probs instead of the fused CE.
+        `turn`: the shard's Turn when two micro-batches are in flight (run_interleaved), carried
+        to the MoE dispatchers in the layout."""
         kwargs = {} if head is None else {"head": head}
-        if shard.layout is not None:
-            kwargs["layout"] = shard.layout
+        layout = shard.layout
+        if turn is not None:
+            layout = dataclasses.replace(layout or doc_layout(shard.batch), in_flight=turn)
+        if layout is not None:
+            kwargs["layout"] = layout
         out = self.model(shard.batch, **kwargs)
         if self.global_batch_aux:
             scale = self._global_batch_scale(shard)
@@ -147,9 +155,9 @@ class ParallelRuntime:
         interleaved, one computing while the other's expert all-to-alls travel (interleave.py),
         with the same results as one after the other."""
         def job(shard):
-            def run():
+            def run(turn):
                 with context():
-                    return self.forward(shard, head)
+                    return self.forward(shard, head, turn)
             return run
         return run_interleaved([job(s) for s in shards])
 

@@ -5,7 +5,7 @@ columns (row-parallel). With tp > num_kv_heads each KV head is replicated over t
 ranks whose query heads read it: wk / wv become `ReplicatedKVLinear`, which stores an ordinary
 1/tp row shard of the whole projection and all-gathers it per forward (its backward sums the
 gradient over TP and keeps the rank's rows), so checkpoints, export and the gradient norm see a
-plain `tp_dim = 0` shard and a replicated head is never stored or updated twice.
+plain `tp` split along dim 0 and a replicated head is never stored or updated twice.
 
 Dense SwiGLU MLPs (first_k_dense layers, shared experts): w_gate / w_up column-parallel, w_down
 row-parallel. Each sharded module gets Megatron's conjugate pair as hooks: `copy` on its input
@@ -14,12 +14,11 @@ row-parallel. Each sharded module gets Megatron's conjugate pair as hooks: `copy
 parallelism the pair becomes all-gather / reduce-scatter of tokens (sequence_parallel.py).
 
 Replicated parameters fed by local heads only (the per-head q/k RMSNorm weights) get partial
-gradients on each TP rank: they are tagged reduce_axis = "world" (TP x CP x DP). Sharded ones are
-tagged `tp_sharded = True` (the gradient norm sums their squares over TP) and `tp_dim` (the
-dimension whose global size is tp x the local one, rank r holding the r-th slice: the checkpoint's
-and the exporters' one description of a TP shard).
+gradients on each TP rank: they are tagged reduce_axis = "world" (TP x CP x DP). Sharded ones
+declare a `tp` split (sharding.declare_split: the dimension whose global size is tp x the local
+one, rank r holding the r-th slice), which the gradient norm, the checkpoint and the exporter read.
 
-Vocabulary: the embedding and the LM head keep rows [r V/tp, (r+1) V/tp) (`tp_dim = 0`). The
+Vocabulary: the embedding and the LM head keep rows [r V/tp, (r+1) V/tp) (a `tp` split along dim 0). The
 embedding becomes `VocabParallelEmbedding` (a lookup of the ids this rank holds, all-reduced over
 TP); the head's losses get the TP group through `model.vocab_shard` and reduce the softmax
 statistics per chunk (model/losses.py), so no rank forms [T, V]. The final norm and the routers
@@ -43,6 +42,7 @@ from longctx_moe.parallel.sequence_parallel import (
     apply_sequence_parallel,
     scatter_tokens,
 )
+from longctx_moe.parallel.sharding import declare_split
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -104,7 +104,7 @@ class _SumBothWays(torch.autograd.Function):
 
 class WidthShardedRMSNorm(nn.Module):
     """A q or k RMSNorm over the whole projection width (OLMoE) when TP keeps this rank's heads:
-    the weight keeps the rank's columns [start, start + n) (`tp_dim = 0`), and the mean of
+    the weight keeps the rank's columns [start, start + n) (a tp split of dim 0), and the mean of
     squares is summed over TP before it normalises the rank's slice. Legend: T tokens, X the
     rank's width, W the whole width."""
 
@@ -112,7 +112,7 @@ class WidthShardedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(norm.weight.detach()[start:start + n].clone(),
                                    requires_grad=norm.weight.requires_grad)
-        _tag(self.weight, 0)
+        _tag(self.weight, 0, start // n, norm.weight.shape[0] // n)
         self.eps, self.width, self.group = norm.eps, norm.weight.shape[0], group
 
     def forward(self, x_TX: torch.Tensor) -> torch.Tensor:
@@ -123,21 +123,21 @@ class WidthShardedRMSNorm(nn.Module):
         return y.to(x_TX.dtype)
 
 
-def _tag(p: nn.Parameter, dim: int) -> None:
-    p.tp_sharded = True
-    p.tp_dim = dim  # global size = tp x local along `dim`; TP rank r holds the r-th slice
+def _tag(p: nn.Parameter, dim: int, rank: int, size: int) -> None:
+    declare_split(p, Axis.TP, dim, size, rank)  # global size = tp x local along `dim`
 
 
 @torch.no_grad()
 def _keep(linear: nn.Module, dim: int, start: int, stop: int) -> None:
     """Keep rows (dim 0: output features) or columns (dim 1: input features) [start, stop)."""
+    size = linear.weight.shape[dim] // (stop - start)
     w = linear.weight.narrow(dim, start, stop - start).clone()
     linear.weight = nn.Parameter(w, requires_grad=linear.weight.requires_grad)
-    _tag(linear.weight, dim)
+    _tag(linear.weight, dim, start // (stop - start), size)
     if getattr(linear, "bias", None) is not None and dim == 0:  # a bias follows its output rows
         linear.bias = nn.Parameter(linear.bias.narrow(0, start, stop - start).clone(),
                                    requires_grad=linear.bias.requires_grad)
-        _tag(linear.bias, 0)
+        _tag(linear.bias, 0, start // (stop - start), size)
     if dim == 0:
         linear.out_features = stop - start
     elif hasattr(linear, "in_features"):
@@ -155,12 +155,12 @@ class ReplicatedKVLinear(nn.Module):
         n = linear.out_features // size
         self.weight = nn.Parameter(linear.weight.detach()[rank * n:(rank + 1) * n].clone(),
                                    requires_grad=linear.weight.requires_grad)
-        _tag(self.weight, 0)
+        _tag(self.weight, 0, rank, size)
         self.bias = None
         if linear.bias is not None:  # stored and gathered like the weight's rows
             self.bias = nn.Parameter(linear.bias.detach()[rank * n:(rank + 1) * n].clone(),
                                      requires_grad=linear.bias.requires_grad)
-            _tag(self.bias, 0)
+            _tag(self.bias, 0, rank, size)
         self.head, self.head_dim, self.rank, self.group = head, head_dim, rank, group
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -183,7 +183,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.group, self.sequence_parallel = rank * n, group, sequence_parallel
         self.weight = nn.Parameter(embed.weight.detach()[self.start:self.start + n].clone(),
                                    requires_grad=embed.weight.requires_grad)
-        _tag(self.weight, 0)
+        _tag(self.weight, 0, rank, size)
 
     def forward(self, tokens_T: torch.Tensor) -> torch.Tensor:
         n = self.weight.shape[0]
@@ -223,7 +223,7 @@ def shard_attention(attn: nn.Module, rank: int, size: int, group,
         attn.wk = ReplicatedKVLinear(attn.wk, head, r, rank, size, group)
         attn.wv = ReplicatedKVLinear(attn.wv, head, r, rank, size, group)
     _keep(attn.wo, 1, rank * hq * r, (rank + 1) * hq * r)
-    _keep_sinks(attn, rank * hq, (rank + 1) * hq)
+    _keep_sinks(attn, rank * hq, (rank + 1) * hq, size)
     if attn.norm_full_width and attn.q_norm is not None:  # checked: the KV heads split here
         attn.q_norm = WidthShardedRMSNorm(attn.q_norm, rank * hq * r, hq * r, group)
         attn.k_norm = WidthShardedRMSNorm(attn.k_norm, rank * (g // size) * r, (g // size) * r, group)
@@ -234,12 +234,12 @@ def shard_attention(attn: nn.Module, rank: int, size: int, group,
 
 
 @torch.no_grad()
-def _keep_sinks(attn: nn.Module, start: int, stop: int) -> None:
+def _keep_sinks(attn: nn.Module, start: int, stop: int, size: int) -> None:
     """gpt-oss sinks are one logit per query head: they follow the heads [start, stop)."""
     if getattr(attn, "sinks", None) is not None:
         attn.sinks = nn.Parameter(attn.sinks[start:stop].clone(),
                                   requires_grad=attn.sinks.requires_grad)
-        _tag(attn.sinks, 0)
+        _tag(attn.sinks, 0, start // (stop - start), size)
 
 
 def shard_mla(attn: nn.Module, rank: int, size: int, group, sequence_parallel: bool = False,
@@ -253,7 +253,7 @@ def shard_mla(attn: nn.Module, rank: int, size: int, group, sequence_parallel: b
     _keep(q_up, 0, rank * hq * qk, (rank + 1) * hq * qk)
     _keep(attn.kv_b_proj, 0, rank * hq * kv, (rank + 1) * hq * kv)
     _keep(attn.o_proj, 1, rank * hq * attn.v_dim, (rank + 1) * hq * attn.v_dim)
-    _keep_sinks(attn, rank * hq, (rank + 1) * hq)
+    _keep_sinks(attn, rank * hq, (rank + 1) * hq, size)
     for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
         for p in getattr(attn, name).parameters() if hasattr(attn, name) else ():
             p.reduce_axis = Axis.WORLD

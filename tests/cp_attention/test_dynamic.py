@@ -17,7 +17,6 @@ from cp_attention.dynamic import (
     _finish,
     _problem,
     _shrink,
-    _Slot,
     schedule,
 )
 from cp_attention.dynamic_cost import (
@@ -27,6 +26,7 @@ from cp_attention.dynamic_cost import (
     fit_attention_efficiency,
     padded_length,
 )
+from cp_attention.dynamic_slot import Slot
 
 COST = DynamicCPCost(a=1e-6, b=1e-10, kv_bytes_per_token=1e4, bandwidth=1e10, overlap=0.5)
 # The same with a ring-step latency and a tile-efficiency curve (n_half = 64 tokens).
@@ -224,7 +224,7 @@ def test_runs_below_the_slot_time_are_halved():
     # other rank of each pair idle).
     lengths = [100, 100, 100, 100, 800]
     prob = _problem(lengths, 16, 8, 100, 1, False, COST, None, True)
-    slot = _Slot(16, prob.sizes)
+    slot = Slot(16, prob.sizes)
     for seqs in ([4], [0, 1, 2, 3]):
         run = slot.open_run(8)
         for i in seqs:

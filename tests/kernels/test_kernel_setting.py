@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import longctx_moe.kernels as kernels
+from longctx_moe.build import check_backends
 from longctx_moe.config import ConfigError, load_config
 from longctx_moe.kernels import check_kernels, use_triton
 from longctx_moe.model import build_model
 from longctx_moe.model.moe import LocalDispatcher
 from longctx_moe.model.transformer import LogProbHead
 from longctx_moe.parallel.parallelize import parallelize
-from longctx_moe.train import check_backends
 from tests.model.helpers import packed_batch, tiny_config
 
 pytestmark = pytest.mark.triton

@@ -30,7 +30,7 @@ def _grads(mode):
     model = _model(mode)
     batch = packed_batch([1, 13, 5, 30], 64, pad_multiple=4, generator=torch.Generator().manual_seed(1))
     out = model(batch)
-    (out.ce_sum / out.num_targets + out.aux_loss + out.z_loss).backward()
+    (out.ce_sum / batch.num_target_tokens() + out.aux_loss + out.z_loss).backward()
     return out, {n: p.grad for n, p in model.named_parameters()}
 
 

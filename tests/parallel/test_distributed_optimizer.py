@@ -58,7 +58,7 @@ def _gradients(trainer, step):
     """{name: the whole reduced gradient} of one more step's micro-batches (no update)."""
     runtime = trainer.runtime
     batches = _batches(trainer, step)
-    g = trainer.step_totals(batches)[0]
+    g = trainer.step_totals(batches, [None] * len(batches), [mb.num_target_tokens() for mb in batches])[0]
     for i, mb in enumerate(batches):
         shard = runtime.shard(mb)
         out = runtime.forward(shard)

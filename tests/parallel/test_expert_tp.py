@@ -28,13 +28,13 @@ import pytest
 import torch
 
 from data_packing.batch import pad_multiple
+from longctx_moe.checkpoint.sharded_state import global_slices
+from longctx_moe.checkpoint.trainer_state import load_trainer, save_trainer
 from longctx_moe.config import load_config
 from longctx_moe.hf.weights import _layer_experts
 from longctx_moe.model import build_model
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.parallelize import parallelize
-from longctx_moe.sharded_state import global_slices
-from longctx_moe.train import load_trainer, save_trainer
 from longctx_moe.trainer import Trainer
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch
@@ -98,7 +98,7 @@ def _run(sets, dims, steps):
     grads: list = []
     _capture_grads(trainer, grads)
     results = [trainer.train_step(mbs) for mbs in steps]
-    slices = global_slices(trainer.model, dims) if dims is not None else None
+    slices = global_slices(trainer.model) if dims is not None else None
     state = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     steps_out = [(r.loss, r.grad_norm, g) for r, g in zip(results, grads, strict=True)]
     return trainer, steps_out, state, slices

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from longctx_moe.model.moe import GroupedExperts
 from longctx_moe.parallel.dispatch import experts_over_etp
 from longctx_moe.parallel.expert_parallel import shard_expert_hidden
+from longctx_moe.parallel.sharding import Split, splits_of
 from tests.launcher import run_distributed
 
 L, D, F = 3, 8, 6  # local experts, model dim, expert hidden (F / 2 = 3 units per rank)
@@ -33,7 +34,8 @@ def _experts() -> GroupedExperts:
 def _check_layout(rank, size):
     full = _experts()
     ex = shard_expert_hidden(_experts(), rank, size)
-    assert ex.w_gate_up.etp_dim == 3 and ex.w_down.etp_dim == 1
+    assert splits_of(ex.w_gate_up) == (Split("etp", 3, size, rank),)
+    assert splits_of(ex.w_down) == (Split("etp", 1, size, rank),)
     u = F // size
     units = slice(rank * u, (rank + 1) * u)
     want = torch.cat([full.w_gate_up[:, :, 0, units], full.w_gate_up[:, :, 1, units]], dim=2)

@@ -1,19 +1,21 @@
-"""interleave.run_interleaved: two callables take strict turns at hand_over(); a finished one
-leaves the turn to the other; errors surface in the caller; outside it hand_over is a no-op."""
+"""interleave.run_interleaved: two callables, each given its Turn, take strict turns at
+Turn.hand_over(); a finished one leaves the turn to the other; errors surface in the caller; one
+callable runs alone with no Turn, and a Turn whose forward has ended hands over nothing."""
 
 import contextvars
 
 import pytest
 import torch
 
-from longctx_moe.parallel.interleave import hand_over, interleaving, run_interleaved
+from longctx_moe.parallel.interleave import run_interleaved
 
 
 def _worker(name, steps, log):
-    def run():
+    def run(turn):
         for i in range(steps):
             log.append(f"{name}{i}")
-            hand_over()
+            if turn is not None:
+                turn.hand_over()
         return name
     return run
 
@@ -24,20 +26,27 @@ def test_two_callables_alternate_at_each_hand_over_and_the_longer_one_finishes_a
     assert log == ["a0", "b0", "a1", "b1", "a2", "b2", "b3", "b4"]
 
 
-def test_one_callable_runs_in_the_caller_and_hand_over_is_a_no_op_outside():
+def test_one_callable_runs_in_the_caller_without_a_turn():
     log = []
     assert run_interleaved([_worker("a", 2, log)]) == ["a"]
-    assert log == ["a0", "a1"] and not interleaving()
-    hand_over()
-    assert run_interleaved([interleaving, interleaving]) == [True, True]
+    assert log == ["a0", "a1"]
+    assert run_interleaved([lambda turn: turn]) == [None]
+
+
+def test_a_turn_is_active_while_its_callable_runs_and_inert_after():
+    turns = run_interleaved([lambda turn: (turn, turn.active)] * 2)
+    assert [active for _, active in turns] == [True, True]
+    for turn, _ in turns:
+        assert not turn.active
+        turn.hand_over()  # a recomputation in the backward: returns at once, nothing to wait for
 
 
 def test_an_error_in_one_is_raised_after_both_ended():
     log = []
 
-    def fails():
+    def fails(turn):
         log.append("x")
-        hand_over()
+        turn.hand_over()
         raise RuntimeError("boom")
     with pytest.raises(RuntimeError, match="boom"):
         run_interleaved([fails, _worker("b", 3, log)])
@@ -51,8 +60,8 @@ def test_the_callers_context_variables_and_grad_mode_reach_both_threads():
     token = var.set("caller")
     try:
         with torch.no_grad():
-            seen = run_interleaved([lambda: (var.get(), torch.is_grad_enabled())] * 2)
+            seen = run_interleaved([lambda turn: (var.get(), torch.is_grad_enabled())] * 2)
     finally:
         var.reset(token)
     assert seen == [("caller", False)] * 2
-    assert run_interleaved([torch.is_grad_enabled] * 2) == [True, True]
+    assert run_interleaved([lambda turn: torch.is_grad_enabled()] * 2) == [True, True]

@@ -19,6 +19,7 @@ from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.grad_reduce import clip_grad_norm, split_params
 from longctx_moe.parallel.parallelize import parallelize
+from longctx_moe.parallel.sharding import split_dim
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch, tiny_config
 from tests.parallel._moe_ref import concat_batches
@@ -62,7 +63,7 @@ def _model(seed, aux="seq", skew=False):
 
 def _expected_grad(name, p, want, dims):
     """This rank's piece of the reference gradient `want` for parameter `p`."""
-    if getattr(p, "tp_sharded", False):
+    if split_dim(p, "tp") is not None:
         dim = 1 if name.endswith(COLUMN_SHARDED) else 0
         n = p.shape[dim]
         return want.narrow(dim, dims.rank_in("tp") * n, n)

@@ -57,10 +57,10 @@ def test_one_rank_capacity_and_drop_policy_take_effect():
     (["parallel.etp=2", "model.expert_hidden_size=9"], "not divisible by etp=2"),
 ])
 def test_unsupported_layouts_are_refused_at_start_up_in_one_line(sets, needle):
-    from longctx_moe.train import build_runtime
+    from longctx_moe.build import build_runtime
 
     cfg = load_config(None, ["model.num_experts=4", "model.top_k=2", *sets])
-    # ValueError from the mesh's checks (train.build_dims turns it into a ConfigError), or a
+    # ValueError from the mesh's checks (build.build_dims turns it into a ConfigError), or a
     # ConfigError from build_runtime; either way before any process group is needed.
     with pytest.raises(ValueError) as e:
         dims = ParallelDims.from_config(cfg.parallel, 2, cfg.model)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from longctx_moe.checkpoint.sharded_state import global_slices
 from longctx_moe.model import build_model
 from longctx_moe.model.attention import doc_layout
 from longctx_moe.model.losses import VocabShard, chunked_cross_entropy, chunked_token_logprobs
@@ -21,7 +22,7 @@ from longctx_moe.model.transformer import LogProbHead
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.parallelize import parallelize
-from longctx_moe.sharded_state import global_slices
+from longctx_moe.parallel.sharding import split_dim
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch, tiny_config
 
@@ -42,7 +43,7 @@ def _loss_inputs(seed: int):
 
 def _ce(h, w, inputs, chunk, temp, shard):
     labels_T, weight_T = inputs[2], inputs[3]
-    return chunked_cross_entropy(h, w, labels_T, weight_T, chunk, shard)[0]
+    return chunked_cross_entropy(h, w, labels_T, weight_T, chunk, shard)
 
 
 def _rl(h, w, inputs, chunk, temp, shard):
@@ -117,8 +118,8 @@ def _rl_loss(out, g_T):
 
 def _my_slice(p, want, dims):
     """This rank's piece of the reference tensor `want`, by the one description of a TP shard
-    that checkpoints and export read (`tp_dim`: TP rank r holds the r-th slice) and EP's."""
-    dim = getattr(p, "tp_dim", None)
+    that checkpoints and export read (a declared `tp` split: TP rank r holds the r-th slice) and EP's."""
+    dim = split_dim(p, "tp")
     if dim is not None:
         assert want.shape[dim] == p.shape[dim] * dims.tp
         return want.narrow(dim, dims.rank_in("tp") * p.shape[dim], p.shape[dim])
@@ -191,7 +192,7 @@ def _check_model(rank, world, kw, overrides, head, replay=False, adapt_ref=None)
             assert (got - want).abs().max().item() < TOL, kw
     assert torch.allclose(model.logits(batches[dp]), ref.logits(batches[dp]), atol=TOL, rtol=0)
     ref_params = dict(ref.named_parameters())
-    slices = global_slices(model, dims)  # what checkpoints record: whole shape, this piece's offsets
+    slices = global_slices(model)  # what checkpoints record: whole shape, this piece's offsets
     for name, p in model.named_parameters():
         full, offsets = slices[name]
         piece = ref_params[name].detach()

@@ -84,7 +84,7 @@ def test_export_under_ep2_tp2_equals_one_process():
 
 
 def test_spec_shapes_are_the_global_slices_of_the_parameters():
-    # Shapes come from sharded_state.global_slices (the checkpoint's description of each piece),
+    # Shapes come from checkpoint.sharded_state.global_slices (the splits declared on each piece),
     # not from names: a shared expert wider than the dense MLP keeps its own width.
     from longctx_moe.config import load_config
     from longctx_moe.hf.weights import weights_spec
@@ -100,3 +100,19 @@ def test_spec_shapes_are_the_global_slices_of_the_parameters():
     assert spec["model.layers.1.mlp.shared_experts.down_proj.weight"] == (d, 96)
     assert spec["model.layers.0.mlp.up_proj.weight"] == (64, d)
     assert spec["model.layers.1.mlp.gate.e_score_correction_bias"] == (cfg.num_experts,)
+
+
+def test_export_spec_of_a_tp_sharded_weight_has_its_global_shape():
+    # The exporter's global shape is the split TP declared on the weight (parallel/sharding.py).
+    from longctx_moe.config import load_config
+    from longctx_moe.hf.weights import weights_spec
+    from longctx_moe.model import build_model
+    from longctx_moe.parallel.tensor_parallel import shard_swiglu
+
+    cfg = load_config(None, ["model.dense_hidden_size=64", "model.first_k_dense=1"]).model
+    model = build_model(cfg)
+    shard_swiglu(model.layers[0].ffn, 1, 2, None)  # TP rank 1 of 2 (no forward: no group needed)
+    assert model.layers[0].ffn.w_up.weight.shape[0] == 32
+    shapes = {s.name: s.shape for s in weights_spec(model, torch.float32)}
+    assert shapes["model.layers.0.mlp.up_proj.weight"] == (64, cfg.hidden_size)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (cfg.hidden_size, 64)

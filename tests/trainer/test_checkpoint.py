@@ -9,12 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import longctx_moe.checkpoint as checkpoint
-from longctx_moe.checkpoint import CheckpointError, find_resume_dir
-from longctx_moe.checkpoint_reader import CheckpointReader
+import longctx_moe.checkpoint.rank_file as rank_file
+from longctx_moe.checkpoint.errors import CheckpointError
+from longctx_moe.checkpoint.reader import CheckpointReader
+from longctx_moe.checkpoint.resume import maybe_resume
+from longctx_moe.checkpoint.steps import find_resume_dir
+from longctx_moe.checkpoint.trainer_state import save
 from longctx_moe.config import load_config
 from longctx_moe.parallel.parallelize import parallelize
-from longctx_moe.train import RunContext, maybe_resume, save
+from longctx_moe.process import RunContext
 from longctx_moe.trainer import Trainer, iterate_steps
 from tests.trainer.toy import ToyMoE, ToyStepLoader
 
@@ -279,11 +282,11 @@ def test_meta_records_each_rank_files_size_and_sha256(tmp_path):
     step_dir = ctx.ckpt_dir / "step_00000001"
     files = json.loads((step_dir / "meta.json").read_text())["files"]
     part = step_dir / "rank_00000.safetensors"
-    assert files == {"rank_00000.safetensors": {"bytes": part.stat().st_size, "sha256": checkpoint._sha256(part)}}
+    assert files == {"rank_00000.safetensors": {"bytes": part.stat().st_size, "sha256": rank_file.sha256_file(part)}}
 
 
 def test_async_save_holds_the_state_of_its_step_and_publishes_when_finished(tmp_path):
-    from longctx_moe.train import Checkpointer
+    from longctx_moe.checkpoint.trainer_state import Checkpointer
 
     ref, ref_loader, _ = make(tmp_path / "ref")
     train(ref, ref_loader, STEPS)
@@ -310,7 +313,7 @@ def test_async_save_holds_the_state_of_its_step_and_publishes_when_finished(tmp_
 def test_harmless_settings_may_change_on_resume_but_the_models_function_may_not(tmp_path):
     import copy
 
-    from longctx_moe.train import resume_expectations
+    from longctx_moe.checkpoint.trainer_state import resume_expectations
 
     trainer, _, ctx = saved_steps(tmp_path, [1])
     step_dir = ctx.ckpt_dir / "step_00000001"
@@ -342,8 +345,8 @@ def test_rank_files_are_safetensors_that_safetensors_reads_back_exactly(tmp_path
                "bf16": torch.randn(2, 3, generator=gen).bfloat16(), "empty": torch.zeros(0, 3),
                "bool": torch.tensor([True, False]), "i64": torch.arange(7)}
     path = tmp_path / "x.safetensors"
-    entry = checkpoint._write_rank_file(path, tensors, {"state": "{}"})
-    assert entry == {"bytes": path.stat().st_size, "sha256": checkpoint._sha256(path)}
+    entry = rank_file.write_rank_file(path, tensors, {"state": "{}"})
+    assert entry == {"bytes": path.stat().st_size, "sha256": rank_file.sha256_file(path)}
     back = load_file(str(path))
     assert back.keys() == tensors.keys()
     assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())

@@ -9,9 +9,12 @@ import json
 import pytest
 import torch.distributed as dist
 
-import longctx_moe.checkpoint as checkpoint
-from longctx_moe.checkpoint import CheckpointError
-from longctx_moe.train import RunContext, maybe_resume, report_user_error, save
+import longctx_moe.checkpoint.save as checkpoint_save
+from longctx_moe.checkpoint.errors import CheckpointError
+from longctx_moe.checkpoint.resume import maybe_resume
+from longctx_moe.checkpoint.trainer_state import save
+from longctx_moe.process import RunContext
+from longctx_moe.train import report_user_error
 from tests.launcher import run_distributed
 from tests.trainer.test_checkpoint import make, train
 
@@ -47,7 +50,7 @@ def _damaged_and_failed(rank, world_size, tmp):
     if rank == 1:
         def full_disk(path, *_):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        checkpoint._write_rank_file = full_disk
+        checkpoint_save.write_rank_file = full_disk
     train(trainer, loader, 3)
     failed_save = _outcome(lambda: save(trainer, loader, ctx))
     published = sorted(p.name for p in ctx.ckpt_dir.glob("step_*"))

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-import longctx_moe.checkpoint_reader as checkpoint_reader
-from longctx_moe.train import maybe_resume
+import longctx_moe.checkpoint.reader as checkpoint_reader
+from longctx_moe.checkpoint.resume import maybe_resume
 from tests.trainer.test_checkpoint import make, saved_steps
 
 
@@ -80,7 +80,7 @@ def test_each_rank_file_is_read_once_and_hashed_from_those_bytes(tmp_path, monke
 def test_prefetch_reads_several_files_at_once(tmp_path, monkeypatch):
     _, _, ctx = saved_steps(tmp_path, [1])
     reader = checkpoint_reader.CheckpointReader(ctx.ckpt_dir / "step_00000001")
-    real = checkpoint_reader._read_verified
+    real = checkpoint_reader.read_verified
     inside, most, lock = [0], [0], threading.Lock()
 
     def slow_read(path, entry):
@@ -94,7 +94,7 @@ def test_prefetch_reads_several_files_at_once(tmp_path, monkeypatch):
             with lock:
                 inside[0] -= 1
 
-    monkeypatch.setattr(checkpoint_reader, "_read_verified", slow_read)
+    monkeypatch.setattr(checkpoint_reader, "read_verified", slow_read)
     # Two names for the one file of this single-rank step: the reader treats them as two files.
     reader.meta["files"]["copy.safetensors"] = reader.meta["files"]["rank_00000.safetensors"]
     reader.prefetch(["rank_00000.safetensors", "copy.safetensors"])
@@ -106,13 +106,13 @@ def test_prefetch_reads_several_files_at_once(tmp_path, monkeypatch):
 def test_tensors_are_read_back_exactly_from_the_bytes(tmp_path, misaligned):
     import torch
 
-    from longctx_moe.checkpoint import _write_rank_file
+    from longctx_moe.checkpoint.rank_file import read_verified, write_rank_file
 
     tensors = {"a": torch.arange(3, dtype=torch.uint8)} if misaligned else {}  # 3 bytes: the next starts unaligned
     tensors.update(b=torch.randn(5, 7, dtype=torch.float64), c=torch.randn(4).bfloat16(), d=torch.tensor(True))
     path = tmp_path / "f.safetensors"
-    entry = _write_rank_file(path, tensors, {"state": "{}"})
-    handle = checkpoint_reader._read_verified(path, entry)
+    entry = write_rank_file(path, tensors, {"state": "{}"})
+    handle = read_verified(path, entry)
     for key, t in tensors.items():
         assert torch.equal(handle.get_tensor(key), t) and handle.get_tensor(key).dtype == t.dtype
     assert torch.equal(handle.get_slice("b")[1:3, 2:5], tensors["b"][1:3, 2:5])

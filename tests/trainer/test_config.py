@@ -173,3 +173,21 @@ def test_pair_cost_follows_the_model_unless_given():
     doubled = load_config(None, [*wide, "data.cost_per_token=2"]).data.cost_per_token_pair
     assert doubled == pytest.approx(2 * cfg.data.cost_per_token_pair, rel=1e-12)
     assert load_config(None, [*wide, "data.cost_per_token_pair=0"]).data.cost_per_token_pair == 0
+
+
+def test_each_section_is_validated_once_from_load_to_built_components(monkeypatch):
+    # The loader checks each section as it makes it; the model and the mesh do not check again.
+    from data_packing.config import DataConfig
+    from longctx_moe.model import build_model
+    from longctx_moe.model.config import ModelConfig
+    from longctx_moe.parallel.config import ParallelConfig
+    from longctx_moe.parallel.dims import ParallelDims
+
+    calls = []
+    for cls in (ModelConfig, ParallelConfig, DataConfig):
+        real = cls.validate
+        monkeypatch.setattr(cls, "validate", lambda self, real=real: calls.append(type(self).__name__) or real(self))
+    cfg = load_config(None, [])
+    build_model(cfg.model)
+    ParallelDims.from_config(cfg.parallel, 1, cfg.model)
+    assert sorted(calls) == ["DataConfig", "ModelConfig", "ParallelConfig"]

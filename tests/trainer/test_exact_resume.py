@@ -6,7 +6,7 @@ latter also with checkpoint.async_save."""
 import pytest
 import torch
 
-from longctx_moe.checkpoint_reader import CheckpointReader
+from longctx_moe.checkpoint.reader import CheckpointReader
 from longctx_moe.config import load_config
 from longctx_moe.train import run
 from tests.launcher import run_distributed

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from longctx_moe.checkpoint import KILL_ENV
-from longctx_moe.checkpoint_reader import CheckpointReader
+from longctx_moe.checkpoint.faults import KILL_ENV
+from longctx_moe.checkpoint.reader import CheckpointReader
 from tests.trainer.test_train_run import ROOT
 
 STEPS = 8

@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from longctx_moe.config import ConfigError, load_config
-from longctx_moe.train import init_distributed
+from longctx_moe.process import init_distributed
 from tests.trainer.test_train_run import ROOT, args
 
 

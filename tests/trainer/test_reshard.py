@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from longctx_moe.checkpoint.trainer_state import load_trainer, save_trainer
 from longctx_moe.config import load_config
 from longctx_moe.model import build_model
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.parallelize import parallelize
-from longctx_moe.train import load_trainer, save_trainer
 from longctx_moe.train import main as train_main
 from longctx_moe.trainer import Trainer
 from tests.launcher import run_distributed

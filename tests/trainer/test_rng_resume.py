@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from longctx_moe.checkpoint import rng_state
-from longctx_moe.checkpoint_reader import CheckpointReader
+from longctx_moe.checkpoint.reader import CheckpointReader
+from longctx_moe.checkpoint.rng import rng_state
 from longctx_moe.config import load_config
 from longctx_moe.metrics import measure_peak_tflops
 from longctx_moe.model.grouped_gemm import grouped_mm_works

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-import longctx_moe.checkpoint as checkpoint
-from longctx_moe.checkpoint import CheckpointError, find_resume_dir
-from longctx_moe.train import maybe_resume, save
+import longctx_moe.checkpoint.steps as checkpoint_steps
+from longctx_moe.checkpoint.errors import CheckpointError
+from longctx_moe.checkpoint.resume import maybe_resume
+from longctx_moe.checkpoint.steps import find_resume_dir
+from longctx_moe.checkpoint.trainer_state import save
 from tests.trainer.test_checkpoint import (
     DAMAGES,
     flip_16_tensor_bytes,
@@ -98,7 +100,7 @@ def test_pruning_removes_meta_json_before_any_rank_file(tmp_path, monkeypatch):
 def test_pruning_sweeps_torn_steps_below_the_new_one(tmp_path):
     trainer, loader, ctx = saved_steps(tmp_path, [1, 2], keep_last=3)
     (ctx.ckpt_dir / "step_00000001" / RANK0).unlink()
-    assert [n for n, _ in checkpoint._complete_steps(ctx.ckpt_dir)] == [2]
+    assert [n for n, _ in checkpoint_steps.complete_steps(ctx.ckpt_dir)] == [2]
     train(trainer, loader, 3)
     save(trainer, loader, ctx)
     assert names(ctx.ckpt_dir) == ["step_00000002", "step_00000003"]

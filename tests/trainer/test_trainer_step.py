@@ -24,8 +24,9 @@ def toy_model(seed=0, dtype=torch.float64):
 
 def grads_after(trainer, batches):
     """Run forward/backward like train_step but keep the gradients (no optimizer update)."""
-    g, _, _ = trainer.step_totals(batches)
-    sums, _, _ = trainer._accumulate([(mb, None) for mb in batches], g, CrossEntropy())
+    targets = [mb.num_target_tokens() for mb in batches]
+    g, _, _ = trainer.step_totals(batches, [None] * len(batches), targets)
+    sums, _, _ = trainer._accumulate([(mb, None) for mb in batches], targets, g, CrossEntropy())
     return [p.grad.clone() for p in trainer.model.parameters()], sums
 
 

@@ -19,7 +19,6 @@ from data_packing.batch import IGNORE_INDEX, PackedBatch, labels_from_tokens, po
 @dataclass
 class ToyOutput:
     ce_sum: torch.Tensor
-    num_targets: int
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
     expert_counts: torch.Tensor  # [1, E]
@@ -53,7 +52,7 @@ class ToyMoE(torch.nn.Module):
         z_T = torch.logsumexp(logits_TV, dim=-1) ** 2
         z = 1e-3 * torch.where(mask_T, z_T, torch.zeros_like(z_T)).sum() / n
         counts = torch.bincount(idx_T, minlength=self.router_DE.shape[1])[None].to(torch.float64)
-        return ToyOutput(ce_sum, int(mask_T.sum()), aux, z, counts)
+        return ToyOutput(ce_sum, aux, z, counts)
 
     def update_expert_bias(self, counts_LE: torch.Tensor) -> None:
         load = counts_LE[0].to(self.expert_bias_E.dtype)

@@ -1,10 +1,11 @@
 """The trainer's state as tensors by global slice, so a checkpoint loads under any layout.
 
 A parallelized model holds pieces of whole tensors: TP ranks keep rows or columns of the
-attention and dense-MLP weights (tensor_parallel.py tags them `tp_dim`), EP ranks keep a range
-of experts along dim 0 (expert_parallel.py sets `expert_offset`). `global_slices` is the one
-place that says which global slice of every state-dict tensor this rank holds; the checkpoint
-records each piece with its global shape and offsets (checkpoint.py), and any other layout reads
+attention and dense-MLP weights, EP ranks a range of experts along dim 0, ETP ranks a range of
+each expert's hidden units. The parallelizers declare each cut on the parameter
+(parallel/sharding.py); `global_slices` reads those declarations into the global slice of every
+state-dict tensor this rank holds, and probes nothing else; the checkpoint
+records each piece with its global shape and offsets (save.py), and any other layout reads
 back the slices it needs.
 
 Keys: `model.<state-dict name>`, and `optim.<field>.<parameter name>` for AdamW's per-parameter
@@ -19,36 +20,23 @@ from typing import Any
 
 import torch
 
-from longctx_moe.checkpoint import CheckpointError, Piece
-from longctx_moe.checkpoint_reader import CheckpointReader
+from longctx_moe.checkpoint.errors import CheckpointError
+from longctx_moe.checkpoint.reader import CheckpointReader
+from longctx_moe.checkpoint.save import Piece
+from longctx_moe.parallel.sharding import global_slice
 
 Slice = tuple[tuple[int, ...], tuple[int, ...]]  # (global shape, offsets of this rank's piece)
 
 
-def global_slices(model: torch.nn.Module, dims: Any) -> dict[str, Slice]:
+def global_slices(model: torch.nn.Module) -> dict[str, Slice]:
     """For every entry of `model.state_dict()`: its global shape and the offsets of the piece
-    this rank holds. `dims`: the ParallelDims the model was parallelized with (its rank set)."""
+    this rank holds, as the parallelizers declared them (sharding.global_slice)."""
     out = {}
-    for name, tensor in model.state_dict().items():
+    for name in model.state_dict():
         module_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        out[name] = _slice_of(module, getattr(module, attr), tuple(tensor.shape), dims)
+        # The module's own tensor: state_dict() returns detached views without the declaration.
+        out[name] = global_slice(getattr(model.get_submodule(module_name), attr))
     return out
-
-
-def _slice_of(module: torch.nn.Module, tensor: torch.Tensor, shape: tuple[int, ...], dims: Any) -> Slice:
-    offsets = [0] * len(shape)
-    full = list(shape)
-    if hasattr(module, "expert_offset") and isinstance(tensor, torch.nn.Parameter):
-        # GroupedExperts: every [E, ...] parameter holds experts [offset, offset + E_local).
-        full[0], offsets[0] = shape[0] * dims.ep, module.expert_offset
-    dim = getattr(tensor, "tp_dim", None)
-    if dim is not None and dims.tp > 1:
-        full[dim], offsets[dim] = shape[dim] * dims.tp, dims.rank_in("tp") * shape[dim]
-    dim = getattr(tensor, "etp_dim", None)  # experts' hidden units split over etp
-    if dim is not None and dims.etp > 1:
-        full[dim], offsets[dim] = shape[dim] * dims.etp, dims.rank_in("etp") * shape[dim]
-    return tuple(full), tuple(offsets)
 
 
 def _param_names(model: torch.nn.Module) -> dict[int, str]:
@@ -76,9 +64,9 @@ def optimizer_slices(model: torch.nn.Module, optimizer: Any, slices: dict[str, S
     return out
 
 
-def trainer_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dims: Any) -> dict[str, Piece]:
+def trainer_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Piece]:
     """The model's and optimizer's tensors on this rank, each with its global slice."""
-    slices = global_slices(model, dims)
+    slices = global_slices(model)
     pieces = {f"model.{name}": Piece(t, *slices[name]) for name, t in model.state_dict().items()}
     for tensor, name, where in optimizer_slices(model, optimizer, slices):
         if tensor.numel() == 0:  # an empty slab (a dim smaller than the replica group)
@@ -96,10 +84,10 @@ def trainer_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dim
     return pieces
 
 
-def load_trainer_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dims: Any,
+def load_trainer_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                         reader: CheckpointReader) -> None:
     """Fill `model` and `optimizer` with the slices this rank holds, read from any layout."""
-    slices = global_slices(model, dims)
+    slices = global_slices(model)
     own = model.state_dict()
     extra = sorted(k for k in reader.keys("model.") if k[len("model."):] not in own)
     if extra:

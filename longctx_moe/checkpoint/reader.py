@@ -1,54 +1,24 @@
-"""Reading a checkpoint step (longctx_moe.checkpoint's format) under any parallel layout.
+"""Reading a checkpoint step under any parallel layout.
 
 `CheckpointReader(step_dir, expect)` checks meta.json (format, the expected model config), then
 serves any slice of any tensor: `read(key, global_shape, offsets, shape)` copies the overlapping
 parts of the pieces that meta.json's index lists, from whichever rank files hold them. Each file is
-read once, each tensor straight into memory of its own, its sha256 computed on a second thread while
-the next block is read (both release the GIL), and checked with its size against meta.json before
-any tensor of it is used; `prefetch` reads several files at once. A damaged, truncated or missing file is a one-line
-CheckpointError naming it and the older step to resume from.
+read once and verified (rank_file.py); `prefetch` reads several files at once. A damaged,
+truncated or missing file is a one-line CheckpointError naming it and the older step to resume from.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from longctx_moe.checkpoint import (
-    _ST_DTYPES,
-    FORMAT_VERSION,
-    CheckpointError,
-    _complete_steps,
-    _meta_or_none,
-    _step_number,
-    rank_file_name,
-)
-
-
-def read_meta(step_dir: Path) -> dict[str, Any]:
-    meta = _meta_or_none(step_dir)
-    if meta is None:
-        raise CheckpointError(f"'{step_dir / 'meta.json'}' is missing or unreadable; the checkpoint is incomplete: "
-                              f"{_older_step_hint(step_dir)}")
-    if meta.get("format", 1) > FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint '{step_dir}' has format {meta['format']}, newer than this code's "
-                              f"{FORMAT_VERSION}; update longctx_moe or resume from another checkpoint")
-    return meta
-
-
-def _older_step_hint(step_dir: Path) -> str:
-    """What to do instead of loading `step_dir`: the newest complete step before it, named."""
-    number = _step_number(step_dir.name)
-    older = [p for n, p in _complete_steps(step_dir.parent) if number is None or n < number]
-    if older:
-        return f"resume from the older step with --set checkpoint.resume={older[-1]}"
-    return "no older step exists there: set checkpoint.resume=none to start over"
+from longctx_moe.checkpoint.errors import CheckpointError
+from longctx_moe.checkpoint.rank_file import RankFile, read_verified
+from longctx_moe.checkpoint.steps import older_step_hint, rank_file_name, read_meta
 
 
 class CheckpointReader:
@@ -85,12 +55,12 @@ class CheckpointReader:
         if name not in self._open:
             path = self.step_dir / name
             try:
-                self._open[name] = _read_verified(path, (self.meta.get("files") or {}).get(name))
+                self._open[name] = read_verified(path, (self.meta.get("files") or {}).get(name))
             except CheckpointError:
                 raise
             except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:  # a header no checksum vouched for
                 raise CheckpointError(f"checkpoint file '{path}' cannot be read as safetensors ({type(e).__name__}): it is "
-                                      f"corrupt; {_older_step_hint(path.parent)}") from None
+                                      f"corrupt; {older_step_hint(path.parent)}") from None
         return self._open[name]
 
     def prefetch(self, names: list[str], workers: int = 4) -> None:
@@ -159,107 +129,7 @@ class CheckpointReader:
             return json.loads(self.file(name).metadata()["state"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"checkpoint file '{self.step_dir / name}' has no readable rank state: it is corrupt; "
-                                  f"{_older_step_hint(self.step_dir)}") from None
-
-
-_READ_BLOCK = 32 << 20  # bytes per read: hashed on one thread while the next is read on another
-_TORCH_DTYPES = {name: dtype for dtype, name in _ST_DTYPES.items()}
-
-
-class RankFile:
-    """A safetensors file read into memory: one tensor of its own per key (what the optimizer
-    keeps needs no copy, and nothing holds the rest of the file alive)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str]):
-        self._tensors, self._metadata = tensors, metadata
-
-    def metadata(self) -> dict[str, str]:
-        return self._metadata
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        return self._tensors[key]
-
-    def get_slice(self, key: str) -> torch.Tensor:
-        return self._tensors[key]  # indexing it copies nothing
-
-
-class _HashedReader:
-    """Reads a file front to back into given buffers; a second thread hashes each block (in
-    order) while the next one is read: both release the GIL, so the checksum costs no pass."""
-
-    def __init__(self, f, hasher: ThreadPoolExecutor):
-        self.f, self.hasher, self.digest, self.pos = f, hasher, hashlib.sha256(), 0
-
-    def into(self, view: memoryview) -> int:
-        done = 0
-        while done < len(view):
-            n = self.f.readinto(view[done:done + _READ_BLOCK])
-            if not n:
-                break
-            self.hasher.submit(self.digest.update, view[done:done + n])
-            done += n
-        self.pos += done
-        return done
-
-    def bytes(self, n: int) -> bytes:
-        buf = bytearray(n)
-        return bytes(buf[:self.into(memoryview(buf))])
-
-
-def _parse_header(raw: bytes, size: int) -> tuple[int, int]:
-    """(header length, bytes before the tensor data) of a safetensors file; ValueError if malformed."""
-    if len(raw) < 8:
-        raise ValueError(f"{size} bytes, shorter than a header")
-    (n,) = struct.unpack("<Q", raw[:8])
-    if n > size - 8:
-        raise ValueError(f"a header of {n} bytes in a file of {size}")
-    return n, 8 + n
-
-
-def _read_tensors(r: _HashedReader, header: dict[str, Any], size: int) -> dict[str, torch.Tensor]:
-    """Every tensor of `header`, in file order, each read straight into its own memory."""
-    out = {}
-    base = r.pos
-    for key, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        begin, end = e["data_offsets"]
-        if begin != r.pos - base:
-            r.bytes(begin - (r.pos - base))  # a gap (none in our files): hashed, not kept
-        t = torch.empty(e["shape"], dtype=_TORCH_DTYPES[e["dtype"]])
-        if t.numel() * t.element_size() != end - begin:
-            raise ValueError(f"tensor '{key}' of shape {e['shape']} does not fill its {end - begin} bytes")
-        if t.numel():
-            r.into(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-        out[key] = t
-    return out
-
-
-def _read_verified(path: Path, entry: dict[str, Any] | None) -> RankFile:
-    """The rank file at `path`, read once, its size and sha256 checked against `entry` (None: no
-    checksum recorded, meta.json edited by hand; the parser's own errors apply)."""
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file '{path}' is missing; {_older_step_hint(path.parent)}")
-    size = path.stat().st_size
-    if entry is not None and size != entry["bytes"]:
-        raise CheckpointError(f"checkpoint file '{path}' has {size} bytes but meta.json records {entry['bytes']} "
-                              f"(truncated or overwritten); {_older_step_hint(path.parent)}")
-    parsed, error = None, None
-    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as hasher:  # one worker: in order
-        r = _HashedReader(f, hasher)
-        try:
-            head = r.bytes(8)
-            n, _ = _parse_header(head, size)
-            header = json.loads(r.bytes(n))
-            metadata = header.pop("__metadata__", None) or {}
-            parsed = RankFile(_read_tensors(r, header, size), metadata)
-        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
-            error = e  # a checksum mismatch explains it better, if there is one: hash the rest
-        r.bytes(size - r.pos)
-    if entry is not None and r.digest.hexdigest() != entry["sha256"]:
-        raise CheckpointError(f"checkpoint file '{path}' fails its sha256 check (its bytes changed after the save); "
-                              f"{_older_step_hint(path.parent)}")
-    if error is not None:
-        raise error
-    return parsed
+                                  f"{older_step_hint(self.step_dir)}") from None
 
 
 def _check_expected(step_dir: Path, meta: dict, expect: dict) -> None:

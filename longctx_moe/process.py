@@ -1,0 +1,106 @@
+"""Process setup for a run: the process group, the device, CPU threads, the run's directories,
+and ending a rank whose launcher died."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from longctx_moe import host
+from longctx_moe.config import Config, ConfigError
+
+# Set by `longctx-moe train --nproc` (cli.launch_local) to its own pid: see die_with_launcher.
+LAUNCHER_PID_ENV = "LONGCTX_MOE_LAUNCHER_PID"
+
+
+@dataclass
+class RunContext:
+    rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    run_dir: Path
+    ckpt_dir: Path
+
+
+# ---------------------------------------------------------------------- process setup
+
+
+def die_with_launcher() -> None:
+    """Under torch's elastic launcher (torchrun, `longctx-moe train --nproc`), end this rank when
+    the launcher process dies, even by SIGKILL: an orphaned rank would keep training and writing
+    the run directory. The launcher's own SIGTERM/SIGINT handling already stops its ranks; this
+    covers the signals it cannot catch. Linux only (prctl)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher and os.getppid() != int(launcher):  # it died before prctl: the signal will not come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def init_distributed(device_kind: str, timeout_s: float) -> tuple[int, int, int]:
+    """(rank, world, local world) from torchrun's environment; init the default group if needed."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        # A rank blocked in a collective whose peer died raises after timeout_s instead of
+        # holding its device until the job's wall-clock limit.
+        timeout = timedelta(seconds=timeout_s)
+        backend = "nccl" if device_kind == "cuda" else "gloo"
+        store = _attempt_store(world, timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return 0, 1, 1
+
+
+def _attempt_store(world: int, timeout: timedelta):
+    """Under torchrun's agent, its TCPStore with keys of this restart attempt only; None elsewhere.
+
+    The agent keeps one store for all attempts of `--max-restarts` (torch 2.13's rendezvous
+    assumes a new store per retry), so a restarted rank can read a dead peer's address that
+    the attempt before published, connect to nothing and fail ("Connection refused")."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"longctx_moe/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def configure_cpu(cfg: Config, local_world_size: int) -> None:
+    threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // local_world_size)
+    host.configure_cpu(threads, cfg.train.host_allocator)
+
+
+def make_context(cfg: Config) -> RunContext:
+    kind = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) else "cpu"
+    rank, world, local_world = init_distributed(kind, cfg.train.process_group_timeout_s)
+    device = pick_device(cfg.train.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    configure_cpu(cfg, local_world)
+    run_dir = Path(cfg.train.run_dir)
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    return RunContext(rank, world, local_world, device, run_dir, ckpt_dir)
