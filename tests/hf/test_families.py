@@ -79,7 +79,7 @@ def test_a_training_step_moves_every_weight(checkpoint):
     ours = load_hf_model(path).train()
     batch = packed_batch(DOCS, ours.cfg.vocab_size, generator=torch.Generator().manual_seed(3))
     out = ours(batch)
-    (out.ce_sum / out.num_targets + out.aux_loss + out.z_loss).backward()
+    (out.ce_sum / batch.num_target_tokens() + out.aux_loss + out.z_loss).backward()
     dead = [n for n, p in ours.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not dead, f"no gradient reached {dead}"
 
