@@ -10,6 +10,7 @@
     demo.py         the GRPO demo (`longctx-moe rl --config configs/grpo_tiny.yaml`)
     ray_group.py    RayPolicyGroup: the trainer's ranks as Ray actors behind one driver handle
     adapters/       verl DataProto, NeMo-RL BatchedDataDict and TRL rollout_func layouts <-> RolloutBatch
+    plugins/        inside a framework: verl's training engine, NeMo-RL's policy worker
 """
 
 from rl_hooks.batch import RolloutBatch, RolloutBatchError

@@ -35,7 +35,10 @@ KINDS = ("ppo", "gspo", "cispo", "pg")
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 4.9e8: finite in float32, far past any clip range
-K3_CLAMP = 10.0  # verl's low_var_kl bound on the k3 value
+# (log-ratio, value) bounds of each KL estimator when PolicyLossConfig leaves them unset: k3 as
+# verl's low_var_kl bounds it (the value cap keeps a few far-off tokens from dominating).
+KL_CLAMPS = {"k1": (math.inf, math.inf), "k2": (math.inf, math.inf),
+             "k3": (LOG_RATIO_CLAMP, 10.0)}
 
 
 @dataclass
@@ -104,6 +107,15 @@ class PolicyLossConfig:
     dual_clip: float | None = None  # c > 1; ppo and gspo only
     kl_coef: float = 0.0  # loss += kl_coef * aggregate(kl_N); needs ref_logprobs
     kl_type: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(policy || ref))
+    # Bounds of the KL estimate: the log-ratio ref - logp is clamped to +-kl_log_ratio_clamp and
+    # the estimate to +-kl_value_clamp (no gradient past either bound). None = the estimator's
+    # usual bounds: k3 20 / 10 (verl's low_var_kl), k1 and k2 unbounded; inf = unbounded.
+    kl_log_ratio_clamp: float | None = None
+    kl_value_clamp: float | None = None
+    # True adds the score-function term kl * d(logp) to the KL gradient (the value is unchanged):
+    # the KL is estimated on tokens sampled from the policy being optimised. NeMo-RL's ClippedPG
+    # loss does this (the estimate times exp(logp - sg(logp))); verl's kl loss does not.
+    kl_score_grad: bool = False
     entropy_coef: float = 0.0  # loss -= entropy_coef * aggregate(entropy_N); needs entropy
     # Train-inference mismatch corrections; each needs rollout_logprobs. The IS weight is
     # w = exp(old - rollout).
@@ -121,6 +133,11 @@ class PolicyLossConfig:
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"PolicyLossConfig.{key}={value!r}: must be a finite number >= 0")
+        for key in ("kl_log_ratio_clamp", "kl_value_clamp"):
+            value = getattr(self, key)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"PolicyLossConfig.{key}={value!r}: must be > 0 (inf for no "
+                                 "bound), or None for the estimator's usual bound")
         if self.dual_clip is not None:
             if not self.dual_clip > 1:
                 raise ValueError(f"PolicyLossConfig.dual_clip={self.dual_clip!r}: must be > 1 "
@@ -279,21 +296,40 @@ def _corrections(old_N: Tensor, rollout_N: Tensor, inp: LossInputs, cfg: PolicyL
     return w_N, tis_N, keep_N
 
 
-def kl_estimate(logp_N: Tensor, ref_N: Tensor, kl_type: str) -> Tensor:
+def kl_estimate(logp_N: Tensor, ref_N: Tensor, kl_type: str, log_ratio_clamp: float | None = None,
+                value_clamp: float | None = None, score_grad: bool = False) -> Tensor:
     """Schulman's per-token estimators [N] of KL(policy || ref), d = logp - ref, in logp's dtype.
 
-    k1 = d; k2 = d^2 / 2; k3 = exp(-d) - 1 + d, computed as verl's low_var_kl does: the exponent
-    clamped to [-20, 20] (exp overflow) and the value to [-10, 10] (a few far-off tokens would
-    otherwise dominate the penalty and its gradient).
+    k1 = d; k2 = d^2 / 2; k3 = exp(-d) - 1 + d. -d is clamped to +-log_ratio_clamp (exp overflow)
+    and the estimate to +-value_clamp (a few far-off tokens would otherwise dominate the penalty
+    and its gradient); None takes the estimator's usual bounds, `KL_CLAMPS` (k3 as verl's
+    low_var_kl: 20 and 10). `score_grad` multiplies the estimate by exp(logp - sg(logp)), 1 in
+    value, which adds kl * d(logp) to the gradient; a token whose log-ratio was clamped gets none.
     """
     _check_choice("kl_type", kl_type, KL_TYPES)
-    d_N = logp_N - ref_N
+    in_clamp, out_clamp = KL_CLAMPS[kl_type]
+    in_clamp = in_clamp if log_ratio_clamp is None else log_ratio_clamp
+    out_clamp = out_clamp if value_clamp is None else value_clamp
+    neg_d_N = ref_N - logp_N
+    clamped_N = None
+    if math.isfinite(in_clamp):
+        bounded_N = neg_d_N.clamp(-in_clamp, in_clamp)
+        clamped_N = bounded_N != neg_d_N
+        neg_d_N = bounded_N
     if kl_type == "k1":
-        return d_N
-    if kl_type == "k2":
-        return 0.5 * d_N.square()
-    neg_d_N = (-d_N).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return (torch.exp(neg_d_N) - neg_d_N - 1).clamp(-K3_CLAMP, K3_CLAMP)
+        kl_N = -neg_d_N
+    elif kl_type == "k2":
+        kl_N = 0.5 * neg_d_N.square()
+    else:
+        kl_N = torch.exp(neg_d_N) - neg_d_N - 1
+    if score_grad:
+        w_N = torch.exp(logp_N - logp_N.detach())
+        if clamped_N is not None:
+            w_N = torch.where(clamped_N, w_N.detach(), w_N)
+        kl_N = w_N * kl_N
+    if math.isfinite(out_clamp):
+        kl_N = kl_N.clamp(-out_clamp, out_clamp)
+    return kl_N
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,7 +427,8 @@ def policy_loss(inp: LossInputs, norm: Normalizers, cfg: PolicyLossConfig) -> Lo
                 "dual_clip_frac": _sum64(dual_N), **_ratio_metrics("ratio", ratio_N),
                 "approx_kl": _sum64(0.5 * (logp_N - old_N).square())}
     if inp.ref_logprobs is not None:
-        kl_N = kl_estimate(logp_N, inp.ref_logprobs.detach().to(logp_N.dtype), cfg.kl_type)
+        kl_N = kl_estimate(logp_N, inp.ref_logprobs.detach().to(logp_N.dtype), cfg.kl_type,
+                           cfg.kl_log_ratio_clamp, cfg.kl_value_clamp, cfg.kl_score_grad)
         metrics["kl"] = _sum64(kl_N)
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * aggregate(kl_N, inp, norm, cfg.agg)
