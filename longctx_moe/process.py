@@ -55,7 +55,7 @@ def init_distributed(device_kind: str, timeout_s: float) -> tuple[int, int, int]
         # A rank blocked in a collective whose peer died raises after timeout_s instead of
         # holding its device until the job's wall-clock limit.
         timeout = timedelta(seconds=timeout_s)
-        backend = "nccl" if device_kind == "cuda" else "gloo"
+        backend = process_group_backend(device_kind)
         store = _attempt_store(world, timeout)
         if store is None:
             dist.init_process_group(backend, timeout=timeout)
@@ -64,6 +64,13 @@ def init_distributed(device_kind: str, timeout_s: float) -> tuple[int, int, int]
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return 0, 1, 1
+
+
+def process_group_backend(device_kind: str) -> str:
+    """gloo on CPU; on CUDA NCCL for device tensors and gloo for host ones. The runtime reduces a
+    few host tensors by design (loss sums and counts in float64, token plans, the export's
+    go-on flag, the MFU peak): NCCL alone would refuse them ("no backend for device cpu")."""
+    return "cpu:gloo,cuda:nccl" if device_kind == "cuda" else "gloo"
 
 
 def _attempt_store(world: int, timeout: timedelta):
