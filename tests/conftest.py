@@ -41,6 +41,9 @@ def pytest_sessionstart(session):
 
     amx_backward.available()
     brgemm_forward.available()
+    report = session.config.getoption("--cpu-report")
+    if report:
+        open(report + ".partial", "w").close()  # this run's rows only
 
 
 def _tree_digest(root: Path) -> str:
@@ -114,6 +117,9 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     cpu, wall = _cpu_delta_s(before, _tree_cpu_s()), time.monotonic() - t0
     item.config.stash.setdefault(_CPU_ROWS, []).append((cpu, wall, item.nodeid))
+    # Appended as each test ends, so a run stopped part-way still tells where its time went.
+    with open(item.config.getoption("--cpu-report") + ".partial", "a") as f:
+        f.write(f"{cpu:.2f}\t{wall:.2f}\t{item.nodeid}\n")
 
 
 _CPU_ROWS = pytest.StashKey[list]()
