@@ -41,6 +41,9 @@ def pytest_sessionstart(session):
 
     amx_backward.available()
     brgemm_forward.available()
+    report = session.config.getoption("--cpu-report")
+    if report:
+        open(report + ".partial", "w").close()  # this run's rows only
 
 
 def _tree_digest(root: Path) -> str:
@@ -64,3 +67,73 @@ def corpus(tmp_path_factory) -> Path:
     digest = _tree_digest(out)
     yield out
     assert _tree_digest(out) == digest, f"a test wrote into the shared packed corpus {out}; copy it first"
+
+
+# CPU accounting per test (`pytest --cpu-report=PATH`): on a shared machine wall time measures the
+# neighbours as much as the test, so the suite's budget is kept in CPU seconds. Each test is charged
+# the CPU of this process, of its waited children (RUSAGE_CHILDREN) and of every live descendant
+# with what that one has reaped (the forkserver and its gloo ranks, Ray's workers), as deltas from
+# its setup to its teardown.
+def pytest_addoption(parser):
+    parser.addoption("--cpu-report", metavar="PATH", default=None,
+                     help="write each test's CPU seconds (with its child processes) to PATH, "
+                          "tab-separated, and list the 25 costliest at the end")
+
+
+def _tree_cpu_s() -> dict[int, float]:
+    import resource
+
+    own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))
+    out = {0: own}
+    try:
+        import psutil
+    except ImportError:  # psutil comes with ray (dev extra); without it, waited children only
+        return out
+    for p in psutil.Process().children(recursive=True):
+        try:
+            t = p.cpu_times()
+            out[p.pid] = t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:  # ended between the listing and the reading
+            pass
+    return out
+
+
+def _cpu_delta_s(before: dict[int, float], after: dict[int, float]) -> float:
+    """New processes count from zero; one that ended is in its reaper's reading with its whole
+    life, so the part it had used before the test (its own earlier reading) comes off. A process
+    reparented out of the tree (a daemon) is lost with what it used during the test."""
+    return sum(after.values()) - sum(before.values())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not item.config.getoption("--cpu-report"):
+        yield
+        return
+    import time
+
+    before, t0 = _tree_cpu_s(), time.monotonic()
+    yield
+    cpu, wall = _cpu_delta_s(before, _tree_cpu_s()), time.monotonic() - t0
+    item.config.stash.setdefault(_CPU_ROWS, []).append((cpu, wall, item.nodeid))
+    # Appended as each test ends, so a run stopped part-way still tells where its time went.
+    with open(item.config.getoption("--cpu-report") + ".partial", "a") as f:
+        f.write(f"{cpu:.2f}\t{wall:.2f}\t{item.nodeid}\n")
+
+
+_CPU_ROWS = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    path = config.getoption("--cpu-report")
+    rows = sorted(config.stash.get(_CPU_ROWS, []), reverse=True)
+    if not path or not rows:
+        return
+    total = sum(r[0] for r in rows)
+    with open(path, "w") as f:
+        f.write(f"# cpu_s\twall_s\ttest (total cpu {total:.1f} s over {len(rows)} tests)\n")
+        f.writelines(f"{c:.2f}\t{w:.2f}\t{n}\n" for c, w, n in rows)
+    terminalreporter.write_sep("=", f"CPU seconds per test (total {total:.1f} s; all in {path})")
+    for c, w, n in rows[:25]:
+        terminalreporter.write_line(f"{c:8.2f} cpu {w:8.2f} wall  {n}")

@@ -191,6 +191,27 @@ def _groups_along(grid: np.ndarray, axes: tuple[str, ...], keep: tuple[str, ...]
     return [[int(r) for r in row] for row in moved.reshape(-1, size)]
 
 
+# (default group, {(name, ranks): group}): the groups made so far under this default group.
+_made: tuple[Any, dict[tuple[str, tuple[int, ...]], Any]] = (None, {})
+
+
+def _new_group(name: str, ranks: list[int]):
+    """`dist.new_group(ranks)`, made once per name and ranks while the default group lives: each
+    gloo group holds its own TCP mesh and loop thread until the process ends, so a process that
+    builds a second ParallelDims (another runtime, an RL policy rebuilt) would otherwise open
+    them all again. One group per name as before, so two names never share a group's order of
+    operations. new_group is collective over the world even for ranks outside `ranks`; every
+    rank builds the same tables in the same order, so every rank hits or misses together."""
+    global _made
+    world, made = _made
+    if world is not dist.group.WORLD:
+        _made = world, made = dist.group.WORLD, {}
+    key = (name, tuple(ranks))
+    if key not in made:
+        made[key] = dist.new_group(ranks=ranks)
+    return made[key]
+
+
 @dataclass
 class ParallelDims:
     """Validated degrees and, after `build_groups`, this rank's process group of every name.
@@ -319,7 +340,8 @@ class ParallelDims:
         return self.group(name) if self.size(name) > 1 else None
 
     def build_groups(self, rank: int) -> None:
-        """Create every group with `dist.new_group`; every rank must call this (same order)."""
+        """Create every group with `dist.new_group` (or take the one an earlier ParallelDims of
+        this process made for the same name and ranks); every rank must call this (same order)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside world_size={self.world_size}")
         self.rank = rank
@@ -331,8 +353,7 @@ class ParallelDims:
                                f"process group is {got}; init_process_group with that many ranks")
         for name, groups in self._table.items():
             for ranks in groups:
-                # new_group is collective over the world even for ranks outside `ranks`.
-                g = dist.new_group(ranks=ranks)
+                g = _new_group(name, ranks)
                 if rank in ranks:
                     self._groups[name] = g
 

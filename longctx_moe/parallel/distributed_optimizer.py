@@ -16,7 +16,7 @@ ZeRO stage 1):
 
 The arithmetic is the replicated optimizer's: each gradient element is the same sum over the
 group, and AdamW is elementwise (tests/parallel/test_distributed_optimizer.py holds both to
-1e-10 in float64 over 20 steps). The full gradient of a parameter is freed once its bucket is
+1e-10 in float64 over 5 steps). The full gradient of a parameter is freed once its bucket is
 sent, so a rank holds reduced gradients for its slabs only between backward and step.
 
 Slabs are rectangular, so a checkpoint stores each rank's AdamW state as a global slice of the

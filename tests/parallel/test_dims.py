@@ -189,3 +189,9 @@ def check_groups_on_gloo(rank, world):
         assert t.item() == sum(d.ranks(name)), name
         assert dist.get_rank(g) == d.rank_in(name) and dist.get_world_size(g) == d.size(name)
         assert d.group_or_none(name) is (g if d.size(name) > 1 else None), name
+    # A second ParallelDims of the same layout in this process takes the groups made above
+    # (no new TCP mesh per group); one group per name still, even where two names share ranks.
+    again = _dims(world, cp=2, ep=2, dynamic_cp=True, max_cp=4)
+    again.build_groups(rank)
+    assert all(again.group(name) is d.group(name) for name in d.names())
+    assert len({id(d.group(name)) for name in d.names()}) == len(d.names())
