@@ -139,7 +139,20 @@ def _forward_bucket(q_THD, k_SHD, v_SHD, bk: Bucket, scale):
     o, lse = _fwd(q, k, v, 0.0, bk.layout == "shift",
                   attn_mask=bk.additive_mask(q.dtype, q.device), scale=scale)
     lse = lse.reshape(hq, bk.pq) if bk.q_slice is not None else lse.transpose(0, 1).reshape(hq, -1)
+    dead = _keyless_rows(bk)
+    if dead is not None:
+        lse = lse.masked_fill(dead.to(lse.device), float("-inf"))
     return _rows(o, bk, hq), lse
+
+
+def _keyless_rows(bk: Bucket):
+    """bool [B*Pq]: query rows the mask leaves without any key (a sliding window, or a causal
+    document with more queries than keys, in the masked layout), or None if there are none.
+    aten's kernel reports lse 0 for such a row; attention with no key has lse -inf (and out 0)."""
+    if bk.mask is None or bk.mask.shape[2] == 1:
+        return None
+    dead = ~bk.mask.any(-1).reshape(-1)
+    return dead if bool(dead.any()) else None
 
 
 def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None, window=None):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from longctx_moe.parallel.sharding import global_slice
 from rl_hooks import PolicyLossConfig, PolicyTrainer, make_loss
 from tests.hf.families_cases import CASES, save_random
 from tests.launcher import run_distributed
@@ -19,7 +20,6 @@ SETS = ["train.param_dtype=fp64", "train.autocast_dtype=none", "train.num_thread
         "model.z_loss_coeff=0", "model.expert_bias_update_rate=0", f"optim.eps={EPS}",
         "optim.weight_decay=0", "optim.grad_clip=0", "optim.warmup_steps=0", "optim.schedule=constant"]
 LAYOUT = ["parallel.tp=2", "parallel.cp=2", "parallel.ep=2"]
-COLUMN_SHARDED = ("wo.weight", "w_down.weight")  # TP's row-parallel layers keep input columns
 
 
 def _run(hf_dir: str, sets: list[str]):
@@ -28,7 +28,8 @@ def _run(hf_dir: str, sets: list[str]):
     out = policy.compute_logprobs(batch)
     before = params(policy)
     policy.train_step(batch, make_loss(PolicyLossConfig(kind="ppo")), lr=EPS)
-    where = {"tp": policy.dims.rank_in("tp"), "ep": policy.dims.rank_in("ep")}
+    # where each rank's piece sits in the whole tensor: the splits the parallelizers declared
+    where = {name: global_slice(p)[1] for name, p in policy.runtime.model.named_parameters()}
     return out.logprobs, updates(policy, before), where
 
 
@@ -38,14 +39,9 @@ def _rank(rank, world, dirs):
 
 def _slice(name, got, want, where):
     """This rank's piece of the single-process tensor `want` for a parameter shaped like `got`."""
-    if got.shape == want.shape:
-        return want
-    if name.endswith(COLUMN_SHARDED) and got.shape[1] != want.shape[1]:
-        n = got.shape[1]
-        return want[:, where["tp"] * n:(where["tp"] + 1) * n]
-    n = got.shape[0]
-    part = where["ep"] if "experts" in name else where["tp"]
-    return want[part * n:(part + 1) * n]
+    for dim, (n, offset) in enumerate(zip(got.shape, where[name], strict=True)):
+        want = want.narrow(dim, offset, n)
+    return want
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from longctx_moe.model import build_model
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.parallelize import parallelize
+from longctx_moe.parallel.sharding import global_slice
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch, tiny_config
 
@@ -30,7 +31,6 @@ FEATURES = {
 }
 LAYOUTS = [("mla", dict(tp=2, cp=2)), ("mla", dict(cp=4, cp_backend="ulysses")),
            ("gpt_oss", dict(tp=2, cp=2, cp_backend="ulysses")), ("sinks", dict(tp=2, cp=2))]
-COLUMN_SHARDED = ("wo.weight", "o_proj.weight", "w_down.weight")
 
 
 def _model(seed, features):
@@ -38,11 +38,11 @@ def _model(seed, features):
     return build_model(tiny_config(num_experts=4, top_k=2, **FEATURES[features])).double()
 
 
-def _shard_of(name, p, want, tp_rank):
-    if not getattr(p, "tp_sharded", False):
-        return want
-    dim = 1 if name.endswith(COLUMN_SHARDED) else 0
-    return want.narrow(dim, tp_rank * p.shape[dim], p.shape[dim])
+def _shard_of(p, want):
+    """This rank's piece of the single-process tensor `want`: the split declared on `p`."""
+    for dim, offset in enumerate(global_slice(p)[1]):
+        want = want.narrow(dim, offset, p.shape[dim])
+    return want
 
 
 def _check_layout(rank, world, features, kw, seed):
@@ -66,7 +66,7 @@ def _check_layout(rank, world, features, kw, seed):
     assert abs(total.item() - ref_loss.item()) < TOL, (features, kw)
     ref_params = dict(ref.named_parameters())
     for name, p in runtime.model.named_parameters():
-        want = _shard_of(name, p, ref_params[name].grad, dims.rank_in("tp"))
+        want = _shard_of(p, ref_params[name].grad)
         assert (p.grad - want).abs().max().item() < TOL, (features, kw, name)
 
 
