@@ -11,6 +11,13 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# torch.compile's on-disk cache does not key its entries by the ISA caps of the AVX2 emulation
+# (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA): a float64 block compiled under `make test-avx2` and
+# reused natively (or the other way) gave NaN losses. Each ISA setting gets its own cache.
+_ISA = "-".join(os.environ.get(v, "native") for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      str(Path(os.environ.get("TMPDIR", "/tmp")) / f"torchinductor_longctx_{_ISA}"))
+
 
 @pytest.fixture(autouse=True)
 def _fast_tier_starts_no_process_groups(request):
