@@ -44,7 +44,7 @@ FLOAT_FIELDS = {"prev_logprobs": "old_logprobs", "generation_logprobs": "rollout
                 "reference_policy_logprobs": "ref_logprobs", "advantages": "advantages"}
 
 
-def _keep(data: Mapping) -> torch.Tensor:
+def real_tokens(data: Mapping) -> torch.Tensor:
     """bool [B, S]: the first input_lengths[b] positions of each row."""
     input_ids = get(data, NAME, "input_ids")
     if input_ids.ndim != 2:
@@ -68,7 +68,7 @@ def from_nemo_rl(data: Mapping, *, rewards: Sequence[float] | torch.Tensor | Non
     Right padding is stripped with input_lengths; loss_mask = token_mask & sample_mask. Optional
     per-sequence `rewards` with `group_ids` when the batch brings no advantages. Raises
     AdapterError (one line naming the NeMo-RL field)."""
-    keep_BS = _keep(data)
+    keep_BS = real_tokens(data)
     rows, width = keep_BS.shape
     token_mask = get(data, NAME, "token_mask")
     check_shape(NAME, "token_mask", token_mask, (rows, width))
@@ -98,18 +98,18 @@ def from_nemo_rl(data: Mapping, *, rewards: Sequence[float] | torch.Tensor | Non
 def logprobs_to_nemo_rl(out: Any, data: Mapping) -> torch.Tensor:
     """out.logprobs [T] (compute_logprobs on from_nemo_rl(data)) as NeMo-RL's get_logprobs
     returns them: [B, S] in out's dtype, position 0 and padding 0."""
-    return unflatten(NAME, "out.logprobs", out.logprobs, _keep(data))
+    return unflatten(NAME, "out.logprobs", out.logprobs, real_tokens(data))
 
 
 def entropy_to_nemo_rl(out: Any, data: Mapping) -> torch.Tensor:
     """out.entropy [T] in the same [B, S] layout (0 at position 0 and padding)."""
     if out.entropy is None:
         fail(NAME, "out.entropy", "is None; call compute_logprobs(..., return_entropy=True)")
-    return unflatten(NAME, "out.entropy", out.entropy, _keep(data))
+    return unflatten(NAME, "out.entropy", out.entropy, real_tokens(data))
 
 
 def routes_to_nemo_rl(out: Any, data: Mapping) -> torch.Tensor:
     """out.routes [T, L, K] as NeMo-RL's routed_experts [B, S, L, K] (int16, -1 at padding)."""
     if out.routes is None:
         fail(NAME, "out.routes", "is None; call compute_logprobs(..., record_routes=True)")
-    return unflatten(NAME, "out.routes", out.routes, _keep(data), fill=-1)
+    return unflatten(NAME, "out.routes", out.routes, real_tokens(data), fill=-1)

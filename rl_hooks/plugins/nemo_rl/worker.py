@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from longctx_moe.config import Config, ConfigError, load_config
-from rl_hooks.adapters.nemo_rl import from_nemo_rl, logprobs_to_nemo_rl
+from rl_hooks.adapters.nemo_rl import from_nemo_rl, logprobs_to_nemo_rl, real_tokens
 from rl_hooks.losses import make_loss
 from rl_hooks.plugins.nemo_rl.loss import loss_config_from_nemo_rl
 
@@ -152,9 +152,7 @@ class LongctxMoePolicyWorker:
         token_mask is all ones over the real tokens."""
         fields = dict(data.items()) if hasattr(data, "items") else data
         if scoring and fields.get("token_mask") is None:
-            ids, lengths = fields["input_ids"], fields["input_lengths"]
-            cols = torch.arange(ids.shape[1])
-            fields = {**fields, "token_mask": (cols[None, :] < lengths[:, None]).long()}
+            fields = {**fields, "token_mask": real_tokens(fields).long()}
         if scoring:  # the loss fields play no part in log-probs
             fields = {k: fields[k] for k in ("input_ids", "input_lengths", "token_mask")}
         return from_nemo_rl(fields), fields
