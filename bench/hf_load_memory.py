@@ -42,7 +42,7 @@ def _load(rank: int, world: int, hf_dir: str, port: int, queue) -> None:
     from longctx_moe.config import load_config
     from longctx_moe.hf.load import load_hf_sharded
     from longctx_moe.model import Transformer
-    from longctx_moe.parallel.dims import ParallelDims
+    from longctx_moe.parallel.dims import ParallelDims, destroy_process_groups
     from longctx_moe.parallel.parallelize import parallelize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -57,7 +57,7 @@ def _load(rank: int, world: int, hf_dir: str, port: int, queue) -> None:
     before = _status_mb("VmRSS")
     read = load_hf_sharded(model, hf_dir)
     queue.put((rank, read, _status_mb("VmHWM") - before))
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 def _measure(world: int, hf_dir: str) -> list[tuple[int, int, float]]:

@@ -87,7 +87,7 @@ def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap
 
     from longctx_moe.build import build_runtime
     from longctx_moe.host import configure_cpu
-    from longctx_moe.parallel.dims import ParallelDims
+    from longctx_moe.parallel.dims import ParallelDims, destroy_process_groups
     from longctx_moe.trainer import Trainer
 
     configure_cpu(threads, allocator)
@@ -113,7 +113,7 @@ def multi_rank(rank: int, layout: str, port: int, length: int, threads: int, cap
         ep_rank_rows=[getattr(m.dispatcher, "rank_rows", None) for m in trainer.model.moe_layers()])
     queue.put((rank, res))
     dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 def run_multi(layout: str, length: int, threads: int, cap_gib: float, allocator: str,

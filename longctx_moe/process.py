@@ -52,6 +52,7 @@ def init_distributed(device_kind: str, timeout_s: float) -> tuple[int, int, int]
     """(rank, world, local world) from torchrun's environment; init the default group if needed."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
+        import_before_init()
         # A rank blocked in a collective whose peer died raises after timeout_s instead of
         # holding its device until the job's wall-clock limit.
         timeout = timedelta(seconds=timeout_s)
@@ -64,6 +65,15 @@ def init_distributed(device_kind: str, timeout_s: float) -> tuple[int, int, int]
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return 0, 1, 1
+
+
+def import_before_init() -> None:
+    """Import torch.distributed.nn before the default group exists. Its functions take
+    `group=group.WORLD` as a default argument, evaluated at import; imported later (torch._dynamo
+    imports it on first use), they keep the default group alive past destroy_process_group, to be
+    destroyed by the interpreter's exit after the peer ranks have gone, which now and then
+    aborted a finished rank ("terminate called without an active exception")."""
+    import torch.distributed.nn  # noqa: F401
 
 
 def process_group_backend(device_kind: str) -> str:

@@ -29,6 +29,7 @@ from longctx_moe.metrics import (
     measure_peak_tflops,
     truncate_metrics,
 )
+from longctx_moe.parallel.dims import destroy_process_groups
 from longctx_moe.precision import announce
 from longctx_moe.process import RunContext, die_with_launcher, make_context
 from longctx_moe.trainer import NonFiniteLossError, StepResult, Trainer, iterate_steps
@@ -192,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         return 1
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()
     if summary["rank"] == 0:
         print(summarize(summary), flush=True)
     return 0

@@ -120,10 +120,10 @@ class _Rank:
             self.policy.export_gate.stop()
 
     def close(self) -> None:
-        import torch.distributed as dist
+        from longctx_moe.parallel.dims import destroy_process_groups
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.policy = None  # its ParallelDims holds the groups
+        destroy_process_groups()
 
 
 # ---------------------------------------------------------------------- the driver's handle

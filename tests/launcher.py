@@ -79,6 +79,9 @@ def _worker(fn, rank, world_size, port, args, kwargs, result_q, backend, threads
     import torch
     import torch.distributed as dist
 
+    from longctx_moe.parallel.dims import destroy_process_groups
+    from longctx_moe.process import import_before_init
+
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -91,6 +94,7 @@ def _worker(fn, rank, world_size, port, args, kwargs, result_q, backend, threads
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
+        import_before_init()
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args, **kwargs)
         # Plain pickle copies tensors into the message: the queue's own pickler would share
@@ -102,11 +106,10 @@ def _worker(fn, rank, world_size, port, args, kwargs, result_q, backend, threads
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a peer died; nothing to tidy
-                pass
+        try:
+            destroy_process_groups()
+        except Exception:  # noqa: BLE001 - a peer died; nothing to tidy
+            pass
 
 
 def run_distributed(

@@ -28,6 +28,7 @@ touched), so layouts can be planned and tested on one process (`longctx-moe plan
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -210,6 +211,18 @@ def _new_group(name: str, ranks: list[int]):
     if key not in made:
         made[key] = dist.new_group(ranks=ranks)
     return made[key]
+
+
+def destroy_process_groups() -> None:
+    """End this process's distributed state now: forget the cached groups and destroy the default
+    group with all of them. Their gloo worker threads and sockets then close here, while the peer
+    ranks still run; left to the interpreter's exit, they were destroyed after a peer had gone and
+    now and then aborted the process ("terminate called without an active exception")."""
+    global _made
+    _made = (None, {})
+    gc.collect()  # a ParallelDims in a reference cycle would keep its groups alive until exit
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclass

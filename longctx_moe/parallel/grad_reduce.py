@@ -25,6 +25,9 @@ SUMMED, never averaged:
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -137,6 +140,17 @@ def _make_buckets(group, params: list[nn.Parameter], cap_bytes: float, bucket_cl
     return buckets + ([bucket_cls(group, run)] if run else [])
 
 
+def _weak_hook(buckets: GradBuckets) -> Callable[[nn.Parameter], None]:
+    ref = weakref.ref(buckets)
+
+    def on_grad(p: nn.Parameter) -> None:
+        live = ref()
+        if live is not None:
+            live._on_grad(p)
+
+    return on_grad
+
+
 class GradBuckets:
     """Gradients all-reduced in buckets launched from the backward (as DDP does).
 
@@ -158,9 +172,13 @@ class GradBuckets:
                 self.buckets += _make_buckets(group, params, bucket_mb * 2**20, bucket_cls)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.armed, self.next = False, 0  # next: the first bucket not launched yet
+        # The hooks hold this object weakly: a parameter's hook lives in C++, where the garbage
+        # collector cannot see a cycle parameter -> hook -> buckets -> parameter, so a strong one
+        # kept every model (and its process groups) alive until the interpreter's exit.
+        on_grad = _weak_hook(self)
         for b in self.buckets:
             for p in b.params:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                p.register_post_accumulate_grad_hook(on_grad)
 
     def arm(self) -> None:
         self.armed = True

@@ -10,12 +10,16 @@ buckets launched after the backward instead of from the hooks are bitwise equal.
 
 from __future__ import annotations
 
+import gc
+import os
+import weakref
+
 import pytest
 import torch
 
 from longctx_moe.model import build_model
 from longctx_moe.parallel.config import ParallelConfig
-from longctx_moe.parallel.dims import ParallelDims
+from longctx_moe.parallel.dims import ParallelDims, destroy_process_groups
 from longctx_moe.parallel.parallelize import parallelize
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch, tiny_config
@@ -71,7 +75,33 @@ def _check(rank, world):
             assert err < TOL, (kw, name, err)
             assert torch.equal(hooked[name], after[name]), (kw, name)
     _check_misuse(rank, world)
+    _check_released(rank, world)
     return True
+
+
+def _gloo_threads() -> list[str]:
+    names = (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    return [n for n in names if "gloo" in n]
+
+
+def _check_released(rank, world):
+    """A dropped runtime is freed at once (its parameters' hooks hold the buckets weakly), and
+    destroy_process_groups then leaves no gloo thread: nothing of the process groups is left for
+    the interpreter's exit to destroy after the peer ranks have gone."""
+    cfg = ParallelConfig(ep=2, grad_bucket_mb=BUCKET_MB)
+    dims = ParallelDims.from_config(cfg, world, tiny_config())
+    dims.build_groups(rank)
+    runtime = parallelize(_model(0), dims, cfg)
+    out = runtime.forward(runtime.shard(packed_batch(DOCS[0], 64)))
+    (out.ce_sum / 64 + out.aux_loss + out.z_loss).backward()
+    runtime.reduce_gradients()
+    model = weakref.ref(runtime.model)
+    del runtime, out, dims
+    gc.collect()
+    assert model() is None
+    assert _gloo_threads()
+    destroy_process_groups()
+    assert not _gloo_threads()
 
 
 def _check_misuse(rank, world):

@@ -289,10 +289,10 @@ class LongctxMoePolicyWorker:
         return True
 
     def shutdown(self) -> bool:
-        import torch.distributed as dist
+        from longctx_moe.parallel.dims import destroy_process_groups
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.policy = None  # its ParallelDims holds the groups
+        destroy_process_groups()
         return True
 
     # ------------------------------------------------------------------ helpers
