@@ -1,15 +1,19 @@
 """Ring (p2p) context-parallel attention over a CP plan.
 
     out_LHDv, lse_HL = ring_attention(q_LHD, k_LHD, v_LHDv, plan, group, causal=True, scale=None,
-                                      backend="auto", stats=None, sink=None)
+                                      backend="auto", stats=None, sink=None, window=None)
 
 q [L, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv]: this rank's tokens in the plan's local order
 (plan.shard), heads possibly already TP-sharded (Hq % Hkv == 0, GQA). Returns out [L, Hq, Dv] in
 q's dtype and lse [Hq, L] (float32; float64 for float64 inputs; rows that see no key: out 0, lse
 -inf). Autograd: gradients flow to q, k, v and sink (lse carries none). sink [Hq] (gpt-oss): merged
 as one more LSE term after the last ring step, so each row counts it once (kernels/sinks.py); its
-gradient is this rank's rows' share (the CP gradient reduction sums the shares). `group` is the CP group; its rank r must hold
-plan.shard(x, r). `stats` (CommStats) accumulates what this rank sends.
+gradient is this rank's rows' share (the CP gradient reduction sums the shares). window=W
+(sliding window, the single-device semantics: the W latest keys of the query's document, itself
+included): each step's blocks are cut by chunk into skipped, full and banded kernel calls, the
+banded ones with an offset alignment (cp_attention/window_schedule.py); the messages do not change.
+`group` is the CP group; its rank r must hold plan.shard(x, r). `stats` (CommStats) accumulates
+what this rank sends.
 
 Schedule (P = group size, Z = the plan's ring tokens per rank: its zigzag pieces; whole documents
 never enter the ring). The ring runs towards lower ranks: at step t rank r holds the KV block of
