@@ -129,7 +129,10 @@ class DynamicCPCost:
         w = self.window
         if w <= 0:
             return 0.0 * n
-        return n * (n + 1) / 2 if n <= w else w * n - w * (w - 1) / 2
+        # Query i sees min(i + 1, w) keys. m = min(n, w) written so that it also holds
+        # elementwise for the arrays of lengths the scheduler passes (no branch on n).
+        m = (n + w - abs(n - w)) / 2
+        return m * (m + 1) / 2 + w * (n - m)
 
     def split(self, size: int) -> tuple[int, int]:
         """(g, r): a run of `size` ranks exchanges heads over g = min(size, a2a_size) ranks and

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cp_attention.schedule import Piece, StepSpec, chunk_rows, diagonal_step, ring_step
+from cp_attention.window_schedule import window_diagonal, window_ring
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,22 @@ class RingLayout:
             else:
                 specs = ring_step(self.pieces[rank], self.pieces[src], rank, src)
             self._steps[key] = tuple(s.to(device) if s is not None else None for s in specs)
+        return self._steps[key]
+
+    def window_step(self, rank: int, t: int, window: int, device: torch.device | str = "cpu"
+                    ) -> tuple[list[StepSpec], list[StepSpec]]:
+        """Kernel calls of ring step t on `rank` under a sliding window of `window` keys, as lists
+        (a step may need several calls, see window_schedule.py): t == 0: (local calls, []);
+        t > 0: (calls against half A, calls against half B). Cached like step()."""
+        key = (rank, t, str(device), window)
+        if key not in self._steps:
+            src = (rank + t) % self.size
+            if t == 0:
+                specs = (window_diagonal(self.pieces[rank], rank, self.size, window), [])
+            else:
+                specs = window_ring(self.pieces[rank], self.pieces[src], rank, src, self.size,
+                                    window)
+            self._steps[key] = tuple([s.to(device) for s in x] for x in specs)
         return self._steps[key]
 
     def chunk_rows(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,15 +1,19 @@
 """Ring (p2p) context-parallel attention over a CP plan.
 
     out_LHDv, lse_HL = ring_attention(q_LHD, k_LHD, v_LHDv, plan, group, causal=True, scale=None,
-                                      backend="auto", stats=None, sink=None)
+                                      backend="auto", stats=None, sink=None, window=None)
 
 q [L, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv]: this rank's tokens in the plan's local order
 (plan.shard), heads possibly already TP-sharded (Hq % Hkv == 0, GQA). Returns out [L, Hq, Dv] in
 q's dtype and lse [Hq, L] (float32; float64 for float64 inputs; rows that see no key: out 0, lse
 -inf). Autograd: gradients flow to q, k, v and sink (lse carries none). sink [Hq] (gpt-oss): merged
 as one more LSE term after the last ring step, so each row counts it once (kernels/sinks.py); its
-gradient is this rank's rows' share (the CP gradient reduction sums the shares). `group` is the CP group; its rank r must hold
-plan.shard(x, r). `stats` (CommStats) accumulates what this rank sends.
+gradient is this rank's rows' share (the CP gradient reduction sums the shares). window=W
+(sliding window, the single-device semantics: the W latest keys of the query's document, itself
+included): each step's blocks are cut by chunk into skipped, full and banded kernel calls, the
+banded ones with an offset alignment (cp_attention/window_schedule.py); the messages do not change.
+`group` is the CP group; its rank r must hold plan.shard(x, r). `stats` (CommStats) accumulates
+what this rank sends.
 
 Schedule (P = group size, Z = the plan's ring tokens per rank: its zigzag pieces; whole documents
 never enter the ring). The ring runs towards lower ranks: at step t rank r holds the KV block of
@@ -35,6 +39,7 @@ import torch.distributed as dist
 
 from cp_attention.comm import CommStats, post_p2p, wait_all
 from cp_attention.kernels import accumulate_dtype, add_sink, attn_backward, attn_forward, sink_grad
+from cp_attention.kernels._common import check_window
 from cp_attention.kernels.sinks import check_sink
 from cp_attention.layout import RingLayout
 from cp_attention.merge import merge_, new_accumulators
@@ -46,8 +51,7 @@ KV_TAG, DKV_TAG = 0, 2  # KV halves A, B: 0, 1; dK/dV A, B, B home: 2, 3, 4
 def ring_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, group, causal: bool = True,
                    scale: float | None = None, backend: str = "auto",
                    stats: CommStats | None = None, sink=None, window: int | None = None):
-    """See the module docstring. A sliding window is refused here (see check_ring_window)."""
-    check_ring_window(window, "ring_attention")
+    """See the module docstring."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if plan.hierarchical_sizes[0] != 1:
         raise ValueError(f"ring_attention: the plan was made with hierarchical_sizes="
@@ -61,16 +65,9 @@ def ring_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, group, causal: bool = True
         raise ValueError("ring_attention: only causal attention is planned (causal=False is not "
                          "supported); use a single-device kernel for bidirectional attention")
     check_sink(sink, q_LHD.shape[1])
+    check_window(window, causal)
     return RingAttention.apply(q_LHD, k_LHD, v_LHD, sink, plan.ring, rank, group, scale, backend,
-                               stats)
-
-
-def check_ring_window(window: int | None, who: str) -> None:
-    """The ring's step kernels see zigzag chunks in local order, where the distance between a
-    query and a key is not their distance in the document, so a window cannot be applied there."""
-    if window is not None:
-        raise ValueError(f"{who}: sliding-window attention is not supported by the ring executor; "
-                         "set parallel.cp_backend=ulysses for models with sliding-window layers")
+                               stats, window)
 
 
 def check_local_shapes(q, k, v, tokens: int, who: str) -> None:
@@ -86,8 +83,8 @@ class RingAttention(torch.autograd.Function):
     """Autograd wrapper of ring_forward / ring_backward on one ring layout and ring rank."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sink, layout, rank, group, scale, backend, stats):
-        args = (layout, rank, group, scale, backend, stats)
+    def forward(ctx, q, k, v, sink, layout, rank, group, scale, backend, stats, window=None):
+        args = (layout, rank, group, scale, backend, stats, window)
         out, lse = ring_forward(q, k, v, *args, sink=sink)
         ctx.save_for_backward(q, k, v, sink, out, lse)
         ctx.args = args
@@ -100,7 +97,7 @@ class RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
         dsink = None if sink is None else sink_grad(dout, out, lse, sink)
-        return dq, dk, dv, dsink, None, None, None, None, None, None
+        return dq, dk, dv, dsink, None, None, None, None, None, None, None
 
 
 def _full(r: int, t: int, p: int) -> bool:
@@ -142,7 +139,7 @@ def _split_kv(kv, d: int):
 
 
 def ring_forward(q, k, v, layout: RingLayout, rank: int, group, scale, backend,
-                 stats: CommStats | None, sink=None):
+                 stats: CommStats | None, window: int | None = None, sink=None):
     """-> (out [L, Hq, Dv] q.dtype, lse [Hq, L] acc dtype), the sink (if any) merged last."""
     p, z = layout.size, layout.zigzag_tokens
     out_acc, lse_acc = new_accumulators(q, v.shape[-1])
@@ -153,9 +150,9 @@ def ring_forward(q, k, v, layout: RingLayout, rank: int, group, scale, backend,
         reqs, nxt = [], None
         if use_ring and t + 1 < p:
             reqs, nxt = routes.post(t, cur, cur[0].shape)
-        for _, spec, kv in _calls(layout, rank, t, k, v, cur):
+        for _, spec, kv in _calls(layout, rank, t, k, v, cur, window):
             o, lse = attn_forward(q, kv[0], kv[1], spec.cu_q, spec.cu_k, spec.max_q, spec.max_k,
-                                  spec.causal, scale, backend)
+                                  spec.causal, scale, backend, spec.window, spec.offset)
             merge_(out_acc, lse_acc, o, lse)
         wait_all(reqs)
         cur = nxt
@@ -164,17 +161,22 @@ def ring_forward(q, k, v, layout: RingLayout, rank: int, group, scale, backend,
     return out_acc.to(q.dtype), lse_acc
 
 
-def _calls(layout: RingLayout, rank: int, t: int, k, v, cur):
-    """(which, spec, (K, V)) kernel calls of step t that have work; which in local / a / b."""
-    spec_a, spec_b = layout.step(rank, t, k.device)
+def _calls(layout: RingLayout, rank: int, t: int, k, v, cur, window: int | None = None):
+    """(which, spec, (K, V)) kernel calls of step t that have work; which in local / a / b (a
+    sliding window may need several calls per block, see cp_attention/window_schedule.py)."""
+    if window is None:
+        specs_a, specs_b = ([s] for s in layout.step(rank, t, k.device))
+    else:
+        specs_a, specs_b = layout.window_step(rank, t, window, k.device)
     if t == 0:
-        blocks = [("local", spec_a, (k, v))]
+        blocks = [("local", s, (k, v)) for s in specs_a]
     elif cur is None:  # no ring tokens: every step after the first is empty
         return []
     else:
         d = k.shape[-1]
-        blocks = [("a", spec_a, _split_kv(cur[0], d)),
-                  ("b", spec_b, None if cur[1] is None else _split_kv(cur[1], d))]
+        kv_b = None if cur[1] is None else _split_kv(cur[1], d)
+        blocks = ([("a", s, _split_kv(cur[0], d)) for s in specs_a]
+                  + [("b", s, kv_b) for s in specs_b])
     return [(w, s, kv) for w, s, kv in blocks if s is not None and not s.empty]
 
 
@@ -229,7 +231,7 @@ class _Travel:
 
 
 def ring_backward(dout, q, k, v, out, lse, layout: RingLayout, rank: int, group, scale, backend,
-                  stats: CommStats | None):
+                  stats: CommStats | None, window: int | None = None):
     """-> (dq, dk, dv) in the input dtypes, accumulated in accumulate_dtype."""
     p, z = layout.size, layout.zigzag_tokens
     adt = accumulate_dtype(q.dtype)
@@ -246,11 +248,12 @@ def ring_backward(dout, q, k, v, out, lse, layout: RingLayout, rank: int, group,
         if use_ring and t + 1 < p:
             reqs, nxt = routes.post(t, cur, cur[0].shape)
         contrib = {}
-        for which, spec, kv in _calls(layout, rank, t, k, v, cur):
+        for which, spec, kv in _calls(layout, rank, t, k, v, cur, window):
             g = attn_backward(dout, q, kv[0], kv[1], out, lse, spec.cu_q, spec.cu_k, spec.max_q,
-                              spec.max_k, spec.causal, scale, backend)
+                              spec.max_k, spec.causal, scale, backend, spec.window, spec.offset)
             dq += g[0]
-            contrib[which] = torch.cat([g[1], g[2]], dim=-1).to(adt)
+            part = torch.cat([g[1], g[2]], dim=-1).to(adt)
+            contrib[which] = part if which not in contrib else contrib[which] + part
         if t == 0 and "local" in contrib:
             dk += contrib["local"][..., :k.shape[-1]]
             dv += contrib["local"][..., k.shape[-1]:]

@@ -20,7 +20,7 @@ to the real prefix keeps the alignment.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,7 +41,8 @@ class Piece:
 
 @dataclass(frozen=True)
 class StepSpec:
-    """One varlen kernel call: cu_q / cu_k int32 [n+1], host ints max_q / max_k."""
+    """One varlen kernel call: cu_q / cu_k int32 [n+1], host ints max_q / max_k; window and
+    offset as in kernels.attn_forward (sliding-window steps, window_schedule.py)."""
 
     cu_q: torch.Tensor
     cu_k: torch.Tensor
@@ -49,10 +50,11 @@ class StepSpec:
     max_k: int
     causal: bool
     empty: bool  # no query sees any key: the kernel call can be skipped
+    window: int | None = None
+    offset: int = 0
 
     def to(self, device: torch.device) -> StepSpec:
-        return StepSpec(self.cu_q.to(device), self.cu_k.to(device), self.max_q, self.max_k,
-                        self.causal, self.empty)
+        return replace(self, cu_q=self.cu_q.to(device), cu_k=self.cu_k.to(device))
 
 
 def _spec(segments: list[tuple[int, int]], causal: bool) -> StepSpec:

@@ -10,7 +10,7 @@ Shapes and dtypes as ring_attention (cp_attention/ring.py): q [L, Hq, D], k [L, 
 autograd-capable. sink [Hq] (gpt-oss) as in ring_attention: each rank passes the logits of the
 heads it computes to its kernel, so every row counts its head's sink once. window (sliding
 window): Ulysses runs every document whole in one kernel call, so it applies the window there;
-hierarchical refuses it (its ring cannot, see ring.check_ring_window).
+hierarchical passes it to its ring, which applies it chunk by chunk (cp_attention/window_schedule.py).
 
 Ulysses (P = group size): one all-to-all turns "my tokens, all heads" into "every rank's tokens,
 heads [r*Hq/P, (r+1)*Hq/P)"; the tokens are put back in physical order, one varlen kernel call
@@ -33,9 +33,10 @@ import torch.distributed as dist
 
 from cp_attention.comm import CommStats, _gather_heads, gather_heads, scatter_heads
 from cp_attention.kernels import varlen_attention
+from cp_attention.kernels._common import check_window
 from cp_attention.kernels.sinks import check_sink
 from cp_attention.plan import CPPlan
-from cp_attention.ring import RingAttention, check_local_shapes, check_ring_window
+from cp_attention.ring import RingAttention, check_local_shapes
 
 
 def check_heads(hq: int, hkv: int, size: int, who: str) -> None:
@@ -104,7 +105,6 @@ def hierarchical_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, inner_group, outer
                            backend: str = "auto", stats: CommStats | None = None, sink=None,
                            window: int | None = None):
     """See the module docstring. CP rank = outer_rank * inner + inner_rank."""
-    check_ring_window(window, "hierarchical_attention")
     inner, outer = plan.hierarchical_sizes
     got = (dist.get_world_size(inner_group), dist.get_world_size(outer_group))
     if got != (inner, outer):
@@ -117,10 +117,11 @@ def hierarchical_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, inner_group, outer
                        "hierarchical_attention")
     check_heads(q_LHD.shape[1], k_LHD.shape[1], inner, "hierarchical_attention")
     check_sink(sink, q_LHD.shape[1])
+    check_window(window, causal)
     counts = [plan.local_tokens(o * inner + j) for j in range(inner)]
     k_LHD, v_LHD = replicate_kv(k_LHD, v_LHD, inner)
     q_S, k_S, v_S = (scatter_heads(x, counts, inner_group, stats) for x in (q_LHD, k_LHD, v_LHD))
     out_S, lse_hS = RingAttention.apply(q_S, k_S, v_S, _head_slice(sink, i, inner), plan.ring, o,
-                                        outer_group, scale, backend, stats)
+                                        outer_group, scale, backend, stats, window)
     out = gather_heads(out_S, counts, inner_group, stats)
     return out, _gather_lse(lse_hS, counts, inner_group, stats)

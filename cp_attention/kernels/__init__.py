@@ -7,7 +7,11 @@
 Shape legend: T query tokens, S key tokens, Hq / Hkv heads (Hq % Hkv == 0, query head h uses kv
 head h // (Hq // Hkv)), D head dim of q / k, Dv of v / out (may differ: MLA), N documents.
 Options on every backend: window=W (sliding window: the W latest keys, bottom-right aligned;
-refused at start-up by a backend that cannot, see check_window_support) and, on
+refused at start-up by a backend that cannot, see check_window_support), offset=O (causal only:
+the alignment moved O keys on, so query i of a document sits at key position i + Lk - Lq + O for
+the causal bound and the window alike; the ring's zigzag blocks, whose query-key distance in the
+document is not their local one, need it; backends without it hand such calls to flex or refuse
+them, see offset_backend) and, on
 varlen_attention, sink=[Hq] (gpt-oss attention sinks, cp_attention.kernels.sinks). cu_q / cu_k: int32 [N+1] cumulative boundaries;
 max_q / max_k: host ints. Causal masks are bottom-right aligned per document (flash-attn >= 2.1):
 query i of a document with lengths (Lq, Lk) sees keys j <= i + Lk - Lq. Rows that see no key, and
@@ -39,51 +43,67 @@ from ._common import (
     doc_lengths,
     pad_head_dims,
 )
-from ._registry import BACKENDS, check_window_support, load_backend, resolve_backend
+from ._registry import (
+    BACKENDS,
+    check_window_support,
+    load_backend,
+    offset_backend,
+    resolve_backend,
+)
 from .sinks import add_sink, check_sink, sink_grad
 
 __all__ = ["BACKENDS", "accumulate_dtype", "add_sink", "batch_invariant", "batch_invariant_enabled",
-           "attn_backward", "attn_forward", "check_window_support", "reference_attention",
+           "attn_backward", "attn_forward", "check_window_support", "offset_backend",
+           "reference_attention",
            "resolve_backend", "sink_grad", "varlen_attention"]
 
 
-def _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal=True, window=None) -> None:
+def _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal=True, window=None,
+              offset=0) -> None:
     check_inputs(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k)
     check_window(window, causal)
+    if offset and not causal:
+        raise ValueError(f"offset={offset} moves the causal alignment and needs causal=True; "
+                         "pass offset=0 for causal=False")
     if cu_q.device.type == "cpu" and cu_k.device.type == "cpu":
         # Boundary values are checked only where reading them costs no device sync.
         doc_lengths(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], max_q, max_k)
 
 
-def _resolve(backend, q_THD, window):
+def _resolve(backend, q_THD, window, offset=0):
     name = resolve_backend(backend, q_THD.device, q_THD.dtype)
+    if offset:
+        name = offset_backend(name, q_THD.device)
     if window is not None:
         check_window_support(name, q_THD.device)
     return name
 
 
 def attn_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
-                 scale: float | None = None, backend: str = "auto", window: int | None = None):
+                 scale: float | None = None, backend: str = "auto", window: int | None = None,
+                 offset: int = 0):
     """q [T, Hq, D], k [S, Hkv, D], v [S, Hkv, Dv] -> (out [T, Hq, Dv] input dtype, lse [Hq, T]
     float32/64). window: each query sees at most the `window` latest keys of its document (its
-    own position included; bottom-right aligned like the causal mask); None = all of them."""
-    _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, window)
-    name = _resolve(backend, q_THD, window)
+    own position included; bottom-right aligned like the causal mask); None = all of them.
+    offset: the causal alignment moved (see the module docstring)."""
+    _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, window, offset)
+    name = _resolve(backend, q_THD, window, offset)
     scale = default_scale(scale, q_THD.shape[-1])
     dv = v_SHD.shape[-1]
     if name not in _NATIVE_DV and dv != q_THD.shape[-1]:
         q_THD, k_SHD, v_SHD = pad_head_dims(q_THD, k_SHD, v_SHD)
+    extra = {"offset": offset} if offset else {}
     out, lse = load_backend(name).forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal,
-                                          scale, window)
+                                          scale, window, **extra)
     return out[..., :dv], lse
 
 
 def attn_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q: int,
                   max_k: int, causal: bool, scale: float | None = None, backend: str = "auto",
-                  window: int | None = None):
+                  window: int | None = None, offset: int = 0):
     """-> (dq [T, Hq, D], dk [S, Hkv, D], dv [S, Hkv, Dv]) in the input dtype, for the passed
     (possibly globally merged) out [T, Hq, Dv] and lse [Hq, T]."""
-    _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, window)
+    _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, window, offset)
     want = (*q_THD.shape[:2], v_SHD.shape[-1])
     if out_THD.shape != want or dout_THD.shape != want:
         raise ValueError(f"out {tuple(out_THD.shape)} and dout {tuple(dout_THD.shape)} must be "
@@ -91,14 +111,15 @@ def attn_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, ma
     if lse_HT.shape != (q_THD.shape[1], q_THD.shape[0]):
         raise ValueError(f"lse must be [Hq, T] = {[q_THD.shape[1], q_THD.shape[0]]}; got "
                          f"{list(lse_HT.shape)} (transpose a [T, H] lse)")
-    name = _resolve(backend, q_THD, window)
+    name = _resolve(backend, q_THD, window, offset)
     scale = default_scale(scale, q_THD.shape[-1])
     d, dv = q_THD.shape[-1], v_SHD.shape[-1]
     if name not in _NATIVE_DV and dv != d:
         q_THD, k_SHD, v_SHD, out_THD, dout_THD = pad_head_dims(q_THD, k_SHD, v_SHD, out_THD,
                                                                dout_THD)
+    extra = {"offset": offset} if offset else {}
     gq, gk, gv = load_backend(name).backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q,
-                                             cu_k, max_q, max_k, causal, scale, window)
+                                             cu_k, max_q, max_k, causal, scale, window, **extra)
     return gq[..., :d], gk[..., :d], gv[..., :dv]
 
 
@@ -108,13 +129,13 @@ _NATIVE_DV = ("reference",)
 
 def reference_attention(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
                         scale: float | None = None, window: int | None = None,
-                        sink_H: torch.Tensor | None = None):
+                        sink_H: torch.Tensor | None = None, offset: int = 0):
     """Dense masked float64 attention: same contract as attn_forward (out in the input dtype);
     with `sink_H` the sink joins the softmax (see cp_attention.kernels.sinks)."""
-    _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, window)
+    _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, window, offset)
     check_sink(sink_H, q_THD.shape[1])
     out, lse = _reference.reference_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal,
-                                            scale, window)
+                                            scale, window, offset)
     return (out, lse) if sink_H is None else add_sink(out, lse, sink_H)
 
 

@@ -95,10 +95,10 @@ class Bucket:
         return self._additive[key]
 
 
-def _layout(causal: bool, lq: int, lk: int, window: int | None = None) -> str:
+def _layout(causal: bool, lq: int, lk: int, window: int | None = None, offset: int = 0) -> str:
     # The square shift layout costs Lk^2/2; the masked one Lq*Lk. Prefer no mask unless it wastes.
-    # A sliding window needs a mask tensor, so it always takes the masked layout.
-    return "shift" if causal and 2 * lq >= lk and window is None else "masked"
+    # A sliding window or an offset alignment needs a mask tensor: always the masked layout.
+    return "shift" if causal and 2 * lq >= lk and window is None and not offset else "masked"
 
 
 def _area(layout: str, pq: int, pk: int) -> int:
@@ -139,38 +139,45 @@ def _greedy(docs, layout):
     return runs + ([cur] if cur else [])
 
 
-def _doc_slots(layout, sq, lq, sk, lk, pq, pk, causal=False):
+def _doc_slots(layout, sq, lq, sk, lk, pq, pk, causal=False, window=None, offset=0):
     """One document's slots: (q_src [Pq], k_src [Pk], query-slot validity [Pq] bool, query
     token per slot [Pq], key validity [Pk] bool). Invalid slots gather the document's first token.
-    Causal queries that see no key (bottom-right, Lq > Lk) are invalid in either layout."""
+    Causal queries that see no key (bottom-right, Lq > Lk; or moved by `offset` before the first
+    key or, with a window, more than `window` past the last) are invalid in either layout."""
     slot_q, slot_k = torch.arange(pq), torch.arange(pk)
     first = lk - lq if layout == "shift" else 0  # slot of query 0; negative = rows that see nothing
     tok_q = sq + slot_q - first
     valid_q = (slot_q >= max(first, 0)) & (slot_q < first + lq)
     if causal and layout == "masked":
-        valid_q &= slot_q + lk - lq >= 0
+        row = slot_q + lk - lq + offset  # the last key position each query may see
+        valid_q &= row >= 0
+        if window is not None:
+            valid_q &= row - window < lk - 1
     valid_k = slot_k < lk
     q_src = torch.where(valid_q, tok_q, sq)
     k_src = torch.where(valid_k, sk + slot_k, sk)
     return q_src, k_src, valid_q, tok_q, valid_k
 
 
-def _doc_mask(layout, causal, lq, lk, pq, pk, window=None):
-    """bool [1, Pq or 1, Pk] for the masked layout: key padding, plus bottom-right causal, plus
-    the sliding window on real query rows (padded rows keep keys so no row is all -inf)."""
+def _doc_mask(layout, causal, lq, lk, pq, pk, window=None, offset=0):
+    """bool [1, Pq or 1, Pk] for the masked layout: key padding, plus bottom-right causal moved by
+    `offset`, plus the sliding window on real query rows (padded rows keep keys so that no row is
+    all -inf; real rows that see no key are left out by _doc_slots)."""
     key_ok = torch.arange(pk) < lk
     if not causal:
         return key_ok.view(1, 1, pk)
-    rows = torch.arange(pq)[:, None] + (lk - lq)
+    rows = torch.arange(pq)[:, None] + (lk - lq + offset)
     cols = torch.arange(pk)[None, :]
-    ok = key_ok[None, :] & (cols <= rows)
+    padded = torch.arange(pq)[:, None] >= lq
+    ok = key_ok[None, :] & ((cols <= rows) | padded)
     if window is not None:
-        ok &= (cols > rows - window) | (torch.arange(pq)[:, None] >= lq)
+        ok &= (cols > rows - window) | padded
     return ok.view(1, pq, pk)
 
 
 def build_bucket(layout, causal, members, starts_q, lens_q, starts_k, lens_k,
-                 pad_to: int = 0, ends=(0, 0), window: int | None = None) -> Bucket:
+                 pad_to: int = 0, ends=(0, 0), window: int | None = None,
+                 offset: int = 0) -> Bucket:
     """Stack the slots of the documents in `members` (document indices) into one Bucket.
     A "shift" bucket whose length is within PAD_WINDOW of `pad_to` is padded up to it.
     ends = (T, S): the real token counts (see _mark_in_place)."""
@@ -180,12 +187,12 @@ def build_bucket(layout, causal, members, starts_q, lens_q, starts_k, lens_k,
     if layout == "shift" and pad_to - PAD_WINDOW <= pk < pad_to:
         pk = pad_to
     pq = pk if layout == "shift" else max(lq)
-    parts = [_doc_slots(layout, starts_q[i], lens_q[i], starts_k[i], lens_k[i], pq, pk, causal)
-             for i in members]
+    parts = [_doc_slots(layout, starts_q[i], lens_q[i], starts_k[i], lens_k[i], pq, pk, causal,
+                        window, offset) for i in members]
     q_src, k_src, valid_q, tok_q, valid_k = (torch.cat(t) for t in zip(*parts, strict=False))
     mask = None
     if layout == "masked" and (causal or min(lk) < pk):
-        mask = torch.stack([_doc_mask(layout, causal, a, b, pq, pk, window)
+        mask = torch.stack([_doc_mask(layout, causal, a, b, pq, pk, window, offset)
                             for a, b in zip(lq, lk, strict=False)])
     b = Bucket(layout, len(members), pq, pk, q_src, k_src,
                q_pos=valid_q.nonzero().flatten(), q_tok=tok_q[valid_q],
@@ -209,17 +216,18 @@ def _mark_in_place(b: Bucket, sq: int, lq: int, sk: int, lk: int, ends) -> None:
 
 @lru_cache(maxsize=64)
 def plan_buckets(bounds_q: tuple, bounds_k: tuple, causal: bool, pad_to: int = 0,
-                 invariant: bool = False, window: int | None = None) -> tuple[Bucket, ...]:
+                 invariant: bool = False, window: int | None = None,
+                 offset: int = 0) -> tuple[Bucket, ...]:
     """Buckets covering every document with at least one query and one key (see build_bucket
     for pad_to). `invariant`: one bucket per document (see batch_invariant); `window`: a causal
-    sliding window (masked layout)."""
+    sliding window, `offset`: the causal alignment moved (both in the masked layout)."""
     starts_q, starts_k = bounds_q[:-1], bounds_k[:-1]
     lens_q = [b - a for a, b in zip(bounds_q[:-1], bounds_q[1:], strict=False)]
     lens_k = [b - a for a, b in zip(bounds_k[:-1], bounds_k[1:], strict=False)]
     by_layout: dict[str, list] = {}
     for i, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=False)):
         if lq > 0 and lk > 0:
-            by_layout.setdefault(_layout(causal, lq, lk, window), []).append((i, lq, lk))
+            by_layout.setdefault(_layout(causal, lq, lk, window, offset), []).append((i, lq, lk))
     buckets = []
     for layout, docs in by_layout.items():
         docs.sort(key=lambda d: (d[2], d[1]), reverse=True)
@@ -227,5 +235,5 @@ def plan_buckets(bounds_q: tuple, bounds_k: tuple, causal: bool, pad_to: int = 0
         for run in runs:
             members = [docs[j][0] for j in run]
             buckets.append(build_bucket(layout, causal, members, starts_q, lens_q, starts_k, lens_k,
-                                        pad_to, (bounds_q[-1], bounds_k[-1]), window))
+                                        pad_to, (bounds_q[-1], bounds_k[-1]), window, offset))
     return tuple(buckets)

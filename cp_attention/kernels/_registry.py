@@ -60,3 +60,17 @@ def check_window_support(name: str, device: torch.device) -> None:
     reason = reason_fn(torch.device(device)) if reason_fn is not None else None
     if reason is not None:
         raise RuntimeError(f"attention backend {name!r} cannot apply a sliding window: {reason}")
+
+
+def offset_backend(name: str, device: torch.device) -> str:
+    """The backend that runs a call with an offset alignment (attn_forward(offset=)) for resolved
+    backend `name`: itself when its module sets TAKES_OFFSET, else flex (a torch path) where flex
+    runs and takes the window; otherwise a one-line error (never a silently misaligned mask)."""
+    if getattr(load_backend(name), "TAKES_OFFSET", False):
+        return name
+    device = torch.device(device)
+    if _unavailable_reason("flex", device) is None:
+        return "flex"
+    raise RuntimeError(f"attention backend {name!r} cannot move its causal/window alignment "
+                       "(offset, needed by sliding windows under ring CP) and flex is unavailable "
+                       f"on {device.type}; use attention_backend=flex or parallel.cp_backend=ulysses")

@@ -40,6 +40,9 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+TAKES_OFFSET = True  # see cp_attention.kernels.attn_forward(offset=)
+
+
 def _doc_index(cu, total, device):
     """(doc id [total] with -1 past cu[-1], position inside the document [total])."""
     t = torch.arange(total, device=device)
@@ -50,15 +53,15 @@ def _doc_index(cu, total, device):
     return torch.where(inside, doc, -1), pos
 
 
-def block_mask(cu_q, cu_k, total_q, total_k, causal, device, window=None):
-    """flex BlockMask for packed documents (bottom-right causal when asked, and within the
-    `window` latest keys when given: blocks wholly outside it are skipped)."""
+def block_mask(cu_q, cu_k, total_q, total_k, causal, device, window=None, offset=0):
+    """flex BlockMask for packed documents (bottom-right causal when asked, moved `offset` keys
+    on, and within the `window` latest keys when given: blocks wholly outside are skipped)."""
     flex = _flex()
     doc_q, pos_q = _doc_index(cu_q, total_q, device)
     doc_k, pos_k = _doc_index(cu_k, total_k, device)
     lens_q = (cu_q[1:] - cu_q[:-1]).to(device=device, dtype=torch.long)
     lens_k = (cu_k[1:] - cu_k[:-1]).to(device=device, dtype=torch.long)
-    shift = (lens_k - lens_q)[doc_q.clamp_min(0)]  # Lk - Lq of each query's document
+    shift = (lens_k - lens_q + offset)[doc_q.clamp_min(0)]  # Lk - Lq (+ offset) per query
     k_doc = torch.where(doc_k < 0, -2, doc_k)  # padding keys match no query
 
     def mask_mod(b, h, qi, ki):
@@ -92,19 +95,22 @@ def _local(q_THD, k_SHD, v_SHD, mask, scale):
     return out[0].transpose(0, 1), lse[0]
 
 
-def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None, window=None):
+def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None, window=None,
+            offset=0):
     """-> (out [T, Hq, D] input dtype, lse [Hq, T] float32, float64 for float64 inputs)."""
     scale = default_scale(scale, q_THD.shape[-1])
-    mask = block_mask(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal, q_THD.device, window)
+    mask = block_mask(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal, q_THD.device, window,
+                      offset)
     out, lse = _local(q_THD, k_SHD, v_SHD, mask, scale)
     lse = torch.where(torch.isfinite(lse), lse, float("-inf")).to(accumulate_dtype(q_THD.dtype))
     return out.masked_fill((lse == float("-inf")).t()[..., None], 0), lse
 
 
 def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k, causal,
-             scale=None, window=None):
+             scale=None, window=None, offset=0):
     """Block gradients for a passed (possibly merged) out / lse; -> (dq, dk, dv)."""
     scale = default_scale(scale, q_THD.shape[-1])
-    mask = block_mask(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal, q_THD.device, window)
+    mask = block_mask(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal, q_THD.device, window,
+                      offset)
     local = lambda q, k, v: _local(q, k, v, mask, scale)
     return external_lse_grads(local, dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT)

@@ -13,9 +13,9 @@ from ._common import accumulate_dtype, default_scale
 
 
 def doc_mask_TS(cu_q, cu_k, total_q: int, total_k: int, causal: bool,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, offset: int = 0) -> torch.Tensor:
     """bool [T, S]: query t may attend key s (same document, bottom-right causal when asked,
-    and within the `window` latest keys when given)."""
+    moved `offset` keys further on, and within the `window` latest keys when given)."""
     bq, bk = cu_q.tolist(), cu_k.tolist()
     doc_q = torch.full((total_q,), -1, dtype=torch.long)
     doc_k = torch.full((total_k,), -2, dtype=torch.long)
@@ -28,7 +28,7 @@ def doc_mask_TS(cu_q, cu_k, total_q: int, total_k: int, causal: bool,
         doc_k[bk[i]:bk[i + 1]] = i
         pos_q[bq[i]:bq[i + 1]] = torch.arange(lq)
         pos_k[bk[i]:bk[i + 1]] = torch.arange(lk)
-        shift[bq[i]:bq[i + 1]] = lk - lq
+        shift[bq[i]:bq[i + 1]] = lk - lq + offset
     mask = doc_q[:, None] == doc_k[None, :]
     if causal:
         mask &= pos_k[None, :] <= (pos_q + shift)[:, None]
@@ -45,10 +45,10 @@ def _scores_HTS(q_THD, k_SHD, mask_TS, scale):
 
 
 def reference_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None,
-                      window=None):
+                      window=None, offset=0):
     """-> (out_THDv in q's dtype, lse_HT float32/float64); computed in float64."""
     scale = default_scale(scale, q_THD.shape[-1])
-    mask_TS = doc_mask_TS(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal, window)
+    mask_TS = doc_mask_TS(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal, window, offset)
     s_HTS = _scores_HTS(q_THD, k_SHD, mask_TS, scale)
     # Double where: rows that see no key get lse -inf without NaN gradients under autograd.
     seen_HT = mask_TS.any(-1).expand(s_HTS.shape[:2])
@@ -62,13 +62,13 @@ def reference_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, sca
 
 
 def reference_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k,
-                       causal, scale=None, window=None):
+                       causal, scale=None, window=None, offset=0):
     """Gradients of this block given a (possibly larger, merged) (out, lse): float64 maths,
     results in the input dtype. dS = P * (dP - rowsum(dout * out)), P = exp(S - lse)."""
     scale = default_scale(scale, q_THD.shape[-1])
     hq, hkv = q_THD.shape[1], k_SHD.shape[1]
     g = hq // hkv
-    mask_TS = doc_mask_TS(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal, window)
+    mask_TS = doc_mask_TS(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], causal, window, offset)
     s_HTS = _scores_HTS(q_THD, k_SHD, mask_TS, scale)
     lse = lse_HT.double()
     # Rows that see no key anywhere (lse = -inf) carry no gradient.

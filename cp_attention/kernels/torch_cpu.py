@@ -42,15 +42,17 @@ _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 # reduced-precision buckets from 600 to 767 rows are padded to 768, the kernel's big-block path,
 # and run in bf16. The forward is not padded (no such cliff there) and stays in the input dtype
 # (bf16 is 2-3x faster than float32 there).
+TAKES_OFFSET = True  # see cp_attention.kernels.attn_forward(offset=)
 SMALL_BLOCK_LEN = 768  # below this many rows the backward runs in float32
 BIG_BLOCK_LEN = 768
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
-def _plan(cu_q, cu_k, causal, dtype, backward: bool = False, window: int | None = None):
+def _plan(cu_q, cu_k, causal, dtype, backward: bool = False, window: int | None = None,
+          offset: int = 0):
     pad_to = BIG_BLOCK_LEN if backward and dtype in _REDUCED else 0
     return plan_buckets(tuple(cu_q.tolist()), tuple(cu_k.tolist()), bool(causal), pad_to,
-                        invariant_enabled(), window)
+                        invariant_enabled(), window, offset)
 
 
 def _backward_dtype(dtype, bk: Bucket):
@@ -139,10 +141,12 @@ def _forward_bucket(q_THD, k_SHD, v_SHD, bk: Bucket, scale):
     o, lse = _fwd(q, k, v, 0.0, bk.layout == "shift",
                   attn_mask=bk.additive_mask(q.dtype, q.device), scale=scale)
     lse = lse.reshape(hq, bk.pq) if bk.q_slice is not None else lse.transpose(0, 1).reshape(hq, -1)
+    rows = _rows(o, bk, hq)
     dead = _keyless_rows(bk)
-    if dead is not None:
+    if dead is not None:  # in-place buckets keep such rows: out 0 like every row without a key
         lse = lse.masked_fill(dead.to(lse.device), float("-inf"))
-    return _rows(o, bk, hq), lse
+        rows = rows.masked_fill(dead.to(rows.device)[:, None, None], 0)
+    return rows, lse
 
 
 def _keyless_rows(bk: Bucket):
@@ -155,19 +159,22 @@ def _keyless_rows(bk: Bucket):
     return dead if bool(dead.any()) else None
 
 
-def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None, window=None):
+def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None, window=None,
+            offset=0):
     """-> (out_THD in the input dtype, lse_HT float32, or float64 for float64 inputs).
-    A sliding window runs on aten's kernel with a mask (our C++ kernels have no window)."""
+    A sliding window or an offset runs on aten's kernel with a mask (our C++ kernels have
+    neither)."""
     t, hq, d = q_THD.shape
     scale = default_scale(scale, d)
     # brgemm_forward: 2.7-3.9x aten's kernel on 2048-8192-token rows (see its module docstring);
     # per document by construction, so batch_invariant() needs nothing more from it.
-    if (window is None and _causal_self_bf16((q_THD, k_SHD, v_SHD), cu_q, cu_k, causal)
+    if (window is None and not offset
+            and _causal_self_bf16((q_THD, k_SHD, v_SHD), cu_q, cu_k, causal)
             and d <= 256 and brgemm_forward.available()):
         res = brgemm_forward.try_varlen_causal_forward(q_THD, k_SHD, v_SHD, cu_q, scale)
         if res is not None:
             return res
-    plan = _plan(cu_q, cu_k, causal, q_THD.dtype, window=window)
+    plan = _plan(cu_q, cu_k, causal, q_THD.dtype, window=window, offset=offset)
     tiles = _tiling(plan, t, k_SHD.shape[0])
     plan = tiles or plan
     res = [_forward_bucket(q_THD, k_SHD, v_SHD, bk, scale) for bk in plan]
@@ -243,17 +250,17 @@ def _brgemm_backward_eligible(tensors, cu_q, cu_k, causal) -> bool:
 
 
 def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k, causal,
-             scale=None, window=None):
+             scale=None, window=None, offset=0):
     """Gradients of this block for a (possibly larger, merged) (out, lse): (dq_THD, dk_SHD,
     dv_SHD) in the input dtype. The kernel computes rowsum(dout * out) from the out passed."""
     scale = default_scale(scale, q_THD.shape[2])
-    if window is None and _brgemm_backward_eligible((dout_THD, q_THD, k_SHD, v_SHD, out_THD),
+    if window is None and not offset and _brgemm_backward_eligible((dout_THD, q_THD, k_SHD, v_SHD, out_THD),
                                                     cu_q, cu_k, causal):
         grads = amx_backward.try_varlen_causal_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD,
                                                         kernel_lse(lse_HT), cu_q, scale)
         if grads is not None:
             return grads
-    plan = _plan(cu_q, cu_k, causal, q_THD.dtype, backward=True, window=window)
+    plan = _plan(cu_q, cu_k, causal, q_THD.dtype, backward=True, window=window, offset=offset)
     tiles = _tiling(plan, q_THD.shape[0], k_SHD.shape[0])
     plan = tiles or plan
     inputs = {}  # compute dtype -> inputs cast once for every bucket that needs them

@@ -83,22 +83,20 @@ def _a2a_size(dims, cfg: ParallelConfig) -> int:
 
 
 def check_attention_features(model: nn.Module, dims, cfg: ParallelConfig) -> None:
-    """Sliding windows need a CP executor and a kernel backend that can apply them: refused
-    here, at start-up, rather than by the first forward."""
+    """Sliding windows need a kernel backend that can apply them, and under ring or hierarchical
+    CP one that can also move the window's alignment (the zigzag blocks' offsets, see
+    kernels.offset_backend): refused here, at start-up, rather than by the first forward."""
     windows = [layer.attn.window for layer in getattr(model, "layers", [])
                if getattr(layer.attn, "window", None) is not None]
     if not windows:
         return
-    cp_runs = dims.cp > 1 or cfg.dynamic_cp
-    if cp_runs and cfg.cp_backend != "ulysses":
-        raise ValueError(f"model.sliding_window={windows[0]} with parallel.cp_backend="
-                         f"{cfg.cp_backend}: the ring cannot apply a window; set "
-                         "parallel.cp_backend=ulysses")
-    backend = model.cfg.attention_backend
-    if backend != "auto":
-        from cp_attention.kernels import check_window_support
+    from cp_attention.kernels import check_window_support, offset_backend, resolve_backend
 
-        check_window_support(backend, next(model.parameters()).device)
+    backend, device = model.cfg.attention_backend, next(model.parameters()).device
+    if backend != "auto":
+        check_window_support(backend, device)
+    if (dims.cp > 1 or cfg.dynamic_cp) and cfg.cp_backend != "ulysses":
+        check_window_support(offset_backend(resolve_backend(backend, device), device), device)
 
 
 def check_supported(dims, cfg: ParallelConfig) -> None:

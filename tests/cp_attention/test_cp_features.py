@@ -1,8 +1,9 @@
 """The attention features of pretrained MoE families through every CP executor, on one 4-process
 gloo group against a float64 reference written with plain tensor maths (cp_cases.dense_reference):
 a value head dim != the query/key head dim (MLA), attention sinks (gpt-oss; the sink counted once
-per row and its gradient summed over the CP ranks) and sliding windows (Ulysses; the ring refuses
-them in one line). Output, LSE, dq/dk/dv/dsink to 1e-10."""
+per row and its gradient summed over the CP ranks) and sliding windows (Ulysses, the ring and
+hierarchical; windows below, at and above the zigzag chunk length, and wider than whole
+documents). Output, LSE, dq/dk/dv/dsink to 1e-10."""
 
 import pytest
 import torch
@@ -55,6 +56,14 @@ def _check(call, case, plan, rank, window=None, with_sink=True, group=None):
         assert_close_local("dsink", dsink, ref[5], 1e-10)
 
 
+def _ring_window(case, p: int, n: int) -> int | None:
+    """A window for the n-th ring case: none, 1, the chunk length C of the case's longest zigzag
+    candidate (slot / 2P), C + 1, 2C - 1 or wider than any document, so blocks are skipped, full
+    and banded."""
+    c = max(max(case["slots"]) // (2 * p), 1)
+    return (None, 1, c, c + 1, max(2 * c - 1, 1), 4 * max(case["slots"]))[n % 6]
+
+
 def _worker(rank, world, cases2, cases4, cases_h):
     pair = dist.new_group([0, 1])
     inner = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
@@ -65,9 +74,12 @@ def _worker(rank, world, cases2, cases4, cases_h):
             continue
         for n, case in enumerate(cases):
             plan = plan_case(case, p)
-            ring = lambda q, k, v, s, plan=plan, group=group: ring_attention(q, k, v, plan, group,
-                                                                             sink=s)
-            _check(ring, case, plan, rank, with_sink=n % 3 != 2, group=group)
+            rw = _ring_window(case, p, n)
+
+            def ring(q, k, v, s, plan=plan, group=group, rw=rw):
+                return ring_attention(q, k, v, plan, group, sink=s, window=rw)
+
+            _check(ring, case, plan, rank, rw, with_sink=n % 3 != 2, group=group)
             window = (1, 3, 17)[n % 3]
 
             def uly(q, k, v, s, plan=plan, group=group, window=window):
@@ -75,13 +87,14 @@ def _worker(rank, world, cases2, cases4, cases_h):
 
             _check(uly, case, plan, rank, window, with_sink=n % 2 == 0, group=group)
             checked += 2
-    for case in cases_h:
+    for n, case in enumerate(cases_h):
         plan = plan_case(case, 4, hierarchical_sizes=[2, 2])
+        hw = _ring_window(case, 2, n + 1)
 
-        def hier(q, k, v, s, plan=plan):
-            return hierarchical_attention(q, k, v, plan, inner, outer, sink=s)
+        def hier(q, k, v, s, plan=plan, hw=hw):
+            return hierarchical_attention(q, k, v, plan, inner, outer, sink=s, window=hw)
 
-        _check(hier, case, plan, rank, group=dist.group.WORLD)
+        _check(hier, case, plan, rank, hw, group=dist.group.WORLD)
         checked += 1
     _check_refusals(rank, cases4[0])
     return checked
@@ -91,17 +104,17 @@ def _check_refusals(rank, case):
     plan = plan_case(case, 4)
     t = plan.local_tokens(rank)
     q, kv = torch.zeros(t, HQ, D), torch.zeros(t, HKV, D)
-    with pytest.raises(ValueError, match="not supported by the ring executor; set parallel.cp_backend=ulysses"):
-        ring_attention(q, kv, kv, plan, dist.group.WORLD, window=4)
+    with pytest.raises(ValueError, match="window=0 must be a positive int"):
+        ring_attention(q, kv, kv, plan, dist.group.WORLD, window=0)
     with pytest.raises(ValueError, match=r"sink must be one logit per query head \[4\]"):
         ring_attention(q, kv, kv, plan, dist.group.WORLD, sink=torch.zeros(3))
 
 
 @pytest.mark.multirank
 def test_value_head_dim_sinks_and_windows_exact_through_ring_ulysses_hierarchical():
-    cases2 = make_cases(400, 2, 3) + hypothesis_cases(2, 2)
-    cases4 = make_cases(401, 4, 3) + hypothesis_cases(4, 2)
-    cases_h = make_cases(402, 2, 2, multiple=8) + hypothesis_cases(2, 1, multiple=8)
+    cases2 = make_cases(400, 2, 4) + hypothesis_cases(2, 2)
+    cases4 = make_cases(401, 4, 4) + hypothesis_cases(4, 2)
+    cases_h = make_cases(402, 2, 3, multiple=8) + hypothesis_cases(2, 2, multiple=8)
     res = run_distributed(_worker, 4, args=(cases2, cases4, cases_h), timeout=400)
     n2, n4, nh = 2 * len(cases2), 2 * len(cases4), len(cases_h)
     assert res == [n2 + n4 + nh, n2 + n4 + nh, n4 + nh, n4 + nh]

@@ -1,5 +1,6 @@
 """Dynamic-CP's cost model counts sliding-window layers by the pairs they compute."""
 
+import numpy as np
 import pytest
 
 from cp_attention.dynamic_cost import DynamicCPCost
@@ -13,6 +14,16 @@ def _brute_pairs(n, w):
 def test_window_pairs_count_each_querys_visible_keys(n):
     cost = DynamicCPCost(a=0.0, b=0.0, c_window=1.0, window=128)
     assert cost.window_pairs(n) == _brute_pairs(n, 128)
+
+
+def test_window_pairs_of_an_array_of_lengths_elementwise():
+    """The scheduler costs arrays of sequence lengths at once (a windowed model under
+    Dynamic-CP): lengths below and above the window in one array."""
+    cost = DynamicCPCost(a=0.0, b=0.0, c_window=1.0, window=128)
+    lengths = np.array([1, 5, 128, 129, 1000])
+    want = [_brute_pairs(int(n), 128) for n in lengths]
+    assert cost.window_pairs(lengths).tolist() == want
+    assert cost.compute_seconds(lengths, 2).tolist() == [w / 2 for w in want]
 
 
 def test_windowed_layers_cost_their_pairs_not_the_causal_square():

@@ -67,20 +67,24 @@ def packs(draw):
 
 
 @settings(max_examples=60)
-@given(packs())
-def test_float64_matches_reference(case):
+@given(packs(), st.one_of(st.just(0), st.integers(-30, 30)))
+def test_float64_matches_reference(case, offset):
+    """offset (causal only): the alignment moved, as the ring's windowed zigzag blocks use it."""
     lens_q, lens_k, hq, hkv, pad, causal, seed, window, dv = case
+    offset = offset if causal else 0
     q, k, v, dout, cu_q, cu_k, mq, mk = _make(lens_q, lens_k, hq, hkv, 8, pad, torch.float64, seed,
                                               dv)
     args = (cu_q, cu_k, mq, mk, causal)
-    out, lse = attn_forward(q, k, v, *args, backend="torch_cpu", window=window)
-    ref_out, ref_lse = reference_attention(q, k, v, *args, window=window)
+    out, lse = attn_forward(q, k, v, *args, backend="torch_cpu", window=window, offset=offset)
+    ref_out, ref_lse = reference_attention(q, k, v, *args, window=window, offset=offset)
     assert out.dtype == torch.float64 and lse.dtype == torch.float64
     torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
     _assert_lse(lse, ref_lse, 1e-10)
     assert torch.all(out[ref_lse.t() == NEG_INF] == 0)  # rows that see nothing: exactly 0
-    grads = attn_backward(dout, q, k, v, out, lse, *args, backend="torch_cpu", window=window)
-    ref_grads = reference_backward(dout, q, k, v, ref_out, ref_lse, *args, window=window)
+    grads = attn_backward(dout, q, k, v, out, lse, *args, backend="torch_cpu", window=window,
+                          offset=offset)
+    ref_grads = reference_backward(dout, q, k, v, ref_out, ref_lse, *args, window=window,
+                                   offset=offset)
     for g, r in zip(grads, ref_grads, strict=True):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
@@ -199,9 +203,9 @@ def test_padded_big_block_layout_is_exact(monkeypatch):
 
     pad_to = {}
     monkeypatch.setattr(torch_cpu, "_plan", lambda cu_q, cu_k, causal, dtype, backward=False,
-                        window=None: _buckets.plan_buckets(tuple(cu_q.tolist()),
-                                                           tuple(cu_k.tolist()), bool(causal),
-                                                           pad_to["len"], False, window))
+                        window=None, offset=0: _buckets.plan_buckets(
+                            tuple(cu_q.tolist()), tuple(cu_k.tolist()), bool(causal),
+                            pad_to["len"], False, window, offset))
     cases = [  # (pad length, lens_q, lens_k): a gathered padded bucket; then a one-document
         # bucket padded in place (the 20-token documents after it fill its padded slots)
         (64, [5, 1, 17, 9, 31, 2, 40], [7, 1, 17, 12, 31, 1, 40]),
@@ -367,12 +371,13 @@ def test_flex_document_mask_forward_on_cpu(monkeypatch):
     monkeypatch.setattr(flex, "flex_attention", counting)
     # flex imports on this torch, so the CPU refusal names the device, not the torch release.
     assert "only fast on CUDA" in flex_backend.unavailable_reason(torch.device("cpu"))
-    for causal in (True, False):
+    for causal, window, offset in ((True, None, 0), (False, None, 0), (True, 2, 3), (True, 4, -2)):
         q, k, v, _, cu_q, cu_k, mq, mk = _make([3, 1, 5, 2], [6, 0, 5, 1], 4, 2, 8, 2,
                                                torch.float64, 1)
-        out, lse = flex_backend.forward(q, k, v, cu_q, cu_k, mq, mk, causal)
+        out, lse = flex_backend.forward(q, k, v, cu_q, cu_k, mq, mk, causal, None, window, offset)
         assert len(calls) == 1 and isinstance(calls.pop(), flex.BlockMask)
-        ref_out, ref_lse = reference_attention(q, k, v, cu_q, cu_k, mq, mk, causal)
+        ref_out, ref_lse = reference_attention(q, k, v, cu_q, cu_k, mq, mk, causal,
+                                               window=window, offset=offset)
         torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
         _assert_lse(lse, ref_lse, 1e-10)
 
@@ -467,3 +472,19 @@ def test_accumulate_dtype_is_float64_only_for_float64():
     assert accumulate_dtype(torch.float64) == torch.float64
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         assert accumulate_dtype(dt) == torch.float32
+
+
+def test_offset_goes_to_a_backend_that_takes_it_or_is_refused():
+    """A call with an offset alignment (the ring's windowed zigzag blocks) runs on the backend
+    asked for when it takes one, else on flex where flex runs, else is refused in one line."""
+    from cp_attention.kernels import offset_backend
+
+    cpu = torch.device("cpu")
+    assert offset_backend("torch_cpu", cpu) == "torch_cpu"
+    assert offset_backend("reference", cpu) == "reference"
+    for name in ("flash_attn", "torch_varlen"):  # no offset; flex does not run on CPU
+        with pytest.raises(RuntimeError, match=f"{name}' cannot move its causal/window alignment"):
+            offset_backend(name, cpu)
+    q, k, v, _, cu_q, cu_k, mq, mk = _make([4], [4], 2, 2, 8, 0, torch.float64, 0)
+    with pytest.raises(ValueError, match="offset=2 moves the causal alignment and needs causal"):
+        attn_forward(q, k, v, cu_q, cu_k, mq, mk, False, offset=2)

@@ -1,5 +1,6 @@
 """The CP planner and schedule on one process: every physical token owned once, shard/unshard
-inverse, the union of all ring steps' kernel calls equals the causal mask exactly (each pair once),
+inverse, the union of all ring steps' kernel calls equals the causal mask exactly (each pair once;
+under a sliding window the windowed mask),
 planned cost recomputed by brute force, balance and set-up errors. Plus the fp32 merge."""
 
 import math
@@ -68,6 +69,46 @@ def test_ring_schedule_covers_the_causal_mask_exactly_once(pack):
     if plan.ring.zigzag_tokens == 0:
         assert all(s is None or s.empty for r in range(p) for t in range(1, p)
                    for s in plan.ring.step(r, t))
+
+
+def _window_pairs(plan, r, t, window):
+    """Physical (query, key) pairs of ring rank r at step t under a sliding window, per call."""
+    ring = plan.ring
+    src = (r + t) % ring.size
+    q_idx = ring.index[r]
+    keys = ([ring.index[r], None] if t == 0
+            else [ring.index[src][rows] for rows in ring.chunk_rows(src)])
+    per_call = []
+    for specs, k_idx in zip(ring.window_step(r, t, window), keys, strict=True):
+        for spec in specs:
+            cq, ck, pairs = spec.cu_q.tolist(), spec.cu_k.tolist(), []
+            for i in range(len(cq) - 1):
+                lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+                for a in range(lq):
+                    last = a + lk - lq + spec.offset  # the last key this query may see
+                    for b in range(lk):
+                        if not spec.causal or (b <= last and (spec.window is None
+                                                              or b > last - spec.window)):
+                            pairs.append((int(q_idx[cq[i] + a]), int(k_idx[ck[i] + b])))
+            per_call.append(pairs)
+    return per_call
+
+
+@settings(max_examples=60)
+@given(packs(), st.integers(1, 40))
+def test_windowed_ring_schedule_covers_the_window_mask_exactly_once(pack, window):
+    """Under a sliding window the ring's calls (window_schedule.py) cover exactly the pairs whose
+    distance in the document is below the window, each once, and no call is without work."""
+    p, lens, slots, placement, max_imb = pack
+    plan = plan_cp(cu_of(lens), cu_of(slots), p, placement=placement, max_imbalance=max_imb)
+    calls = [c for r in range(p) for t in range(p) for c in _window_pairs(plan, r, t, window)]
+    assert all(calls), "a kernel call in which no query sees a key"
+    got = [pr for c in calls for pr in c]
+    assert len(got) == len(set(got)), "a query-key pair is computed twice"
+    assert set(got) == {(i, j) for i, j in _causal_pairs(lens, slots) if i - j < window}
+    if window == 1:  # every query sees only itself: nothing to compute after the first step
+        assert all(not c for r in range(p) for t in range(1, p)
+                   for c in _window_pairs(plan, r, t, window))
 
 
 @settings(max_examples=40)

@@ -49,11 +49,14 @@ AUX_OFF = ["model.aux_loss_coeff=0", "model.z_loss_coeff=0"]
 DYNAMIC = ["parallel.dynamic_cp=true", f"parallel.max_tokens_per_rank={CAPACITY}"]
 # (layout, max_cp). world 4: DP2 x CP2 attention, EP2 experts (ring, Ulysses, and hierarchical
 # with an all-to-all of 2: runs of 2 ranks run Ulysses, the whole block 2 x a ring of 2 across
-# DP), sub-groups up to the whole block; world 8: DP2 x CP4 / EP4, sub-groups up to 8 ranks
+# DP), sub-groups up to the whole block; world 8: DP2 x CP4 / EP4, sub-groups up to 8 ranks.
+# The hierarchical layout's model has a sliding-window layer (5 keys: shorter than the 40-token
+# document's zigzag chunks on the ring of 2, longer than the short documents) and a full one.
+WINDOWED = ["model.sliding_window=5", "model.layer_types=[sliding_attention, full_attention]"]
 WORLD4 = [(["parallel.cp=2", "parallel.ep=2"], 4),
           (["parallel.cp=2", "parallel.ep=2", "parallel.cp_backend=ulysses"], 4),
           (["parallel.cp=2", "parallel.ep=2", "parallel.cp_backend=hierarchical",
-            "parallel.hierarchical_sizes=[2, 1]"], 4)]
+            "parallel.hierarchical_sizes=[2, 1]", *WINDOWED], 4)]
 WORLD8 = [(["parallel.cp=4", "parallel.ep=4"], 8)]
 
 
@@ -91,15 +94,16 @@ def _grads(trainer):
     return out
 
 
-def _plan(replicas, block, max_cp):
+def _plan(replicas, block, max_cp, model_sets=()):
     """(the step's documents, the Dynamic-CP plan every rank makes of them)."""
     docs = [d for replica in replicas for d in documents(replica)]
-    return docs, schedule([d.tokens.numel() for d in docs], block, max_cp, CAPACITY, _cost(), tp=1)
+    return docs, schedule([d.tokens.numel() for d in docs], block, max_cp, CAPACITY,
+                          _cost(model_sets), tp=1)
 
 
-def _plan_micro_batches(replicas, block, max_cp):
+def _plan_micro_batches(replicas, block, max_cp, model_sets=()):
     """The single-process equivalent of one Dynamic-CP step: one micro-batch per run."""
-    docs, plan = _plan(replicas, block, max_cp)
+    docs, plan = _plan(replicas, block, max_cp, model_sets)
     runs = [run for slot in plan.slots for run in slot if run.seq_indices]
     return [pack_slot([docs[i] for i in run.seq_indices], 1) for run in runs], plan
 
@@ -112,10 +116,10 @@ def _slot_micro_batches(replicas, block, max_cp):
             for slot in plan.slots]
 
 
-def _cost():
+def _cost(model_sets=()):
     from longctx_moe.parallel.parallelize import _dynamic_cp
 
-    cfg = load_config(None, BASE)
+    cfg = load_config(None, BASE + list(model_sets))
     fake = dataclasses.replace(cfg.parallel, dynamic_cp=True)
     return _dynamic_cp(build_model(cfg.model), ParallelDims.from_config(cfg.parallel, 1), fake, 1).cost
 
@@ -160,10 +164,12 @@ def _check(world, layouts, block):
     got = run_distributed(_rank, world, args=(layouts,), timeout=600)
     steps = _steps()
     for i, (sets, max_cp) in enumerate(layouts):
-        planned = [_plan_micro_batches(step, block, max_cp) for step in steps]
+        model_sets = [s for s in sets if s.startswith("model.")]
+        planned = [_plan_micro_batches(step, block, max_cp, model_sets) for step in steps]
         assert any(1 in p.cp_sizes_used and max(p.cp_sizes_used) > 1 for _, p in planned)
-        ref_aux, ref_aux_grads = _reference(AUX_ON, [mbs for mbs, _ in planned])
-        ref_off, ref_off_grads = _reference(AUX_OFF, [[mb for replica in steps[0] for mb in replica]])
+        ref_aux, ref_aux_grads = _reference(model_sets + AUX_ON, [mbs for mbs, _ in planned])
+        ref_off, ref_off_grads = _reference(model_sets + AUX_OFF,
+                                            [[mb for replica in steps[0] for mb in replica]])
         assert planned[0][1].num_slots > 1 and len(planned[0][0]) > 2  # slots, runs per slot
         assert len({ref_aux[0][0], ref_aux[-1][0]}) == 2  # the run trains
         for rank_out in got:
