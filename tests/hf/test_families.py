@@ -106,8 +106,8 @@ def test_unsupported_hf_setting_is_refused_naming_the_key(tmp_path, family, key,
 
 
 def test_unknown_family_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
-    with pytest.raises(ConfigError, match="model_type='gpt_oss' is not a supported family"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "jamba"}))
+    with pytest.raises(ConfigError, match="model_type='jamba' is not a supported family"):
         load_config(None, [f"train.init_from={tmp_path}"])
 
 
