@@ -1,6 +1,7 @@
 """Models with the pretrained-family attention features under TP and CP on 4 gloo ranks against
 one process, float64: MLA (DeepSeek-V3: v head dim != q/k, low-rank q, YaRN) under ring and
-Ulysses CP, gpt-oss attention (sinks, a sliding-window layer and a full one) under Ulysses, and
+Ulysses CP, gpt-oss attention (sinks, a sliding-window layer and a full one, an output bias)
+under Ulysses, and
 sinks alone under the ring; a window with the ring is refused at start-up. Loss and every gradient (this rank's
 shard of it) within 1e-10 after the trainer's reductions (only the summation order differs)."""
 
@@ -26,6 +27,7 @@ FEATURES = {
     "mla": dict(attention_type="mla", q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6,
                 qk_rope_head_dim=4, v_head_dim=5, qk_norm=False, rope_scaling=YARN),
     "gpt_oss": dict(attention_sinks=True, sliding_window=3, qkv_bias=True, qk_norm=False,
+                    attention_out_bias=True,  # added once, after the sum over TP
                     layer_types=["sliding_attention", "full_attention"]),
     "sinks": dict(attention_sinks=True, qkv_bias=True, qk_norm=False),  # the ring takes no window
 }
