@@ -15,7 +15,6 @@ M = T*K routed rows, F expert hidden.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -186,7 +185,7 @@ class GroupedExperts(nn.Module):
         return cdtype
 
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor,
-                borrowed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                borrowed: tuple[torch.Tensor, ...] | None = None,
                 padded: bool = False) -> torch.Tensor:
         """`borrowed` (expert_params() of [B, ...] each): other ranks' experts lent for this
         call (parallel/expert_lending.py), run after the local ones; tokens_per_expert then has
@@ -206,11 +205,10 @@ class GroupedExperts(nn.Module):
     def _padded_swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor,
                        *biases) -> torch.Tensor:
         # On CPU in bf16, rows are padded per expert so the GEMM shapes repeat (see grouped_gemm).
-        return with_padded_groups(partial(self._swiglu, w_gate_up, w_down, biases=biases), x_MD, counts_E)
+        return with_padded_groups(lambda x, c: self._swiglu(w_gate_up, w_down, x, c, *biases), x_MD, counts_E)
 
     def _swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor,
-                *biases_pos, biases: tuple = ()) -> torch.Tensor:
-        biases = biases or biases_pos  # positional from forward, by keyword through the padding
+                *biases) -> torch.Tensor:
         cdtype = x_MD.dtype
         h_MF2 = grouped_matmul(x_MD, w_gate_up.to(cdtype), counts_E, self.impl)
         if self.activation == "swiglu" and not biases:
