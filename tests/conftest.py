@@ -39,6 +39,16 @@ def _fast_tier_starts_no_process_groups(request):
     launcher.tier_check = None
 
 
+@pytest.fixture(autouse=True)
+def _denormals_restored():
+    """A trainer built in this process (`configure_cpu`) flushes denormals for the whole process;
+    the next test must see IEEE floats again (hypothesis refuses to draw subnormals otherwise)."""
+    yield
+    import torch
+
+    torch.set_flush_denormal(False)
+
+
 def pytest_sessionstart(session):
     # Build (or load) the brgemm attention kernels once, here, before any test runs: a first build
     # takes ~20-30 s, which would otherwise land inside one test, or inside a distributed test's

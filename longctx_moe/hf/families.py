@@ -18,6 +18,12 @@ Our names vs. a family's (layer i; `moe` is the family's MoE prefix, `mlp` or `b
     ffn.shared.gate.weight      {moe}.shared_expert_gate.weight
     ffn.experts.w_gate_up [E, D, 2, F]  {moe}.experts.{e}.{gate}|{up} [F, D] per expert
     ffn.experts.w_down [E, F, D]        {moe}.experts.{e}.{down} [D, F] per expert
+gpt-oss (`fused_experts`: its checkpoints hold each layer's experts as single tensors):
+    attn.sinks, attn.wo.bias    self_attn.sinks [H], self_attn.o_proj.bias
+    ffn.router.weight|bias      mlp.router.weight|bias
+    ffn.experts.w_gate_up|b_gate_up  mlp.experts.gate_up_proj [E, D, 2F] | gate_up_proj_bias
+                                [E, 2F], gate and up INTERLEAVED on the last dim (gate = 0::2)
+    ffn.experts.w_down|b_down   mlp.experts.down_proj [E, F, D] | down_proj_bias [E, D]
 """
 
 from __future__ import annotations
@@ -34,13 +40,17 @@ COMMON_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
                "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
 
 # Another name transformers 5 writes for a key (Qwen3MoeConfig saves num_local_experts).
-ALIASES = {"num_experts": "num_local_experts"}
+# gpt-oss's own config.json also says experts_per_token.
+ALIASES = {"num_experts": "num_local_experts", "num_experts_per_tok": "experts_per_token"}
 
 # The architecture keys a family may leave unmapped, at the value that means "not there".
 FEATURE_DEFAULTS = {"qkv_bias": False, "qk_norm_scope": "head", "shared_expert_hidden_size": 0,
                     "shared_expert_gate": False, "first_k_dense": 0, "router_groups": 1,
                     "router_topk_groups": 1, "routed_scaling_factor": 1.0, "expert_bias": False,
-                    "partial_rotary_factor": 1.0, "rope_scaling": None, "attention_type": "gqa"}
+                    "partial_rotary_factor": 1.0, "rope_scaling": None, "attention_type": "gqa",
+                    "attention_sinks": False, "attention_out_bias": False, "sliding_window": 0,
+                    "layer_types": None, "router_bias": False, "expert_proj_bias": False,
+                    "expert_activation": "swiglu", "swiglu_limit": 7.0}
 # DeepSeek-V3's MLA: config.json key -> model.* key (q_lora_rank null = no q bottleneck = 0).
 MLA_KEYS = {"kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
             "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim",
@@ -71,6 +81,8 @@ class Family:
     moe: str = "mlp"
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared: str = "shared_expert"
+    router: str = "gate"  # the router's module name under {moe}
+    fused_experts: bool = False  # gpt-oss's on-disk experts (module doc), else one per expert
     derive: Callable[[dict], dict] | None = None  # model.* values computed from several keys
     # model.* keys set beyond `keys` (by `derive`, or the RoPE reader) that the export writes back
     derives: tuple[str, ...] = ()
@@ -134,6 +146,25 @@ def _deepseek_export(cfg: ModelConfig) -> dict:
     return {**out, "q_lora_rank": cfg.q_lora_rank or None, "head_dim": cfg.qk_rope_head_dim}
 
 
+def _gpt_oss_derive(hf: dict) -> dict:
+    """attention_bias covers q/k/v and o_proj alike; a window of 0 is None; layer_types that all
+    say what no layer_types means (every layer windowed, or none) read as None."""
+    bias = bool(hf.get("attention_bias", True))
+    window = hf.get("sliding_window") or 0
+    kinds = hf.get("layer_types")
+    uniform = "sliding_attention" if window else "full_attention"
+    if kinds is not None and all(k == uniform for k in kinds):
+        kinds = None
+    return {"qkv_bias": bias, "attention_out_bias": bias, "sliding_window": window,
+            "layer_types": None if kinds is None else list(kinds)}
+
+
+def _gpt_oss_export(cfg: ModelConfig) -> dict:
+    uniform = "sliding_attention" if cfg.sliding_window else "full_attention"
+    return {"attention_bias": cfg.qkv_bias, "sliding_window": cfg.sliding_window or None,
+            "layer_types": list(cfg.layer_types or [uniform] * cfg.num_layers), "head_dim": cfg.head_dim}
+
+
 _NO_SLIDING = Refusal("use_sliding_window", _truthy, "sliding-window attention")
 _QWEN_SPARSE = Refusal("decoder_sparse_step", _not(1), "MoE every k-th layer")
 
@@ -188,6 +219,20 @@ FAMILIES = {f.model_type: f for f in (
            shared="shared_experts", derive=_deepseek_derive,
            derives=("first_k_dense", "shared_expert_hidden_size", "q_lora_rank", "rope_scaling"),
            export=_deepseek_export),
+    # transformers' GptOssExperts clamps at 7.0 whatever swiglu_limit says: other limits are refused.
+    Family("gpt_oss", "GptOssConfig", "GptOssForCausalLM",
+           keys={"num_local_experts": "num_experts", "intermediate_size": "expert_hidden_size",
+                 "head_dim": "head_dim"},
+           implied={"qk_norm": False, "router_score": "softmax", "router_renormalize": True,
+                    "router_bias": True, "attention_sinks": True, "expert_proj_bias": True,
+                    "expert_activation": "clamped_swiglu", "swiglu_limit": 7.0,
+                    "shared_expert_hidden_size": 0, "first_k_dense": 0, "expert_bias": False},
+           refusals=(Refusal("swiglu_limit", _not(7.0), "transformers' gpt-oss experts clamp at 7.0"),
+                     Refusal("quantization_config", _not(None),
+                             "quantized (MXFP4) experts; dequantize the checkpoint to bf16 first")),
+           router="router", fused_experts=True, derive=_gpt_oss_derive,
+           derives=("qkv_bias", "attention_out_bias", "sliding_window", "layer_types", "rope_scaling"),
+           export=_gpt_oss_export, fixed_hf={"swiglu_limit": 7.0}),
 )}
 
 

@@ -7,6 +7,9 @@ Two HF layouts exist for the experts:
     in memory (transformers 5 fuses them on load): `mlp.experts.gate_up_proj` [E, 2F, D]
         (gate rows first) and `mlp.experts.down_proj` [E, D, F].
 Ours: experts.w_gate_up [E, D, 2, F], experts.w_down [E, F, D] (see model/moe.GroupedExperts).
+gpt-oss (a family with `fused_experts`) has one layout on disk and in memory: `mlp.experts.
+gate_up_proj` [E, D, 2F] with gate and up interleaved (gate = [..., 0::2]), `gate_up_proj_bias`
+[E, 2F] likewise, `down_proj` [E, F, D] and `down_proj_bias` [E, D] (`fused_pairs`).
 """
 
 from __future__ import annotations
@@ -48,12 +51,18 @@ def _attn_names(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
     if cfg.attention_type == "mla":
         norms = [(ours + a + ".weight", hf + _ATTN[a] + ".weight") for a in ("attn_norm", "ffn_norm")]
         return norms + [(f"{ours}attn.{n}.weight", f"{hf}self_attn.{n}.weight")
-                        for n in (*_MLA_Q[cfg.q_lora_rank > 0], *_MLA)]
+                        for n in (*_MLA_Q[cfg.q_lora_rank > 0], *_MLA)] + _sinks(cfg, i)
     pairs = [(ours + a + ".weight", hf + b + ".weight") for a, b in _ATTN.items()
              if cfg.qk_norm or a not in ("attn.q_norm", "attn.k_norm")]
     if cfg.qkv_bias:
         pairs += [(ours + a + ".bias", hf + _ATTN[a] + ".bias") for a in ("attn.wq", "attn.wk", "attn.wv")]
-    return pairs
+    if cfg.attention_out_bias:
+        pairs.append((ours + "attn.wo.bias", hf + "self_attn.o_proj.bias"))
+    return pairs + _sinks(cfg, i)
+
+
+def _sinks(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
+    return [(f"layers.{i}.attn.sinks", f"model.layers.{i}.self_attn.sinks")] if cfg.attention_sinks else []
 
 
 def _ffn_names(cfg: ModelConfig, i: int, moe: str) -> list[tuple[str, str]]:
@@ -62,7 +71,9 @@ def _ffn_names(cfg: ModelConfig, i: int, moe: str) -> list[tuple[str, str]]:
     fam, ours, hf = _family(cfg), f"layers.{i}.ffn.", f"model.layers.{i}."
     if i < cfg.first_k_dense:
         return [(ours + a + ".weight", hf + "mlp." + b + ".weight") for a, b in _DENSE.items()]
-    pairs = [(ours + "router.weight", hf + moe + ".gate.weight")]
+    pairs = [(ours + "router.weight", f"{hf}{moe}.{fam.router}.weight")]
+    if cfg.router_bias:
+        pairs.append((ours + "router.bias", f"{hf}{moe}.{fam.router}.bias"))
     if cfg.expert_bias:
         pairs.append((ours + "router.expert_bias", hf + moe + ".gate.e_score_correction_bias"))
     if cfg.shared_expert_hidden_size:
@@ -91,6 +102,30 @@ def expert_names(cfg: ModelConfig, layer: int, e: int) -> tuple[str, str, str]:
     return tuple(base + n + ".weight" for n in fam.expert_names)
 
 
+_FUSED_BIASED = {"w_gate_up": "gate_up_proj", "b_gate_up": "gate_up_proj_bias",
+                 "w_down": "down_proj", "b_down": "down_proj_bias"}
+
+
+def fused_pairs(cfg: ModelConfig, layer: int) -> list[tuple[str, str]]:
+    """(our experts.* parameter name, HF name) of a `fused_experts` family's layer (gpt-oss),
+    the biases where cfg has them; convert values with to_fused / from_fused."""
+    fam = _family(cfg)
+    names = list(_FUSED_BIASED.items()) if cfg.expert_proj_bias else [
+        (a, b) for a, b in _FUSED_BIASED.items() if a.startswith("w_")]
+    return [(f"layers.{layer}.ffn.experts.{a}", f"model.layers.{layer}.{fam.moe}.experts.{b}") for a, b in names]
+
+
+def to_fused(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Our expert tensor `name` (.w_gate_up [.., 2, F], .b_gate_up [.., 2, F], or the down
+    ones, as they are) in gpt-oss's layout: gate and up interleaved on the last dim."""
+    return t.transpose(-2, -1).flatten(-2) if name.endswith("gate_up") else t
+
+
+def from_fused(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Inverse of to_fused: [.., 2F] interleaved -> [.., 2, F]."""
+    return t.unflatten(-1, (t.shape[-1] // 2, 2)).transpose(-2, -1) if name.endswith("gate_up") else t
+
+
 def fused_expert_names(layer: int) -> tuple[str, str]:
     """transformers 5's in-memory gate_up_proj [E, 2F, D] and down_proj [E, D, F] of `layer`."""
     return tuple(f"model.layers.{layer}.{v}" for v in _FUSED.values())
@@ -103,6 +138,9 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
     ours = model.state_dict()
     out = {b: ours[a].contiguous().clone() for a, b in name_pairs(cfg, on_disk=False)}
     for i in range(cfg.first_k_dense, cfg.num_layers):
+        if _family(cfg).fused_experts:
+            out.update((b, to_fused(a, ours[a]).contiguous().clone()) for a, b in fused_pairs(cfg, i))
+            continue
         gate_up, down = fused_expert_names(i)
         out[gate_up] = ours[f"layers.{i}.ffn.experts.w_gate_up"].flatten(2).transpose(-2, -1).contiguous().clone()
         out[down] = ours[f"layers.{i}.ffn.experts.w_down"].transpose(-2, -1).contiguous().clone()
@@ -115,18 +153,24 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     """Our model's state dict (load with model.load_state_dict) from a transformers 5 in-memory one."""
     _check_supported(cfg)
     pairs = name_pairs(cfg, on_disk=False)
-    fused = [n for i in range(cfg.first_k_dense, cfg.num_layers) for n in fused_expert_names(i)]
+    fused_family = _family(cfg).fused_experts
+    layers = range(cfg.first_k_dense, cfg.num_layers)
+    fused = ([b for i in layers for _, b in fused_pairs(cfg, i)] if fused_family
+             else [n for i in layers for n in fused_expert_names(i)])
     expected = {b for _, b in pairs} | set(fused) | ({"lm_head.weight"} if cfg.tie_embeddings else set())
     missing, unexpected = expected - sd.keys(), sd.keys() - expected
     if missing or unexpected:
         raise ValueError(f"HF state dict does not match model config: missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]}; build cfg from the checkpoint's config")
     out = {a: sd[b].contiguous().clone() for a, b in pairs}
-    for i in range(cfg.first_k_dense, cfg.num_layers):
-        gate_up, down = fused_expert_names(i)
-        out[f"layers.{i}.ffn.experts.w_gate_up"] = (
-            sd[gate_up].transpose(-2, -1).unflatten(2, (2, cfg.expert_hidden_size)).contiguous().clone())
-        out[f"layers.{i}.ffn.experts.w_down"] = sd[down].transpose(-2, -1).contiguous().clone()
+    for i in layers:
+        if fused_family:
+            out.update((a, from_fused(a, sd[b]).contiguous().clone()) for a, b in fused_pairs(cfg, i))
+        else:
+            gate_up, down = fused_expert_names(i)
+            out[f"layers.{i}.ffn.experts.w_gate_up"] = (
+                sd[gate_up].transpose(-2, -1).unflatten(2, (2, cfg.expert_hidden_size)).contiguous().clone())
+            out[f"layers.{i}.ffn.experts.w_down"] = sd[down].transpose(-2, -1).contiguous().clone()
         if not cfg.expert_bias:  # the aux-loss-free bias is ours alone: HF routes with none
             out[f"layers.{i}.ffn.router.expert_bias"] = torch.zeros(cfg.num_experts, dtype=torch.float32)
     return out

@@ -8,7 +8,8 @@
                          piece's global shape and offsets), so no rank builds the whole model
 
 Expert tensors are read per expert (`experts.{e}.gate_proj` ..., every family's on-disk form) or
-from transformers 5's fused `mlp.experts.gate_up_proj` / `down_proj`, whichever the files hold.
+from transformers 5's fused `mlp.experts.gate_up_proj` / `down_proj`, whichever the files hold;
+gpt-oss's are its own fused, interleaved, biased tensors (hf/interop.py).
 Legend: E experts, L local experts, D hidden, F expert hidden (f: this rank's F slice).
 """
 
@@ -21,8 +22,14 @@ from pathlib import Path
 import torch
 
 from longctx_moe.config import ConfigError
-from longctx_moe.hf.families import check_expressible, model_values
-from longctx_moe.hf.interop import expert_names, fused_expert_names, name_pairs
+from longctx_moe.hf.families import check_expressible, family_of, model_values
+from longctx_moe.hf.interop import (
+    expert_names,
+    from_fused,
+    fused_expert_names,
+    fused_pairs,
+    name_pairs,
+)
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
@@ -126,10 +133,25 @@ def _expert_slice(src: HFTensors, cfg, layer: int, which: str, full, offsets, lo
                         for e in range(e0, e0 + n)])
 
 
+def _fused_slice(src: HFTensors, cfg, layer: int, name: str, full, offsets, local) -> torch.Tensor:
+    """This rank's piece of a gpt-oss expert tensor: the down ones as stored; w_gate_up
+    [L, d, 2, f] and b_gate_up [L, 2, f] from [.., 2F] with gate and up interleaved, where hidden
+    units [f0, f0 + f) are the contiguous columns [2 f0, 2 (f0 + f))."""
+    hf_name = dict(fused_pairs(cfg, layer))[name]
+    if not name.endswith("gate_up"):
+        return src.slice(hf_name, full, offsets, local)
+    lead = len(full) - 2  # the dims before [2, F]
+    piece = src.slice(hf_name, (*full[:lead], 2 * full[-1]), (*offsets[:lead], 2 * offsets[-1]),
+                      (*local[:lead], 2 * local[-1]))
+    return from_fused(name, piece)
+
+
 def _read_piece(src: HFTensors, cfg, hf_of: dict, name: str, full, offsets, local) -> torch.Tensor:
     if name in hf_of:
         return src.slice(hf_of[name], full, offsets, local)
-    parts = name.split(".")  # layers.{i}.ffn.experts.{w_gate_up|w_down} or router.expert_bias
+    parts = name.split(".")  # layers.{i}.ffn.experts.{w_gate_up|w_down|b_*} or router.expert_bias
+    if parts[-2] == "experts" and family_of(cfg.hf_family).fused_experts:
+        return _fused_slice(src, cfg, int(parts[1]), name, full, offsets, local)
     if parts[-2] == "experts":
         return _expert_slice(src, cfg, int(parts[1]), parts[-1], full, offsets, local)
     if name.endswith("router.expert_bias"):  # the aux-loss-free bias is ours alone: HF routes with none

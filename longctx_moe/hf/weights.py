@@ -7,6 +7,8 @@ transformers' `from_pretrained`, which fuses them itself): `model.layers.{i}.sel
 ..., and one tensor per expert and projection with the expert's global id,
 `model.layers.{i}.mlp.experts.{e}.gate_proj.weight` [F, D], `up_proj` [F, D], `down_proj` [D, F]
 (Mixtral: `block_sparse_moe.experts.{e}.w1|w3|w2`; hf/families.py holds each family's names).
+(gpt-oss: each layer's fused `mlp.experts.gate_up_proj`, `gate_up_proj_bias`, `down_proj`,
+`down_proj_bias`, each tensor a unit of its own, as its checkpoints and engines have them.)
 An expert's three tensors always travel in one bucket (engines load an expert as a unit), and a
 bucket holds whole tensors only; MoE sync time is set by the number of tensors as much as by bytes,
 which is why they travel in buckets rather than one by one.
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from longctx_moe.hf.interop import _check_supported, expert_names, name_pairs
+from longctx_moe.hf.families import family_of
+from longctx_moe.hf.interop import _check_supported, expert_names, fused_pairs, name_pairs, to_fused
 from longctx_moe.parallel.sharding import split_dim
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -41,7 +44,10 @@ class TensorSpec:
 
 
 def _expert_specs(cfg, layer: int, dtype) -> list[TensorSpec]:
-    d, f = cfg.hidden_size, cfg.expert_hidden_size
+    d, f, e = cfg.hidden_size, cfg.expert_hidden_size, cfg.num_experts
+    if family_of(cfg.hf_family).fused_experts:  # gpt-oss: the layer's experts as single tensors
+        shapes = {"w_gate_up": (e, d, 2 * f), "b_gate_up": (e, 2 * f), "w_down": (e, f, d), "b_down": (e, d)}
+        return [TensorSpec(hf, shapes[ours.rsplit(".", 1)[1]], dtype) for ours, hf in fused_pairs(cfg, layer)]
     return [TensorSpec(name, shape, dtype)
             for e in range(cfg.num_experts)
             for name, shape in zip(expert_names(cfg, layer, e), ((f, d), (f, d), (d, f)), strict=True)]
@@ -97,6 +103,10 @@ def _gather_etp(p: torch.Tensor, dims) -> torch.Tensor:
 def _layer_experts(model, layer: int, dims, dtype) -> list[list[tuple[str, torch.Tensor]]]:
     """One layer's experts as units [(name, tensor) x 3] per global expert id."""
     experts = model.layers[layer].ffn.experts
+    if family_of(model.cfg.hf_family).fused_experts:  # gpt-oss: one unit per whole tensor
+        return [[(hf, to_fused(ours, _gather_ep(_gather_etp(getattr(experts, ours.rsplit(".", 1)[1]), dims),
+                                                dims)).to(dtype).contiguous())]
+                for ours, hf in fused_pairs(model.cfg, layer)]
     w_gate_up_ED2F = _gather_ep(_gather_etp(experts.w_gate_up, dims), dims)
     w_down_EFD = _gather_ep(_gather_etp(experts.w_down, dims), dims)
     f = w_down_EFD.shape[1]

@@ -15,6 +15,7 @@ CHOICES = {
     "kernels": ("auto", "torch", "triton"),
     "qk_norm_scope": ("head", "full"),
     "attention_type": ("gqa", "mla"),
+    "expert_activation": ("swiglu", "clamped_swiglu"),
 }
 
 
@@ -76,6 +77,14 @@ class ModelConfig:
     router_groups: int = 1
     router_topk_groups: int = 1
     routed_scaling_factor: float = 1.0  # the routed experts' weights times this (after renorm)
+    # gpt-oss's MoE: a bias on the router logits (before scores and top-k); biases on the experts'
+    # gate/up and down projections (experts.b_gate_up [E, 2, F], b_down [E, D]; not expert_bias,
+    # the selection-only balancing bias); and the clamped SwiGLU of its experts,
+    # (clamp(up, -l, l) + 1) * g * sigmoid(1.702 g) with g = clamp(gate, max=l), l = swiglu_limit.
+    router_bias: bool = False
+    expert_proj_bias: bool = False
+    expert_activation: str = "swiglu"  # swiglu | clamped_swiglu
+    swiglu_limit: float = 7.0  # clamped_swiglu's l
 
     # ---- Attention features of pretrained families (model.rope, cp_attention kernels) ----
     # Partial rotary (GLM-4.5): RoPE on the first int(head_dim * factor) dims of each head.
@@ -145,6 +154,11 @@ class ModelConfig:
                              "is scored by its two best experts); use fewer groups")
         if self.routed_scaling_factor <= 0:
             raise ValueError(f"model.routed_scaling_factor={self.routed_scaling_factor} must be > 0")
+        if self.expert_activation == "swiglu" and self.swiglu_limit != 7.0:
+            raise ValueError(f"model.swiglu_limit={self.swiglu_limit} is the limit of "
+                             "expert_activation=clamped_swiglu; set that or drop swiglu_limit")
+        if not self.swiglu_limit > 0:
+            raise ValueError(f"model.swiglu_limit={self.swiglu_limit} must be > 0")
         if self.shared_expert_gate and self.shared_expert_hidden_size < 1:
             raise ValueError("model.shared_expert_gate=true needs a shared expert; set "
                              "model.shared_expert_hidden_size > 0")

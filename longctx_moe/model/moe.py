@@ -15,7 +15,6 @@ M = T*K routed rows, F expert hidden.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +71,8 @@ class Router(nn.Module):
         self.groups, self.topk_groups = cfg.router_groups, cfg.router_topk_groups
         self.scale = cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        # gpt-oss: a bias on the logits, so it moves the scores and the selection alike.
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None
         # Aux-loss-free balancing bias (DeepSeek-V3): selection only, updated by update_bias.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
 
@@ -81,7 +82,8 @@ class Router(nn.Module):
         weights still come from the current scores, so the router keeps learning."""
         dtype = accumulate_dtype(x_TD.dtype)
         with torch.autocast(x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
+            bias = None if self.bias is None else self.bias.to(dtype)
+            logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype), bias)
         # The Triton kernel has no group-limited selection: those routers take the torch path.
         if self.groups == 1 and use_triton(self.kernels, logits_TE):
             bias_E = self.expert_bias if self.use_bias else None
@@ -144,16 +146,31 @@ class GroupedExperts(nn.Module):
     w_gate_up as [E, D, 2F] = [gate | up] (a free view). Keeping gate/up as their own dim makes
     any block of hidden units one rectangular slice (dim 3), so expert tensor parallelism keeps
     [gate | up] of its own units with no reordering (parallel/expert_parallel.py). EP slices dim
-    0 and sets num_local_experts / expert_offset (the global index of local expert 0)."""
+    0 and sets num_local_experts / expert_offset (the global index of local expert 0).
+
+    `bias` (model.expert_proj_bias, gpt-oss): b_gate_up [E, 2, F] added to [gate | up] and b_down
+    [E, D'] added to the down projection's output columns [down_bias_offset, + D') (ETP splits
+    D so that the partial outputs summed over its ranks hold the bias once; D' = D otherwise).
+    `activation` (model.expert_activation): swiglu or gpt-oss's clamped_swiglu (`limit`)."""
 
     def __init__(self, num_experts: int, dim: int, hidden: int, impl: str = "auto",
-                 precision: str = "auto"):
+                 precision: str = "auto", bias: bool = False, activation: str = "swiglu",
+                 limit: float = 7.0):
         super().__init__()
         self.num_local_experts, self.expert_offset = num_experts, 0
         self.impl, self.precision = impl, precision
+        self.activation, self.limit, self.down_bias_offset = activation, limit, 0
         self.recompute = False  # selective recompute (longctx_moe.model.recompute)
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, dim, 2, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.b_gate_up = nn.Parameter(torch.empty(num_experts, 2, hidden)) if bias else None
+        self.b_down = nn.Parameter(torch.empty(num_experts, dim)) if bias else None
+
+    def expert_params(self) -> list[torch.Tensor]:
+        """Every [E, ...] parameter in a fixed order: the weights, then the biases if any (what
+        expert lending sends and `forward`'s `borrowed` holds)."""
+        biases = [] if self.b_gate_up is None else [self.b_gate_up, self.b_down]
+        return [self.w_gate_up, self.w_down, *biases]
 
     def compute_dtype(self, x_MD: torch.Tensor) -> torch.dtype:
         if self.precision == "param":
@@ -168,31 +185,64 @@ class GroupedExperts(nn.Module):
         return cdtype
 
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor,
-                borrowed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                borrowed: tuple[torch.Tensor, ...] | None = None,
                 padded: bool = False) -> torch.Tensor:
-        """`borrowed` (w_gate_up [B, ...], w_down [B, ...]): other ranks' experts lent for this
+        """`borrowed` (expert_params() of [B, ...] each): other ranks' experts lent for this
         call (parallel/expert_lending.py), run after the local ones; tokens_per_expert then has
         E + B entries. `padded`: the rows are already laid out per expert as the GEMM wants them
         (the dispatcher's Triton permute wrote them so), in the compute dtype."""
         cdtype = self.compute_dtype(x_MD)
         x_MD = x_MD.to(cdtype)
-        w_gate_up, w_down = self.w_gate_up, self.w_down
+        params = self.expert_params()
         if borrowed is not None:
-            w_gate_up, w_down = torch.cat([w_gate_up, borrowed[0]]), torch.cat([w_down, borrowed[1]])
-        w_gate_up = w_gate_up.flatten(2)  # [E, D, 2F]: gate columns, then up
+            params = [torch.cat([p, b]) for p, b in zip(params, borrowed, strict=True)]
+        params[0] = params[0].flatten(2)  # w_gate_up [E, D, 2F]: gate columns, then up
         run = self._swiglu if padded else self._padded_swiglu
         if self.recompute and torch.is_grad_enabled():
-            return recompute_call(run, w_gate_up, w_down, x_MD, tokens_per_expert_E)
-        return run(w_gate_up, w_down, x_MD, tokens_per_expert_E)
+            return recompute_call(run, params[0], params[1], x_MD, tokens_per_expert_E, *params[2:])
+        return run(params[0], params[1], x_MD, tokens_per_expert_E, *params[2:])
 
-    def _padded_swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def _padded_swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor,
+                       *biases) -> torch.Tensor:
         # On CPU in bf16, rows are padded per expert so the GEMM shapes repeat (see grouped_gemm).
-        return with_padded_groups(partial(self._swiglu, w_gate_up, w_down), x_MD, counts_E)
+        return with_padded_groups(lambda x, c: self._swiglu(w_gate_up, w_down, x, c, *biases), x_MD, counts_E)
 
-    def _swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def _swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor,
+                *biases) -> torch.Tensor:
         cdtype = x_MD.dtype
         h_MF2 = grouped_matmul(x_MD, w_gate_up.to(cdtype), counts_E, self.impl)
-        return _SwiGLUDown.apply(h_MF2, w_down.to(cdtype), counts_E, self.impl)
+        if self.activation == "swiglu" and not biases:
+            return _SwiGLUDown.apply(h_MF2, w_down.to(cdtype), counts_E, self.impl)
+        return self._biased_down(h_MF2, w_down.to(cdtype), counts_E, biases)
+
+    def _biased_down(self, h_MF2, w_EFD, counts_E, biases) -> torch.Tensor:
+        """The experts with biases and / or the clamped activation, through plain autograd
+        (gpt-oss; the bias-free SwiGLU keeps _SwiGLUDown's leaner backward)."""
+        m, cdtype = h_MF2.shape[0], h_MF2.dtype
+        if biases:  # every row gets its expert's bias (padding rows too: nobody reads them)
+            h_MF2 = h_MF2 + biases[0].flatten(1).to(cdtype).repeat_interleave(counts_E, 0, output_size=m)
+        gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
+        act_MF = _activation(gate_MF, up_MF, self.activation, self.limit)
+        y_MD = grouped_matmul(act_MF, w_EFD, counts_E, self.impl)
+        if not biases:
+            return y_MD
+        b_ED = biases[1].to(cdtype)
+        if b_ED.shape[1] != y_MD.shape[1]:  # this ETP rank's columns of the bias, zeros elsewhere
+            lo = self.down_bias_offset
+            b_ED = F.pad(b_ED, (lo, y_MD.shape[1] - lo - b_ED.shape[1]))
+        return y_MD + b_ED.repeat_interleave(counts_E, 0, output_size=m)
+
+
+GPT_OSS_ALPHA = 1.702  # gpt-oss's sigmoid slope (transformers' GptOssExperts.alpha)
+
+
+def _activation(gate_MF: torch.Tensor, up_MF: torch.Tensor, kind: str, limit: float) -> torch.Tensor:
+    """silu(gate) * up, or gpt-oss's clamped form in transformers' order of operations."""
+    if kind == "swiglu":
+        return F.silu(gate_MF) * up_MF
+    gate_MF = gate_MF.clamp(max=limit)
+    up_MF = up_MF.clamp(min=-limit, max=limit)
+    return (up_MF + 1) * (gate_MF * torch.sigmoid(gate_MF * GPT_OSS_ALPHA))
 
 
 def _silu_and_act(h_MF2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,7 +397,8 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.router = Router(cfg)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_hidden_size,
-                                      cfg.grouped_gemm, cfg.expert_precision)
+                                      cfg.grouped_gemm, cfg.expert_precision, cfg.expert_proj_bias,
+                                      cfg.expert_activation, cfg.swiglu_limit)
         hs = cfg.shared_expert_hidden_size
         self.shared = SharedExpert(cfg.hidden_size, hs, cfg.shared_expert_gate) if hs > 0 else None
         # Expert parallelism replaces it with a dispatcher over the EP group (parallel/dispatch.py).

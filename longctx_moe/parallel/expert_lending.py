@@ -160,21 +160,22 @@ def source_tables(plan: LendingPlan, counts_RE: torch.Tensor, me: int, num_ranks
 
 
 def lend_weights(experts, plan: LendingPlan, me: int, group):
-    """((w_gate_up [B, D, 2, F], w_down [B, F, D]), bytes this rank sent): the weights of the
+    """((w_gate_up [B, D, 2, F], w_down [B, F, D], and the biases where the experts have them),
+    bytes this rank sent): the weights of the
     experts this rank borrows, received from their owners (autograd: their gradients go back to
     the owners' parameters). Every rank of the group calls it when the plan lends anything."""
     R = len(plan.borrowed)
     L = experts.num_local_experts
-    gate_up, down = experts.w_gate_up, experts.w_down
+    params = experts.expert_params()  # the weights, and the biases where the experts have them
     lent, send = [], []
     for b in range(R):
         mine = [e - me * L for e in plan.borrowed[b] if e // L == me]
         lent += mine
         send.append(len(mine))
     recv = [sum(1 for e in plan.borrowed[me] if e // L == s) for s in range(R)]
-    idx = torch.tensor(lent, dtype=torch.int64, device=gate_up.device)
-    rows = torch.cat([gate_up.index_select(0, idx).flatten(1), down.index_select(0, idx).flatten(1)], 1)
+    idx = torch.tensor(lent, dtype=torch.int64, device=params[0].device)
+    rows = torch.cat([p.index_select(0, idx).flatten(1) for p in params], 1)
     got = all_to_all_rows(rows, send, recv, group)
-    n_gu = gate_up[0].numel()
-    borrowed = (got[:, :n_gu].reshape(-1, *gate_up.shape[1:]), got[:, n_gu:].reshape(-1, *down.shape[1:]))
+    pieces = got.split([p[0].numel() for p in params], 1)
+    borrowed = tuple(g.reshape(-1, *p.shape[1:]) for g, p in zip(pieces, params, strict=True))
     return borrowed, rows.numel() * rows.element_size()  # every lent row goes to another rank

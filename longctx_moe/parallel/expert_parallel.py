@@ -12,6 +12,11 @@ slice along it), the one description checkpoints, the gradient norm and export r
     w_down     [L, F, D]:     rows [p u, (p+1) u) of the hidden dim (u = F/P)     etp_dim = 1
     w_gate_up  [L, D, 2, F]:  the same hidden units, gate and up alike            etp_dim = 3
 
+With expert biases (model.expert_proj_bias): b_gate_up [L, 2, F] follows its units (etp_dim =
+2); b_down [L, D] must reach each row's sum once, so it is split along D instead (etp_dim = 1):
+rank p adds its D/P columns to its partial output (zeros elsewhere), the sum over ETP holds the
+whole bias once, and each rank's slice gets the whole gradient of its columns.
+
 Because gate and up are their own dim, rank p's slice viewed as [L, D, 2u] is [gate | up] of
 its own units, the layout the SwiGLU needs: no weight moves between ranks.
 
@@ -65,6 +70,14 @@ def shard_expert_hidden(experts: nn.Module, etp_rank: int, etp_size: int) -> nn.
         raise ValueError("experts are already split over etp; shard a freshly built model once")
     _keep(experts, "w_down", 1, etp_rank, etp_size)
     _keep(experts, "w_gate_up", 3, etp_rank, etp_size)
+    if getattr(experts, "b_down", None) is not None:
+        dim = experts.b_down.shape[1]
+        if dim % etp_size:
+            raise ValueError(f"model.expert_proj_bias: the down bias is split over etp={etp_size} "
+                             f"along hidden_size={dim}; choose etp dividing hidden_size")
+        _keep(experts, "b_gate_up", 2, etp_rank, etp_size)
+        _keep(experts, "b_down", 1, etp_rank, etp_size)
+        experts.down_bias_offset = etp_rank * (dim // etp_size)
     return experts
 
 

@@ -248,7 +248,8 @@ def apply_sequence_parallel(model: nn.Module, group) -> None:
     for block in model.layers:
         if block.is_moe:
             add_moe_hooks(block.ffn, group, own_layout)
-            block.ffn.router.weight.reduce_axis = Axis.WORLD  # own rows only: partial per TP rank
+            for p in block.ffn.router.parameters():  # own rows only: partial per TP rank
+                p.reduce_axis = Axis.WORLD
     model.norm.register_forward_hook(lambda m, args, out: gather_tokens(out, group, False))
     for norm in [b.attn_norm for b in model.layers] + [b.ffn_norm for b in model.layers] + [model.norm]:
         norm.weight.reduce_axis = Axis.WORLD  # own tokens only: partial per TP rank

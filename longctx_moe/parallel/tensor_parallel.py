@@ -223,6 +223,9 @@ def shard_attention(attn: nn.Module, rank: int, size: int, group,
         attn.wk = ReplicatedKVLinear(attn.wk, head, r, rank, size, group)
         attn.wv = ReplicatedKVLinear(attn.wv, head, r, rank, size, group)
     _keep(attn.wo, 1, rank * hq * r, (rank + 1) * hq * r)
+    bias_after_reduce = attn.wo.bias is not None
+    if bias_after_reduce:
+        attn.wo = RowParallelLinear(attn.wo)
     _keep_sinks(attn, rank * hq, (rank + 1) * hq, size)
     if attn.norm_full_width and attn.q_norm is not None:  # checked: the KV heads split here
         attn.q_norm = WidthShardedRMSNorm(attn.q_norm, rank * hq * r, hq * r, group)
@@ -231,6 +234,24 @@ def shard_attention(attn: nn.Module, rank: int, size: int, group,
         for p in norm.parameters() if norm is not None else ():
             p.reduce_axis = Axis.WORLD  # partial per TP rank: sums over TP as well as DP x CP
     _add_tp_hooks(attn, group, sequence_parallel, regather)
+    if bias_after_reduce:  # registered after the reduction's hook, so it runs after it
+        attn.register_forward_hook(lambda m, args, out: out + m.wo.bias.to(out.dtype))
+        if sequence_parallel:  # added to this rank's own tokens only: partial per TP rank
+            attn.wo.bias.reduce_axis = Axis.WORLD
+
+
+class RowParallelLinear(nn.Module):
+    """A row-parallel projection (this rank's input columns) that leaves its bias out: the
+    attention's TP hook adds it once, after the sum over TP (gpt-oss's o_proj bias). Holds the
+    same `weight` and `bias` parameters, so names and declared splits stay those of the Linear."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 @torch.no_grad()
@@ -302,9 +323,6 @@ def _check_gqa(attn: nn.Module, size: int) -> None:
     if attn.norm_full_width and attn.q_norm is not None and g % size:
         raise ValueError(f"model.qk_norm_scope=full (OLMoE) normalises k over all KV heads, but "
                          f"tp={size} replicates num_kv_heads={g}; choose a tp dividing num_kv_heads")
-    if attn.wo.bias is not None and size > 1:
-        raise ValueError(f"model.attention_out_bias=true: the row-parallel output projection "
-                         f"would add its bias on each of tp={size} ranks; use parallel.tp=1")
     if h % size:
         raise ValueError(f"tensor parallelism over {size} ranks needs num_heads={h} divisible "
                          "by tp; choose tp dividing num_heads")

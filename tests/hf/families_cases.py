@@ -43,9 +43,22 @@ CASES = {
                          n_shared_experts=2, norm_topk_prob=False, q_lora_rank=None, kv_lora_rank=8,
                          qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8,
                          num_key_value_heads=4, rope_interleave=False)],
+    # gpt-oss: sinks, biases everywhere, clamped SwiGLU; alternating sliding / full layers with
+    # its default YaRN (truncate false), then a window on two of three layers, no attention
+    # biases, tied embeddings and a YaRN with truncation.
+    "gpt_oss": [dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16, head_dim=8,
+                     sliding_window=4),
+                dict(num_local_experts=6, num_experts_per_tok=3, intermediate_size=8, head_dim=16,
+                     num_key_value_heads=4, sliding_window=3, num_hidden_layers=3, attention_bias=False,
+                     layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                     tie_word_embeddings=True, max_position_embeddings=1024,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 256, "truncate": True})],
 }
 CONFIG_CLASS = {"qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig", "olmoe": "OlmoeConfig",
-                "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config"}
+                "glm4_moe": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config", "gpt_oss": "GptOssConfig"}
+# gpt-oss's experts scaled up so that its SwiGLU clamp (at 7) acts on a good share of the rows.
+GATE_UP_SCALE = {"gpt_oss": 6.0}
 IDS = [f"{fam}-{i}" for fam, cases in CASES.items() for i in range(len(cases))]
 PARAMS = [(fam, kw) for fam, cases in CASES.items() for kw in cases]
 
@@ -67,8 +80,10 @@ def save_random(family: str, kwargs: dict, path, seed: int = 0):
     model = transformers.AutoModelForCausalLM.from_config(hf_config(family, kwargs)).eval()
     with torch.no_grad():  # HF initialises the GLM correction bias at 0; a real one is not
         for name, p in model.named_parameters():
-            if name.endswith("e_score_correction_bias") or name.endswith(".bias"):
-                p.normal_(0.0, 0.2)
+            if name.endswith(("e_score_correction_bias", ".bias", "_proj_bias", ".sinks")):
+                p.normal_(0.0, 0.5 if name.endswith(("_proj_bias", ".sinks")) else 0.2)
+            if name.endswith("experts.gate_up_proj"):
+                p.mul_(GATE_UP_SCALE.get(family, 1.0))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.2)

@@ -61,8 +61,17 @@ def test_export_loads_in_transformers_with_the_same_logits(checkpoint, tmp_path)
             p.add_(0.01 * torch.randn_like(p))
     out = tmp_path / "export"
     out.mkdir()
-    write_safetensors(ours, out, torch.float32, 1 << 20)
+    files = write_safetensors(ours, out, torch.float32, 1 << 20)
     write_config_json(ours.cfg, out, torch.float32)
+    from safetensors import safe_open
+
+    from longctx_moe.hf.weights import weights_spec
+
+    written = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            written.update((k, tuple(h.get_slice(k).get_shape())) for k in h.keys())
+    assert written == {s.name: tuple(s.shape) for s in weights_spec(ours, torch.float32)}
     assert json.loads((out / "config.json").read_text())["model_type"] == family
     back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     batch = packed_batch([9], ours.cfg.vocab_size, generator=torch.Generator().manual_seed(2))
@@ -106,12 +115,12 @@ def test_unsupported_hf_setting_is_refused_naming_the_key(tmp_path, family, key,
 
 
 def test_unknown_family_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
-    with pytest.raises(ConfigError, match="model_type='gpt_oss' is not a supported family"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "jamba"}))
+    with pytest.raises(ConfigError, match="model_type='jamba' is not a supported family"):
         load_config(None, [f"train.init_from={tmp_path}"])
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "olmoe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss"])
 def test_family_configs_are_expressible_in_their_family(family):
     from pathlib import Path
 
@@ -153,3 +162,15 @@ def test_from_pretrained_config_takes_the_architecture_from_config_json(tmp_path
     m = cfg.model
     assert (m.hf_family, m.num_experts, m.top_k, m.qk_norm_scope, m.router_renormalize) == ("olmoe", 8, 3, "full", True)
     assert m.aux_loss_coeff == 1e-3  # not architecture: the YAML's value stands
+
+
+def test_in_memory_state_dicts_round_trip(checkpoint):
+    """transformers' in-memory state dict (gpt-oss: its fused, interleaved experts) <-> ours."""
+    from longctx_moe.hf.interop import from_hf_state_dict, to_hf_state_dict
+
+    family, kwargs, path, hf = checkpoint
+    ours = load_hf_model(path)
+    mine = from_hf_state_dict(hf.state_dict(), ours.cfg)
+    assert all(torch.equal(mine[k], v) for k, v in ours.state_dict().items())
+    back = to_hf_state_dict(ours)
+    assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())

@@ -20,6 +20,10 @@ SETS = ["train.param_dtype=fp64", "train.autocast_dtype=none", "train.num_thread
         "model.z_loss_coeff=0", "model.expert_bias_update_rate=0", f"optim.eps={EPS}",
         "optim.weight_decay=0", "optim.grad_clip=0", "optim.warmup_steps=0", "optim.schedule=constant"]
 LAYOUT = ["parallel.tp=2", "parallel.cp=2", "parallel.ep=2"]
+# gpt-oss's sliding windows run under the ring like every family (test_attention_families_parallel
+# covers them under Ulysses); its expert biases and output / router biases are also checked under
+# ETP2 (the EP2 ranks' hidden units split) and sequence parallelism.
+FAMILY_LAYOUT = {"gpt_oss": ["parallel.etp=2", "parallel.sequence_parallel=true"]}
 
 
 def _run(hf_dir: str, sets: list[str]):
@@ -34,7 +38,7 @@ def _run(hf_dir: str, sets: list[str]):
 
 
 def _rank(rank, world, dirs):
-    return {family: _run(path, LAYOUT) for family, path in dirs.items()}
+    return {family: _run(path, LAYOUT + FAMILY_LAYOUT.get(family, [])) for family, path in dirs.items()}
 
 
 def _slice(name, got, want, where):

@@ -93,16 +93,21 @@ def _dispatch(kernels, x, idx_TK, w_TK, experts):
     return LocalDispatcher(kernels)(x, idx_TK, w_TK, experts)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_local_dispatcher_triton_matches_torch_path(dtype):
+# gpt-oss's experts: biases on every (padded) row and the clamped SwiGLU.
+GPT_OSS = dict(bias=True, activation="clamped_swiglu", limit=0.5)
+
+
+@pytest.mark.parametrize("dtype,kind", [(torch.float32, {}), (torch.bfloat16, {}),
+                                        (torch.float32, GPT_OSS), (torch.bfloat16, GPT_OSS)])
+def test_local_dispatcher_triton_matches_torch_path(dtype, kind):
     """The whole single-device dispatch, fp32 (unpadded rows) and bf16 autocast (padded rows)."""
     torch.manual_seed(3)
     t, k, e, d, f = 40, 2, 4, 32, 16
     # precision=autocast: bf16 experts whatever the host (auto keeps them fp32 on a CPU without
     # native bf16, which is not the path this case compares).
-    experts = GroupedExperts(e, d, f, precision="autocast")
-    torch.nn.init.normal_(experts.w_gate_up, std=0.2)
-    torch.nn.init.normal_(experts.w_down, std=0.2)
+    experts = GroupedExperts(e, d, f, precision="autocast", **kind)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.2)
     idx_TK = _routes(t, k, e, seed=4, skip_expert=2)
     x = torch.randn(t, d, requires_grad=True)
     w = torch.rand(t, k, requires_grad=True)
@@ -110,7 +115,7 @@ def test_local_dispatcher_triton_matches_torch_path(dtype):
     for kernels in ("torch", "triton"):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             y = _dispatch(kernels, x, idx_TK, w, experts)
-        grads = torch.autograd.grad(y.float().square().sum(), (x, w, experts.w_gate_up, experts.w_down))
+        grads = torch.autograd.grad(y.float().square().sum(), (x, w, *experts.parameters()))
         outs[kernels] = (y, *grads)
     # fp32: the GEMMs are the same calls on the same rows; only the weighted K-sum is ordered
     # differently (1e-6). bf16: the outputs are rounded to bf16 (relative step 2^-8) after that

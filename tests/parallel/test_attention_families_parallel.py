@@ -1,9 +1,10 @@
 """Models with the pretrained-family attention features under TP and CP on 4 gloo ranks against
 one process, float64: MLA (DeepSeek-V3: v head dim != q/k, low-rank q, YaRN) under ring and
-Ulysses CP, gpt-oss attention (sinks, a sliding-window layer and a full one) under Ulysses and
-under the ring (the window, 3 keys, is shorter than the zigzag chunks of the longer documents and
-longer than the short ones). Loss and every gradient (this rank's shard of it) within 1e-10 after
-the trainer's reductions (only the summation order differs)."""
+Ulysses CP, gpt-oss attention (sinks, a sliding-window layer and a full one, an output bias added
+once after the sum over TP) under Ulysses and under the ring (the window, 3 keys, is shorter than
+the zigzag chunks of the longer documents and longer than the short ones). Loss and every gradient
+(this rank's shard of it) within 1e-10 after the trainer's reductions (only the summation order
+differs)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ FEATURES = {
     "mla": dict(attention_type="mla", q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6,
                 qk_rope_head_dim=4, v_head_dim=5, qk_norm=False, rope_scaling=YARN),
     "gpt_oss": dict(attention_sinks=True, sliding_window=3, qkv_bias=True, qk_norm=False,
+                    attention_out_bias=True,  # added once, after the sum over TP
                     layer_types=["sliding_attention", "full_attention"]),
 }
 LAYOUTS = [("mla", dict(tp=2, cp=2)), ("mla", dict(cp=4, cp_backend="ulysses")),

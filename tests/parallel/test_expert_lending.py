@@ -94,12 +94,16 @@ def test_plan_is_skipped_below_min_rows_and_when_balanced():
 # ---------------------------------------------------------------------- the dispatcher on 4 ranks
 
 
+# gpt-oss's experts (biases, a clamp the rows cross): the lent experts carry their biases.
+GPT_OSS = dict(bias=True, activation="clamped_swiglu", limit=0.5)
+
+
 class Layer(nn.Module):
-    def __init__(self, dtype=torch.float64):
+    def __init__(self, dtype=torch.float64, experts: dict | None = None):
         super().__init__()
         torch.manual_seed(0)
         self.router = nn.Linear(D, E, bias=False, dtype=dtype)
-        self.experts = GroupedExperts(E, D, F).to(dtype)
+        self.experts = GroupedExperts(E, D, F, **(experts or {})).to(dtype)
         self.shared = nn.Linear(D, D, dtype=dtype)
         for p in self.parameters():
             nn.init.normal_(p, std=0.3)
@@ -127,13 +131,14 @@ CASES = [  # name, tokens per rank, skewed, kwargs of the dispatcher, recompute,
     ("rank_empty", [60, 0, 50, 30], True, {}, False, False),
     # near-balanced loads: lends would move fewer rows than min_lend_rows, so none is made
     ("balanced", [40, 30, 50, 20], False, {"min_lend_rows": 40}, False, False),
+    ("gpt_oss_experts", [40, 30, 50, 20], True, {}, False, False),
 ]
 
 
-def _reference(x, idx, sizes, cap):
+def _reference(x, idx, sizes, cap, experts=None):
     """LocalDispatcher on the full experts, each rank's tokens routed on their own (capacity
     applies per source rank, as in the dispatchers): outputs and gradients."""
-    layer = Layer()
+    layer = Layer(experts=experts)
     x = x.clone().requires_grad_()
     outs, start = [], 0
     for n in sizes:
@@ -157,9 +162,10 @@ def _check(rank, world):
         x = torch.randn(T, D, generator=gen, dtype=torch.float64)
         idx = _skewed_routes(T, gen) if skew else torch.stack(
             [torch.randperm(E, generator=gen)[:K] for _ in range(T)])
-        y_ref, dx_ref, ref = _reference(x, idx, sizes, kw.get("capacity_factor"))
+        kind = GPT_OSS if name == "gpt_oss_experts" else None
+        y_ref, dx_ref, ref = _reference(x, idx, sizes, kw.get("capacity_factor"), kind)
         s = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
-        layer = Layer()
+        layer = Layer(experts=kind)
         shard_experts(layer.experts, rank, world)
         layer.experts.recompute = recompute
         disp = AllToAllDispatcher(E, group, spare_slots=2, **{"min_lend_rows": 4, **kw})
@@ -178,6 +184,9 @@ def _check(rank, world):
                  ("shared", layer.shared.weight.grad, ref.shared.weight.grad),
                  ("w_gate_up", layer.experts.w_gate_up.grad, ref.experts.w_gate_up.grad[e]),
                  ("w_down", layer.experts.w_down.grad, ref.experts.w_down.grad[e])]
+        if kind:
+            pairs += [(b, getattr(layer.experts, b).grad, getattr(ref.experts, b).grad[e])
+                      for b in ("b_gate_up", "b_down")]
         for what, got, want in pairs:
             if got.numel():
                 err = (got - want).abs().max().item()
