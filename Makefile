@@ -11,6 +11,10 @@ TRAIN_CONFIG ?= configs/tiny_cpu.yaml
 # Extra train flags, e.g. TRAIN_ARGS="--set checkpoint.resume=none" to start over instead of resuming.
 TRAIN_ARGS ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` / `make test-fast`; a test file stays on one worker
+# (--dist loadfile), so its module fixtures are built once. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # The AVX2 path on an AVX512 machine (cp_attention/hardware.py): oneDNN and aten's kernels capped at
 # AVX2 and our CPU probes switched, as on a CPU without native bf16.
@@ -39,11 +43,11 @@ train: data
 
 # The whole suite (CI: .ci/run), with the 15 slowest tests listed at the end.
 test: install
-	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 # The edit loop: everything except the `slow` tier (see the markers in pyproject.toml).
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 train-avx2:
 	env $(AVX2_ENV) $(MAKE) train

@@ -58,8 +58,14 @@ def pytest_sessionstart(session):
 
     amx_backward.available()
     brgemm_forward.available()
+    if hasattr(session.config, "workerinput"):
+        # `make test` runs one xdist worker per core: a worker's own intra-op threads would only
+        # contend with the other worker's (and spin in OpenMP barriers meanwhile).
+        import torch
+
+        torch.set_num_threads(1)
     report = session.config.getoption("--cpu-report")
-    if report:
+    if report and not hasattr(session.config, "workerinput"):  # the controller, not an xdist worker
         open(report + ".partial", "w").close()  # this run's rows only
 
 
@@ -133,20 +139,21 @@ def pytest_runtest_protocol(item, nextitem):
     before, t0 = _tree_cpu_s(), time.monotonic()
     yield
     cpu, wall = _cpu_delta_s(before, _tree_cpu_s()), time.monotonic() - t0
-    item.config.stash.setdefault(_CPU_ROWS, []).append((cpu, wall, item.nodeid))
-    # Appended as each test ends, so a run stopped part-way still tells where its time went.
+    # Appended as each test ends (by every xdist worker), so a run stopped part-way still tells
+    # where its time went; the summary reads the rows back from this file.
     with open(item.config.getoption("--cpu-report") + ".partial", "a") as f:
         f.write(f"{cpu:.2f}\t{wall:.2f}\t{item.nodeid}\n")
 
 
-_CPU_ROWS = pytest.StashKey[list]()
-
-
 def pytest_terminal_summary(terminalreporter, config):
     path = config.getoption("--cpu-report")
-    rows = sorted(config.stash.get(_CPU_ROWS, []), reverse=True)
-    if not path or not rows:
+    if not path or hasattr(config, "workerinput"):
         return
+    with open(path + ".partial") as f:
+        rows = sorted((float(c), float(w), n) for c, w, n in (line.rstrip("\n").split("\t", 2) for line in f))
+    if not rows:
+        return
+    rows.reverse()
     total = sum(r[0] for r in rows)
     with open(path, "w") as f:
         f.write(f"# cpu_s\twall_s\ttest (total cpu {total:.1f} s over {len(rows)} tests)\n")

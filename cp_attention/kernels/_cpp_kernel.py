@@ -119,13 +119,13 @@ def build_key(source: Path) -> str:
 
 
 class CppKernel:
-    """source: the .cpp beside this file; cache_prefix: the build's name, to which build_key is
+    """source: the .cpp beside this file (or an absolute path); cache_prefix: the build's name, to which build_key is
     appended; env: the switch; label: the kernel in messages; aten_half: "forward" or
     "backward", what runs instead; self_check(mod) raises if the kernel is wrong here."""
 
     def __init__(self, source: str, cache_prefix: str, env: str, label: str, aten_half: str,
                  self_check: Callable):
-        self.source = Path(__file__).with_name(source)
+        self.source = Path(__file__).parent / source
         self.cache_prefix = cache_prefix
         self.env, self.label, self.aten_half, self.self_check = env, label, aten_half, self_check
         self.state: dict = {}
