@@ -57,13 +57,14 @@ def ep_load_stats(counts_LE: torch.Tensor, ep: int, ran_LR: list | None = None) 
 
 
 def measure_peak_tflops(device: torch.device, dtype: torch.dtype,
-                        target_s: float = 0.05, max_size: int = 4096, repeats: int = 5) -> float:
+                        target_s: float = 0.01, max_size: int = 4096, repeats: int = 5) -> float:
     """Peak TFLOP/s of a square `dtype` matmul on `device` (the MFU denominator when none is
     configured), in the dtype the run computes in: the fastest of `repeats` products, since on a
     shared machine a slower one was preempted, not a truer peak. The size doubles from 256 until
-    the faster of two products takes `target_s` (or reaches `max_size`), so the measurement stays
-    well under a second on any core: on an AVX2 CPU without native bf16 a bf16 2048^3 matmul
-    alone takes ~10 s, and every other rank waits for rank 0's figure. Uses the current thread
+    the faster of two products takes `target_s` (or reaches `max_size`): 10 ms is long enough to
+    time and reaches the GEMM's plateau (1024^3 in float32 on one AVX2 core), and the whole probe
+    stays around half a second on any core, while every other rank waits for rank 0's figure
+    (on an AVX2 CPU without native bf16 a bf16 2048^3 matmul alone takes ~10 s). Uses the current thread
     count, so on CPU it is the peak of this rank's share."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
