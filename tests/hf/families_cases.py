@@ -3,6 +3,10 @@ classes and saved with save_pretrained (no downloads), and the reference log-pro
 
 from __future__ import annotations
 
+import sys
+import types
+from contextlib import contextmanager
+
 import torch
 
 BASE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -99,3 +103,57 @@ def hf_token_logprobs(model, docs: list[torch.Tensor]) -> list[torch.Tensor]:
             logits = model(input_ids=tokens[None]).logits[0].to(torch.float64)
             out.append(logits[:-1].log_softmax(-1).gather(1, tokens[1:, None])[:, 0])
     return out
+
+
+def packed_logprobs(model, batch) -> list[torch.Tensor]:
+    """Our per-token log-probs of a packed batch, split per document (float64)."""
+    from longctx_moe.model.transformer import LogProbHead
+
+    with torch.no_grad():
+        logp_T = model(batch, head=LogProbHead()).logprobs_T.to(torch.float64)
+    cu = batch.cu_seqlens.tolist()
+    return [logp_T[s:e - 1] for s, e in zip(cu[:-1], cu[1:], strict=True)]
+
+
+def batch_docs(batch) -> list[torch.Tensor]:
+    cu = batch.cu_seqlens.tolist()
+    return [batch.tokens[s:e] for s, e in zip(cu[:-1], cu[1:], strict=True)]
+
+
+class _Float64Torch(types.ModuleType):
+    """`torch` as a transformers modeling module sees it under hf_float64: float32 is float64."""
+
+    float32 = torch.float64
+    float = torch.float64
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _keep_float64(self):
+    return self if self.dtype == torch.float64 else _TENSOR_FLOAT(self)
+
+
+_TENSOR_FLOAT = torch.Tensor.float
+
+
+@contextmanager
+def hf_float64(model):
+    """transformers' forward of `model` (already .double()) in float64 throughout: its RMSNorms,
+    attention softmax and routers cast to float32 by name (torch.float32 / torch.float in the
+    modeling module, Tensor.float() in Mixtral's router), which would hold a float64 comparison
+    at float32 rounding. The RoPE tables stay float32 angles, as ours (rope_tables) are."""
+    module = sys.modules[type(model).__module__]
+    real_torch = module.torch
+    routers = [m for m in model.modules() if type(m).__name__.endswith("Router")]
+    hooks = [h for m in routers for h in (
+        m.register_forward_pre_hook(lambda *_: setattr(torch.Tensor, "float", _keep_float64)),
+        m.register_forward_hook(lambda *_: setattr(torch.Tensor, "float", _TENSOR_FLOAT)))]
+    module.torch = _Float64Torch("torch")
+    try:
+        yield model
+    finally:
+        module.torch = real_torch
+        torch.Tensor.float = _TENSOR_FLOAT
+        for h in hooks:
+            h.remove()
