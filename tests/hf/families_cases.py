@@ -33,7 +33,8 @@ CASES = {
                  dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=8, intermediate_size=24,
                       first_k_dense_replace=0, n_group=4, topk_group=2, n_shared_experts=2, norm_topk_prob=False,
                       attention_bias=True, use_qk_norm=True, partial_rotary_factor=1.0, head_dim=8)],
-    # MLA: a q bottleneck or none, interleaved rope dims or not, YaRN with mscale.
+    # MLA: a q bottleneck or none, interleaved rope dims or not, YaRN with mscale, an rms_norm_eps
+    # other than the latent norms' 1e-6.
     "deepseek_v3": [dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
                          intermediate_size=40, first_k_dense_replace=1, n_group=2, topk_group=1,
                          n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=12,
@@ -46,7 +47,13 @@ CASES = {
                          intermediate_size=24, first_k_dense_replace=0, n_group=4, topk_group=2,
                          n_shared_experts=2, norm_topk_prob=False, q_lora_rank=None, kv_lora_rank=8,
                          qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8,
-                         num_key_value_heads=4, rope_interleave=False)],
+                         num_key_value_heads=4, rope_interleave=False),
+                    # rms_norm_eps 1e-5: the latent norms still use 1e-6 (model/mla.py).
+                    dict(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=12,
+                         intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
+                         n_shared_experts=1, routed_scaling_factor=1.5, q_lora_rank=8, kv_lora_rank=4,
+                         qk_nope_head_dim=6, qk_rope_head_dim=8, v_head_dim=8, num_attention_heads=8,
+                         num_key_value_heads=8, hidden_size=16, rms_norm_eps=1e-5)],
     # gpt-oss: sinks, biases everywhere, clamped SwiGLU; alternating sliding / full layers with
     # its default YaRN (truncate false), then a window on two of three layers, no attention
     # biases, tied embeddings and a YaRN with truncation.
