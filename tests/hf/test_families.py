@@ -16,6 +16,7 @@ from tests.hf.families_cases import (
     PARAMS,
     batch_docs,
     hf_config,
+    hf_float64,
     hf_token_logprobs,
     packed_logprobs,
     save_random,
@@ -44,6 +45,18 @@ def test_packed_logprobs_match_transformers_per_document(checkpoint):
     for m, t in zip(mine, theirs, strict=True):
         torch.testing.assert_close(m, t, atol=2e-5, rtol=0)
     assert torch.cat(theirs).std() > 0.1  # weights large enough that routing matters
+
+
+def test_packed_logprobs_match_transformers_in_float64(checkpoint):
+    """Both models in float64 (transformers' float32 casts lifted): only rounding is left, so a
+    mismatch far below the float32 tolerance (a wrong eps, a mask value) still shows."""
+    family, kwargs, path, hf = checkpoint
+    ours = load_hf_model(path).double()
+    batch = packed_batch(DOCS, ours.cfg.vocab_size, generator=torch.Generator().manual_seed(1))
+    with hf_float64(hf.double()):
+        theirs = hf_token_logprobs(hf, batch_docs(batch))
+    for m, t in zip(packed_logprobs(ours, batch), theirs, strict=True):
+        torch.testing.assert_close(m, t, atol=1e-10, rtol=0)
 
 
 def test_export_loads_in_transformers_with_the_same_logits(checkpoint, tmp_path):
