@@ -104,6 +104,7 @@ class ModelConfig:
     # rank-q_lora_rank bottleneck (0 = a plain q projection), k / v from a rank-kv_lora_rank
     # latent; q/k heads of qk_nope_head_dim + qk_rope_head_dim (the rope part of k shared by
     # all heads), v heads of v_head_dim. head_dim / num_kv_heads are not used by MLA layers.
+    # The two latent norms use eps 1e-6, not norm_eps (model/mla.py).
     attention_type: str = "gqa"
     q_lora_rank: int = 0
     kv_lora_rank: int = 0

@@ -2,6 +2,7 @@
 
     q = q_b(norm_qa(q_a(x)))  (or q_proj(x) without q_lora_rank)  -> per head [nope | rope]
     kv_a(x) = [c_kv | k_rope]: c_kv (kv_lora_rank) -> norm_kva -> kv_b -> per head [k_nope | v]
+    (norm_qa and norm_kva use eps 1e-6 whatever model.norm_eps says, as DeepSeek-V3 does)
     k_rope (one head, shared by all) and q's rope part get RoPE (YaRN in DeepSeek-V3);
     k = [k_nope | k_rope], attention with q/k head dim nope + rope and v head dim v_head_dim,
     softmax scale (nope + rope)^-0.5 times YaRN's mscale(factor, mscale_all_dim)^2.
@@ -25,6 +26,11 @@ from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.layers import RMSNorm
 from longctx_moe.model.rope import RopeSpec, apply_partial_rope, yarn_softmax_scale_factor
 
+# DeepSeek-V3 builds its two latent norms with RMSNorm's default eps, not rms_norm_eps (its
+# reference code and transformers' DeepseekV3Attention alike): a checkpoint whose rms_norm_eps
+# is not 1e-6 still normalises its latents with 1e-6.
+LATENT_NORM_EPS = 1e-6
+
 
 class MLAttention(nn.Module):
     """DeepSeek-V3 attention (see the module docstring); weight names follow transformers'."""
@@ -38,12 +44,12 @@ class MLAttention(nn.Module):
         qk = self.nope + self.rope_dim
         if cfg.q_lora_rank > 0:
             self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, cfg.kernels)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, cfg.kernels)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
         else:
             self.q_proj = nn.Linear(d, h * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_rank + self.rope_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(self.kv_rank, cfg.norm_eps, cfg.kernels)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, LATENT_NORM_EPS, cfg.kernels)
         self.kv_b_proj = nn.Linear(self.kv_rank, h * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
         self.rope_spec = RopeSpec.from_config(self.rope_dim, cfg.rope_theta, cfg.rope_scaling,

@@ -102,14 +102,14 @@ class Router(nn.Module):
 
     def _limit_to_groups(self, select_TE: torch.Tensor) -> torch.Tensor:
         """Selection scores with every expert outside the token's router_topk_groups best groups
-        set to 0 (a group's score: the sum of its two best selection scores). Zero, not -inf, as
-        DeepSeek-V3 and GLM-4.5 mask, so a checkpoint routes exactly as trained."""
+        set to -inf (a group's score: the sum of its two best). Not 0: a kept expert's biased score
+        can be negative and must still beat every dropped one (DeepSeek-V3's reference, transformers)."""
         t, e = select_TE.shape
         select_TGX = select_TE.view(t, self.groups, e // self.groups)
         group_TG = select_TGX.topk(2, dim=-1).values.sum(-1)
         best_TG = torch.topk(group_TG, self.topk_groups, dim=-1).indices
         keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, best_TG, True)
-        return select_TGX.masked_fill(~keep_TG[:, :, None], 0.0).view(t, e)
+        return select_TGX.masked_fill(~keep_TG[:, :, None], float("-inf")).view(t, e)
 
     def _weights(self, logits_TE, scores_TE, topk_idx_TK, replay_TK):
         """(idx, weights, aux) of the selected (or replayed) experts from the scores."""

@@ -3,6 +3,10 @@ classes and saved with save_pretrained (no downloads), and the reference log-pro
 
 from __future__ import annotations
 
+import sys
+import types
+from contextlib import contextmanager
+
 import torch
 
 BASE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -29,7 +33,8 @@ CASES = {
                  dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=8, intermediate_size=24,
                       first_k_dense_replace=0, n_group=4, topk_group=2, n_shared_experts=2, norm_topk_prob=False,
                       attention_bias=True, use_qk_norm=True, partial_rotary_factor=1.0, head_dim=8)],
-    # MLA: a q bottleneck or none, interleaved rope dims or not, YaRN with mscale.
+    # MLA: a q bottleneck or none, interleaved rope dims or not, YaRN with mscale, an rms_norm_eps
+    # other than the latent norms' 1e-6.
     "deepseek_v3": [dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
                          intermediate_size=40, first_k_dense_replace=1, n_group=2, topk_group=1,
                          n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=12,
@@ -42,7 +47,13 @@ CASES = {
                          intermediate_size=24, first_k_dense_replace=0, n_group=4, topk_group=2,
                          n_shared_experts=2, norm_topk_prob=False, q_lora_rank=None, kv_lora_rank=8,
                          qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8,
-                         num_key_value_heads=4, rope_interleave=False)],
+                         num_key_value_heads=4, rope_interleave=False),
+                    # rms_norm_eps 1e-5: the latent norms still use 1e-6 (model/mla.py).
+                    dict(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=12,
+                         intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1,
+                         n_shared_experts=1, routed_scaling_factor=1.5, q_lora_rank=8, kv_lora_rank=4,
+                         qk_nope_head_dim=6, qk_rope_head_dim=8, v_head_dim=8, num_attention_heads=8,
+                         num_key_value_heads=8, hidden_size=16, rms_norm_eps=1e-5)],
     # gpt-oss: sinks, biases everywhere, clamped SwiGLU; alternating sliding / full layers with
     # its default YaRN (truncate false), then a window on two of three layers, no attention
     # biases, tied embeddings and a YaRN with truncation.
@@ -99,3 +110,57 @@ def hf_token_logprobs(model, docs: list[torch.Tensor]) -> list[torch.Tensor]:
             logits = model(input_ids=tokens[None]).logits[0].to(torch.float64)
             out.append(logits[:-1].log_softmax(-1).gather(1, tokens[1:, None])[:, 0])
     return out
+
+
+def packed_logprobs(model, batch) -> list[torch.Tensor]:
+    """Our per-token log-probs of a packed batch, split per document (float64)."""
+    from longctx_moe.model.transformer import LogProbHead
+
+    with torch.no_grad():
+        logp_T = model(batch, head=LogProbHead()).logprobs_T.to(torch.float64)
+    cu = batch.cu_seqlens.tolist()
+    return [logp_T[s:e - 1] for s, e in zip(cu[:-1], cu[1:], strict=True)]
+
+
+def batch_docs(batch) -> list[torch.Tensor]:
+    cu = batch.cu_seqlens.tolist()
+    return [batch.tokens[s:e] for s, e in zip(cu[:-1], cu[1:], strict=True)]
+
+
+class _Float64Torch(types.ModuleType):
+    """`torch` as a transformers modeling module sees it under hf_float64: float32 is float64."""
+
+    float32 = torch.float64
+    float = torch.float64
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _keep_float64(self):
+    return self if self.dtype == torch.float64 else _TENSOR_FLOAT(self)
+
+
+_TENSOR_FLOAT = torch.Tensor.float
+
+
+@contextmanager
+def hf_float64(model):
+    """transformers' forward of `model` (already .double()) in float64 throughout: its RMSNorms,
+    attention softmax and routers cast to float32 by name (torch.float32 / torch.float in the
+    modeling module, Tensor.float() in Mixtral's router), which would hold a float64 comparison
+    at float32 rounding. The RoPE tables stay float32 angles, as ours (rope_tables) are."""
+    module = sys.modules[type(model).__module__]
+    real_torch = module.torch
+    routers = [m for m in model.modules() if type(m).__name__.endswith("Router")]
+    hooks = [h for m in routers for h in (
+        m.register_forward_pre_hook(lambda *_: setattr(torch.Tensor, "float", _keep_float64)),
+        m.register_forward_hook(lambda *_: setattr(torch.Tensor, "float", _TENSOR_FLOAT)))]
+    module.torch = _Float64Torch("torch")
+    try:
+        yield model
+    finally:
+        module.torch = real_torch
+        torch.Tensor.float = _TENSOR_FLOAT
+        for h in hooks:
+            h.remove()

@@ -11,8 +11,16 @@ import torch
 
 from longctx_moe.config import ConfigError, load_config
 from longctx_moe.hf.load import load_hf_model
-from longctx_moe.model.transformer import LogProbHead
-from tests.hf.families_cases import IDS, PARAMS, hf_config, hf_token_logprobs, save_random
+from tests.hf.families_cases import (
+    IDS,
+    PARAMS,
+    batch_docs,
+    hf_config,
+    hf_float64,
+    hf_token_logprobs,
+    packed_logprobs,
+    save_random,
+)
 from tests.model.helpers import packed_batch
 
 transformers = pytest.importorskip("transformers")
@@ -26,29 +34,29 @@ def checkpoint(request, tmp_path):
     return family, kwargs, path, save_random(family, kwargs, path)
 
 
-def _packed_logprobs(model, batch) -> list[torch.Tensor]:
-    with torch.no_grad():
-        logp_T = model(batch, head=LogProbHead()).logprobs_T.to(torch.float64)
-    cu = batch.cu_seqlens.tolist()
-    return [logp_T[s:e - 1] for s, e in zip(cu[:-1], cu[1:], strict=True)]
-
-
-def _docs(batch) -> list[torch.Tensor]:
-    cu = batch.cu_seqlens.tolist()
-    return [batch.tokens[s:e] for s, e in zip(cu[:-1], cu[1:], strict=True)]
-
-
 def test_packed_logprobs_match_transformers_per_document(checkpoint):
     family, kwargs, path, hf = checkpoint
     ours = load_hf_model(path)
     assert ours.cfg.hf_family == family
     batch = packed_batch(DOCS, ours.cfg.vocab_size, generator=torch.Generator().manual_seed(1))
-    mine, theirs = _packed_logprobs(ours, batch), hf_token_logprobs(hf, _docs(batch))
+    mine, theirs = packed_logprobs(ours, batch), hf_token_logprobs(hf, batch_docs(batch))
     # float32 on both sides: the two forwards round differently (fused vs. per-expert GEMMs,
     # attention kernels), ~1e-6 on log-probs of size ~5 after a few layers.
     for m, t in zip(mine, theirs, strict=True):
         torch.testing.assert_close(m, t, atol=2e-5, rtol=0)
     assert torch.cat(theirs).std() > 0.1  # weights large enough that routing matters
+
+
+def test_packed_logprobs_match_transformers_in_float64(checkpoint):
+    """Both models in float64 (transformers' float32 casts lifted): only rounding is left, so a
+    mismatch far below the float32 tolerance (a wrong eps, a mask value) still shows."""
+    family, kwargs, path, hf = checkpoint
+    ours = load_hf_model(path).double()
+    batch = packed_batch(DOCS, ours.cfg.vocab_size, generator=torch.Generator().manual_seed(1))
+    with hf_float64(hf.double()):
+        theirs = hf_token_logprobs(hf, batch_docs(batch))
+    for m, t in zip(packed_logprobs(ours, batch), theirs, strict=True):
+        torch.testing.assert_close(m, t, atol=1e-10, rtol=0)
 
 
 def test_export_loads_in_transformers_with_the_same_logits(checkpoint, tmp_path):

@@ -55,6 +55,30 @@ def test_expert_bias_affects_selection_only():
     torch.testing.assert_close(w, aux.scores_TE.gather(1, idx), atol=0, rtol=0)  # unbiased weights
 
 
+def test_group_limited_routing_matches_transformers_deepseek_v3_with_negative_selection_scores():
+    """A bias that makes kept experts' selection scores negative: they must still beat every
+    expert of a dropped group (transformers masks dropped groups with -inf)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    r = _router(num_experts=8, top_k=2, router_score="sigmoid", expert_bias=True, router_groups=4,
+                router_topk_groups=1, router_renormalize=True).double()
+    with torch.no_grad():
+        r.expert_bias.copy_(torch.tensor([-0.9, 0.3] * 4))
+    hf = DeepseekV3MoE(transformers.DeepseekV3Config(
+        hidden_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=1.0, moe_intermediate_size=4)).double()
+    with torch.no_grad():
+        hf.gate.e_score_correction_bias.copy_(r.expert_bias)
+        x = torch.randn(64, 32, dtype=torch.float64)
+        idx, w, aux = r(x)
+        ref_idx, ref_w = hf.route_tokens_to_experts(aux.logits_TE)
+    assert (aux.scores_TE[torch.arange(64)[:, None], idx] + r.expert_bias[idx] < 0).any()  # the case at stake
+    order, ref_order = idx.argsort(-1), ref_idx.argsort(-1)
+    assert torch.equal(idx.gather(1, order), ref_idx.gather(1, ref_order))
+    torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order), atol=TOL64, rtol=0)
+
+
 def test_expert_bias_updates_balance_load_on_skewed_input():
     cfg = tiny_config(expert_bias=True, expert_bias_update_rate=0.02, aux_loss_type="none",
                       num_experts=8, top_k=2)
