@@ -13,8 +13,10 @@ one sequence per micro-batch: verl removes padding), log-probs and entropies by 
 `logprobs_from_logits` / `entropy_from_logits`, verl's `ppo_loss` per micro-batch with the global
 token count, backward, gradient clipping and torch's AdamW.
 
-Both in float32 without autocast (the comparison is exact to float32 rounding, and neither side
-gets a precision the other lacks), the same AdamW settings (lr 1e-6, eps 1e-8, clip 1.0, no weight
+Both sides compute in `--dtype`: float32 without autocast (the default: the comparison is exact
+to float32 rounding), or bf16 autocast over float32 weights, the mixed precision verl's engines
+train in (both sides' log-softmax in float32; the diffs are then bf16 rounding); neither side gets
+a precision the other lacks. The same AdamW settings (lr 1e-6, eps 1e-8, clip 1.0, no weight
 decay), router aux / z losses off on our side (transformers' forward adds none). Each side runs
 in its own subprocess per round, alternating which goes first, scores the batch once untimed
 (warm-up), then is timed; times are medians over rounds (the spread is min-max), tokens/s = real
@@ -50,7 +52,9 @@ import torch  # noqa: E402
 MODEL = ["model.vocab_size=8192", "model.hidden_size=256", "model.num_layers=4", "model.num_heads=4",
          "model.num_kv_heads=2", "model.head_dim=64", "model.num_experts=16", "model.top_k=2",
          "model.expert_hidden_size=256", "model.aux_loss_coeff=0", "model.z_loss_coeff=0",
-         "train.param_dtype=fp32", "train.autocast_dtype=none", "train.host_allocator=default"]
+         "train.param_dtype=fp32", "train.host_allocator=default"]
+# --dtype: both sides compute in it; float32 master weights and AdamW either way.
+AUTOCAST = {"float32": "none", "bf16": "bf16"}
 LR, EPS, CLIP = 1e-6, 1e-8, 1.0
 
 
@@ -62,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=4, help="samples per prompt group")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "2")))
+    p.add_argument("--dtype", choices=sorted(AUTOCAST), default="float32",
+                   help="compute dtype of both sides: float32, or bf16 autocast over float32 weights "
+                        "(verl's engines train in bf16 mixed precision; native on AVX512-BF16 / AMX CPUs)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--worker", choices=("ours", "theirs"), help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
@@ -111,7 +118,7 @@ def make_model(folder: Path) -> None:
     from longctx_moe.hf.interop import to_hf_config
 
     torch.manual_seed(0)
-    Qwen3MoeForCausalLM(to_hf_config(load_config(None, MODEL).model)).save_pretrained(folder)
+    Qwen3MoeForCausalLM(to_hf_config(load_config(None, MODEL + ["train.autocast_dtype=none"]).model)).save_pretrained(folder)
 
 
 def _rss_bytes() -> int:
@@ -144,7 +151,8 @@ def ours_worker(args) -> dict:
     yaml = OmegaConf.load(ROOT / "configs" / "verl_engine.yaml")
     yaml.model_config.path = args.folder
     yaml.engine_config.config = str(ROOT / "configs" / "tiny_cpu.yaml")
-    yaml.engine_config.overrides = MODEL + [f"train.num_threads={args.threads}"]
+    yaml.engine_config.overrides = MODEL + [f"train.num_threads={args.threads}",
+                                            f"train.autocast_dtype={AUTOCAST[args.dtype]}"]
     for key in ("max_token_len_per_gpu", "infer_max_token_len_per_gpu"):
         yaml.engine_config[key] = args.max_len
     yaml.engine_config.export_dtype = "float32"
@@ -197,9 +205,12 @@ def theirs_worker(args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
     rows = list(data["input_ids"].unbind())
 
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+
     def score(ids, grad):
-        with torch.set_grad_enabled(grad):
-            logits = model(input_ids=ids[None]).logits[0]
+        with torch.set_grad_enabled(grad), autocast:
+            # float32 log-softmax on both sides (ours computes its loss chunks in float32)
+            logits = model(input_ids=ids[None]).logits[0].float()
             lp = verl_F.logprobs_from_logits(logits[:-1], ids[1:])
             ent = verl_F.entropy_from_logits(logits[:-1]) if not grad else None
         return torch.cat([lp, lp.new_zeros(1)]), ent
@@ -233,7 +244,7 @@ def theirs_worker(args) -> dict:
 def run_side(side: str, args, folder: Path) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--folder", str(folder), "--seqs", str(args.seqs),
            "--min-len", str(args.min_len), "--max-len", str(args.max_len), "--group", str(args.group),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--dtype", args.dtype]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if res.returncode != 0:
