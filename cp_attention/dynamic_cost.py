@@ -70,9 +70,10 @@ class DynamicCPCost:
     a: seconds per token computed (GEMMs: attention projections, router, active experts, LM
        head; forward + backward). b: seconds per n^2 of one sequence's attention at full tile
        efficiency, causal half and forward + backward folded in. kv_bytes_per_token: ring bytes
-       per token of one sequence, all layers, forward K,V + backward K,V + dK,dV, i.e. 3 * 2 *
-       kv_heads * head_dim * itemsize * layers. bandwidth: bytes/s one rank receives on the
-       ring. overlap: fraction of the ring time hidden behind compute (0: none, 1: all).
+       per token of one sequence, all layers, forward K,V + backward K,V + dK,dV, i.e. 3 *
+       kv_heads * (qk_dim + v_dim) * itemsize * layers (qk_dim the query/key head size, v_dim
+       the value head size; both head_dim without MLA). bandwidth: bytes/s one rank receives
+       on the ring. overlap: fraction of the ring time hidden behind compute (0: none, 1: all).
     ring_step_seconds: fixed cost of one ring step (kernel launches, p2p latency, the wait that
        ends the step) summed over one micro-batch's ring passes, i.e. 2 * layers * the latency
        of one step (forward and backward of every layer); a run of s ranks pays it s - 1 times,
@@ -83,7 +84,7 @@ class DynamicCPCost:
     a2a_size: the most ranks of a run that exchange heads by all-to-all (1: ring CP; the run
        size for Ulysses; the inner size for hierarchical CP). q_bytes_per_token: all-to-all
        bytes per token of the query-sized tensors, all layers (Q, out forward, dout, dQ
-       backward: 4 * heads * head_dim * itemsize * layers). kv_heads: KV heads of the model
+       backward: 2 * heads * (qk_dim + v_dim) * itemsize * layers). kv_heads: KV heads of the model
        (replication when a2a_size exceeds them).
     """
 
@@ -187,31 +188,39 @@ class DynamicCPCost:
                    attention_flops_per_s: float | None = None, itemsize: int = 2,
                    overlap: float = 0.5, ring_latency: float = 0.0,
                    attn_half_tokens: float = 0.0, a2a_size: int = 1,
-                   window_layers: int = 0, window: int = 0) -> DynamicCPCost:
+                   window_layers: int = 0, window: int = 0,
+                   v_head_dim: int | None = None) -> DynamicCPCost:
         """Constants from a model description and achieved (not peak) throughputs.
 
-        a = 6 * active matmul params / flops_per_s (2 FLOPs per multiply-add, backward twice the
-        forward). b: attention does 4 * heads * head_dim FLOPs per query-key pair and layer
-        forward (QK^T and PV), times 3 with the backward, over n^2/2 causal pairs, at
-        attention_flops_per_s (default flops_per_s), the throughput on long tiles. The hidden
-        size does not enter: it is inside active_params_per_token and, for attention, heads *
-        head_dim. ring_latency: seconds of one ring step (one p2p exchange with its launch and
+        head_dim is the query/key head size, v_head_dim the value (and output) head size
+        (None: head_dim); num_kv_heads the K/V heads the CP executors move (MLA: num_heads, K and
+        V per head after the kv_b up-projection). a = 6 * active matmul params / flops_per_s
+        (2 FLOPs per multiply-add, backward twice the forward). b: attention does 2 * heads *
+        (head_dim + v_head_dim) FLOPs per query-key pair and layer forward (QK^T over the q/k
+        size, PV over the v size), times 3 with the backward, over n^2/2 causal pairs, at
+        attention_flops_per_s (default flops_per_s), the throughput on long tiles (the backward's
+        dV and dP use the v size, dQ and dK the q/k size: twice the forward either way). The hidden
+        size does not enter: it is inside active_params_per_token and, for attention, the head
+        sizes. ring_latency: seconds of one ring step (one p2p exchange with its launch and
         wait); every layer runs one ring forward and one backward, so ring_step_seconds = 2 *
         num_layers * ring_latency. attn_half_tokens: the tile efficiency's n_half. a2a_size:
         1 for ring CP, the largest run for Ulysses, the inner size for hierarchical CP.
-        window_layers of the layers attend in a sliding window of `window` keys (c_window).
+        window_layers of the layers attend in a sliding window of `window` keys (c_window), the
+        others over the causal square (b); ring and all-to-all bytes count every layer, as the
+        executors send the same messages with or without a window.
         """
         attn = attention_flops_per_s or flops_per_s
-        per_pair = 3.0 * 4 * num_heads * head_dim / attn  # one layer, one pair, fwd + bwd
+        qk_v = head_dim + (head_dim if v_head_dim is None else v_head_dim)
+        per_pair = 3.0 * 2 * num_heads * qk_v / attn  # one layer, one pair, fwd + bwd
         window_layers = window_layers if window > 0 else 0
         return cls(a=6.0 * active_params_per_token / flops_per_s,
                    b=per_pair * (num_layers - window_layers) / 2,
                    c_window=per_pair * window_layers, window=window if window_layers else 0,
-                   kv_bytes_per_token=3.0 * 2 * num_kv_heads * head_dim * itemsize * num_layers,
+                   kv_bytes_per_token=_kv_bytes_per_token(num_kv_heads, qk_v, itemsize, num_layers),
                    bandwidth=bandwidth, overlap=overlap,
                    ring_step_seconds=2.0 * num_layers * ring_latency,
                    attn_half_tokens=attn_half_tokens, a2a_size=a2a_size,
-                   q_bytes_per_token=4.0 * num_heads * head_dim * itemsize * num_layers,
+                   q_bytes_per_token=_q_bytes_per_token(num_heads, qk_v, itemsize, num_layers),
                    kv_heads=num_kv_heads)
 
     @classmethod
@@ -234,6 +243,18 @@ class DynamicCPCost:
                               active_params_per_token=3.3e9, flops_per_s=400e12,
                               bandwidth=bandwidth, overlap=overlap, ring_latency=ring_latency,
                               attn_half_tokens=attn_half_tokens)
+
+
+def _kv_bytes_per_token(kv_heads: int, qk_v: int, itemsize: int, layers: int) -> float:
+    """Ring bytes per token, all layers: K (q/k size) | V (v size) per KV head, travelling as
+    one block forward and again backward with its dK | dV (cp_attention/ring.py)."""
+    return 3.0 * kv_heads * qk_v * itemsize * layers
+
+
+def _q_bytes_per_token(heads: int, qk_v: int, itemsize: int, layers: int) -> float:
+    """All-to-all bytes per token of the query-sized tensors, all layers: Q and dQ have the q/k
+    size, out and dout the v size (cp_attention/ulysses.py)."""
+    return 2.0 * heads * qk_v * itemsize * layers
 
 
 def fit_attention_efficiency(lengths: Sequence[float],

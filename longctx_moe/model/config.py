@@ -205,6 +205,15 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def attention_dims(self) -> tuple[int, int, int, int]:
+        """(query heads, K/V heads, query/key head size, value head size) of the tensors the
+        attention kernels and the CP executors get. MLA up-projects K and V per head (kv_b), so
+        it has as many K/V heads as query heads, of nope + rope and of v_head_dim."""
+        if self.attention_type == "mla":
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            return self.num_heads, self.num_heads, qk, self.v_head_dim
+        return self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim
+
     def window_of(self, layer_idx: int) -> int | None:
         """The sliding window of layer `layer_idx` (None: full causal attention)."""
         if self.sliding_window < 1:

@@ -64,9 +64,10 @@ def _dynamic_cp(model: nn.Module, dims, cfg: ParallelConfig, capacity_tokens: in
         raise ValueError("parallel.dynamic_cp=true needs parallel.max_tokens_per_rank (or "
                          "data.micro_batch_tokens) >= 1")
     m = model.cfg
+    heads, kv_heads, qk_dim, v_dim = m.attention_dims()
     cost = DynamicCPCost.from_model(
-        num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-        head_dim=m.head_dim, active_params_per_token=active_matmul_params(m),
+        num_layers=m.num_layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=qk_dim,
+        v_head_dim=v_dim, active_params_per_token=active_matmul_params(m),
         flops_per_s=cfg.dcp_tflops * 1e12, bandwidth=cfg.dcp_bandwidth_gbps * 1e9,
         ring_latency=cfg.dcp_ring_latency_us * 1e-6, attn_half_tokens=cfg.dcp_attn_half_tokens,
         a2a_size=_a2a_size(dims, cfg),
