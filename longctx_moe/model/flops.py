@@ -7,10 +7,22 @@ from __future__ import annotations
 from longctx_moe.model.config import ModelConfig
 
 
+def attention_matmul_params(cfg: ModelConfig) -> int:
+    """One layer's attention projection weights: q, k, v, o; for MLA the low-rank q (or plain q),
+    the kv latent with the shared rope key, its per-head up-projection to k_nope and v, and o."""
+    d = cfg.hidden_size
+    if cfg.attention_type != "mla":
+        return d * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    h, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    q = cfg.q_lora_rank * (d + h * qk) if cfg.q_lora_rank else d * h * qk
+    kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return q + kv + h * cfg.v_head_dim * d
+
+
 def active_matmul_params(cfg: ModelConfig) -> int:
     """Weights one token multiplies with: attention, router, top-k experts, shared/dense MLPs, head."""
-    d, hd = cfg.hidden_size, cfg.head_dim
-    attn = d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)  # q, o and k, v projections
+    d = cfg.hidden_size
+    attn = attention_matmul_params(cfg)
     moe = d * cfg.num_experts + cfg.top_k * 3 * d * cfg.expert_hidden_size + 3 * d * cfg.shared_expert_hidden_size
     dense = 3 * d * cfg.dense_hidden_size
     ffn = cfg.first_k_dense * dense + cfg.num_moe_layers * moe
@@ -18,9 +30,11 @@ def active_matmul_params(cfg: ModelConfig) -> int:
 
 
 def attention_flops_per_pair(cfg: ModelConfig) -> int:
-    """Training FLOPs of one causal (query, key <= query) pair over all layers and heads: QK^T and
-    PV cost 2 FLOPs per head dim each, and the backward costs twice the forward."""
-    return 3 * 2 * 2 * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    """Training FLOPs of one causal (query, key <= query) pair over all layers and heads: QK^T
+    costs 2 FLOPs per query/key head dim, PV 2 per value head dim (they differ under MLA), and
+    the backward costs twice the forward."""
+    heads, _, qk, v = cfg.attention_dims()
+    return 3 * 2 * heads * (qk + v) * cfg.num_layers
 
 
 def pair_cost_ratio(cfg: ModelConfig) -> float:

@@ -112,6 +112,24 @@ def test_update_expert_bias_and_flops():
     assert model_flops(cfg, lens) == 6 * n_active * 16 + attention
 
 
+def test_mla_flops_count_the_attention_weights_the_model_has():
+    """MLA's projections (low-rank q, kv latent with the shared rope key, per-head up-projection)
+    counted from the built model's own attention weights; the pair cost from the q/k and v head
+    sizes, which differ (QK^T over nope + rope dims, PV over v dims)."""
+    from longctx_moe.model.flops import active_matmul_params
+
+    cfg = tiny_config(attention_type="mla", q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6,
+                      qk_rope_head_dim=4, v_head_dim=5, qk_norm=False, num_kv_heads=4)
+    model = build_model(cfg)
+    attn = sum(p.numel() for n, p in model.named_parameters()
+               if ".attn." in n and n.endswith(("proj.weight", "proj_with_mqa.weight")))
+    rest = active_matmul_params(tiny_config(num_kv_heads=4)) - cfg.num_layers * cfg.hidden_size * 8 * 16
+    assert active_matmul_params(cfg) == attn + rest
+    pairs = 3 + 10  # documents of 2 and 4 tokens
+    per_pair = 3 * 2 * cfg.num_heads * ((6 + 4) + 5) * cfg.num_layers
+    assert model_flops(cfg, [2, 4]) == 6 * active_matmul_params(cfg) * 6 + per_pair * pairs
+
+
 @pytest.mark.parametrize("key,value,match", [("router_score", "relu", "model.router_score"),
                                              ("num_kv_heads", 3, "model.num_kv_heads=3"),
                                              ("top_k", 9, "model.top_k=9"),
