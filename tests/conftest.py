@@ -59,8 +59,8 @@ def pytest_sessionstart(session):
     amx_backward.available()
     brgemm_forward.available()
     if hasattr(session.config, "workerinput"):
-        # `make test` runs one xdist worker per core: a worker's own intra-op threads would only
-        # contend with the other worker's (and spin in OpenMP barriers meanwhile).
+        # `make test` runs more xdist workers than cores: a worker's own intra-op threads would
+        # only contend with the others' (and spin in OpenMP barriers meanwhile).
         import torch
 
         torch.set_num_threads(1)
