@@ -128,7 +128,7 @@ def test_unknown_family_is_refused(tmp_path):
         load_config(None, [f"train.init_from={tmp_path}"])
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "gpt_oss"])
 def test_family_configs_are_expressible_in_their_family(family):
     from pathlib import Path
 
