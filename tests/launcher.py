@@ -124,6 +124,18 @@ def run_distributed(
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return results by rank."""
     if tier_check is not None:
         tier_check()
+    for attempt in range(2):
+        try:
+            return _run_once(fn, world_size, args, kwargs, timeout, backend, threads_per_rank)
+        except DistributedTestError as e:
+            # The port free_port found was taken before rank 0's store listened on it (make test
+            # runs several workers, each launching ranks): once more on another port.
+            if attempt or not any(m in str(e) for m in ("EADDRINUSE", "ddress already in use")):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn, world_size, args, kwargs, timeout, backend, threads_per_rank) -> list[Any]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (first call)
     result_q = ctx.Queue()

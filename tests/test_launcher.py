@@ -43,3 +43,24 @@ def test_error_on_one_rank_is_reraised_with_its_traceback():
 def test_deadlock_fails_instead_of_hanging():
     with pytest.raises(DistributedTestError, match="did not finish"):
         run_distributed(_deadlock, 2, timeout=10)
+
+
+@pytest.mark.slow
+def test_a_port_taken_before_the_store_listens_is_retried_on_another(monkeypatch):
+    """Under several pytest workers another process can take the port free_port found before rank
+    0's store binds it: the launch runs once more on a new port instead of failing the test."""
+    import socket
+
+    from tests import launcher
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()  # a listening socket: the store's bind fails with EADDRINUSE
+    ports = [taken.getsockname()[1]]
+    real = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda: ports.pop(0) if ports else real())
+    try:
+        assert run_distributed(_sum_ranks, 2, timeout=120) == [1.0, 1.0]
+    finally:
+        taken.close()
+    assert not ports  # the taken port was handed out first
