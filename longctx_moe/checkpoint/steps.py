@@ -15,7 +15,7 @@ from longctx_moe.checkpoint.durable import fsync_dir
 from longctx_moe.checkpoint.errors import CheckpointError
 from longctx_moe.checkpoint.faults import kill_point
 
-FORMAT_VERSION = 3  # 2: meta.json records each rank file's bytes and sha256; 3: tensors by global slice, safetensors
+FORMAT_VERSION = 4  # 2: meta.json records each rank file's bytes and sha256; 3: tensors by global slice, safetensors; 4: a sha256 per block of each rank file
 SUPERSEDED = "superseded"
 _STEP_NAME = re.compile(r"step_(\d+)")
 

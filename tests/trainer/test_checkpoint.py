@@ -282,7 +282,8 @@ def test_meta_records_each_rank_files_size_and_sha256(tmp_path):
     step_dir = ctx.ckpt_dir / "step_00000001"
     files = json.loads((step_dir / "meta.json").read_text())["files"]
     part = step_dir / "rank_00000.safetensors"
-    assert files == {"rank_00000.safetensors": {"bytes": part.stat().st_size, "sha256": rank_file.sha256_file(part)}}
+    assert files == {"rank_00000.safetensors": {"bytes": part.stat().st_size, "block_bytes": rank_file.HASH_BLOCK,
+                                                 "block_sha256": rank_file.block_sha256_file(part)}}
 
 
 def test_async_save_holds_the_state_of_its_step_and_publishes_when_finished(tmp_path):
@@ -346,11 +347,37 @@ def test_rank_files_are_safetensors_that_safetensors_reads_back_exactly(tmp_path
                "bool": torch.tensor([True, False]), "i64": torch.arange(7)}
     path = tmp_path / "x.safetensors"
     entry = rank_file.write_rank_file(path, tensors, {"state": "{}"})
-    assert entry == {"bytes": path.stat().st_size, "sha256": rank_file.sha256_file(path)}
+    assert entry == {"bytes": path.stat().st_size, "block_bytes": rank_file.HASH_BLOCK,
+                     "block_sha256": rank_file.block_sha256_file(path)}
     back = load_file(str(path))
     assert back.keys() == tensors.keys()
     assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
     assert safe_open(str(path), framework="pt").metadata() == {"state": "{}"}
+
+
+def test_every_block_is_checked_and_whole_file_entries_still_verify(tmp_path, monkeypatch):
+    """Files of several checksum blocks (64 bytes here): meta.json's list covers every block, the
+    file reads back exactly, an entry of an older checkpoint (one sha256 of the whole file) is
+    verified too, and one flipped byte in the last block is caught under either entry."""
+    import hashlib
+
+    monkeypatch.setattr(rank_file, "HASH_BLOCK", 64)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.arange(100, dtype=torch.float64), "b": torch.randn(7, 5, generator=gen)}
+    path = tmp_path / "x.safetensors"
+    entry = rank_file.write_rank_file(path, tensors, {"state": "{}"})
+    assert entry["block_bytes"] == 64 and len(entry["block_sha256"]) == -(-entry["bytes"] // 64) > 10
+    assert entry["block_sha256"] == rank_file.block_sha256_file(path, 64)
+    old = {"bytes": entry["bytes"], "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    for e in (entry, old):
+        back = rank_file.read_verified(path, e)
+        assert all(torch.equal(back.get_tensor(k), v) for k, v in tensors.items())
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 1
+    path.write_bytes(bytes(raw))
+    for e in (entry, old):
+        with pytest.raises(CheckpointError, match="fails its sha256 check"):
+            rank_file.read_verified(path, e)
 
 
 def test_a_pickled_checkpoint_of_format_2_is_refused_in_one_line(tmp_path):
