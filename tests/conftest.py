@@ -161,3 +161,12 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_sep("=", f"CPU seconds per test (total {total:.1f} s; all in {path})")
     for c, w, n in rows[:25]:
         terminalreporter.write_line(f"{c:8.2f} cpu {w:8.2f} wall  {n}")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files with multi-process (`slow`) tests first: `make test`'s workers take whole files in
+    collection order, and the heaviest files (tests/trainer/, last alphabetically) would
+    otherwise start at the end and leave the other workers idle while they finish. Within each
+    group the order is unchanged."""
+    heavy = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in heavy)
