@@ -96,13 +96,11 @@ def _selection_gap_T(router, logits_TE: torch.Tensor) -> torch.Tensor:
     t, e = select_TE.shape
     gap_T = torch.full((t,), float("inf"), dtype=torch.float64)
     if router.groups > 1:
-        select_TGX = select_TE.view(t, router.groups, e // router.groups)
-        group_TG = select_TGX.topk(2, dim=-1).values.sum(-1).sort(-1, descending=True).values
+        group_TG = select_TE.view(t, router.groups, -1).topk(2, dim=-1).values.sum(-1)
+        ranked_TG = group_TG.sort(-1, descending=True).values
         if router.topk_groups < router.groups:
-            gap_T = group_TG[:, router.topk_groups - 1] - group_TG[:, router.topk_groups]
-        best_TG = group_TG.new_zeros(t, router.groups, dtype=torch.bool).scatter_(
-            1, select_TGX.topk(2, dim=-1).values.sum(-1).topk(router.topk_groups, -1).indices, True)
-        select_TE = select_TGX.masked_fill(~best_TG[:, :, None], float("-inf")).view(t, e)
+            gap_T = ranked_TG[:, router.topk_groups - 1] - ranked_TG[:, router.topk_groups]
+        select_TE = router._limit_to_groups(select_TE)  # the dropped groups' experts at -inf
     ranked_TE = select_TE.sort(-1, descending=True).values
     if router.top_k < e:
         gap_T = torch.minimum(gap_T, ranked_TE[:, router.top_k - 1] - ranked_TE[:, router.top_k])

@@ -49,6 +49,12 @@ def _denormals_restored():
     torch.set_flush_denormal(False)
 
 
+def _xdist_worker(config) -> bool:
+    """True in a pytest-xdist worker process (`make test` runs several), False in the controller
+    or a plain run."""
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session):
     # Build (or load) the brgemm attention kernels once, here, before any test runs: a first build
     # takes ~20-30 s, which would otherwise land inside one test, or inside a distributed test's
@@ -58,14 +64,14 @@ def pytest_sessionstart(session):
 
     amx_backward.available()
     brgemm_forward.available()
-    if hasattr(session.config, "workerinput"):
+    if _xdist_worker(session.config):
         # `make test` runs more xdist workers than cores: a worker's own intra-op threads would
         # only contend with the others' (and spin in OpenMP barriers meanwhile).
         import torch
 
         torch.set_num_threads(1)
     report = session.config.getoption("--cpu-report")
-    if report and not hasattr(session.config, "workerinput"):  # the controller, not an xdist worker
+    if report and not _xdist_worker(session.config):
         open(report + ".partial", "w").close()  # this run's rows only
 
 
@@ -147,13 +153,13 @@ def pytest_runtest_protocol(item, nextitem):
 
 def pytest_terminal_summary(terminalreporter, config):
     path = config.getoption("--cpu-report")
-    if not path or hasattr(config, "workerinput"):
+    if not path or _xdist_worker(config):
         return
     with open(path + ".partial") as f:
-        rows = sorted((float(c), float(w), n) for c, w, n in (line.rstrip("\n").split("\t", 2) for line in f))
+        rows = sorted(((float(c), float(w), n) for c, w, n in (line.rstrip("\n").split("\t", 2) for line in f)),
+                      reverse=True)
     if not rows:
         return
-    rows.reverse()
     total = sum(r[0] for r in rows)
     with open(path, "w") as f:
         f.write(f"# cpu_s\twall_s\ttest (total cpu {total:.1f} s over {len(rows)} tests)\n")
@@ -163,7 +169,7 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(f"{c:8.2f} cpu {w:8.2f} wall  {n}")
 
 
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_modifyitems(items):
     """Files with multi-process (`slow`) tests first: `make test`'s workers take whole files in
     collection order, and the heaviest files (tests/trainer/, last alphabetically) would
     otherwise start at the end and leave the other workers idle while they finish. Within each

@@ -124,15 +124,14 @@ def run_distributed(
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return results by rank."""
     if tier_check is not None:
         tier_check()
-    for attempt in range(2):
-        try:
-            return _run_once(fn, world_size, args, kwargs, timeout, backend, threads_per_rank)
-        except DistributedTestError as e:
-            # The port free_port found was taken before rank 0's store listened on it (make test
-            # runs several workers, each launching ranks): once more on another port.
-            if attempt or not any(m in str(e) for m in ("EADDRINUSE", "ddress already in use")):
-                raise
-    raise AssertionError("unreachable")
+    try:
+        return _run_once(fn, world_size, args, kwargs, timeout, backend, threads_per_rank)
+    except DistributedTestError as e:
+        if not any(m in str(e) for m in ("EADDRINUSE", "ddress already in use")):
+            raise
+    # The port free_port found was taken before rank 0's store listened on it (make test runs
+    # several workers, each launching ranks): once more on another port.
+    return _run_once(fn, world_size, args, kwargs, timeout, backend, threads_per_rank)
 
 
 def _run_once(fn, world_size, args, kwargs, timeout, backend, threads_per_rank) -> list[Any]:

@@ -153,11 +153,10 @@ def _keyless_rows(bk: Bucket):
     """bool [B*Pq]: query rows the mask leaves without any key (a sliding window, or a causal
     document with more queries than keys, in the masked layout), or None if there are none.
     aten's kernel reports lse 0 for such a row; attention with no key has lse -inf (and out 0)."""
-    # A mask of one row is a per-key mask shared by every query row, unless the bucket has one
-    # query row: then it is that row's own causal mask (offset or window may leave it no key).
-    if bk.mask is None or (bk.mask.shape[2] == 1 and bk.pq > 1):
+    if bk.mask is None:
         return None
-    dead = ~bk.mask.any(-1).reshape(-1)
+    # mask [B, 1, Pq or 1, Pk]: a one-row (per-key) mask holds for every query row of its document
+    dead = (~bk.mask.any(-1)).expand(bk.batch, 1, bk.pq).reshape(-1)
     return dead if bool(dead.any()) else None
 
 

@@ -90,24 +90,18 @@ class _BlockHasher:
 
 
 class _StreamHasher:
-    """One sha256 over the whole stream (files recorded before block checksums): the pieces are
-    hashed in order on the pool's threads one at a time, while the stream goes on."""
+    """One sha256 over the whole stream (files recorded before block checksums), hashed on a
+    one-worker pool while the stream goes on: its queue keeps the pieces in order."""
 
     def __init__(self, pool: ThreadPoolExecutor):
         self.pool, self.digest, self.last = pool, hashlib.sha256(), None
 
     def feed(self, view: memoryview) -> None:
-        previous = self.last
-        self.last = self.pool.submit(self._update, previous, view)
-
-    def _update(self, previous, view: memoryview) -> None:
-        if previous is not None:
-            previous.result()
-        self.digest.update(view)
+        self.last = self.pool.submit(self.digest.update, view)
 
     def hexdigest(self) -> str:
         if self.last is not None:
-            self.last.result()
+            self.last.result()  # the last piece queued: every earlier one is hashed
         return self.digest.hexdigest()
 
 
@@ -222,8 +216,11 @@ def read_verified(path: Path, entry: dict[str, Any] | None) -> RankFile:
                               f"(truncated or overwritten); {older_step_hint(path.parent)}")
     blocks = entry is None or "block_sha256" in entry
     parsed, error = None, None
-    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(HASH_WORKERS) as pool:
-        hasher = _BlockHasher(pool, entry and int(entry["block_bytes"])) if blocks else _StreamHasher(pool)
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(HASH_WORKERS if blocks else 1) as pool:
+        if blocks:
+            hasher = _BlockHasher(pool, int(entry["block_bytes"]) if entry is not None else None)
+        else:
+            hasher = _StreamHasher(pool)
         r = _HashedReader(f, hasher)
         try:
             head = r.bytes(8)
