@@ -71,6 +71,10 @@ class TrainConfig:
     # glibc malloc (longctx_moe.host): tuned (freed blocks up to 32 MiB reused: speed) | lean
     # (blocks above 1 MiB returned on free: memory, for long context and CP ranks) | default
     host_allocator: str = "tuned"
+    # Hand the heap's free pages back to the OS (glibc malloc_trim) after a step whose resident set
+    # grew by more than this fraction since the last trim; bounds the creep of a long CPU run as
+    # new lengths land in new heap holes (longctx_moe.host.HeapTrim). 0 = never.
+    host_heap_trim: float = 0.1
     run_dir: str = "runs/default"
     # A Hugging Face directory of a supported MoE family (longctx-moe export-hf, or a download)
     # whose weights start the run; its config.json fills model.* (longctx_moe.hf.families), each
@@ -403,6 +407,7 @@ def _check_trainer(cfg: Config) -> None:
     _require(not (t.compile and cfg.parallel.micro_batches_in_flight == 2),
              "train.compile=true with parallel.micro_batches_in_flight=2: compiled blocks are not run from "
              "two threads here; set one of them off")
+    _require(t.host_heap_trim >= 0, f"train.host_heap_trim={t.host_heap_trim} must be >= 0 (0 = never trim)")
     _require(t.num_threads >= 0, f"train.num_threads={t.num_threads} must be >= 0 (0 = automatic)")
     _require(0 < t.process_group_timeout_s < float("inf"),
              f"train.process_group_timeout_s={t.process_group_timeout_s} must be a number of seconds > 0, e.g. 600")

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from data_packing.batch import PackedBatch
 from longctx_moe.config import Config
+from longctx_moe.host import HeapTrim
 from longctx_moe.metrics import ep_load_stats, peak_memory_mb, reset_peak_memory, step_flops
 from longctx_moe.optim import LRSchedule
 from longctx_moe.parallel.dims import Axis
@@ -117,6 +118,7 @@ class Trainer:
         self.step = 0  # optimizer steps completed (including skipped ones)
         param_dtype = next(self.model.parameters()).dtype
         self.compute = resolve_compute_dtype(cfg.train.autocast_dtype, param_dtype, self.device)
+        self.heap_trim = HeapTrim(cfg.train.host_heap_trim)
 
     # ------------------------------------------------------------------ one step
 
@@ -176,10 +178,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.advance()
         self.step += 1
+        peak_mb = self._peak_memory()  # before the trim: the step's own peak
+        self.heap_trim.after_step()
         return StepResult(loss=loss, ce_loss=float(sums[1]), aux_loss=float(sums[2]), z_loss=float(sums[3]),
                           grad_norm=grad_norm, lr=lr, num_targets=g, num_tokens=num_tokens, skipped=skipped,
                           expert_counts=counts, flops=flops, metrics=metrics, cp_sizes=cp_sizes,
-                          peak_memory_mb=self._peak_memory(), ep_load=ep_load)
+                          peak_memory_mb=peak_mb, ep_load=ep_load)
 
     def _ep_load(self, counts_LE) -> dict[str, list[float]] | None:
         """EP balance of this step: by expert owner, and as run where experts were lent."""

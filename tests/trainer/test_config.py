@@ -46,6 +46,7 @@ def test_yaml_and_typed_overrides(tmp_path):
     (None, ["parallel.capacity_factor=0"], r"parallel.capacity_factor=0.0 must be > 0, or null for dropless"),
     (None, ["data.global_batch_tokens=100"], r"data.global_batch_tokens=100 must be >= data.micro_batch_tokens=2048"),
     (None, ["data.cost_per_token_pair=-1"], r"data.cost_per_token_pair=-1.0 must be >= 0"),
+    (None, ["train.host_heap_trim=-0.1"], r"train.host_heap_trim=-0.1 must be >= 0 \(0 = never trim\)"),
     (None, ["data.cost_b=0.1"], r"unknown config key 'data.cost_b'; known keys: .*cost_per_token_pair"),
     ("data:\n  cost_a: 1.0\n", [], r"unknown config key 'data.cost_a'; known keys: .*cost_per_token"),
     (None, ["train.nan_policy=ignore"], r"train.nan_policy='ignore' is not allowed; choose one of stop, skip"),

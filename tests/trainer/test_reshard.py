@@ -1,7 +1,8 @@
 """Checkpoints that change layout: a state saved under one parallel layout loads under
 another, compared tensor by tensor with the unsharded state (model, AdamW exp_avg / exp_avg_sq /
 step, expert bias) through world 1 -> 8 (TP2 x CP2 x DP2, EP4) -> 4 (CP2 x DP2, EP2, AdamW state
-sharded by the distributed optimizer) -> 4 (the same, replicated) -> 4 (TP2 x DP2, EP4) -> 1; and a run trained with `--nproc 2 --set parallel.ep=2` resumed with `--nproc 1`,
+sharded by the distributed optimizer) -> 4 (TP2 x DP2, EP4, replicated AdamW state) -> 1; and a run
+trained with `--nproc 2 --set parallel.ep=2` resumed with `--nproc 1`,
 then `--nproc 4 --set parallel.ep=4`, whose export loads in transformers."""
 
 import json
@@ -29,7 +30,6 @@ MODEL = ["model.vocab_size=64", "model.hidden_size=32", "model.num_layers=3", "m
 # (world size, parallel overrides) of each stage after the unsharded save.
 STAGES = [(8, ["parallel.tp=2", "parallel.cp=2", "parallel.ep=4"]),
           (4, ["parallel.cp=2", "parallel.ep=2", "parallel.distributed_optimizer=true"]),
-          (4, ["parallel.cp=2", "parallel.ep=2"]),
           (4, ["parallel.tp=2", "parallel.ep=4"]),
           (1, [])]
 TP_ROWS = ("attn.wq.weight", "attn.wk.weight", "attn.wv.weight", "w_gate.weight", "w_up.weight")
