@@ -25,14 +25,14 @@ AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 LONGCTX_CPU_ISA=avx
 
 .PHONY: install data train test test-fast lint bench clean train-avx2 test-avx2
 
-# --no-compile: pip would byte-compile every module of torch, ray, triton and transformers, most
-# of which no run imports (80 s -> 49 s of install here); Python compiles a module on its first
-# import and caches it.
+# pip byte-compiles what it installs (--no-compile would save ~30 s of the install): where
+# PYTHONDONTWRITEBYTECODE is set (as on the machines we test on), nothing would cache the compiled modules
+# and every process would compile torch's again (2x the CPU of `import torch`).
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q --no-compile "torch==$(TORCH_VERSION)"
-	$(BIN)/pip install -q --no-compile -e ".[dev]"
+	$(BIN)/pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
