@@ -143,8 +143,9 @@ def _check_rows(got_rows, want_rows, tol, what):
 # (world, our parallel layout): data parallel on 1 and 2 ranks; context and expert parallel,
 # where both ranks hold the same DP chunk (CP) or the same chunk's other experts (EP2 x DP2).
 CASES = {"1": (1, []), "dp2": (2, []), "cp2": (2, ["parallel.cp=2"]), "ep2": (2, ["parallel.ep=2"])}
-PARAMS = [("float32", "1"), ("float64", "1"), ("float32", "dp2"), ("float64", "dp2"),
-          ("float64", "cp2"), ("float64", "ep2")]
+# float32 on one rank (the 1e-5 bound); the layouts in float64, where any error of ours in the
+# DP / CP / EP split stands out of the rounding (1e-10).
+PARAMS = [("float32", "1"), ("float64", "1"), ("float64", "dp2"), ("float64", "cp2"), ("float64", "ep2")]
 
 
 @pytest.mark.slow
