@@ -298,11 +298,15 @@ class _LinearLogProbs(torch.autograd.Function):
         with_ent = g_ent_N is not None and g_ent_N.numel() > 0
         for s in range(0, idx_N.numel(), chunk):
             rows = idx_N[s:s + chunk]
-            logp_CV = _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature, shard)
-            p_CV = logp_CV.exp()
-            # d logp_y / d z = (onehot_y - p) / temperature
             g_logp_C = g_logp_N[s:s + chunk].to(acc)
-            g_CV = p_CV * -g_logp_C[:, None]
+            if with_ent or shard is not None:
+                logp_CV = _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature, shard)
+                p_CV = logp_CV.exp()
+                g_CV = p_CV * -g_logp_C[:, None]
+            else:  # the probabilities alone, in one pass, and the gradient written over them
+                g_CV = _chunk_softmax(h_TD, w_c, rows, cdtype, acc, temperature)
+                g_CV.mul_(-g_logp_C[:, None])
+            # d logp_y / d z = (onehot_y - p) / temperature
             cols_C, own_C = _target_cols(labels_N[s:s + chunk], w_VD.shape[0], shard)
             if own_C is not None:  # only the rank holding the label's column adds the one-hot
                 g_logp_C = torch.where(own_C, g_logp_C, torch.zeros_like(g_logp_C))
@@ -311,7 +315,9 @@ class _LinearLogProbs(torch.autograd.Function):
                 # H = -sum p log p;  d H / d z_j = -p_j (log p_j + H) / temperature
                 ent_C1 = _row_sum(-(p_CV * logp_CV), shard)[:, None]
                 g_CV -= g_ent_N[s:s + chunk, None].to(acc) * p_CV * (logp_CV + ent_C1)
-            g_CV = (g_CV / temperature).to(cdtype)
+            if temperature != 1.0:
+                g_CV /= temperature
+            g_CV = g_CV.to(cdtype)
             if need_h:
                 grad_h.index_add_(0, rows, (g_CV @ w_c).to(h_TD.dtype))
             if need_w:
@@ -326,6 +332,14 @@ def _row_sum(t_CV: torch.Tensor, shard: VocabShard | None) -> torch.Tensor:
     """Sum over the whole vocabulary of each row: [C]."""
     out_C = t_CV.sum(-1)
     return out_C if shard is None else shard.reduce(out_C)
+
+
+def _chunk_softmax(h_TD, w_c, rows, cdtype, acc, temperature):
+    """softmax(h[rows] @ W^T / temperature) in the accumulation dtype: [C, V] (unsharded)."""
+    z_CV = h_TD.index_select(0, rows).to(cdtype) @ w_c.t()
+    if temperature != 1.0:
+        return torch.softmax(z_CV.to(acc) / temperature, -1)
+    return torch.softmax(z_CV, -1, dtype=acc)
 
 
 def _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature, shard=None):
