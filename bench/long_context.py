@@ -96,6 +96,7 @@ from long_context_multi import LAYOUTS, WORLD, layout_sets, run_multi  # noqa: E
 from long_context_report import fmt_multi, fmt_row, multi_table, table  # noqa: E402
 
 from bench.bench_io import compute_dtype, write_json  # noqa: E402
+from longctx_moe.host import resident_mb  # noqa: E402
 
 SIDES = ("none", "selective", "full", "hf")  # the first three are ours, by train.recompute
 RECOMPUTE = SIDES[:3]
@@ -143,8 +144,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return int(resident_mb() * 2**20)
 
 
 def start_watchdog(cap_bytes: int) -> None:

@@ -60,7 +60,8 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from bench.bench_io import compute_dtype, write_json  # noqa: E402
-from bench.train_throughput import MODEL, model_config, rss_mb  # noqa: E402
+from bench.train_throughput import MODEL, model_config  # noqa: E402
+from longctx_moe.host import resident_mb  # noqa: E402
 
 ROOT = _HERE.parent
 
@@ -147,7 +148,7 @@ def trim_and_reset_peak() -> float:
     except (OSError, AttributeError):
         pass
     reset_peak()
-    return rss_mb()
+    return resident_mb()
 
 
 def reset_peak() -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -48,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_io import DTYPE_CHOICES, compute_dtype, write_json  # noqa: E402
+from longctx_moe.host import resident_mb  # noqa: E402
 
 MODEL = dict(vocab_size=16384, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64,
              num_experts=16, top_k=2, expert_hidden_size=512, router_score="softmax", qk_norm=True)
@@ -121,11 +121,6 @@ def model_config(overrides=(), dtype: str = "auto"):
     return load_config(None, sets + list(overrides))
 
 
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
@@ -192,7 +187,7 @@ def worker(args) -> None:
 
     cfg = model_config(args.overrides, args.dtype)
     steps = step_batches(args.data, args.rows, args.warmup + args.steps)
-    base = rss_mb()
+    base = resident_mb()
     torch.manual_seed(0)
     model = build_model(cfg.model)
     run = ours_runner(cfg, model) if args.worker == "ours" else hf_runner(cfg, model, compute_dtype(args.dtype))

@@ -49,6 +49,8 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
+from longctx_moe.host import resident_mb  # noqa: E402
+
 MODEL = ["model.vocab_size=8192", "model.hidden_size=256", "model.num_layers=4", "model.num_heads=4",
          "model.num_kv_heads=2", "model.head_dim=64", "model.num_experts=16", "model.top_k=2",
          "model.expert_hidden_size=256", "model.aux_loss_coeff=0", "model.z_loss_coeff=0",
@@ -122,8 +124,7 @@ def make_model(folder: Path) -> None:
 
 
 def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return int(resident_mb() * 2**20)
 
 
 def _peak_bytes() -> int:

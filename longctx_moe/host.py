@@ -118,7 +118,6 @@ class HeapTrim:
             raise ValueError(f"heap trim slack must be >= 0 (0 = never trim), got {slack}")
         self.slack = slack
         self.reference_mb: float | None = None
-        self.trims = 0
         self.enabled = slack > 0 and _libc() is not None and resident_mb() is not None
 
     def after_step(self) -> bool:
@@ -133,7 +132,6 @@ class HeapTrim:
             return False
         _libc().malloc_trim(0)
         self.reference_mb = None
-        self.trims += 1
         return True
 
 

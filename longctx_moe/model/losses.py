@@ -334,9 +334,14 @@ def _row_sum(t_CV: torch.Tensor, shard: VocabShard | None) -> torch.Tensor:
     return out_C if shard is None else shard.reduce(out_C)
 
 
+def _chunk_logits(h_TD, w_c, rows, cdtype):
+    """h[rows] @ W^T in the compute dtype: [C, V] (this rank's V_l columns with a VocabShard)."""
+    return h_TD.index_select(0, rows).to(cdtype) @ w_c.t()
+
+
 def _chunk_softmax(h_TD, w_c, rows, cdtype, acc, temperature):
     """softmax(h[rows] @ W^T / temperature) in the accumulation dtype: [C, V] (unsharded)."""
-    z_CV = h_TD.index_select(0, rows).to(cdtype) @ w_c.t()
+    z_CV = _chunk_logits(h_TD, w_c, rows, cdtype)
     if temperature != 1.0:
         return torch.softmax(z_CV.to(acc) / temperature, -1)
     return torch.softmax(z_CV, -1, dtype=acc)
@@ -345,7 +350,7 @@ def _chunk_softmax(h_TD, w_c, rows, cdtype, acc, temperature):
 def _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature, shard=None):
     """log_softmax(h[rows] @ W^T / temperature) in the accumulation dtype: [C, V] (this rank's
     V_l columns, normalised over the whole vocabulary, with a VocabShard)."""
-    z_CV = h_TD.index_select(0, rows).to(cdtype) @ w_c.t()
+    z_CV = _chunk_logits(h_TD, w_c, rows, cdtype)
     if shard is not None:
         return _sharded_log_softmax(z_CV.to(acc) / temperature, shard)
     if temperature != 1.0:
