@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cp_attention.kernels._buckets import plan_buckets
+from longctx_moe import host
 from longctx_moe.config import load_config
 from longctx_moe.host import ONEDNN_CACHE_CAPACITY, HeapTrim, bound_onednn_caches, configure_cpu
 from longctx_moe.metrics import peak_memory_mb, reset_peak_memory
@@ -128,3 +129,38 @@ def test_heap_trim_slack_is_checked():
     with pytest.raises(ValueError, match=">= 0"):
         HeapTrim(-0.1)
     assert not HeapTrim(0).after_step()  # 0: never trims
+
+
+class _FakeProcess:
+    """A resident set the test sets before each step end; malloc_trim drops it to 900 MB."""
+
+    def __init__(self):
+        self.rss, self.trims = 1000.0, 0
+
+    def malloc_trim(self, pad):
+        self.trims += 1
+        self.rss = 900.0
+
+
+def test_heap_trim_reference_is_the_step_after_each_trim(monkeypatch):
+    """The first step sets the reference; growth up to the slack keeps it; past it the heap is
+    trimmed once, and the next step's resident set (its working set faulted back in) becomes the
+    reference, not the low point right after the trim, which would trim again at every step."""
+    proc = _FakeProcess()
+    monkeypatch.setattr(host, "_libc", lambda: proc)
+    monkeypatch.setattr(host, "resident_mb", lambda: proc.rss)
+    trim = HeapTrim(0.1)
+    assert trim.enabled
+    got = []
+    for rss in (1000, 1100, 1101, 1150, 1120, 1160, 1200):
+        proc.rss = rss
+        got.append(trim.after_step())
+    # 1000: reference; up to 1100 kept; 1101 trims; 1150 the new reference; 1160, 1200 within 10%
+    assert got == [False, False, True, False, False, False, False] and proc.trims == 1
+    assert trim.reference_mb == 1150
+
+
+def test_heap_trim_is_off_without_glibc(monkeypatch):
+    monkeypatch.setattr(host, "_libc", lambda: None)
+    trim = HeapTrim(0.1)
+    assert not trim.enabled and not trim.after_step()
