@@ -76,7 +76,10 @@ class PolicyTrainer:
     the micro-batches are then per rank, and the loss normalisers (loss tokens, sequences, longest
     sequence) are summed over DP once per mini-batch, so the gradient is the same as the whole
     batch's. Every rank needs the same number of sequences per mini-batch split (give each the
-    same `mini_batches`); Dynamic-CP, which schedules the whole batch, is refused."""
+    same `mini_batches`). Under Dynamic-CP, which schedules the whole batch of the DP x CP block,
+    the shares are gathered over DP in DP-rank order (`shares`) and the batch is scheduled whole;
+    `compute_logprobs` still returns the rank's own share, and a per-sequence loss is called with
+    sequence indices into the gathered batch (gather its own data with `shares`)."""
 
     def __init__(self, cfg: Config, *, micro_batch_tokens: int | None = None,
                  advantage_estimator: str = "grpo", batch_invariant: bool = True,
@@ -109,10 +112,9 @@ class PolicyTrainer:
 
         self.export_gate = ExportGate()  # an export left open is settled before the next call
         self.sharded = sharded
-        if sharded and self.dynamic is not None:
-            raise ConfigError("PolicyTrainer(sharded=True): parallel.dynamic_cp schedules the whole "
-                              "batch of a DP x CP block; pass the whole batch on every rank "
-                              "(sharded=False) or set parallel.dynamic_cp=false")
+        # Dynamic-CP schedules the whole batch of the DP x CP block: a sharded trainer gathers the
+        # DP shares first (`shares`), and only without it does each rank plan its own share.
+        self.plans_own_share = sharded and self.dynamic is None
         if self.budget < self.pad_multiple:
             raise ConfigError(f"micro_batch_tokens={self.budget} is below the padding multiple "
                               f"{self.pad_multiple} of this layout; raise it")
@@ -155,8 +157,32 @@ class PolicyTrainer:
         routes replayed (as train_step does); `record_routes` returns the routes used."""
         self.validate(batch)
         self.export_gate.settle()
+        whole, mine = self._whole(batch)
         with torch.no_grad(), batch_invariant(self.batch_invariant):
-            return self._logprobs(batch, temperature, return_entropy, record_routes, mini_batches)
+            out = self._logprobs(whole, temperature, return_entropy, record_routes, mini_batches)
+        if mine is None:
+            return out
+        pick = lambda x: None if x is None else x[mine].clone()
+        return LogProbs(pick(out.logprobs), pick(out.entropy), pick(out.routes))
+
+    def shares(self, obj: Any) -> list[Any]:
+        """Every data-parallel rank's `obj` in DP-rank order (a collective over DP; [obj] without
+        DP): how a sharded trainer under Dynamic-CP assembles the whole batch."""
+        group = self.dims.group_or_none("dp")
+        if group is None:
+            return [obj]
+        out = [None] * self.dims.dp
+        torch.distributed.all_gather_object(out, obj, group=group)
+        return out
+
+    def _whole(self, batch: RolloutBatch) -> tuple[RolloutBatch, slice | None]:
+        """The batch the plan covers and, for a sharded trainer under Dynamic-CP, the token span
+        of this rank's share in it (None: the batch as given)."""
+        if not self.sharded or self.plans_own_share:
+            return batch, None
+        parts = self.shares(batch)
+        start = sum(p.num_tokens for p in parts[:self.dims.rank_in("dp")])
+        return RolloutBatch.concat(parts), slice(start, start + batch.num_tokens)
 
     def _logprobs(self, batch, temperature, return_entropy, record_routes, mini_batches) -> LogProbs:
         t = batch.num_tokens
@@ -185,7 +211,7 @@ class PolicyTrainer:
         for x in (logp, ent, routes):
             if x is not None:
                 # each token was kept by one rank (of its CP group, when each DP rank has its own)
-                self.runtime.all_reduce(x, "cp" if self.sharded else "dp_cp")
+                self.runtime.all_reduce(x, "cp" if self.plans_own_share else "dp_cp")
         return LogProbs(logp.to(dtype), None if ent is None else ent.to(dtype),
                         None if routes is None else (routes - 1).to(torch.int16))
 
@@ -210,18 +236,21 @@ class PolicyTrainer:
         each). Returns the metrics of every step ("steps") and their means.
 
         `loss` is a LossFn, or a framework's own loss over whole sequences: a callable with
-        `per_sequence = True`, called once per micro-batch as `loss(seqs, logprobs_T, entropy_T)
-        -> LossOutput` with the micro-batch's sequence indices and their tokens' log-probs (and
-        entropies when it has `needs_entropy = True`, else None) back to back in the batch's
-        alignment, attached to the graph. It brings its own advantages and old log-probs (the
+        `per_sequence = True`, called once per micro-batch as `loss(seqs, logprobs_T, entropy_T,
+        group) -> LossOutput` with the micro-batch's sequence indices and their tokens' log-probs
+        (and entropies when it has `needs_entropy = True`, else None) back to back in the batch's
+        alignment, attached to the graph. Every rank of the CP group that ran the micro-batch makes
+        the same call; `group` is (this rank's index in that group, its size), so that a loss that
+        records values can keep them once. It brings its own advantages and old log-probs (the
         verl engine, rl_hooks/plugins/verl, runs verl's loss function this way)."""
         self.validate(batch)
         self.export_gate.settle()
         own = getattr(loss, "per_sequence", False)
-        batch = batch if own else self._with_advantages(batch)
         if batch.old_logprobs is None and not own:
             old = self.compute_logprobs(batch, temperature, mini_batches=mini_batches).logprobs
             batch = dataclasses.replace(batch, old_logprobs=old)
+        batch, _ = self._whole(batch)
+        batch = batch if own else self._with_advantages(batch)
         entropy = _wants_entropy(loss)
         steps = []
         for _ in range(epochs):
@@ -231,7 +260,7 @@ class PolicyTrainer:
 
     def _optimizer_step(self, batch, seqs, loss, lr, temperature, entropy) -> dict[str, float]:
         tokens, mine, groups, sizes = self._my_micro_batches(batch, seqs)
-        norm = normalizers(batch, seqs, self.runtime if self.sharded else None)
+        norm = normalizers(batch, seqs, self.runtime if self.plans_own_share else None)
         objective = PolicyObjective(batch, mine, loss, norm, LogProbHead(temperature, entropy),
                                      self.runtime)
         with batch_invariant(self.batch_invariant):
@@ -281,7 +310,7 @@ class PolicyTrainer:
         mini-batch's sequences are scheduled on the DP x CP block's sub-groups (every rank holds
         the whole batch: nothing to gather) and a rank's tokens are its share of each run."""
         lengths = batch.seq_lengths()
-        if self.sharded:
+        if self.plans_own_share:
             return self._my_share(batch, seqs)
         if self.dynamic is None:
             plan = self._plan(batch, seqs)

@@ -125,6 +125,24 @@ class RolloutBatch:
         return RolloutBatch(**picked)
 
     @classmethod
+    def concat(cls, batches: list[RolloutBatch]) -> RolloutBatch:
+        """The sequences of `batches` back to back, in order (e.g. data-parallel shares gathered
+        in rank order). An optional field must be set in every batch or in none."""
+        picked: dict[str, torch.Tensor | None] = {}
+        for name in PER_TOKEN_FIELDS + PER_SEQ_FIELDS:
+            values = [getattr(b, name) for b in batches]
+            given = [v is not None for v in values]
+            if any(given) and not all(given):
+                _fail(name, f"set in {sum(given)} of {len(values)} batches being joined; set it in "
+                      "every batch or in none")
+            picked[name] = torch.cat(values) if all(given) else None
+        ends = torch.tensor([b.num_tokens for b in batches]).cumsum(0)
+        cu = [batches[0].cu_seqlens.long()[:1]]
+        cu += [b.cu_seqlens.long()[1:] + int(end - b.num_tokens) for b, end in zip(batches, ends, strict=True)]
+        picked["cu_seqlens"] = torch.cat(cu).to(batches[0].cu_seqlens.dtype)
+        return cls(**picked)
+
+    @classmethod
     def from_sequences(cls, prompts: list[list[int]], responses: list[list[int]], *,
                        rewards: list[float] | None = None, group_ids: list[int] | None = None,
                        **per_response_token_fields: list[list[float]]) -> RolloutBatch:

@@ -32,7 +32,8 @@ class PolicyObjective:
         logp_P = self.runtime.gather_tokens(shard, out.logprobs_T)
         ent_P = None if out.entropy_T is None else self.runtime.gather_tokens(shard, out.entropy_T)
         if getattr(self.loss_fn, "per_sequence", False):
-            res = self.loss_fn(mb.seqs, *_sequence_values(self.batch, mb, logp_P, ent_P))
+            res = self.loss_fn(mb.seqs, *_sequence_values(self.batch, mb, logp_P, ent_P),
+                               (shard.cp.rank, shard.cp.size))
             return MicroLoss(res.loss, res.loss.detach() / shard.cp.size, res.metrics)
         src = mb.target_src_P.to(logp_P.device)
         pos_N = torch.nonzero((src >= 0) & self.batch.loss_mask[src.clamp_min(0).cpu()].to(src.device)).squeeze(1)

@@ -174,6 +174,15 @@ def test_select_matches_building_the_subset():
     assert batch.select([]).num_tokens == 0
 
 
+def test_concat_joins_shares_back_to_the_whole_batch():
+    batch = _base(rewards=True)
+    _assert_same(RolloutBatch.concat([batch.select([0]), batch.select([1, 2])]), batch)
+    _assert_same(RolloutBatch.concat([batch.select([2]), batch.select([0])]), batch.select([2, 0]))
+    partial = dataclasses.replace(batch.select([1]), ref_logprobs=None)
+    with pytest.raises(RolloutBatchError, match=r"^RolloutBatch\.ref_logprobs: set in 1 of 2"):
+        RolloutBatch.concat([batch.select([0]), partial])
+
+
 # Advantages. Groups (ids shuffled, not contiguous): 3 -> positions 0,3,4,6,7 rewards [1,0,0,1,3]
 # (mean 1, deviations [0,-1,-1,0,2], unbiased var 6/4); 7 -> positions 1,5 rewards [1,0] (mean 0.5,
 # unbiased std sqrt(0.5)); 42 -> position 2 alone.

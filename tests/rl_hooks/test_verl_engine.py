@@ -33,7 +33,7 @@ pytest.importorskip("verl")
 TOL = {"float32": 1e-5, "float64": 1e-10}
 
 
-def _engine_pass(rank: int, world: int, folder: str, dtype: str, layout: list[str]) -> dict:
+def _engine_pass(rank: int, world: int, folder: str, dtype: str, layout: list[str], budget: int) -> dict:
     from omegaconf import OmegaConf
     from verl.utils import tensordict_utils as tu
     from verl.utils.config import omega_conf_to_dataclass
@@ -48,7 +48,7 @@ def _engine_pass(rank: int, world: int, folder: str, dtype: str, layout: list[st
                                             {"path": folder}))
     assert EngineRegistry.get_engine_cls("language_model", "longctx_moe").__module__ == \
         "rl_hooks.plugins.verl.engine"
-    worker = TrainingWorker(vc.worker_config(folder, dtype, layout))
+    worker = TrainingWorker(vc.worker_config(folder, dtype, layout, budget))
     worker.reset()
     # verl dispatches by the engine's DP rank: CP / TP ranks of a replica get the same chunk
     dp_rank, dp = worker.engine.get_data_parallel_rank(), worker.engine.get_data_parallel_size()
@@ -140,20 +140,27 @@ def _check_rows(got_rows, want_rows, tol, what):
         assert err <= tol, f"{what} row {i}: max |diff| {err:.3g} > {tol}"
 
 
-# (world, our parallel layout): data parallel on 1 and 2 ranks; context and expert parallel,
-# where both ranks hold the same DP chunk (CP) or the same chunk's other experts (EP2 x DP2).
-CASES = {"1": (1, []), "dp2": (2, []), "cp2": (2, ["parallel.cp=2"]), "ep2": (2, ["parallel.ep=2"])}
+# (world, our parallel layout, verl's max_token_len_per_gpu): data parallel on 1 and 2 ranks;
+# context and expert parallel, where both ranks hold the same DP chunk (CP) or the same chunk's
+# other experts (EP2 x DP2); Dynamic-CP over two DP ranks, each with its own chunk, where the
+# 8-token budget per rank sends the 9-12-token sequences to runs over both ranks and the others
+# to one rank each.
+CASES = {"1": (1, [], 32), "dp2": (2, [], 32), "cp2": (2, ["parallel.cp=2"], 32),
+         "ep2": (2, ["parallel.ep=2"], 32),
+         "dyncp2": (2, ["parallel.dynamic_cp=true", "parallel.max_cp=2"], 8)}
 # float32 on one rank (the 1e-5 bound); the layouts in float64, where any error of ours in the
 # DP / CP / EP split stands out of the rounding (1e-10).
-PARAMS = [("float32", "1"), ("float64", "1"), ("float64", "dp2"), ("float64", "cp2"), ("float64", "ep2")]
+PARAMS = [("float32", "1"), ("float64", "1"), ("float64", "dp2"), ("float64", "cp2"), ("float64", "ep2"),
+          ("float64", "dyncp2")]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,case", PARAMS, ids=[f"{d}-{c}" for d, c in PARAMS])
 def test_training_worker_drives_the_engine_like_transformers_and_verl(tmp_path, dtype, case):
-    world, layout = CASES[case]
+    world, layout, budget = CASES[case]
     folder = vc.save_hf_model(tmp_path / "hf", dtype)
-    runs = run_distributed(_engine_pass, world_size=world, args=(str(folder), dtype, layout), timeout=600)
+    runs = run_distributed(_engine_pass, world_size=world, args=(str(folder), dtype, layout, budget),
+                           timeout=600)
     export = runs[0]["export"]
     # one result per DP chunk, in chunk order: verl's worker returns outputs on a replica's first
     # CP / TP rank only
@@ -173,6 +180,8 @@ def test_training_worker_drives_the_engine_like_transformers_and_verl(tmp_path, 
         assert abs(run["loss"][0] - float(loss)) <= loss_tol, (run["loss"], float(loss))
         assert abs(run["metrics"]["loss"] - float(loss)) <= loss_tol
         assert "grad_norm" in run["metrics"] and "actor/pg_loss" in run["metrics"]
+    if "parallel.dynamic_cp=true" in layout:  # both kinds of run happened
+        assert all(run["metrics"][f"actor/sequences_cp{s}"] > 0 for run in runs for s in (1, 2))
     hf = _hf_from_export(export, folder, tmp_path / "export", dtype)
     got = hf.state_dict()
     assert set(got) == set(after)

@@ -10,7 +10,8 @@ vLLM / SGLang), the data-parallel size / rank / group and `save_checkpoint` / `l
 
 The batch a rank receives is its data-parallel share (verl dispatches each DP rank its own chunk),
 so the engine drives `PolicyTrainer(sharded=True)`: our micro-batching by tokens, the parallel
-layout of our config (TP x CP x DP with EP), and global token normalisers summed over DP. verl's
+layout of our config (TP x CP x DP with EP; under Dynamic-CP the shares are gathered over DP and
+scheduled whole on the DP x CP block), and global token normalisers summed over DP. verl's
 own loss function runs on our per-token log-probs and entropies in verl's shifted nested layout
 (rl_hooks.adapters.verl.ours_to_nested), once per micro-batch on the TensorDict rows of that
 micro-batch, so every verl loss option (clip ratios, loss_agg_mode, KL type, entropy coefficient,
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from verl.utils import tensordict_utils as tu
+from verl.utils.metric.utils import AggregationType, Metric
 from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
@@ -120,7 +122,9 @@ class LongctxMoeEngine(BaseEngine):
 
     def _prepare(self, data) -> tuple[Any, float, bool]:
         """Global normalisers into `data` (as verl's engines set them); our RolloutBatch of the
-        rank's share, its temperature and whether entropies are wanted."""
+        rank's share, its temperature and whether entropies are wanted. verl's budget is per GPU:
+        ours is per micro-batch before the static CP split, and under Dynamic-CP what one rank
+        holds in one slot of a run."""
         num = data["loss_mask"].sum().to(torch.float64)
         group = self.get_data_parallel_group()
         if group is not None:
@@ -130,7 +134,7 @@ class LongctxMoeEngine(BaseEngine):
         if tu.get_non_tensor_data(data, "use_dynamic_bsz", True) is False or budget is None:
             raise ConfigError("verl batch: use_dynamic_bsz=false or no max_token_len_per_gpu; the "
                               "longctx_moe engine packs micro-batches by tokens: set both")
-        self.policy.budget = int(budget) * self.policy.dims.cp
+        self.policy.budget = int(budget) * (1 if self.policy.dynamic else self.policy.dims.cp)
         batch = from_verl({k: data[k] for k in LAYOUT_FIELDS if k in data.keys()})
         entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
         return batch, _temperature(data), entropy
@@ -155,14 +159,43 @@ class LongctxMoeEngine(BaseEngine):
     def train_batch(self, data, loss_function):
         """One optimizer step on the rank's share with verl's `loss_function`."""
         batch, temperature, entropy = self._prepare(data)
-        loss = VerlLoss(data, loss_function, self.get_data_parallel_group(),
+        # The loss indexes the batch the plan covers: under Dynamic-CP, every DP share in order.
+        rows = data if self.policy.plans_own_share else tu.concat_tensordict(self.policy.shares(data))
+        loss = VerlLoss(rows, loss_function, self.get_data_parallel_group(),
                         self.get_data_parallel_size(), entropy)
         lr = self.schedule.apply()
         res = self.policy.train_step(batch, loss, lr=lr, temperature=temperature)
-        metrics = loss.metrics
+        losses, metrics = self._every_micro_batch(loss.losses, loss.metrics)
+        for key in (k for k in res if k.startswith("sequences_cp")):  # Dynamic-CP's schedule
+            metrics[f"actor/{key}"] = Metric(AggregationType.SUM, res[key])
         if self.is_mp_src_rank_with_outputs():
             metrics["grad_norm"] = res["grad_norm"]
-        return {"model_output": {}, "loss": loss.losses, "metrics": metrics}
+        return {"model_output": {}, "loss": losses, "metrics": metrics}
+
+    def _every_micro_batch(self, losses: list[float], metrics: dict) -> tuple[list, dict]:
+        """Under Dynamic-CP, the loss and metrics of every micro-batch of the DP x CP block on
+        every rank. A micro-batch is recorded by the first rank of the run that computed it, which
+        can be any rank of the block, and the ranks lead different numbers of runs; verl reads
+        outputs on the first CP rank of each replica and averages over DP per micro-batch index
+        (it needs as many on every DP rank). So every rank reports all of them, the losses and the
+        SUM-aggregated metrics (normalised by the global token count times DP) divided by the DP
+        size: verl's mean over DP gives back the block's totals, and MEAN / MIN / MAX metrics are
+        unchanged by the repetition. With a static CP group its first rank records everything."""
+        if self.policy.plans_own_share:
+            return losses, metrics
+        group, size = self.policy.dims.group_or_none("dp_cp"), self.policy.dims.dp * self.policy.dims.cp
+        parts = [(losses, metrics)]
+        if group is not None:
+            parts = [None] * size
+            dist.all_gather_object(parts, (losses, metrics), group=group)
+        dp = self.get_data_parallel_size()
+        losses, metrics = [x / dp for part_losses, _ in parts for x in part_losses], {}
+        for _, part_metrics in parts:
+            append_to_dict(metrics, part_metrics)
+        for value in metrics.values():
+            if isinstance(value, Metric) and value.aggregation == AggregationType.SUM:
+                value.values = [x / dp for x in value.values]
+        return losses, metrics
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         if forward_only:
@@ -227,7 +260,8 @@ class VerlLoss:
         self.losses: list[float] = []
         self.metrics: dict[str, list] = {}
 
-    def __call__(self, seqs: list[int], logp_T: torch.Tensor, ent_T: torch.Tensor | None) -> LossOutput:
+    def __call__(self, seqs: list[int], logp_T: torch.Tensor, ent_T: torch.Tensor | None,
+                 group: tuple[int, int]) -> LossOutput:
         if not seqs:  # a stand-in micro-batch: no rows, still part of the graph
             return LossOutput(logp_T.sum() * 0)
         rows = tu.index_select_tensor_dict(self.data, seqs).to(logp_T.device)
@@ -236,8 +270,9 @@ class VerlLoss:
         if ent_T is not None:
             out["entropy"] = ours_to_nested(ent_T, cu)
         loss, metrics = self.fn(model_output=out, data=rows, dp_group=self.dp_group)
-        self.losses.append(float(loss.detach()))
-        append_to_dict(self.metrics, metrics)
+        if group[0] == 0:  # every rank of the group computed this same loss: recorded once
+            self.losses.append(float(loss.detach()))
+            append_to_dict(self.metrics, metrics)
         return LossOutput(loss / self.dp_size)
 
 
