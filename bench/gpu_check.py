@@ -1,7 +1,8 @@
 """One-shot GPU check: every GPU backend against the CPU float64 reference, then timings.
 
 Run through bench/gpu_check.sh on a lent GPU machine (installs nothing; needs only torch, plus
-transformers if the image has it for the HF side). Writes one JSON file.
+transformers if the image has it for the HF side). Writes one JSON file, rewritten after every
+section, so a run cut short by its timeout keeps the sections it finished.
 
     python bench/gpu_check.py --out $OUT/gpu_check.json [--device cuda] [--quick]
 
@@ -10,12 +11,24 @@ Checks (each records max errors and pass/fail, never aborts the rest):
   grouped_gemm: torch._grouped_mm bf16 fwd/bwd vs a float64 per-expert loop;
   model_bf16: one packed batch, loss of the bf16-autocast model on the GPU vs float64 on the CPU.
 Timings (medians): attention fwd+bwd per backend on a 32K packed row; one training step of the
-bench config (hidden 512, 4 layers, 16 experts top-2) in tokens/s.
+bench config (hidden 512, 4 layers, 16 experts top-2) in tokens/s; then, on the ~1B MoE of
+MOE_1B (1.08B parameters, 240M active per token):
+  time.peak_matmul: TFLOP/s of square matmuls in the trainer's compute dtype (bf16 on cuda,
+    8192^3), the MFU denominator, measured in this run;
+  time.trainer_step: Trainer.train_step as `longctx-moe train` builds it, one packed row of
+    32,768 tokens of heavy-tailed documents: step ms, tokens/s, model TFLOP/s (longctx_moe.model.
+    flops: 6 x active matmul parameters per token + causal attention pairs per document), MFU,
+    peak GPU memory;
+  time.compute_logprobs: rl_hooks' PolicyTrainer.compute_logprobs on ~64K tokens of rollouts of
+    128..16K tokens, without and with entropy: tokens/s, forward TFLOP/s and MFU, peak memory.
+`--quick` (the CPU smoke run) runs the last three on a tiny model and a few thousand tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -33,13 +46,14 @@ from data_packing.batch import PackedBatch, labels_from_tokens, position_ids_fro
 from longctx_moe.model import ModelConfig, build_model  # noqa: E402
 
 
-def _doc_lengths(total: int, seed: int) -> list[int]:
-    """Lognormal document lengths (heavy tail, like RL rollouts) summing to `total`."""
+def _doc_lengths(total: int, seed: int, lo: int = 1, hi: int = 16384) -> list[int]:
+    """Lognormal document lengths in [lo, hi] (heavy tail, like RL rollouts) summing to `total`;
+    the last one is raised to `lo` when less is left, so the sum may pass `total` by < lo."""
     g = torch.Generator().manual_seed(seed)
     lens, left = [], total
     while left > 0:
-        n = int(torch.empty(1).log_normal_(6.0, 1.2, generator=g).clamp(1, 16384).item())
-        n = min(n, left)
+        n = int(torch.empty(1).log_normal_(6.0, 1.2, generator=g).clamp(lo, hi).item())
+        n = max(lo, min(n, left))
         lens.append(n)
         left -= n
     return lens
@@ -126,7 +140,9 @@ def check_model_bf16(device) -> dict:
             "hidden_max_err": _max_err(h, ref_h), "ok": abs(loss - ref_loss) / ref_loss < 1e-2 and h_err < 2e-2}
 
 
-def _median_time(fn, warmup: int, iters: int, device) -> float:
+def _times(fn, warmup: int, iters: int, device) -> list[float]:
+    """Seconds of each of `iters` calls after `warmup` untimed ones; on cuda the queue is drained
+    before and after each call, so a time is the GPU work of that call alone."""
     for _ in range(warmup):
         fn()
     times = []
@@ -136,7 +152,11 @@ def _median_time(fn, warmup: int, iters: int, device) -> float:
         fn()
         torch.cuda.synchronize(device) if device.type == "cuda" else None
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def _median_time(fn, warmup: int, iters: int, device) -> float:
+    return statistics.median(_times(fn, warmup, iters, device))
 
 
 def time_attention(device, backend: str, total: int) -> dict:
@@ -174,6 +194,175 @@ def time_train_step(device, steps: int) -> dict:
     return {"tokens_per_step": batch.num_tokens, "tokens_per_s": batch.num_tokens / sec}
 
 
+# ---------------------------------------------------------------- the ~1B MoE through the trainer
+
+# ~1B total parameters (1.08B: 12 layers of 32 experts of hidden 512 hold 84% of them), 240M
+# active per token (top-4 experts, GQA 12 query / 4 KV heads of 128, the 32K-vocabulary head).
+MOE_1B = dict(vocab_size=32768, hidden_size=1536, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=128,
+              num_experts=32, top_k=4, expert_hidden_size=512)
+# The CPU smoke run's model: the same code path in seconds on two cores.
+MOE_TINY = dict(vocab_size=4096, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                num_experts=8, top_k=2, expert_hidden_size=128)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSizes:
+    model: dict
+    step_tokens: int  # one packed row per optimizer step; also the log-prob micro-batch budget
+    rollout_tokens: int  # the compute_logprobs batch, about
+    rollout_lengths: tuple[int, int]  # shortest and longest rollout
+    peak_size: int  # the square matmul of the peak probe
+    warmup: int
+    iters: int
+
+
+FULL = TrainerSizes(MOE_1B, 32768, 65536, (128, 16384), 8192, warmup=3, iters=5)
+QUICK = TrainerSizes(MOE_TINY, 2048, 4096, (16, 1024), 512, warmup=1, iters=2)
+
+
+def autocast_setting(device) -> str:
+    """train.autocast_dtype of the trainer measurements: bf16 on cuda; on CPU `auto`, since a CPU
+    without native bf16 emulates it 20-30x slower (the JSON records what it resolved to)."""
+    return "bf16" if device.type == "cuda" else "auto"
+
+
+def measure_peak(device, size: int, warmup: int = 10, iters: int = 20) -> dict:
+    """Median TFLOP/s of a size^3 matmul in the trainer's compute dtype: the MFU denominator of
+    this machine as it runs now (clocks, power cap), not the datasheet's. The warm-up lets the GPU
+    reach its clocks and cuBLAS pick its kernel."""
+    from longctx_moe.precision import resolve_compute_dtype
+
+    compute = resolve_compute_dtype(autocast_setting(device), torch.float32, device)
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=g).to(device, compute.dtype) for _ in range(2))
+    times = _times(lambda: a @ b, warmup, iters, device)
+    flops = 2 * size**3
+    return {"dtype": compute.name, "size": size, "tflops": flops / statistics.median(times) / 1e12,
+            "tflops_max": flops / min(times) / 1e12, "compute_dtype": compute.describe()}
+
+
+def trainer_config(device, sizes: TrainerSizes):
+    """The Config `longctx-moe train` would load for this model, one row of step_tokens per step."""
+    from longctx_moe.config import load_config
+
+    sets = [f"model.{k}={v}" for k, v in sizes.model.items()]
+    sets += [f"train.device={device.type}", f"train.autocast_dtype={autocast_setting(device)}",
+             f"data.micro_batch_tokens={sizes.step_tokens}", f"data.global_batch_tokens={sizes.step_tokens}",
+             f"train.steps={sizes.warmup + sizes.iters}", "optim.warmup_steps=0", "optim.lr=1e-4"]
+    return load_config(None, sets)
+
+
+def build_trainer(cfg, device):
+    """Trainer as longctx_moe.train.run builds it (process context, layout, runtime), without the
+    corpus: the measurement feeds its own packed row."""
+    from longctx_moe.build import build_dims, build_runtime
+    from longctx_moe.process import make_context
+    from longctx_moe.trainer import Trainer
+
+    ctx = make_context(cfg)
+    if device.index is not None and ctx.device != device:  # it takes cuda:LOCAL_RANK, as under torchrun
+        raise ValueError(f"the trainer picked {ctx.device}, not --device {device}; set LOCAL_RANK to its index")
+    return Trainer(cfg, build_runtime(cfg, build_dims(cfg, ctx), ctx.device), ctx.device)
+
+
+def model_info(model, cfg, device, dtype) -> dict:
+    """Parameter counts and the kernels the model runs here ("auto" resolved as a call resolves it)."""
+    from longctx_moe.kernels import unavailable_reason
+    from longctx_moe.model.flops import active_matmul_params
+
+    triton = unavailable_reason(device) if cfg.model.kernels != "torch" else "model.kernels=torch"
+    return {"model": {k: getattr(cfg.model, k) for k in MOE_1B},
+            "total_params": sum(p.numel() for p in model.parameters()),
+            # what one token multiplies with, lm head included, embedding lookup not: the 6N of MFU
+            "active_matmul_params": active_matmul_params(cfg.model),
+            "attention_backend": resolve_backend(cfg.model.attention_backend, device, dtype),
+            "triton_kernels": "used" if triton is None else f"not used: {triton}",
+            "compile": cfg.train.compile, "recompute": cfg.train.recompute}  # the defaults of `train`
+
+
+def _mfu(flops: float, sec: float, peak: dict | None, dtype_name: str) -> dict:
+    """Model TFLOP/s and MFU against the peak measured in this run (None, with the reason, when
+    the probe failed or measured another dtype than the model computes in)."""
+    out = {"model_tflops": flops / sec / 1e12, "mfu": None}
+    if not peak or "tflops" not in peak:
+        out["mfu_skipped"] = "no peak: time.peak_matmul failed"
+    elif peak["dtype"] != dtype_name:
+        out["mfu_skipped"] = f"peak measured in {peak['dtype']}, the model computes in {dtype_name}"
+    else:
+        out["mfu"] = out["model_tflops"] / peak["tflops"]
+    return out
+
+
+def _gpu_memory(device) -> dict:
+    if device.type != "cuda":
+        return {"peak_gpu_memory_gib": None, "peak_gpu_memory_skipped": f"device is {device.type}: no GPU memory"}
+    return {"peak_gpu_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
+def time_trainer_step(device, sizes: TrainerSizes, peak: dict | None) -> dict:
+    """Trainer.train_step on one packed row of heavy-tailed documents: medians after warm-up.
+    The headline figures come first: the log line shows the first 160 characters."""
+    cfg = trainer_config(device, sizes)
+    trainer = build_trainer(cfg, device)
+    info = model_info(trainer.model, cfg, device, trainer.compute.dtype)
+    print(f"trainer_step model: {info['total_params'] / 1e9:.3f}B parameters, "
+          f"{info['active_matmul_params'] / 1e6:.0f}M active per token", flush=True)
+    lens = _doc_lengths(sizes.step_tokens, seed=6)
+    batch = _batch(lens, cfg.model.vocab_size, "cpu")  # on the host, as the loader gives it
+    results = []
+    times = _times(lambda: results.append(trainer.train_step([batch])), sizes.warmup, sizes.iters, device)
+    last, sec = results[-1], statistics.median(times)
+    return {"step_ms": sec * 1e3, "tokens_per_s": sum(lens) / sec,
+            **_mfu(last.flops, sec, peak, trainer.compute.name), **_gpu_memory(device),
+            "model_tflop_per_step": last.flops / 1e12, "step_ms_all": [t * 1e3 for t in times],
+            "tokens": sum(lens), "docs": len(lens), "longest_doc": max(lens),
+            "warmup_steps": sizes.warmup, "timed_steps": sizes.iters, "loss": last.loss,
+            "skipped_steps": sum(r.skipped for r in results), "compute_dtype": trainer.compute.describe(),
+            **info}
+
+
+def rollout_batch(sizes: TrainerSizes, vocab: int, seed: int = 7):
+    """A RolloutBatch of random ids: ragged rollouts (lognormal lengths in rollout_lengths) of
+    about rollout_tokens, an eighth of each the prompt."""
+    from rl_hooks.batch import RolloutBatch
+
+    lens = _doc_lengths(sizes.rollout_tokens, seed, *sizes.rollout_lengths)
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+    return RolloutBatch.from_sequences([s[:max(1, len(s) // 8)] for s in seqs],
+                                       [s[max(1, len(s) // 8):] for s in seqs])
+
+
+def time_compute_logprobs(device, sizes: TrainerSizes, peak: dict | None) -> dict:
+    """PolicyTrainer.compute_logprobs (the old-log-prob pass of an RL step) on ragged rollouts,
+    micro-batches of step_tokens, PolicyTrainer's defaults otherwise (batch-invariant attention:
+    one kernel call per sequence); without and with the entropy. Headline figures first."""
+    from longctx_moe.metrics import reset_peak_memory
+    from longctx_moe.model.flops import model_flops
+    from rl_hooks.api import PolicyTrainer
+
+    cfg = trainer_config(device, sizes)
+    policy = PolicyTrainer(cfg, micro_batch_tokens=sizes.step_tokens)
+    compute = policy.trainer.compute
+    batch = rollout_batch(sizes, cfg.model.vocab_size)
+    lens, t = batch.seq_lengths(), batch.num_tokens
+    fwd_flops = model_flops(cfg.model, lens) / 3  # the forward is a third of training's 6N + pairs
+    reset_peak_memory(device)
+    out = {}
+    for suffix, entropy in (("", False), ("_entropy", True)):
+        sec = statistics.median(_times(lambda e=entropy: policy.compute_logprobs(batch, return_entropy=e),
+                                       sizes.warmup, sizes.iters, device))
+        mfu = _mfu(fwd_flops, sec, peak, compute.name)
+        out.update({f"tokens_per_s{suffix}": t / sec, f"call_ms{suffix}": sec * 1e3,
+                    f"model_tflops_fwd{suffix}": mfu["model_tflops"], f"mfu_fwd{suffix}": mfu["mfu"]})
+        if "mfu_skipped" in mfu:
+            out["mfu_skipped"] = mfu["mfu_skipped"]
+    return {**out, **_gpu_memory(device), "tokens": t, "seqs": len(lens), "shortest": min(lens),
+            "longest": max(lens), "micro_batch_tokens": policy.budget, "batch_invariant": policy.batch_invariant,
+            "warmup_calls": sizes.warmup, "timed_calls": sizes.iters, "compute_dtype": compute.describe(),
+            **model_info(policy.runtime.model, cfg, device, compute.dtype)}
+
+
 def _guarded(results: dict, name: str, fn, *args) -> None:
     try:
         results[name] = fn(*args)
@@ -187,11 +376,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="smaller timings (CPU smoke test)")
+    ap.add_argument("--quick", action="store_true", help="smaller timings and a tiny model (CPU smoke test)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    res: dict = {"torch": torch.__version__, "device": str(device),
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+    res: dict = {"torch": torch.__version__, "device": str(device), "quick": args.quick,
                  "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+
+    def run(name: str, fn, *fn_args) -> None:
+        _guarded(res, name, fn, *fn_args)
+        write_json(args.out, res, indent=2)  # a timeout later keeps what is done
+        gc.collect()  # a model held in reference cycles would count in the next section's peak memory
+
     for backend in BACKENDS:
         if backend == "reference":
             continue
@@ -200,14 +397,20 @@ def main(argv=None) -> int:
         except (RuntimeError, ValueError) as exc:
             res[f"attention.{backend}"] = {"ok": None, "skipped": str(exc)}
             continue
-        _guarded(res, f"attention.{backend}", check_attention, device, backend)
+        run(f"attention.{backend}", check_attention, device, backend)
         total = 8192 if args.quick else 32768
-        _guarded(res, f"time.attention.{backend}", time_attention, device, backend, total)
-    _guarded(res, "grouped_gemm", check_grouped_gemm, device)
-    _guarded(res, "model_bf16", check_model_bf16, device)
-    if not args.quick:
-        _guarded(res, "time.train_step", time_train_step, device, 5)
-    write_json(args.out, res, indent=2)
+        run(f"time.attention.{backend}", time_attention, device, backend, total)
+    run("grouped_gemm", check_grouped_gemm, device)
+    run("model_bf16", check_model_bf16, device)
+    if args.quick:
+        res["time.train_step"] = {"ok": None, "skipped": "--quick: time.trainer_step covers the path"}
+    else:
+        run("time.train_step", time_train_step, device, 5)
+    sizes = QUICK if args.quick else FULL
+    run("time.peak_matmul", measure_peak, device, sizes.peak_size)
+    peak = res["time.peak_matmul"]
+    run("time.trainer_step", time_trainer_step, device, sizes, peak)
+    run("time.compute_logprobs", time_compute_logprobs, device, sizes, peak)
     failed = [k for k, v in res.items() if isinstance(v, dict) and v.get("ok") is False]
     print("FAILED: " + ", ".join(failed) if failed else "all checks passed")
     return 1 if failed else 0
