@@ -20,6 +20,7 @@ mesh.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -119,6 +120,7 @@ class Trainer:
         param_dtype = next(self.model.parameters()).dtype
         self.compute = resolve_compute_dtype(cfg.train.autocast_dtype, param_dtype, self.device)
         self.heap_trim = HeapTrim(cfg.train.host_heap_trim)
+        self._pending: _Pending | None = None  # backward() calls not yet applied by update()
 
     # ------------------------------------------------------------------ one step
 
@@ -149,8 +151,26 @@ class Trainer:
         learning rate for this step (RL frameworks set it per call); `cp_groups`: the CPGroup of
         each micro-batch where the caller placed them on Dynamic-CP runs itself (rl_hooks),
         default the static CP group, or the trainer's own Dynamic-CP schedule."""
-        reset_peak_memory(self.device)
+        if self._pending is not None:
+            raise RuntimeError("train_step with gradients of an earlier backward() not applied; "
+                               "call update() or discard_gradients() first")
         lr = self.schedule.apply() if lr is None else self._set_lr(lr)
+        res = self.backward(micro_batches, objective, cp_groups)
+        grad_norm, skipped, peak_mb = self.update(lr)
+        return dataclasses.replace(res, grad_norm=grad_norm, lr=lr, skipped=skipped, peak_memory_mb=peak_mb)
+
+    def backward(self, micro_batches: list[PackedBatch], objective: Objective | None = None,
+                 cp_groups: list | None = None) -> StepResult:
+        """Forward/backward over every micro-batch and the gradient reduction, without the update:
+        the gradients add to those of earlier `backward` calls since the last `update` (split
+        training: a framework's forward_backward calls, then one optimizer step). The result
+        holds this call's losses and metrics (grad_norm nan, lr of the optimizer now)."""
+        if self._pending is None:
+            reset_peak_memory(self.device)
+        elif self.runtime.sharded:
+            raise RuntimeError("parallel.distributed_optimizer=true: gradients of several backward() "
+                               "calls before one update() are not accumulated; run one backward per "
+                               "update, or set parallel.distributed_optimizer=false")
         work, cp_sizes = self._work(micro_batches, objective, cp_groups)
         # Counted once, on the host batches: the step total and each micro-batch's weight use it.
         targets = [mb.num_target_tokens() for mb, _ in work]
@@ -159,31 +179,59 @@ class Trainer:
             raise ValueError(f"step {self.step + 1}: the global batch has no target tokens (all labels are -100); "
                              "check the data (documents of length >= 2) and data.global_batch_tokens")
         self._lent_rows()  # forget what forwards outside a step (compute_logprobs) ran
+        earlier = self._stash_gradients()
         sums, counts, metrics = self._accumulate(work, targets, g, objective or CrossEntropy())
         self.runtime.reduce_gradients()
+        _add_gradients(earlier)
         self.runtime.all_reduce(sums, Axis.DP_CP)
         if counts is not None:
             self.runtime.all_reduce(counts, Axis.DP_CP)
-        metrics = self._reduce_metrics(metrics)
-        ep_load = self._ep_load(counts)
+        self._pending = _Pending.add(self._pending, float(sums[0]), counts)
+        return StepResult(loss=float(sums[0]), ce_loss=float(sums[1]), aux_loss=float(sums[2]),
+                          z_loss=float(sums[3]), grad_norm=math.nan, lr=self.optimizer.param_groups[0]["lr"],
+                          num_targets=g, num_tokens=num_tokens, skipped=False, expert_counts=counts,
+                          flops=flops, metrics=self._reduce_metrics(metrics), cp_sizes=cp_sizes,
+                          ep_load=self._ep_load(counts))
+
+    def update(self, lr: float | None = None) -> tuple[float, bool, float]:
+        """Clip the gradients of the backward() calls since the last update and step the
+        optimizer at `lr` (default: the learning rate it holds now), unless the loss or gradient
+        norm is non-finite; advance the schedule. (grad_norm, skipped, the peak memory since the
+        first of those backward calls on the busiest rank.)"""
+        if self._pending is None:
+            raise RuntimeError("update() without a backward() since the last update: nothing to apply")
+        pending, self._pending = self._pending, None
+        if lr is not None:
+            self._set_lr(lr)
         grad_norm = self.runtime.clip_grad_norm(self.cfg.optim.grad_clip)
-        loss = float(sums[0])
-        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        skipped = not (math.isfinite(pending.loss) and math.isfinite(grad_norm))
         if skipped:
-            self._on_non_finite(loss, grad_norm)
+            self._on_non_finite(pending.loss, grad_norm)
         else:
             self.optimizer.step()
-            if self.cfg.model.expert_bias and counts is not None:
-                self.model.update_expert_bias(counts.to(self.device))
+            if self.cfg.model.expert_bias and pending.counts is not None:
+                self.model.update_expert_bias(pending.counts.to(self.device))
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.advance()
         self.step += 1
         peak_mb = self._peak_memory()  # before the trim: the step's own peak
         self.heap_trim.after_step()
-        return StepResult(loss=loss, ce_loss=float(sums[1]), aux_loss=float(sums[2]), z_loss=float(sums[3]),
-                          grad_norm=grad_norm, lr=lr, num_targets=g, num_tokens=num_tokens, skipped=skipped,
-                          expert_counts=counts, flops=flops, metrics=metrics, cp_sizes=cp_sizes,
-                          peak_memory_mb=peak_mb, ep_load=ep_load)
+        return grad_norm, skipped, peak_mb
+
+    def discard_gradients(self) -> None:
+        """Forget the gradients of backward() calls not yet applied by update()."""
+        self._pending = None
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _stash_gradients(self) -> list | None:
+        """The reduced gradients of earlier backward() calls, taken off the parameters so that
+        this call's reduction sums only its own (added back after it)."""
+        if self._pending is None:
+            return None
+        stash = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
+        for p, _ in stash:
+            p.grad = None
+        return stash
 
     def _ep_load(self, counts_LE) -> dict[str, list[float]] | None:
         """EP balance of this step: by expert owner, and as run where experts were lent."""
@@ -269,6 +317,31 @@ class Trainer:
                f"(loss={loss}, grad_norm={grad_norm}) at step {self.step + 1}"
         if self.cfg.train.nan_policy == "stop":
             raise NonFiniteLossError(f"{what}; lower optim.lr, check the data, or set train.nan_policy=skip")
+
+@dataclass(frozen=True)
+class _Pending:
+    """What update() needs from the backward() calls since the last update."""
+
+    loss: float  # the summed losses (a NaN / inf in any call skips the update)
+    counts: torch.Tensor | None  # summed expert counts [L_moe, E] (the expert-bias update)
+
+    @staticmethod
+    def add(pending: _Pending | None, loss: float, counts: torch.Tensor | None) -> _Pending:
+        if pending is None:
+            return _Pending(loss, counts)
+        if pending.counts is None or counts is None:  # a model without MoE layers counts nothing
+            return _Pending(pending.loss + loss, pending.counts if counts is None else counts)
+        return _Pending(pending.loss + loss, pending.counts + counts)
+
+
+def _add_gradients(stash: list | None) -> None:
+    """Add the stashed gradients of earlier backward() calls back onto the parameters."""
+    for p, g in stash or ():
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
+
 
 def _merge_metrics(acc: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
     for key, value in new.items():

@@ -243,6 +243,43 @@ class PolicyTrainer:
         the same call; `group` is (this rank's index in that group, its size), so that a loss that
         records values can keep them once. It brings its own advantages and old log-probs (the
         verl engine, rl_hooks/plugins/verl, runs verl's loss function this way)."""
+        batch = self._for_update(batch, loss, temperature, mini_batches)
+        entropy = _wants_entropy(loss)
+        steps = []
+        for _ in range(epochs):
+            for seqs in _split(batch.num_seqs, mini_batches):
+                steps.append(self._pass(batch, seqs, loss, lr, temperature, entropy, update=True))
+        return _summarise(steps)
+
+    def forward_backward(self, batch: RolloutBatch, loss: LossFn, temperature: float = 1.0) -> dict[str, float]:
+        """Split training (a framework's forward_backward, then its optimizer step): forward and
+        backward over `batch` as one mini-batch, its gradients reduced and added to those of
+        earlier calls since the last `optimizer_step`, no update. `loss` as in train_step; each
+        call normalises by its own batch's counts. Returns this call's metrics."""
+        batch = self._for_update(batch, loss, temperature, 1)
+        return self._pass(batch, list(range(batch.num_seqs)), loss, None, temperature,
+                          _wants_entropy(loss), update=False)
+
+    def optimizer_step(self, lr: float | None = None) -> dict[str, float]:
+        """Clip and apply the gradients of the forward_backward calls since the last step, at `lr`
+        (default: the optimizer's learning rate now). {grad_norm, skipped, lr, peak_memory_mb_max}."""
+        self.export_gate.settle()
+        grad_norm, skipped, peak_mb = self.trainer.update(lr)
+        out = {"grad_norm": grad_norm, "skipped": float(skipped),
+               "lr": self.trainer.optimizer.param_groups[0]["lr"]}
+        if peak_mb is not None:
+            out["peak_memory_mb_max"] = peak_mb
+        return out
+
+    def zero_grad(self) -> None:
+        """Drop the gradients of forward_backward calls not yet applied by optimizer_step."""
+        self.trainer.discard_gradients()
+
+    def _for_update(self, batch: RolloutBatch, loss: LossFn, temperature: float,
+                    mini_batches: int) -> RolloutBatch:
+        """The batch a policy update runs on: validated, with old log-probs (computed as the
+        update's passes pack it where absent and the loss needs them), the DP shares gathered
+        where Dynamic-CP schedules them, and advantages from rewards."""
         self.validate(batch)
         self.export_gate.settle()
         own = getattr(loss, "per_sequence", False)
@@ -250,27 +287,23 @@ class PolicyTrainer:
             old = self.compute_logprobs(batch, temperature, mini_batches=mini_batches).logprobs
             batch = dataclasses.replace(batch, old_logprobs=old)
         batch, _ = self._whole(batch)
-        batch = batch if own else self._with_advantages(batch)
-        entropy = _wants_entropy(loss)
-        steps = []
-        for _ in range(epochs):
-            for seqs in _split(batch.num_seqs, mini_batches):
-                steps.append(self._optimizer_step(batch, seqs, loss, lr, temperature, entropy))
-        return _summarise(steps)
+        return batch if own else self._with_advantages(batch)
 
-    def _optimizer_step(self, batch, seqs, loss, lr, temperature, entropy) -> dict[str, float]:
+    def _pass(self, batch, seqs, loss, lr, temperature, entropy, update: bool) -> dict[str, float]:
+        """One mini-batch's forward / backward, and with `update` its optimizer step."""
         tokens, mine, groups, sizes = self._my_micro_batches(batch, seqs)
         norm = normalizers(batch, seqs, self.runtime if self.plans_own_share else None)
         objective = PolicyObjective(batch, mine, loss, norm, LogProbHead(temperature, entropy),
                                      self.runtime)
+        micro = [mb.packed for mb in mine]
         with batch_invariant(self.batch_invariant):
-            res = self.trainer.train_step([mb.packed for mb in mine], objective, lr=lr,
-                                          cp_groups=groups)
+            res = (self.trainer.train_step(micro, objective, lr=lr, cp_groups=groups) if update
+                   else self.trainer.backward(micro, objective, cp_groups=groups))
         m = dict(res.metrics)
         out = {"loss": res.loss, "policy_loss": res.ce_loss, "aux_loss": res.aux_loss,
-               "z_loss": res.z_loss, "grad_norm": res.grad_norm, "lr": res.lr,
-               "skipped": float(res.skipped), "loss_tokens": float(norm.num_tokens),
-               "sequences": float(norm.num_seqs)}
+               "z_loss": res.z_loss, "loss_tokens": float(norm.num_tokens), "sequences": float(norm.num_seqs)}
+        if update:
+            out.update(grad_norm=res.grad_norm, lr=res.lr, skipped=float(res.skipped))
         if sizes is not None:  # sequences per CP size (every size, for _summarise)
             for size in (1 << k for k in range(self.dynamic.max_cp.bit_length())):
                 out[f"sequences_cp{size}"] = float(sizes.get(size, 0))

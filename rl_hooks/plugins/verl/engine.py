@@ -18,10 +18,11 @@ micro-batch, so every verl loss option (clip ratios, loss_agg_mode, KL type, ent
 rollout IS weights) applies unchanged. verl scales its loss by dp_size because its FSDP engines
 average gradients over DP; our gradient reduction sums, so the engine divides by dp_size.
 
-One optimizer step is one call: forward, backward, gradient reduction, clipping and the update
-run together in `train_batch` (the overlapped gradient reduction and the global normalisers live
-in that step), so `forward_backward_batch(forward_only=False)` and a lone `optimizer_step` are
-refused with the call to make instead.
+`train_batch` is one optimizer step in one call (forward, backward, the overlapped gradient
+reduction, clipping, the update). verl's split-training worker (TinkerTrainingWorker) calls
+`forward_backward_batch(forward_only=False)` one or more times and then `optimizer_step`: each
+call's gradients are reduced and added up (Trainer.backward), the step applies them
+(Trainer.update).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class LongctxMoeEngine(BaseEngine):
         from rl_hooks.api import PolicyTrainer
 
         self.policy = PolicyTrainer(self.cfg, sharded=True)
+        self.pending_backward = False  # forward_backward_batch calls not yet stepped
         # verl advances its schedule once per train_mini_batch call, not per optimizer step.
         self.schedule = LRSchedule(self.policy.trainer.optimizer, self.cfg.optim, self.cfg.train.steps)
 
@@ -159,10 +161,7 @@ class LongctxMoeEngine(BaseEngine):
     def train_batch(self, data, loss_function):
         """One optimizer step on the rank's share with verl's `loss_function`."""
         batch, temperature, entropy = self._prepare(data)
-        # The loss indexes the batch the plan covers: under Dynamic-CP, every DP share in order.
-        rows = data if self.policy.plans_own_share else tu.concat_tensordict(self.policy.shares(data))
-        loss = VerlLoss(rows, loss_function, self.get_data_parallel_group(),
-                        self.get_data_parallel_size(), entropy)
+        loss = self._verl_loss(data, loss_function, entropy)
         lr = self.schedule.apply()
         res = self.policy.train_step(batch, loss, lr=lr, temperature=temperature)
         losses, metrics = self._every_micro_batch(loss.losses, loss.metrics)
@@ -171,6 +170,12 @@ class LongctxMoeEngine(BaseEngine):
         if self.is_mp_src_rank_with_outputs():
             metrics["grad_norm"] = res["grad_norm"]
         return {"model_output": {}, "loss": losses, "metrics": metrics}
+
+    def _verl_loss(self, data, loss_function, entropy: bool, keep_values: bool = False) -> VerlLoss:
+        # The loss indexes the batch the plan covers: under Dynamic-CP, every DP share in order.
+        rows = data if self.policy.plans_own_share else tu.concat_tensordict(self.policy.shares(data))
+        return VerlLoss(rows, loss_function, self.get_data_parallel_group(),
+                        self.get_data_parallel_size(), entropy, keep_values)
 
     def _every_micro_batch(self, losses: list[float], metrics: dict) -> tuple[list, dict]:
         """Under Dynamic-CP, the loss and metrics of every micro-batch of the DP x CP block on
@@ -198,17 +203,46 @@ class LongctxMoeEngine(BaseEngine):
         return losses, metrics
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
+        """Split training (verl's Tinker worker): forward and backward with verl's loss, the
+        gradients reduced and added to those of earlier calls until `optimizer_step`. The
+        learning rate of the coming step is the engine schedule's, set at the first call after a
+        step (a caller may override it in `optimizer.param_groups` before stepping). With
+        `return_model_output` the rank's share's log-probs come back in verl's nested layout."""
         if forward_only:
             return self.infer_batch(data, loss_function)
-        raise ConfigError("the longctx_moe engine runs forward, backward and the optimizer step as "
-                          "one step; call train_batch")
+        keep = bool(tu.get_non_tensor_data(data, "return_model_output", False))
+        if keep and not self.policy.plans_own_share:
+            raise ConfigError("forward_backward with return_model_output under parallel.dynamic_cp: "
+                              "the log-probs of the training pass are not gathered back to each "
+                              "DP share; call infer_batch for them, or set parallel.dynamic_cp=false")
+        batch, temperature, entropy = self._prepare(data)
+        if not self.pending_backward:
+            self.schedule.apply()
+        loss = self._verl_loss(data, loss_function, entropy, keep)
+        self.policy.forward_backward(batch, loss, temperature)
+        self.pending_backward = True
+        losses, metrics = self._every_micro_batch(loss.losses, loss.metrics)
+        output = {}
+        if keep:
+            logp_T = torch.cat([loss.values[i] for i in range(batch.num_seqs)])
+            output["log_probs"] = ours_to_nested(logp_T, data["input_ids"].offsets())
+        return {"model_output": output, "loss": losses, "metrics": metrics}
 
     def optimizer_zero_grad(self):
-        self.policy.trainer.optimizer.zero_grad(set_to_none=True)
+        self.policy.zero_grad()
+        self.pending_backward = False
 
     def optimizer_step(self):
-        raise ConfigError("the longctx_moe engine steps the optimizer inside train_batch (after "
-                          "its gradient reduction); call train_batch")
+        """Clip and apply the gradients of the forward_backward_batch calls since the last
+        step; the gradient norm."""
+        res = self.policy.optimizer_step()
+        self.pending_backward = False
+        return res["grad_norm"]
+
+    @property
+    def optimizer(self):
+        """The torch optimizer (verl's Tinker worker sets per-step values in its param_groups)."""
+        return self.policy.trainer.optimizer
 
     def lr_scheduler_step(self):
         self.schedule.advance()
@@ -254,11 +288,14 @@ class VerlLoss:
 
     per_sequence = True
 
-    def __init__(self, data, loss_function, dp_group, dp_size: int, entropy: bool):
+    def __init__(self, data, loss_function, dp_group, dp_size: int, entropy: bool,
+                 keep_values: bool = False):
         self.data, self.fn, self.dp_group, self.dp_size = data, loss_function, dp_group, dp_size
         self.needs_entropy = entropy
         self.losses: list[float] = []
         self.metrics: dict[str, list] = {}
+        # per sequence index, its per-token log-probs (our alignment) when `keep_values`
+        self.values: dict[int, torch.Tensor] | None = {} if keep_values else None
 
     def __call__(self, seqs: list[int], logp_T: torch.Tensor, ent_T: torch.Tensor | None,
                  group: tuple[int, int]) -> LossOutput:
@@ -266,6 +303,8 @@ class VerlLoss:
             return LossOutput(logp_T.sum() * 0)
         rows = tu.index_select_tensor_dict(self.data, seqs).to(logp_T.device)
         cu = rows["input_ids"].offsets()
+        if self.values is not None:
+            self.values.update(zip(seqs, logp_T.detach().cpu().split(cu.diff().tolist()), strict=True))
         out = {"log_probs": ours_to_nested(logp_T, cu)}
         if ent_T is not None:
             out["entropy"] = ours_to_nested(ent_T, cu)
