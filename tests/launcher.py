@@ -32,11 +32,12 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-# Imported once by the fork server (its children inherit them); torch._dynamo, imported by the
-# model, alone takes seconds.
+# Imported once by the fork server (its children inherit them). torch._dynamo (with sympy and
+# the rest it pulls in) is not imported by the project's modules but on first use: by every
+# rank that builds a torch.optim optimizer. Left to the ranks it cost each ~1.3 CPU-s.
 PRELOAD = ["torch", "torch.distributed", "numpy", "longctx_moe.trainer",
            "longctx_moe.parallel.parallelize", "cp_attention.ring", "cp_attention.ulysses",
-           "tests.launcher"]
+           "torch._dynamo", "tests.launcher"]
 
 
 class DistributedTestError(RuntimeError):
