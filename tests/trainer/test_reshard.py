@@ -2,12 +2,10 @@
 another, compared tensor by tensor with the unsharded state (model, AdamW exp_avg / exp_avg_sq /
 step, expert bias) through world 1 -> 8 (TP2 x CP2 x DP2, EP4) -> 4 (CP2 x DP2, EP2, AdamW state
 sharded by the distributed optimizer) -> 4 (TP2 x DP2, EP4, replicated AdamW state) -> 1; and a run
-trained with `--nproc 2 --set parallel.ep=2` resumed with `--nproc 1`,
-then `--nproc 4 --set parallel.ep=4`, whose export loads in transformers."""
+trained on 2 ranks with `--set parallel.ep=2` resumed on one rank, then on 4 ranks with
+`--set parallel.ep=4`, whose export loads in transformers."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from longctx_moe.model import build_model
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.train import main as train_main
+from longctx_moe.train import run as train_run
 from longctx_moe.trainer import Trainer
 from tests.launcher import run_distributed
 from tests.trainer.test_train_run import ROOT
@@ -150,12 +149,16 @@ def _argv(run_dir, corpus, steps, *extra):
     return ["--config", str(ROOT / "configs/tiny_cpu.yaml")] + [a for s in sets for a in ("--set", s)]
 
 
+def _rank_train(rank, world, run_dir, corpus, steps, extra):
+    """The trainer's run on this rank, as `longctx-moe train --nproc` runs it; the steps it ran."""
+    sets = [*SHORT, f"train.steps={steps}", f"train.run_dir={run_dir}", f"data.path={corpus}", *extra]
+    return [r["step"] for r in train_run(load_config(ROOT / "configs/tiny_cpu.yaml", sets))["records"]]
+
+
 def _train(nproc, run_dir, corpus, steps, *extra):
-    cmd = [sys.executable, "-m", "longctx_moe.cli", "train", "--nproc", str(nproc),
-           *_argv(run_dir, corpus, steps, *extra)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout
+    """Train on `nproc` gloo ranks (forked from the preloaded test server: the launcher's own
+    start-up is tested in test_train_run and test_faults); the steps each rank ran."""
+    return run_distributed(_rank_train, nproc, args=(run_dir, corpus, steps, extra), timeout=900)
 
 
 def _losses(run_dir) -> dict[int, float]:
@@ -170,14 +173,14 @@ def test_ep2_run_resumes_on_one_rank_then_on_four_with_ep4_and_exports(tmp_path,
     ref = tmp_path / "ref"
     assert train_main(_argv(ref, corpus, 4)) == 0
     run = tmp_path / "run"
-    _train(2, run, corpus, 2, "parallel.ep=2")
+    assert _train(2, run, corpus, 2, "parallel.ep=2") == [[1, 2]] * 2
     capsys.readouterr()
     assert train_main(_argv(run, corpus, 3)) == 0
     out = capsys.readouterr().out
     assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in out
     assert "notice: the data-parallel size changed from 2 to 1" in out
-    out = _train(4, run, corpus, 4, "parallel.ep=4")
-    assert f"resumed from {run / 'checkpoints' / 'step_00000003'} at step 3" in out
+    # Every rank resumed from the one-rank run's step-3 checkpoint and ran step 4 only.
+    assert _train(4, run, corpus, 4, "parallel.ep=4") == [[4]] * 4
     got, want = _losses(run), _losses(ref)
     assert sorted(got) == [1, 2, 3, 4]
     # float32 throughout; the layouts only reorder sums (gradient all-reduces, expert order
