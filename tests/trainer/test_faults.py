@@ -14,6 +14,9 @@ import torch
 
 from longctx_moe.checkpoint.faults import KILL_ENV
 from longctx_moe.checkpoint.reader import CheckpointReader
+from longctx_moe.config import load_config
+from longctx_moe.train import run as train_run
+from tests.launcher import run_distributed
 from tests.trainer.test_train_run import ROOT
 
 STEPS = 8
@@ -23,16 +26,21 @@ SETS = ["data.global_batch_tokens=1024", "data.micro_batch_tokens=512", "optim.w
         "checkpoint.every_steps=2", "checkpoint.keep_last=0", "parallel.ep=2", f"train.steps={STEPS}"]
 
 
-def _train(run_dir, corpus, kill: str | None = None) -> str:
-    sets = [*SETS, f"train.run_dir={run_dir}", f"data.path={corpus}"]
+# aten's attention kernels: a C++ kernel build that another process on this machine starts
+# (and a kill interrupts) would hold torch's build lock, which has nothing to do with this test.
+# The uninterrupted run sets the same, to compute with the same kernels.
+KERNELS_OFF = {"LONGCTX_CPU_ATTENTION_FWD": "0", "LONGCTX_AMX_ATTENTION": "0"}
+
+
+def _sets(run_dir, corpus) -> list[str]:
+    return [*SETS, f"train.run_dir={run_dir}", f"data.path={corpus}"]
+
+
+def _train(run_dir, corpus, kill: str) -> str:
+    """`longctx-moe train --nproc 2 --max-restarts 2` with the kills `kill` (KILL_ENV's format)."""
     cmd = [sys.executable, "-m", "longctx_moe.cli", "train", "--nproc", str(NPROC), "--max-restarts", "2",
-           "--config", str(ROOT / "configs/tiny_cpu.yaml"), *[a for s in sets for a in ("--set", s)]]
-    env = {k: v for k, v in os.environ.items() if k != KILL_ENV}
-    # aten's attention kernels: a C++ kernel build that another process on this machine starts
-    # (and a kill interrupts) would hold torch's build lock, which has nothing to do with this test.
-    env.update(LONGCTX_CPU_ATTENTION_FWD="0", LONGCTX_AMX_ATTENTION="0")
-    if kill:
-        env[KILL_ENV] = kill
+           "--config", str(ROOT / "configs/tiny_cpu.yaml"), *[a for s in _sets(run_dir, corpus) for a in ("--set", s)]]
+    env = {**os.environ, **KERNELS_OFF, KILL_ENV: kill}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # survivors of a kill: one line each
@@ -44,10 +52,21 @@ def _losses(run_dir) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, lines)]
 
 
+def _rank_run(rank, world, run_dir, corpus):
+    train_run(load_config(ROOT / "configs/tiny_cpu.yaml", _sets(run_dir, corpus)))
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, corpus):
+    """The same run on two gloo ranks without kills, forked from the preloaded test server: the
+    trainer's code and settings as under the launcher, without its start-up of two fresh
+    interpreters."""
     run_dir = tmp_path_factory.mktemp("whole") / "run"
-    _train(run_dir, corpus)
+    with pytest.MonkeyPatch.context() as mp:  # the ranks take the parent's environment
+        mp.delenv(KILL_ENV, raising=False)
+        for k, v in KERNELS_OFF.items():
+            mp.setenv(k, v)
+        run_distributed(_rank_run, NPROC, args=(run_dir, corpus), timeout=600)
     return run_dir
 
 
