@@ -1,7 +1,7 @@
-"""Hugging Face interop on disk: `longctx-moe export-hf` of runs trained with
-`--nproc 2` under EP2 and TP2, loaded by transformers' from_pretrained and compared with our
-single-device model on packed multi-document input; `train.init_from` starting a run (under
-another layout) from the export; one-line refusals with exit status 2."""
+"""Hugging Face interop on disk: `longctx-moe export-hf` of runs trained on 2 ranks under EP2 and
+TP2, loaded by transformers' from_pretrained and compared with our single-device model on packed
+multi-document input; `train.init_from` starting a run (under another layout) from the export;
+one-line refusals with exit status 2."""
 
 import json
 import shutil
@@ -16,6 +16,8 @@ from longctx_moe.cli import main as cli_main
 from longctx_moe.config import load_config, write_config
 from longctx_moe.hf.export import checkpoint_step_dir, consolidated_state, load_consolidated_model
 from longctx_moe.train import main as train_main
+from longctx_moe.train import run as train_run
+from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch
 
 transformers = pytest.importorskip("transformers")
@@ -27,15 +29,24 @@ SHORT = ["data.global_batch_tokens=1024", "data.micro_batch_tokens=512", "optim.
          "checkpoint.resume=none"]
 
 
+def _overrides(run_dir, corpus, steps, *extra):
+    return [*SHORT, f"train.steps={steps}", f"train.run_dir={run_dir}", f"data.path={corpus}", *extra]
+
+
 def _sets(run_dir, corpus, steps, *extra):
-    sets = [*SHORT, f"train.steps={steps}", f"train.run_dir={run_dir}", f"data.path={corpus}", *extra]
-    return ["--config", str(ROOT / "configs/tiny_cpu.yaml")] + [a for s in sets for a in ("--set", s)]
+    return ["--config", str(ROOT / "configs/tiny_cpu.yaml")] + [
+        a for s in _overrides(run_dir, corpus, steps, *extra) for a in ("--set", s)]
+
+
+def _rank_train(rank, world, overrides):
+    return [r["step"] for r in train_run(load_config(ROOT / "configs/tiny_cpu.yaml", overrides))["records"]]
 
 
 def _train_nproc2(run_dir, corpus, steps, *extra):
-    cmd = [sys.executable, "-m", "longctx_moe.cli", "train", "--nproc", "2", *_sets(run_dir, corpus, steps, *extra)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """The run `longctx-moe train --nproc 2` makes, on two gloo ranks forked from the preloaded
+    test server (the launcher's own start-up is tested in test_train_run and below)."""
+    ran = run_distributed(_rank_train, 2, args=(_overrides(run_dir, corpus, steps, *extra),), timeout=400)
+    assert ran == [list(range(1, steps + 1))] * 2
     return run_dir
 
 
