@@ -104,8 +104,10 @@ def _peaks_by_step(run_dir: Path) -> list[float]:
 def test_peak_memory_levels_off_over_300_steps(tmp_path):
     """make train's model and corpus, one 4,096-token micro-batch of packed documents per step
     (new GEMM and attention shapes for hundreds of steps): the peak RSS of steps 201-300 stays
-    within 10% of steps 101-200's. Without the heap trim (train.host_heap_trim=0) the same run
-    climbed 1.12x between those windows, and did not stop (docs/PERFORMANCE.md)."""
+    within 7% of steps 101-200's. Measured on AMD EPYC: with the heap trim 1.017-1.033 (three
+    runs; 1.003 under the AVX2 settings), without it (train.host_heap_trim=0) 1.094-1.122 (three
+    runs), still climbing (docs/PERFORMANCE.md). The trim lets the resident set grow 10% before it
+    fires, so shorter runs do not tell the two apart."""
     if not reset_peak_memory(torch.device("cpu")):
         pytest.skip("/proc/self/clear_refs is not writable here: a step's peak cannot be measured")
     data = tmp_path / "stdlib"
@@ -122,7 +124,7 @@ def test_peak_memory_levels_off_over_300_steps(tmp_path):
     peaks = _peaks_by_step(tmp_path / "run")
     assert len(peaks) == 300
     growth = max(peaks[200:]) / max(peaks[100:200])
-    assert growth <= 1.10, f"peak RSS of steps 201-300 is {growth:.3f}x that of steps 101-200"
+    assert growth <= 1.07, f"peak RSS of steps 201-300 is {growth:.3f}x that of steps 101-200"
 
 
 def test_heap_trim_slack_is_checked():
