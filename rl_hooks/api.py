@@ -160,6 +160,9 @@ class PolicyTrainer:
         whole, mine = self._whole(batch)
         with torch.no_grad(), batch_invariant(self.batch_invariant):
             out = self._logprobs(whole, temperature, return_entropy, record_routes, mini_batches)
+        # A worker that only scores (a reference policy) never runs train_step, whose trim would
+        # hand back the free heap pages its new shapes leave behind.
+        self.trainer.heap_trim.after_step()
         if mine is None:
             return out
         pick = lambda x: None if x is None else x[mine].clone()

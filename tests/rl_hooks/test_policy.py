@@ -249,3 +249,13 @@ def test_save_then_load_restores_weights_optimizer_and_step(tmp_path):
     info = fresh.info()
     assert (info["vocab_size"], info["world_size"], info["step"]) == (50, 1, 1)
     assert info["layout"]["cp"] == 1 and info["flops_per_token"] > 0
+
+
+def test_scoring_alone_gives_the_heap_trim_its_turn(monkeypatch):
+    """A worker that only calls compute_logprobs (a reference policy) still has its free heap
+    pages handed back: each call is a turn of the trainer's HeapTrim, as a train step is."""
+    policy = PolicyTrainer(config(), micro_batch_tokens=24)
+    turns = []
+    monkeypatch.setattr(policy.trainer.heap_trim, "after_step", lambda: turns.append(1) or False)
+    policy.compute_logprobs(rollout_batch())
+    assert turns == [1]
