@@ -20,13 +20,13 @@ pytest.importorskip("verl")
 TOL = 1e-10
 
 
-def _split_pass(rank: int, world: int, folder: str) -> dict:
+def _split_pass(rank: int, world: int, folder: str, layout: list[str], budget: int) -> dict:
     from tensordict import NonTensorData
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine_workers_tinker import TinkerTrainingWorker
     from verl.workers.utils.losses import ppo_loss
 
-    worker = TinkerTrainingWorker(vc.worker_config(folder, "float64"))
+    worker = TinkerTrainingWorker(vc.worker_config(folder, "float64", layout, budget))
     worker.reset()
     worker.set_loss_fn(partial(ppo_loss, config=vc.actor_config()))
     data = vc.padded_batch()
@@ -64,12 +64,19 @@ def _reference(folder):
     return rows, losses, {k: v.detach() for k, v in to_hf_state_dict(model).items()}
 
 
+# (our layout, verl's max_token_len_per_gpu): DP2; Dynamic-CP over the two DP ranks, where the
+# 8-token budget sends the longer sequences to runs over both ranks (the training pass's
+# log-probs of a share then come from runs anywhere in the block).
+LAYOUTS = {"dp2": ([], 32), "dp2-dynamic-cp": (["parallel.dynamic_cp=true", "parallel.max_cp=2"], 8)}
+
+
 @pytest.mark.slow  # two gloo ranks
-def test_tinker_worker_accumulates_two_forward_backward_calls_into_one_step(tmp_path):
+@pytest.mark.parametrize("case", sorted(LAYOUTS))
+def test_tinker_worker_accumulates_two_forward_backward_calls_into_one_step(tmp_path, case):
     """On DP2: each call's gradients are summed over the ranks before they join the earlier
     call's (summing the earlier, already reduced ones again would double them)."""
     folder = vc.save_hf_model(tmp_path / "hf", "float64")
-    runs = run_distributed(_split_pass, world_size=2, args=(str(folder),), timeout=600)
+    runs = run_distributed(_split_pass, world_size=2, args=(str(folder), *LAYOUTS[case]), timeout=600)
     rows, losses, after = _reference(folder)
     # each half's rows: its first DP chunk (rank 0), then the second (rank 1)
     got_rows = [row for h in range(2) for run in runs for row in run["log_probs"][2 * h:2 * h + 2]]

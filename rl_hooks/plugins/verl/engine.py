@@ -211,10 +211,6 @@ class LongctxMoeEngine(BaseEngine):
         if forward_only:
             return self.infer_batch(data, loss_function)
         keep = bool(tu.get_non_tensor_data(data, "return_model_output", False))
-        if keep and not self.policy.plans_own_share:
-            raise ConfigError("forward_backward with return_model_output under parallel.dynamic_cp: "
-                              "the log-probs of the training pass are not gathered back to each "
-                              "DP share; call infer_batch for them, or set parallel.dynamic_cp=false")
         batch, temperature, entropy = self._prepare(data)
         if not self.pending_backward:
             self.schedule.apply()
@@ -224,9 +220,25 @@ class LongctxMoeEngine(BaseEngine):
         losses, metrics = self._every_micro_batch(loss.losses, loss.metrics)
         output = {}
         if keep:
-            logp_T = torch.cat([loss.values[i] for i in range(batch.num_seqs)])
+            logp_T = torch.cat(self._my_sequences(loss.values, batch.num_seqs))
             output["log_probs"] = ours_to_nested(logp_T, data["input_ids"].offsets())
         return {"model_output": output, "loss": losses, "metrics": metrics}
+
+    def _my_sequences(self, values: dict[int, torch.Tensor], num_seqs: int) -> list[torch.Tensor]:
+        """This rank's share's per-sequence values, in order, from those its micro-batches
+        recorded. Under Dynamic-CP a share's sequences ran on runs anywhere in the DP x CP block,
+        indexed in the gathered batch: every rank's records are gathered and the share's range
+        (after the lower DP ranks' shares) is read from them."""
+        if self.policy.plans_own_share:
+            return [values[i] for i in range(num_seqs)]
+        start = sum(self.policy.shares(num_seqs)[:self.get_data_parallel_rank()])
+        group, size = self.policy.dims.group_or_none("dp_cp"), self.policy.dims.dp * self.policy.dims.cp
+        parts = [values]
+        if group is not None:
+            parts = [None] * size
+            dist.all_gather_object(parts, values, group=group)
+        every = {i: v for part in parts for i, v in part.items()}
+        return [every[i] for i in range(start, start + num_seqs)]
 
     def optimizer_zero_grad(self):
         self.policy.zero_grad()
