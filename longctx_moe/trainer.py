@@ -156,7 +156,7 @@ class Trainer:
                                "call update() or discard_gradients() first")
         lr = self.schedule.apply() if lr is None else self._set_lr(lr)
         res = self.backward(micro_batches, objective, cp_groups)
-        grad_norm, skipped, peak_mb = self.update(lr)
+        grad_norm, skipped, peak_mb = self.update()  # at the lr set above
         return dataclasses.replace(res, grad_norm=grad_norm, lr=lr, skipped=skipped, peak_memory_mb=peak_mb)
 
     def backward(self, micro_batches: list[PackedBatch], objective: Objective | None = None,

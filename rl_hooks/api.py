@@ -171,12 +171,7 @@ class PolicyTrainer:
     def shares(self, obj: Any) -> list[Any]:
         """Every data-parallel rank's `obj` in DP-rank order (a collective over DP; [obj] without
         DP): how a sharded trainer under Dynamic-CP assembles the whole batch."""
-        group = self.dims.group_or_none("dp")
-        if group is None:
-            return [obj]
-        out = [None] * self.dims.dp
-        torch.distributed.all_gather_object(out, obj, group=group)
-        return out
+        return self.runtime.all_gather_object(obj, "dp")
 
     def _whole(self, batch: RolloutBatch) -> tuple[RolloutBatch, slice | None]:
         """The batch the plan covers and, for a sharded trainer under Dynamic-CP, the token span

@@ -243,6 +243,16 @@ class ParallelRuntime:
             dist.all_reduce(t, op=op, group=group)
         return t
 
+    def all_gather_object(self, obj: Any, axis: str) -> list[Any]:
+        """Every `axis` peer's `obj`, in the group's rank order; [obj] when that group has one
+        rank (host objects: batches, records)."""
+        group = self.dims.group_or_none(axis)
+        if group is None:
+            return [obj]
+        out = [None] * self.dims.size(axis)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
 
 def static_cp_group(dims) -> CPGroup:
     """The mesh's CP axis as a CPGroup (NO_CP when cp == 1)."""

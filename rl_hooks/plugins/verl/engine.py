@@ -173,9 +173,14 @@ class LongctxMoeEngine(BaseEngine):
 
     def _verl_loss(self, data, loss_function, entropy: bool, keep_values: bool = False) -> VerlLoss:
         # The loss indexes the batch the plan covers: under Dynamic-CP, every DP share in order.
-        rows = data if self.policy.plans_own_share else tu.concat_tensordict(self.policy.shares(data))
-        return VerlLoss(rows, loss_function, self.get_data_parallel_group(),
-                        self.get_data_parallel_size(), entropy, keep_values)
+        rows, start = data, 0
+        if not self.policy.plans_own_share:
+            parts = self.policy.shares(data)
+            rows = tu.concat_tensordict(parts)
+            start = sum(p.batch_size[0] for p in parts[:self.get_data_parallel_rank()])
+        return VerlLoss(rows, range(start, start + data.batch_size[0]), loss_function,
+                        self.get_data_parallel_group(), self.get_data_parallel_size(), entropy,
+                        keep_values)
 
     def _every_micro_batch(self, losses: list[float], metrics: dict) -> tuple[list, dict]:
         """Under Dynamic-CP, the loss and metrics of every micro-batch of the DP x CP block on
@@ -188,11 +193,7 @@ class LongctxMoeEngine(BaseEngine):
         unchanged by the repetition. With a static CP group its first rank records everything."""
         if self.policy.plans_own_share:
             return losses, metrics
-        group, size = self.policy.dims.group_or_none("dp_cp"), self.policy.dims.dp * self.policy.dims.cp
-        parts = [(losses, metrics)]
-        if group is not None:
-            parts = [None] * size
-            dist.all_gather_object(parts, (losses, metrics), group=group)
+        parts = self.policy.runtime.all_gather_object((losses, metrics), "dp_cp")
         dp = self.get_data_parallel_size()
         losses, metrics = [x / dp for part_losses, _ in parts for x in part_losses], {}
         for _, part_metrics in parts:
@@ -220,25 +221,19 @@ class LongctxMoeEngine(BaseEngine):
         losses, metrics = self._every_micro_batch(loss.losses, loss.metrics)
         output = {}
         if keep:
-            logp_T = torch.cat(self._my_sequences(loss.values, batch.num_seqs))
+            logp_T = torch.cat(self._my_sequences(loss))
             output["log_probs"] = ours_to_nested(logp_T, data["input_ids"].offsets())
         return {"model_output": output, "loss": losses, "metrics": metrics}
 
-    def _my_sequences(self, values: dict[int, torch.Tensor], num_seqs: int) -> list[torch.Tensor]:
-        """This rank's share's per-sequence values, in order, from those its micro-batches
-        recorded. Under Dynamic-CP a share's sequences ran on runs anywhere in the DP x CP block,
-        indexed in the gathered batch: every rank's records are gathered and the share's range
-        (after the lower DP ranks' shares) is read from them."""
-        if self.policy.plans_own_share:
-            return [values[i] for i in range(num_seqs)]
-        start = sum(self.policy.shares(num_seqs)[:self.get_data_parallel_rank()])
-        group, size = self.policy.dims.group_or_none("dp_cp"), self.policy.dims.dp * self.policy.dims.cp
-        parts = [values]
-        if group is not None:
-            parts = [None] * size
-            dist.all_gather_object(parts, values, group=group)
-        every = {i: v for part in parts for i, v in part.items()}
-        return [every[i] for i in range(start, start + num_seqs)]
+    def _my_sequences(self, loss: VerlLoss) -> list[torch.Tensor]:
+        """This rank's share's per-sequence log-probs, in order, from those the micro-batches
+        recorded. Under Dynamic-CP a share's sequences ran on runs anywhere in the DP x CP block:
+        every rank's records are gathered first."""
+        every = loss.values
+        if not self.policy.plans_own_share:
+            every = {i: v for part in self.policy.runtime.all_gather_object(every, "dp_cp")
+                     for i, v in part.items()}
+        return [every[i] for i in loss.mine]
 
     def optimizer_zero_grad(self):
         self.policy.zero_grad()
@@ -300,9 +295,10 @@ class VerlLoss:
 
     per_sequence = True
 
-    def __init__(self, data, loss_function, dp_group, dp_size: int, entropy: bool,
+    def __init__(self, data, mine: range, loss_function, dp_group, dp_size: int, entropy: bool,
                  keep_values: bool = False):
         self.data, self.fn, self.dp_group, self.dp_size = data, loss_function, dp_group, dp_size
+        self.mine = mine  # the rows of `data` that are this rank's share
         self.needs_entropy = entropy
         self.losses: list[float] = []
         self.metrics: dict[str, list] = {}
