@@ -120,14 +120,14 @@ def build_key(source: Path) -> str:
 
 class CppKernel:
     """source: the .cpp beside this file (or an absolute path); cache_prefix: the build's name, to which build_key is
-    appended; env: the switch; label: the kernel in messages; aten_half: "forward" or
-    "backward", what runs instead; self_check(mod) raises if the kernel is wrong here."""
+    appended; env: the switch; label: the kernel in messages; fallback: what runs instead, in
+    messages; self_check(mod) raises if the kernel is wrong here."""
 
-    def __init__(self, source: str, cache_prefix: str, env: str, label: str, aten_half: str,
+    def __init__(self, source: str, cache_prefix: str, env: str, label: str, fallback: str,
                  self_check: Callable):
         self.source = Path(__file__).parent / source
         self.cache_prefix = cache_prefix
-        self.env, self.label, self.aten_half, self.self_check = env, label, aten_half, self_check
+        self.env, self.label, self.fallback, self.self_check = env, label, fallback, self_check
         self.state: dict = {}
 
     @functools.cached_property
@@ -177,7 +177,7 @@ class CppKernel:
 
     def disable(self, e: Exception) -> None:
         why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-        warnings.warn(f"{self.label} unavailable ({why}); using aten's CPU flash {self.aten_half}. "
+        warnings.warn(f"{self.label} unavailable ({why}); using {self.fallback}. "
                       f"A C++ compiler and ninja enable it; {self.env}=0 silences this.",
                       stacklevel=4)
         self.state["mod"] = None

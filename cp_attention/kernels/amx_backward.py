@@ -69,7 +69,8 @@ def _check_tiny_row(mod) -> None:
 
 
 KERNEL = CppKernel("_amx_attention_bwd.cpp", "longctx_amx_attention_bwd_", "LONGCTX_AMX_ATTENTION",
-                   "brgemm (AMX or AVX512-BF16) attention backward", "backward", _self_check)
+                   "brgemm (AMX or AVX512-BF16) attention backward", "aten's CPU flash backward",
+                   _self_check)
 available, disabled, _module = KERNEL.available, KERNEL.disabled, KERNEL.module
 
 

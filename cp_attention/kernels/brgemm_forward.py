@@ -46,7 +46,7 @@ def _check_tiny_row(mod) -> None:
 
 
 KERNEL = CppKernel("_cpu_attention_fwd.cpp", "longctx_cpu_attention_fwd_", ENV,
-                   "brgemm attention forward", "forward", _self_check)
+                   "brgemm attention forward", "aten's CPU flash forward", _self_check)
 available, disabled, _module = KERNEL.available, KERNEL.disabled, KERNEL.module
 
 

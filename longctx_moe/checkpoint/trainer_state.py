@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 # model.* keys that change kernels or numerics, not the function the weights compute: a
 # checkpoint resumes under other values. The parallel layout may change too (sharded_state.py).
-HARMLESS_MODEL_KEYS = ("attention_backend", "kernels", "grouped_gemm", "expert_precision", "loss_chunk_tokens", "init_std")
+HARMLESS_MODEL_KEYS = ("attention_backend", "kernels", "grouped_gemm", "expert_precision", "loss_chunk_tokens",
+                       "loss_logits_cache_mb", "init_std")
 
 
 def resume_expectations(cfg: Config) -> dict:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from cp_attention.kernels import accumulate_dtype
+from longctx_moe.kernels.logits_cache import keeps_logits, kept_logits
 from longctx_moe.kernels.triton_common import cast_rne
 
 _BLOCK_V = 1024  # vocabulary columns per step of a row's loop
@@ -119,16 +120,20 @@ def _chunk_stats(z_CV, cols_C, own_C, acc, temp, entropy):
 
 class _TritonLinearLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_TD, w_VD, idx_N, labels_N, chunk, cdtype, temperature, want_entropy, shard):
+    def forward(ctx, h_TD, w_VD, idx_N, labels_N, chunk, cdtype, temperature, want_entropy, shard,
+                keep_bytes=0):
         acc = accumulate_dtype(cdtype)
         w_c = w_VD.to(cdtype)
         n, v = idx_N.numel(), w_VD.shape[0]
+        keep, ctx.kept = keeps_logits(ctx, n, v, cdtype, keep_bytes), []
         # A tensor, so the kernels divide in the accumulation dtype as torch's z / temperature does.
         temp = torch.tensor([temperature], dtype=acc, device=h_TD.device)
         lse_N, ent_N, logp_N = (torch.empty(n, dtype=acc, device=h_TD.device) for _ in range(3))
         for s in range(0, n, chunk):
             rows = idx_N[s:s + chunk]
             z_CV = (h_TD.index_select(0, rows).to(cdtype) @ w_c.t()).contiguous()
+            if keep:
+                ctx.kept.append(z_CV)
             cols_C, own_C = _targets(labels_N[s:s + chunk], v, shard)
             stats = _chunk_stats(z_CV, cols_C, own_C, acc, temp, want_entropy)
             lse_N[s:s + chunk], ent_N[s:s + chunk], logp_N[s:s + chunk] = _merge(*stats, shard)
@@ -149,10 +154,12 @@ class _TritonLinearLogProbs(torch.autograd.Function):
         with_ent = want_entropy and g_ent_N is not None
         g_logp_N = torch.zeros_like(lse_N) if g_logp_N is None else g_logp_N.contiguous()
         g_ent_N = g_ent_N.contiguous() if with_ent else g_logp_N
-        for s in range(0, idx_N.numel(), chunk):
+        for i, s in enumerate(range(0, idx_N.numel(), chunk)):
             rows = idx_N[s:s + chunk]
             h_c = h_TD.index_select(0, rows).to(cdtype)
-            g_CV = (h_c @ w_c.t()).contiguous()  # the logits, overwritten by their gradient
+            g_CV = kept_logits(ctx.kept, i)  # the logits, overwritten by their gradient
+            if g_CV is None:
+                g_CV = (h_c @ w_c.t()).contiguous()
             cols_C, own_C = _targets(labels_N[s:s + chunk], w_VD.shape[0], shard)
             sl = slice(s, s + chunk)
             _grad_kernel[(rows.numel(),)](g_CV, cols_C, own_C, lse_N[sl], ent_N[sl], g_logp_N[sl],
@@ -165,12 +172,12 @@ class _TritonLinearLogProbs(torch.autograd.Function):
         if need_h and shard is not None:
             shard.reduce(grad_h)
         return (grad_h, None if grad_w is None else grad_w.to(w_VD.dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def linear_logprobs(h_TD, w_VD, idx_N, labels_N, chunk: int, cdtype: torch.dtype,
-                    temperature: float, want_entropy: bool, shard=None):
+                    temperature: float, want_entropy: bool, shard=None, keep_bytes: int = 0):
     """(logp_N, ent_N) as losses._LinearLogProbs.apply returns them (ent_N empty without
     entropy): acc dtype [N], differentiable in h and W."""
     return _TritonLinearLogProbs.apply(h_TD, w_VD, idx_N, labels_N, chunk, cdtype,
-                                       float(temperature), want_entropy, shard)
+                                       float(temperature), want_entropy, shard, keep_bytes)

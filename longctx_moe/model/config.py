@@ -62,6 +62,10 @@ class ModelConfig:
 
     # Cross-entropy over the vocabulary in chunks of this many tokens (bounds fp32 logits memory).
     loss_chunk_tokens: int = 1024
+    # A log-prob head (RL) keeps a micro-batch's logits for its backward when they fit in this many
+    # MiB (tokens x vocabulary x the compute dtype's size), instead of recomputing them: a quarter
+    # of the head's GEMM work. 0 always recomputes. Results are the same either way.
+    loss_logits_cache_mb: int = 256
 
     # ---- Pretrained-family features (the HF families of longctx_moe.hf.families) ----
     # The Hugging Face model_type that export-hf and the weight exporter write; train.init_from
@@ -126,6 +130,9 @@ class ModelConfig:
                     "head_dim", "num_experts", "top_k", "expert_hidden_size", "loss_chunk_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
+        if self.loss_logits_cache_mb < 0:
+            raise ValueError(f"model.loss_logits_cache_mb={self.loss_logits_cache_mb} must be >= 0 "
+                             "(0: the log-prob head recomputes its logits in the backward)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_heads={self.num_heads} must be divisible by "
                              f"model.num_kv_heads={self.num_kv_heads} (GQA)")

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from cp_attention.kernels import accumulate_dtype
 from data_packing.batch import IGNORE_INDEX
-from longctx_moe.kernels import ops, use_triton
+from longctx_moe.kernels import cpu_logprobs, ops, use_triton
+from longctx_moe.kernels.logits_cache import keeps_logits, kept_logits
 from longctx_moe.model.layers import autocast_dtype
 
 # Sums a no-grad statistic (int64 counts) over the ranks that share one micro-batch's tokens.
@@ -263,48 +264,77 @@ class _LinearLogProbs(torch.autograd.Function):
     """(logp_N, entropy_N) of the rows idx_N of h @ W^T / temperature, chunk by chunk.
 
     Unlike _LinearCrossEntropy the upstream gradient is per token (an RL loss weighs each token
-    by its own advantage and ratio), so the logits' gradient cannot be formed in the forward: the
-    backward recomputes each chunk's logits from h and W (one more [C, D] x [D, V] product per
-    chunk) and never holds more than one chunk of [C, V]. With a VocabShard the row statistics
+    by its own advantage and ratio), so the logits' gradient cannot be formed in the forward. The
+    backward needs each chunk's logits again: the forward keeps them when all N x V of them fit in
+    `keep_bytes` (the LM head's products then fall from four to three), else the backward
+    recomputes each chunk's from h and W and never holds more than one chunk of [C, V]; the
+    recomputed logits are the kept ones bit for bit. With a VocabShard the row statistics
     (max, sum-exp, target log-prob, entropy) are reduced over its group per chunk, and h's
     partial gradient once at the end of the backward."""
 
     @staticmethod
-    def forward(ctx, h_TD, w_VD, idx_N, labels_N, chunk, cdtype, temperature, want_entropy, shard):
+    def forward(ctx, h_TD, w_VD, idx_N, labels_N, chunk, cdtype, temperature, want_entropy, shard,
+                keep_bytes=0):
         acc = accumulate_dtype(cdtype)
         w_c = w_VD.to(cdtype)
         n = idx_N.numel()
         logp_N = torch.empty(n, dtype=acc, device=h_TD.device)
         ent_N = torch.zeros(n if want_entropy else 0, dtype=acc, device=h_TD.device)
+        keep = keeps_logits(ctx, n, w_VD.shape[0], cdtype, keep_bytes)
+        kept = []
+        # The fused CPU kernel's row statistics, kept for its backward (empty without it).
+        fused = cpu_logprobs.serves(cdtype, h_TD.device, shard)
+        lse_N = torch.empty(n if fused else 0, dtype=acc, device=h_TD.device)
+        ent_rows_N = torch.zeros_like(lse_N)
         for s in range(0, n, chunk):
             rows = idx_N[s:s + chunk]
-            logp_CV = _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature, shard)
+            z_CV = _chunk_logits(h_TD, w_c, rows, cdtype)
+            if keep:
+                kept.append(z_CV)
             cols_C, own_C = _target_cols(labels_N[s:s + chunk], w_VD.shape[0], shard)
+            if fused:
+                logp_N[s:s + chunk], ent_rows_N[s:s + chunk], lse_N[s:s + chunk] = \
+                    cpu_logprobs.forward_stats(z_CV, cols_C, temperature, want_entropy)
+                continue
+            logp_CV = _log_softmax(z_CV, acc, temperature, shard)
             logp_N[s:s + chunk] = _pick(logp_CV, cols_C, own_C, shard)
             if want_entropy:
                 ent_N[s:s + chunk] = _row_sum(-(logp_CV.exp() * logp_CV), shard)
-        ctx.save_for_backward(h_TD, w_VD, idx_N, labels_N)
+        if fused and want_entropy:
+            ent_N = ent_rows_N
+        ctx.save_for_backward(h_TD, w_VD, idx_N, labels_N, lse_N, ent_rows_N)
         ctx.meta = (chunk, cdtype, acc, temperature, shard)
+        ctx.kept = kept
         return logp_N, ent_N
 
     @staticmethod
     def backward(ctx, g_logp_N, g_ent_N):
-        h_TD, w_VD, idx_N, labels_N = ctx.saved_tensors
+        h_TD, w_VD, idx_N, labels_N, lse_N, ent_rows_N = ctx.saved_tensors
         chunk, cdtype, acc, temperature, shard = ctx.meta
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w_c = w_VD.to(cdtype)
         grad_h = torch.zeros_like(h_TD) if need_h else None
         grad_w = torch.zeros(w_VD.shape, dtype=acc, device=w_VD.device) if need_w else None
         with_ent = g_ent_N is not None and g_ent_N.numel() > 0
-        for s in range(0, idx_N.numel(), chunk):
+        kept = ctx.kept
+        for i, s in enumerate(range(0, idx_N.numel(), chunk)):
             rows = idx_N[s:s + chunk]
+            z_CV = kept_logits(kept, i)
+            if z_CV is None:
+                z_CV = _chunk_logits(h_TD, w_c, rows, cdtype)
             g_logp_C = g_logp_N[s:s + chunk].to(acc)
+            if lse_N.numel():  # the forward ran the fused CPU kernel: so does the backward
+                sl = slice(s, s + chunk)
+                g_CV = cpu_logprobs.backward_grad_(z_CV, labels_N[sl], lse_N[sl], ent_rows_N[sl], g_logp_C,
+                                                   g_ent_N[sl] if with_ent else None, temperature)
+                _project_grad(g_CV, h_TD, w_c, rows, cdtype, acc, grad_h, grad_w)
+                continue
             if with_ent or shard is not None:
-                logp_CV = _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature, shard)
+                logp_CV = _log_softmax(z_CV, acc, temperature, shard)
                 p_CV = logp_CV.exp()
                 g_CV = p_CV * -g_logp_C[:, None]
             else:  # the probabilities alone, in one pass, and the gradient written over them
-                g_CV = _chunk_softmax(h_TD, w_c, rows, cdtype, acc, temperature)
+                g_CV = _softmax(z_CV, acc, temperature)
                 g_CV.mul_(-g_logp_C[:, None])
             # d logp_y / d z = (onehot_y - p) / temperature
             cols_C, own_C = _target_cols(labels_N[s:s + chunk], w_VD.shape[0], shard)
@@ -317,15 +347,19 @@ class _LinearLogProbs(torch.autograd.Function):
                 g_CV -= g_ent_N[s:s + chunk, None].to(acc) * p_CV * (logp_CV + ent_C1)
             if temperature != 1.0:
                 g_CV /= temperature
-            g_CV = g_CV.to(cdtype)
-            if need_h:
-                grad_h.index_add_(0, rows, (g_CV @ w_c).to(h_TD.dtype))
-            if need_w:
-                grad_w += (g_CV.t() @ h_TD.index_select(0, rows).to(cdtype)).to(acc)
+            _project_grad(g_CV.to(cdtype), h_TD, w_c, rows, cdtype, acc, grad_h, grad_w)
         if need_h and shard is not None:
             shard.reduce(grad_h)
         return (grad_h, None if grad_w is None else grad_w.to(w_VD.dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
+
+
+def _project_grad(g_CV, h_TD, w_c, rows, cdtype, acc, grad_h, grad_w) -> None:
+    """Add one chunk's logits gradient (cdtype) to h's rows and to W: the head's two products."""
+    if grad_h is not None:
+        grad_h.index_add_(0, rows, (g_CV @ w_c).to(h_TD.dtype))
+    if grad_w is not None:
+        grad_w += (g_CV.t() @ h_TD.index_select(0, rows).to(cdtype)).to(acc)
 
 
 def _row_sum(t_CV: torch.Tensor, shard: VocabShard | None) -> torch.Tensor:
@@ -339,18 +373,16 @@ def _chunk_logits(h_TD, w_c, rows, cdtype):
     return h_TD.index_select(0, rows).to(cdtype) @ w_c.t()
 
 
-def _chunk_softmax(h_TD, w_c, rows, cdtype, acc, temperature):
-    """softmax(h[rows] @ W^T / temperature) in the accumulation dtype: [C, V] (unsharded)."""
-    z_CV = _chunk_logits(h_TD, w_c, rows, cdtype)
+def _softmax(z_CV, acc, temperature):
+    """softmax(z / temperature) in the accumulation dtype: [C, V] (unsharded)."""
     if temperature != 1.0:
         return torch.softmax(z_CV.to(acc) / temperature, -1)
     return torch.softmax(z_CV, -1, dtype=acc)
 
 
-def _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature, shard=None):
-    """log_softmax(h[rows] @ W^T / temperature) in the accumulation dtype: [C, V] (this rank's
-    V_l columns, normalised over the whole vocabulary, with a VocabShard)."""
-    z_CV = _chunk_logits(h_TD, w_c, rows, cdtype)
+def _log_softmax(z_CV, acc, temperature, shard=None):
+    """log_softmax(z / temperature) in the accumulation dtype: [C, V] (this rank's V_l columns,
+    normalised over the whole vocabulary, with a VocabShard)."""
     if shard is not None:
         return _sharded_log_softmax(z_CV.to(acc) / temperature, shard)
     if temperature != 1.0:
@@ -361,12 +393,15 @@ def _chunk_log_softmax(h_TD, w_c, rows, cdtype, acc, temperature, shard=None):
 def chunked_token_logprobs(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor,
                            chunk_tokens: int = 1024, temperature: float = 1.0,
                            entropy: bool = False, shard: VocabShard | None = None,
-                           kernels: str = "torch") -> tuple[torch.Tensor, torch.Tensor | None]:
+                           kernels: str = "torch",
+                           logits_cache_mb: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log p(labels_T[t]) under softmax(h_t @ W^T / temperature): logp_T [T] fp32
     (float64 for float64), 0 where labels_T == -100, differentiable; and the entropy of each
     row's distribution (entropy_T, same layout) when `entropy`. [T, V] is never materialised.
     `shard` as in chunked_cross_entropy; `kernels` (model.kernels) may run the softmax work of
-    each chunk in Triton (longctx_moe.kernels.triton_logprobs)."""
+    each chunk in Triton (longctx_moe.kernels.triton_logprobs); the backward reuses the
+    forward's logits when they fit in `logits_cache_mb` (model.loss_logits_cache_mb), else
+    recomputes them."""
     if chunk_tokens < 1:
         raise ValueError(f"model.loss_chunk_tokens={chunk_tokens} must be >= 1")
     if not temperature > 0:
@@ -375,8 +410,10 @@ def chunked_token_logprobs(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: tor
     labels_N = labels_T.index_select(0, idx_N)
     cdtype = autocast_dtype(h_TD)
     fn = ops().linear_logprobs if use_triton(kernels, h_TD) else _LinearLogProbs.apply
+    if logits_cache_mb < 0:
+        raise ValueError(f"model.loss_logits_cache_mb={logits_cache_mb} must be >= 0 (0: recompute)")
     logp_N, ent_N = fn(h_TD, w_VD, idx_N, labels_N, chunk_tokens, cdtype, float(temperature),
-                       entropy, shard)
+                       entropy, shard, logits_cache_mb << 20)
     t = labels_T.shape[0]
     logp_T = logp_N.new_zeros(t).index_put((idx_N,), logp_N)
     ent_T = ent_N.new_zeros(t).index_put((idx_N,), ent_N) if entropy else None

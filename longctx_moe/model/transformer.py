@@ -140,7 +140,8 @@ class Transformer(nn.Module):
         else:
             logp_T, ent_T = chunked_token_logprobs(h_TD, self.output_weight(), batch.labels,
                                                    self.cfg.loss_chunk_tokens, head.temperature,
-                                                   head.entropy, self.vocab_shard, self.cfg.kernels)
+                                                   head.entropy, self.vocab_shard, self.cfg.kernels,
+                                                   self.cfg.loss_logits_cache_mb)
             w_T = logp_T if batch.loss_weight is None else logp_T * batch.loss_weight
             ce_sum = -w_T.sum()
         zero = h_TD.new_zeros((), dtype=torch.float32)

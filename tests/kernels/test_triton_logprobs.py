@@ -96,3 +96,27 @@ def test_vocab_sharded_logprobs_match_whole_vocab():
         for a, b in zip(got[:3], ref[:3], strict=True):
             assert_close_to_scale(a, b, 3e-6)
         assert_close_to_scale(got[3], ref[3][rank * 300:(rank + 1) * 300], 3e-6)
+
+
+def test_kept_logits_give_the_recomputed_results_bitwise(monkeypatch):
+    """The Triton head writes the gradient over the logits it kept from the forward
+    (model.loss_logits_cache_mb): the same values as recomputing them, and a retained graph's
+    second backward (which finds them handed over already) recomputes and agrees."""
+    from longctx_moe.kernels import logits_cache, triton_logprobs
+
+    handed = []
+    monkeypatch.setattr(triton_logprobs, "kept_logits",
+                        lambda kept, i: handed.append(logits_cache.kept_logits(kept, i)) or handed[-1])
+    h, w, labels = _case(seed=2)
+    kw = dict(chunk_tokens=7, temperature=0.7, entropy=True)
+    recomputed = _run("triton", h, w, labels, **kw)
+    assert handed and all(z is None for z in handed)
+    handed.clear()
+    kept = _run("triton", h, w, labels, logits_cache_mb=1, **kw)
+    assert len(handed) == 3 and all(z is not None for z in handed)  # 20 target rows, chunks of 7
+    for a, b in zip(kept, recomputed, strict=True):
+        assert torch.equal(a, b)
+    logp, _ = chunked_token_logprobs(h, w, labels, kernels="triton", logits_cache_mb=1, **kw)
+    first = torch.autograd.grad(logp.sum(), (h, w), retain_graph=True)
+    second = torch.autograd.grad(logp.sum(), (h, w))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
