@@ -191,7 +191,7 @@ void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
           int64_t j = j0;
           for (; j + Vec::size() <= Bq; j += Vec::size()) {
             Vec s = Vec::loadu(row + j) * Vec(scale) - Vec::loadu(lse_m + j);
-            s.exp().store(row + j);
+            s.exp_u20().store(row + j);  // as the forward: error far below P's bf16 rounding, ~7% faster
           }
           for (; j < Bq; ++j) row[j] = std::exp(row[j] * scale - lse_m[j]);
           to_bf16(row, pT16 + i * rest, Bq);
