@@ -20,7 +20,8 @@ a precision the other lacks. The same AdamW settings (lr 1e-6, eps 1e-8, clip 1.
 decay), router aux / z losses off on our side (transformers' forward adds none). Each side runs
 in its own subprocess per round, alternating which goes first, scores the batch once untimed
 (warm-up), then is timed; times are medians over rounds (the spread is min-max), tokens/s = real
-tokens / median time. Peak memory: the subprocess's peak RSS
+tokens / median time; each round's own ratios (its two sides ran back to back) are listed too
+(`*_tokens_per_s_ratio_by_round`). Peak memory: the subprocess's peak RSS
 minus its RSS after imports, before the model is built. max_abs_logprob_diff compares the two
 sides' infer log-probs; loss_abs_diff the step's loss (verl's own reduction on both sides).
 
@@ -269,6 +270,11 @@ def summarize(results: dict, tokens: int) -> dict:
     out["infer_tokens_per_s_ratio"] = out["theirs_infer_s"] / out["ours_infer_s"]
     out["train_tokens_per_s_ratio"] = out["theirs_train_s"] / out["ours_train_s"]
     out["peak_mem_ratio"] = out["ours_peak_mb"] / out["theirs_peak_mb"]
+    # Each round's own ratio (its two sides ran back to back): the spread the machine's noise
+    # leaves on the ratio itself, which the medians of the two sides alone do not show.
+    for key in ("infer", "train"):
+        out[f"{key}_tokens_per_s_ratio_by_round"] = [t[f"{key}_s"] / o[f"{key}_s"] for o, t in
+                                                     zip(results["ours"], results["theirs"], strict=True)]
     return out
 
 
@@ -281,7 +287,8 @@ def table(r: dict) -> str:
     lines += [f"tokens {r['tokens']}, rounds {r['rounds']}; max |logprob diff| {r['max_abs_logprob_diff']:.2e}, "
               f"|loss diff| {r['loss_abs_diff']:.2e}; ratios (ours over theirs): infer tokens/s "
               f"{r['infer_tokens_per_s_ratio']:.2f}, train tokens/s {r['train_tokens_per_s_ratio']:.2f}, "
-              f"peak memory {r['peak_mem_ratio']:.2f}"]
+              f"peak memory {r['peak_mem_ratio']:.2f}",
+              "train tokens/s ratio by round: " + ", ".join(f"{x:.2f}" for x in r["train_tokens_per_s_ratio_by_round"])]
     return "\n".join(lines)
 
 

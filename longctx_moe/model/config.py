@@ -64,8 +64,10 @@ class ModelConfig:
     loss_chunk_tokens: int = 1024
     # A log-prob head (RL) keeps a micro-batch's logits for its backward when they fit in this many
     # MiB (tokens x vocabulary x the compute dtype's size), instead of recomputing them: a quarter
-    # of the head's GEMM work. 0 always recomputes. Results are the same either way.
-    loss_logits_cache_mb: int = 256
+    # of the head's GEMM work. 0 always recomputes. Results are the same either way. 128 MiB holds
+    # 8,192 tokens of bf16 logits over an 8,192-word vocabulary, 2,048 tokens of fp32 ones over
+    # 16,384 words; real vocabularies (150K words) need far more than it, and so recompute.
+    loss_logits_cache_mb: int = 128
 
     # ---- Pretrained-family features (the HF families of longctx_moe.hf.families) ----
     # The Hugging Face model_type that export-hf and the weight exporter write; train.init_from
