@@ -279,13 +279,13 @@ class _LinearLogProbs(torch.autograd.Function):
         w_c = w_VD.to(cdtype)
         n = idx_N.numel()
         logp_N = torch.empty(n, dtype=acc, device=h_TD.device)
-        ent_N = torch.zeros(n if want_entropy else 0, dtype=acc, device=h_TD.device)
         keep = keeps_logits(ctx, n, w_VD.shape[0], cdtype, keep_bytes)
         kept = []
-        # The fused CPU kernel's row statistics, kept for its backward (empty without it).
+        # The fused CPU kernel's row statistics (lse; the entropies, always written) are kept for
+        # its backward; without it lse_N is empty.
         fused = cpu_logprobs.serves(cdtype, h_TD.device, shard)
+        ent_N = torch.zeros(n if want_entropy or fused else 0, dtype=acc, device=h_TD.device)
         lse_N = torch.empty(n if fused else 0, dtype=acc, device=h_TD.device)
-        ent_rows_N = torch.zeros_like(lse_N)
         for s in range(0, n, chunk):
             rows = idx_N[s:s + chunk]
             z_CV = _chunk_logits(h_TD, w_c, rows, cdtype)
@@ -293,23 +293,21 @@ class _LinearLogProbs(torch.autograd.Function):
                 kept.append(z_CV)
             cols_C, own_C = _target_cols(labels_N[s:s + chunk], w_VD.shape[0], shard)
             if fused:
-                logp_N[s:s + chunk], ent_rows_N[s:s + chunk], lse_N[s:s + chunk] = \
+                logp_N[s:s + chunk], ent_N[s:s + chunk], lse_N[s:s + chunk] = \
                     cpu_logprobs.forward_stats(z_CV, cols_C, temperature, want_entropy)
                 continue
             logp_CV = _log_softmax(z_CV, acc, temperature, shard)
             logp_N[s:s + chunk] = _pick(logp_CV, cols_C, own_C, shard)
             if want_entropy:
                 ent_N[s:s + chunk] = _row_sum(-(logp_CV.exp() * logp_CV), shard)
-        if fused and want_entropy:
-            ent_N = ent_rows_N
-        ctx.save_for_backward(h_TD, w_VD, idx_N, labels_N, lse_N, ent_rows_N)
+        ctx.save_for_backward(h_TD, w_VD, idx_N, labels_N, lse_N, ent_N)
         ctx.meta = (chunk, cdtype, acc, temperature, shard)
         ctx.kept = kept
-        return logp_N, ent_N
+        return logp_N, ent_N if want_entropy else ent_N[:0]
 
     @staticmethod
     def backward(ctx, g_logp_N, g_ent_N):
-        h_TD, w_VD, idx_N, labels_N, lse_N, ent_rows_N = ctx.saved_tensors
+        h_TD, w_VD, idx_N, labels_N, lse_N, ent_stats_N = ctx.saved_tensors
         chunk, cdtype, acc, temperature, shard = ctx.meta
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w_c = w_VD.to(cdtype)
@@ -325,7 +323,7 @@ class _LinearLogProbs(torch.autograd.Function):
             g_logp_C = g_logp_N[s:s + chunk].to(acc)
             if lse_N.numel():  # the forward ran the fused CPU kernel: so does the backward
                 sl = slice(s, s + chunk)
-                g_CV = cpu_logprobs.backward_grad_(z_CV, labels_N[sl], lse_N[sl], ent_rows_N[sl], g_logp_C,
+                g_CV = cpu_logprobs.backward_grad_(z_CV, labels_N[sl], lse_N[sl], ent_stats_N[sl], g_logp_C,
                                                    g_ent_N[sl] if with_ent else None, temperature)
                 _project_grad(g_CV, h_TD, w_c, rows, cdtype, acc, grad_h, grad_w)
                 continue
