@@ -318,6 +318,7 @@ class Trainer:
         if self.cfg.train.nan_policy == "stop":
             raise NonFiniteLossError(f"{what}; lower optim.lr, check the data, or set train.nan_policy=skip")
 
+
 @dataclass(frozen=True)
 class _Pending:
     """What update() needs from the backward() calls since the last update."""
