@@ -22,6 +22,11 @@ MOE_1B (1.08B parameters, 240M active per token):
   time.compute_logprobs: rl_hooks' PolicyTrainer.compute_logprobs on ~64K tokens of rollouts of
     128..16K tokens, without and with entropy: tokens/s, forward TFLOP/s and MFU, peak memory.
 `--quick` (the CPU smoke run) runs the last three on a tiny model and a few thousand tokens.
+A trainer section that fails on cuda with the Triton kernels is rerun with model.kernels=torch
+(`<name>.kernels_torch`), so one broken kernel does not cost the run its MFU.
+Reruns inside a lease: `--sections time.trainer_step,...` runs only the sections named (by
+prefix), `--set KEY=VALUE` overrides the trainer sections' config (train.compile=true, ...), and
+`--profile-dir DIR` writes a torch.profiler table of one more call of each trainer section.
 """
 
 from __future__ import annotations
@@ -241,15 +246,15 @@ def measure_peak(device, size: int, warmup: int = 10, iters: int = 20) -> dict:
             "tflops_max": flops / min(times) / 1e12, "compute_dtype": compute.describe()}
 
 
-def trainer_config(device, sizes: TrainerSizes):
+def trainer_config(device, sizes: TrainerSizes, kernels: str = "auto"):
     """The Config `longctx-moe train` would load for this model, one row of step_tokens per step."""
     from longctx_moe.config import load_config
 
-    sets = [f"model.{k}={v}" for k, v in sizes.model.items()]
+    sets = [f"model.{k}={v}" for k, v in sizes.model.items()] + [f"model.kernels={kernels}"]
     sets += [f"train.device={device.type}", f"train.autocast_dtype={autocast_setting(device)}",
              f"data.micro_batch_tokens={sizes.step_tokens}", f"data.global_batch_tokens={sizes.step_tokens}",
              f"train.steps={sizes.warmup + sizes.iters}", "optim.warmup_steps=0", "optim.lr=1e-4"]
-    return load_config(None, sets)
+    return load_config(None, sets + EXTRA_SETS)
 
 
 def build_trainer(cfg, device):
@@ -293,16 +298,36 @@ def _mfu(flops: float, sec: float, peak: dict | None, dtype_name: str) -> dict:
     return out
 
 
+EXTRA_SETS: list[str] = []  # --set: overrides of the trainer sections' config (train.compile=true, ...)
+PROFILE_DIR: Path | None = None  # --profile-dir: a torch.profiler table of one timed call per section
+
+
+def _profile(name: str, fn, device) -> None:
+    """One more call of `fn` under torch.profiler; its ops by device time (self) to PROFILE_DIR/name.txt."""
+    if PROFILE_DIR is None:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    PROFILE_DIR.mkdir(parents=True, exist_ok=True)
+    (PROFILE_DIR / f"{name}.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=45,
+                                                                       max_name_column_width=70))
+
+
 def _gpu_memory(device) -> dict:
     if device.type != "cuda":
         return {"peak_gpu_memory_gib": None, "peak_gpu_memory_skipped": f"device is {device.type}: no GPU memory"}
     return {"peak_gpu_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
 
 
-def time_trainer_step(device, sizes: TrainerSizes, peak: dict | None) -> dict:
+def time_trainer_step(device, sizes: TrainerSizes, peak: dict | None, kernels: str = "auto") -> dict:
     """Trainer.train_step on one packed row of heavy-tailed documents: medians after warm-up.
     The headline figures come first: the log line shows the first 160 characters."""
-    cfg = trainer_config(device, sizes)
+    cfg = trainer_config(device, sizes, kernels)
     trainer = build_trainer(cfg, device)
     info = model_info(trainer.model, cfg, device, trainer.compute.dtype)
     print(f"trainer_step model: {info['total_params'] / 1e9:.3f}B parameters, "
@@ -312,6 +337,7 @@ def time_trainer_step(device, sizes: TrainerSizes, peak: dict | None) -> dict:
     results = []
     times = _times(lambda: results.append(trainer.train_step([batch])), sizes.warmup, sizes.iters, device)
     last, sec = results[-1], statistics.median(times)
+    _profile("profile_trainer_step", lambda: trainer.train_step([batch]), device)
     return {"step_ms": sec * 1e3, "tokens_per_s": sum(lens) / sec,
             **_mfu(last.flops, sec, peak, trainer.compute.name), **_gpu_memory(device),
             "model_tflop_per_step": last.flops / 1e12, "step_ms_all": [t * 1e3 for t in times],
@@ -333,7 +359,7 @@ def rollout_batch(sizes: TrainerSizes, vocab: int, seed: int = 7):
                                        [s[max(1, len(s) // 8):] for s in seqs])
 
 
-def time_compute_logprobs(device, sizes: TrainerSizes, peak: dict | None) -> dict:
+def time_compute_logprobs(device, sizes: TrainerSizes, peak: dict | None, kernels: str = "auto") -> dict:
     """PolicyTrainer.compute_logprobs (the old-log-prob pass of an RL step) on ragged rollouts,
     micro-batches of step_tokens, PolicyTrainer's defaults otherwise (batch-invariant attention:
     one kernel call per sequence); without and with the entropy. Headline figures first."""
@@ -341,7 +367,7 @@ def time_compute_logprobs(device, sizes: TrainerSizes, peak: dict | None) -> dic
     from longctx_moe.model.flops import model_flops
     from rl_hooks.api import PolicyTrainer
 
-    cfg = trainer_config(device, sizes)
+    cfg = trainer_config(device, sizes, kernels)
     policy = PolicyTrainer(cfg, micro_batch_tokens=sizes.step_tokens)
     compute = policy.trainer.compute
     batch = rollout_batch(sizes, cfg.model.vocab_size)
@@ -357,6 +383,7 @@ def time_compute_logprobs(device, sizes: TrainerSizes, peak: dict | None) -> dic
                     f"model_tflops_fwd{suffix}": mfu["model_tflops"], f"mfu_fwd{suffix}": mfu["mfu"]})
         if "mfu_skipped" in mfu:
             out["mfu_skipped"] = mfu["mfu_skipped"]
+    _profile("profile_compute_logprobs", lambda: policy.compute_logprobs(batch), device)
     return {**out, **_gpu_memory(device), "tokens": t, "seqs": len(lens), "shortest": min(lens),
             "longest": max(lens), "micro_batch_tokens": policy.budget, "batch_invariant": policy.batch_invariant,
             "warmup_calls": sizes.warmup, "timed_calls": sizes.iters, "compute_dtype": compute.describe(),
@@ -377,14 +404,30 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="smaller timings and a tiny model (CPU smoke test)")
+    ap.add_argument("--sections", help="comma-separated names: run only the sections whose name starts "
+                                       "with one of them (time.peak_matmul runs with the trainer's)")
+    ap.add_argument("--profile-dir", type=Path, help="write a torch.profiler table of one trainer step "
+                                                     "and one compute_logprobs call there")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override of the trainer sections, repeatable (as `longctx-moe train --set`)")
     args = ap.parse_args(argv)
+    global PROFILE_DIR
+    PROFILE_DIR = args.profile_dir
+    EXTRA_SETS.extend(args.overrides)
+    wanted = args.sections.split(",") if args.sections else None
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
-    res: dict = {"torch": torch.__version__, "device": str(device), "quick": args.quick,
+    res: dict = {"torch": torch.__version__, "device": str(device), "quick": args.quick, "sets": EXTRA_SETS,
                  "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
 
+    def chosen(name: str) -> bool:
+        needed = name == "time.peak_matmul" and any(w.startswith("time.") for w in wanted or ())
+        return wanted is None or needed or any(name.startswith(w) for w in wanted)
+
     def run(name: str, fn, *fn_args) -> None:
+        if not chosen(name):
+            return
         _guarded(res, name, fn, *fn_args)
         write_json(args.out, res, indent=2)  # a timeout later keeps what is done
         gc.collect()  # a model held in reference cycles would count in the next section's peak memory
@@ -395,22 +438,27 @@ def main(argv=None) -> int:
         try:
             resolve_backend(backend, device)
         except (RuntimeError, ValueError) as exc:
-            res[f"attention.{backend}"] = {"ok": None, "skipped": str(exc)}
+            if chosen(f"attention.{backend}"):
+                res[f"attention.{backend}"] = {"ok": None, "skipped": str(exc)}
             continue
         run(f"attention.{backend}", check_attention, device, backend)
         total = 8192 if args.quick else 32768
         run(f"time.attention.{backend}", time_attention, device, backend, total)
     run("grouped_gemm", check_grouped_gemm, device)
     run("model_bf16", check_model_bf16, device)
-    if args.quick:
-        res["time.train_step"] = {"ok": None, "skipped": "--quick: time.trainer_step covers the path"}
-    else:
+    if not args.quick:
         run("time.train_step", time_train_step, device, 5)
+    elif chosen("time.train_step"):
+        res["time.train_step"] = {"ok": None, "skipped": "--quick: time.trainer_step covers the path"}
     sizes = QUICK if args.quick else FULL
     run("time.peak_matmul", measure_peak, device, sizes.peak_size)
-    peak = res["time.peak_matmul"]
-    run("time.trainer_step", time_trainer_step, device, sizes, peak)
-    run("time.compute_logprobs", time_compute_logprobs, device, sizes, peak)
+    peak = res.get("time.peak_matmul")
+    for name, fn in (("time.trainer_step", time_trainer_step), ("time.compute_logprobs", time_compute_logprobs)):
+        run(name, fn, device, sizes, peak)
+        if res.get(name, {}).get("ok") is False and device.type == "cuda":
+            # a first GPU run must not lose the MFU to one kernel: the torch path measures it,
+            # and the failure above stays recorded
+            run(f"{name}.kernels_torch", fn, device, sizes, peak, "torch")
     failed = [k for k, v in res.items() if isinstance(v, dict) and v.get("ok") is False]
     print("FAILED: " + ", ".join(failed) if failed else "all checks passed")
     return 1 if failed else 0

@@ -127,9 +127,13 @@ def cases(s: dict, device) -> dict:
     return out
 
 
-def _max_diff(a: list, b: list) -> float:
-    return max(float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
-               for x, y in zip(a, b, strict=True))
+def _max_diff(a: list, b: list, relative: bool = False) -> float:
+    """Largest |a - b| over the outputs and gradients; relative: each tensor's over its largest
+    |b| (a bf16 gradient of magnitude ~2000 differs by 16 in its last bit: 2**-7 relative)."""
+    def diff(x, y):
+        d = float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
+        return d / max(float(y.double().abs().max()), 1e-30) if relative and x.numel() else d
+    return max(diff(x, y) for x, y in zip(a, b, strict=True))
 
 
 def main() -> None:
@@ -144,7 +148,7 @@ def main() -> None:
                  "on CPU only TRITON_INTERPRET=1 with --quick runs (a check of this program)")
     sizes = QUICK if args.quick else FULL
     rows = {}
-    print(f"{'op':<20} {'torch ms':>10} {'triton ms':>10} {'speed-up':>9} {'max diff':>9}")
+    print(f"{'op':<20} {'torch ms':>10} {'triton ms':>10} {'speed-up':>9} {'max diff':>9} {'rel diff':>9}")
     for name, paths in cases(sizes, device).items():
         rec = {}
         results = {}
@@ -155,10 +159,11 @@ def main() -> None:
             rec[kernels] = {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)}
         rec["speedup"] = rec["torch"]["median_s"] / rec["triton"]["median_s"]
         rec["max_abs_diff"] = _max_diff(results["triton"], results["torch"])
+        rec["max_rel_diff"] = _max_diff(results["triton"], results["torch"], relative=True)
         rows[name] = rec
         print(f"{name:<20} {rec['torch']['median_s'] * 1e3:>10.3f} "
               f"{rec['triton']['median_s'] * 1e3:>10.3f} {rec['speedup']:>8.2f}x "
-              f"{rec['max_abs_diff']:>9.2e}")
+              f"{rec['max_abs_diff']:>9.2e} {rec['max_rel_diff']:>9.2e}")
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
             "interpreter": interpreting(), "sizes": sizes, "reps": args.reps,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime())}

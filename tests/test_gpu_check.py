@@ -1,0 +1,29 @@
+"""bench/gpu_check.py, the program a lent GPU runs, on CPU (--quick): the section filter, the
+config overrides and the profile tables it is rerun with must work before a GPU is lent, since
+device time does not allow debugging there."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import gpu_check
+
+pytestmark = pytest.mark.slow
+
+
+def test_quick_run_of_chosen_sections_with_overrides_and_profile(tmp_path):
+    out, prof = tmp_path / "gpu_check.json", tmp_path / "prof"
+    rc = gpu_check.main(["--quick", "--device", "cpu", "--out", str(out), "--sections", "time.trainer_step",
+                         "--set", "train.recompute=full", "--profile-dir", str(prof)])
+    res = json.loads(out.read_text())
+    assert rc == 0
+    # the trainer section needs the peak (its MFU denominator); nothing else was asked for
+    ran = {k for k, v in res.items() if isinstance(v, dict) and k != "host"}
+    assert ran == {"time.peak_matmul", "time.trainer_step"}, ran
+    step = res["time.trainer_step"]
+    assert step["recompute"] == "full" and res["sets"] == ["train.recompute=full"]
+    assert step["mfu"] is not None and step["tokens_per_s"] > 0 and step["skipped_steps"] == 0
+    table = (prof / "profile_trainer_step.txt").read_text()
+    assert "aten::mm" in table and "Self CPU time total" in table
