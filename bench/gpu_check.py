@@ -9,7 +9,9 @@ section, so a run cut short by its timeout keeps the sections it finished.
 Checks (each records max errors and pass/fail, never aborts the rest):
   attention.<backend>: fwd out/lse and bwd dq/dk/dv in bf16 vs the float64 reference;
   grouped_gemm: torch._grouped_mm bf16 fwd/bwd vs a float64 per-expert loop;
-  model_bf16: one packed batch, loss of the bf16-autocast model on the GPU vs float64 on the CPU.
+  model_bf16: one packed batch, loss of the bf16-autocast model on the GPU vs float64 on the CPU;
+  check.fp8: model.fp8=torch's FP8 linear (forward, both gradients) against the float64 product
+    of the same quantised operands, on FP8-capable GPUs.
 Timings (medians): attention fwd+bwd per backend on a 32K packed row; one training step of the
 bench config (hidden 512, 4 layers, 16 experts top-2) in tokens/s; then, on the ~1B MoE of
 MOE_1B (1.08B parameters, 240M active per token):
@@ -112,6 +114,31 @@ def check_grouped_gemm(device) -> dict:
     y.backward(torch.ones_like(y))
     rel = _max_err(y, ref) / float(ref.abs().max())
     return {"rel_err": rel, "ok": rel < 2e-2 and wb.grad is not None and bool(torch.isfinite(wb.grad).all())}
+
+
+def check_fp8(device) -> dict:
+    """model.fp8=torch's linear (torch._scaled_mm) on the GPU against the float64 product of the
+    same quantised operands (E4M3 x and w, E5M2 output gradient, per-tensor scales): only float32
+    accumulation separates them, so each result is within 1e-4 of its largest value (relative)."""
+    from longctx_moe.kernels import fp8
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(4096, 2048, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(1536, 2048, device=device, generator=g) / 45).requires_grad_()
+    dy = torch.randn(4096, 1536, device=device, generator=g).to(torch.bfloat16)
+    y = fp8.linear(x, w, None, torch.bfloat16)
+    y.backward(dy)
+
+    def dq(t, fmt):
+        q, inv = fp8.quantize(t, fmt)
+        return q.double() * inv.double()
+
+    xd, wd, gd = dq(x, fp8.E4M3), dq(w, fp8.E4M3), dq(dy, fp8.E5M2)
+    errs = {}
+    for name, got, ref in (("y", y, xd @ wd.t()), ("dx", x.grad, gd @ wd), ("dw", w.grad, gd.t() @ xd)):
+        errs[name] = float((got.detach().double() - ref).abs().max() / ref.abs().max())
+    # y and dx are bf16 results: one bf16 rounding (2**-8 relative) on top of the accumulation
+    return {"rel_err": errs, "ok": errs["dw"] < 1e-4 and max(errs["y"], errs["dx"]) < 2**-7}
 
 
 def _batch(lens: list[int], vocab: int, device) -> PackedBatch:
@@ -446,6 +473,13 @@ def main(argv=None) -> int:
         run(f"time.attention.{backend}", time_attention, device, backend, total)
     run("grouped_gemm", check_grouped_gemm, device)
     run("model_bf16", check_model_bf16, device)
+    from longctx_moe.kernels import fp8
+
+    fp8_reason = fp8.unavailable_reason("torch", device)
+    if fp8_reason is None:
+        run("check.fp8", check_fp8, device)
+    elif chosen("check.fp8"):
+        res["check.fp8"] = {"ok": None, "skipped": fp8_reason}
     if not args.quick:
         run("time.train_step", time_train_step, device, 5)
     elif chosen("time.train_step"):
@@ -459,6 +493,7 @@ def main(argv=None) -> int:
             # a first GPU run must not lose the MFU to one kernel: the torch path measures it,
             # and the failure above stays recorded
             run(f"{name}.kernels_torch", fn, device, sizes, peak, "torch")
+    write_json(args.out, res, indent=2)  # skipped sections too
     failed = [k for k, v in res.items() if isinstance(v, dict) and v.get("ok") is False]
     print("FAILED: " + ", ".join(failed) if failed else "all checks passed")
     return 1 if failed else 0

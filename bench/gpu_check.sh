@@ -4,8 +4,8 @@
 # a ~1B MoE (1.08B parameters) at 32K tokens: the Trainer's step with its MFU against a bf16 matmul
 # peak measured in the same run, and rl_hooks' compute_logprobs on ~64K tokens of rollouts. Then
 # the Triton kernels compiled for real, `longctx-moe train` of the tiny config on the GPU, and the
-# verl engine test where verl is installed. Writes everything under $OUT (at most 7 files). Run it
-# in ONE device call, then give the machine back. The timeouts add up to under 8 minutes;
+# verl engine test where verl is installed. Writes everything under $OUT (at most 8 files). Run it
+# in ONE device call, then give the machine back. The timeouts add up to 8 minutes;
 # gpu_check.json is rewritten after each section, so a timeout keeps the sections done.
 #
 #   OUT=/tmp/gpu bash bench/gpu_check.sh        # PYTHON=... picks the interpreter (python3)
@@ -35,13 +35,18 @@ section() {  # section NAME SECONDS COMMAND...: runs it with its log under $OUT,
 }
 
 # On one H200 (2026-12-04) the whole script took 137 s, this section most of it.
-section gpu_check 270 $PY bench/gpu_check.py --out "$OUT/gpu_check.json"
+section gpu_check 240 $PY bench/gpu_check.py --out "$OUT/gpu_check.json"
 rc=$?
+# The ~1B step again with model.fp8=torch (FP8 GEMMs; its MFU is still against the bf16 peak).
+section fp8_trainer_step 90 $PY bench/gpu_check.py --sections check.fp8,time.trainer_step \
+  --set model.fp8=torch --out "$OUT/fp8.json"
+rc_fp8=$?
+cat "$OUT/fp8_trainer_step.log" >> "$OUT/gpu_check.log" && rm "$OUT/fp8_trainer_step.log"
 # The Triton kernels compiled for real: each against its torch path (max difference, fwd+bwd time).
-section triton_kernels 75 $PY bench/triton_kernels.py --reps 5 --out "$OUT/triton_kernels.json"
+section triton_kernels 60 $PY bench/triton_kernels.py --reps 5 --out "$OUT/triton_kernels.json"
 rc_triton=$?
 # The user's first command on a GPU: the default tiny config, train.device=auto picks cuda.
-section train_cli 60 $PY -m longctx_moe.cli train --config configs/tiny_cpu.yaml \
+section train_cli 45 $PY -m longctx_moe.cli train --config configs/tiny_cpu.yaml \
   --set data.path=data/stdlib_tiny --set train.steps=40 --set train.run_dir=/tmp/gpu_check_run \
   --set checkpoint.resume=none
 rc_cli=$?
@@ -49,11 +54,11 @@ rc_cli=$?
 # engine on cuda; verl's "nvidia" platform is picked over our host platform). verl and its Ray are
 # not in the stock image (and Ray's wheel is over what a device call carries): say so instead.
 if $PY -c "import verl" 2>/dev/null; then
-  section verl_engine 120 $PY -m pytest tests/rl_hooks/test_verl_engine.py -q -x -k "float32 and 1"
+  section verl_engine 45 $PY -m pytest tests/rl_hooks/test_verl_engine.py -q -x -k "float32 and 1"
   verl_rc=$?
 else
-  echo "verl is not installed in this image: the verl engine test was not run" | tee "$OUT/verl_engine.log"
+  echo "verl is not installed in this image: the verl engine test was not run"
   verl_rc=0
 fi
-for r in $rc_triton $rc_cli $verl_rc; do [ "$rc" -eq 0 ] && rc=$r; done
+for r in $rc_fp8 $rc_triton $rc_cli $verl_rc; do [ "$rc" -eq 0 ] && rc=$r; done
 exit "$rc"

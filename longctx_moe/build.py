@@ -55,12 +55,23 @@ def check_backends(cfg: Config, device: torch.device) -> None:
         resolve_backend(cfg.model.attention_backend, device)
     except (RuntimeError, ValueError) as e:
         raise ConfigError(f"model.attention_backend={cfg.model.attention_backend!r}: {e}") from None
-    from longctx_moe.kernels import check_kernels
+    from longctx_moe.kernels import check_kernels, fp8
 
     try:
         check_kernels(cfg.model.kernels, device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    reason = fp8.unavailable_reason(cfg.model.fp8, device, cfg.parallel.tp)
+    if reason is not None:
+        raise ConfigError(reason)
+    if cfg.model.fp8 != "none":  # widths FP8 GEMMs cannot take: refused by building on meta
+        from longctx_moe.model import Transformer
+
+        try:
+            with torch.device("meta"):
+                Transformer(cfg.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def build_runtime(cfg: Config, dims: Any, device: torch.device):

@@ -27,3 +27,11 @@ def test_quick_run_of_chosen_sections_with_overrides_and_profile(tmp_path):
     assert step["mfu"] is not None and step["tokens_per_s"] > 0 and step["skipped_steps"] == 0
     table = (prof / "profile_trainer_step.txt").read_text()
     assert "aten::mm" in table and "Self CPU time total" in table
+
+
+def test_the_fp8_check_says_why_it_is_skipped_on_cpu(tmp_path):
+    out = tmp_path / "fp8.json"
+    assert gpu_check.main(["--quick", "--device", "cpu", "--out", str(out), "--sections", "check.fp8"]) == 0
+    res = json.loads(out.read_text())
+    assert res["check.fp8"]["ok"] is None and "FP8 tensor cores" in res["check.fp8"]["skipped"]
+    assert "time.peak_matmul" not in res

@@ -13,6 +13,7 @@ CHOICES = {
     "grouped_gemm": ("auto", "grouped_mm", "loop"),
     "expert_precision": ("auto", "autocast", "param"),
     "kernels": ("auto", "torch", "triton"),
+    "fp8": ("none", "torch", "te"),
     "qk_norm_scope": ("head", "full"),
     "attention_type": ("gqa", "mla"),
     "expert_activation": ("swiglu", "clamped_swiglu"),
@@ -59,6 +60,11 @@ class ModelConfig:
     # residual add) and the log-prob/entropy head: auto (on CUDA when triton is installed) | torch
     # | triton (refused at start-up where it cannot run).
     kernels: str = "auto"
+    # FP8 GEMMs in the blocks (longctx_moe.model.fp8): none | torch (torch._scaled_mm, current
+    # per-tensor scaling, E4M3 forward / E5M2 gradients, float32 masters; CUDA with compute
+    # capability >= 8.9) | te (Transformer Engine: not built, refused). Refused in one line where
+    # it cannot run.
+    fp8: str = "none"
 
     # Cross-entropy over the vocabulary in chunks of this many tokens (bounds fp32 logits memory).
     loss_chunk_tokens: int = 1024

@@ -23,7 +23,7 @@ from torch import nn
 from cp_attention.hardware import native_bf16
 from cp_attention.kernels import accumulate_dtype
 from longctx_moe.compile import eager_only
-from longctx_moe.kernels import ops, use_triton
+from longctx_moe.kernels import fp8, ops, use_triton
 from longctx_moe.model.attention import DocLayout
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.grouped_gemm import (
@@ -161,6 +161,7 @@ class GroupedExperts(nn.Module):
         self.impl, self.precision = impl, precision
         self.activation, self.limit, self.down_bias_offset = activation, limit, 0
         self.recompute = False  # selective recompute (longctx_moe.model.recompute)
+        self.fp8 = False  # model.fp8: grouped GEMMs in FP8 (longctx_moe.model.fp8)
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, dim, 2, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.b_gate_up = nn.Parameter(torch.empty(num_experts, 2, hidden)) if bias else None
@@ -210,20 +211,26 @@ class GroupedExperts(nn.Module):
     def _swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor,
                 *biases) -> torch.Tensor:
         cdtype = x_MD.dtype
+        if self.fp8:  # FP8 quantises the float32 masters itself: no cast to the compute dtype
+            h_MF2 = fp8.grouped_matmul(x_MD, w_gate_up, counts_E, cdtype)
+            return self._biased_down(h_MF2, w_down, counts_E, biases)
         h_MF2 = grouped_matmul(x_MD, w_gate_up.to(cdtype), counts_E, self.impl)
         if self.activation == "swiglu" and not biases:
             return _SwiGLUDown.apply(h_MF2, w_down.to(cdtype), counts_E, self.impl)
         return self._biased_down(h_MF2, w_down.to(cdtype), counts_E, biases)
 
     def _biased_down(self, h_MF2, w_EFD, counts_E, biases) -> torch.Tensor:
-        """The experts with biases and / or the clamped activation, through plain autograd
-        (gpt-oss; the bias-free SwiGLU keeps _SwiGLUDown's leaner backward)."""
+        """The experts with biases and / or the clamped activation, or in FP8, through plain
+        autograd (gpt-oss; the bias-free SwiGLU keeps _SwiGLUDown's leaner backward)."""
         m, cdtype = h_MF2.shape[0], h_MF2.dtype
         if biases:  # every row gets its expert's bias (padding rows too: nobody reads them)
             h_MF2 = h_MF2 + biases[0].flatten(1).to(cdtype).repeat_interleave(counts_E, 0, output_size=m)
         gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
         act_MF = _activation(gate_MF, up_MF, self.activation, self.limit)
-        y_MD = grouped_matmul(act_MF, w_EFD, counts_E, self.impl)
+        if self.fp8:
+            y_MD = fp8.grouped_matmul(act_MF, w_EFD, counts_E, cdtype)
+        else:
+            y_MD = grouped_matmul(act_MF, w_EFD, counts_E, self.impl)
         if not biases:
             return y_MD
         b_ED = biases[1].to(cdtype)

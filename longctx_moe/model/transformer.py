@@ -20,6 +20,7 @@ from torch import nn
 from data_packing.batch import PackedBatch
 from longctx_moe.model.attention import Attention, DocLayout, doc_layout
 from longctx_moe.model.config import ModelConfig
+from longctx_moe.model.fp8 import apply_fp8
 from longctx_moe.model.layers import RMSNorm, SwiGLU, autocast_dtype
 from longctx_moe.model.losses import VocabShard, chunked_cross_entropy, chunked_token_logprobs
 from longctx_moe.model.mla import MLAttention
@@ -83,6 +84,7 @@ class Transformer(nn.Module):
         # A vocab-parallel head (set by parallelize under TP): output_weight() then holds this
         # rank's rows and the losses reduce their softmax statistics over the shard's group.
         self.vocab_shard: VocabShard | None = None
+        apply_fp8(self, cfg.fp8)
 
     def set_recompute(self, mode: str) -> None:
         """none | selective | full (see longctx_moe.model.recompute): what the backward recomputes."""

@@ -1,0 +1,204 @@
+"""model.fp8=torch: torch._scaled_mm FP8 GEMMs (longctx_moe.kernels.fp8) against a float64
+reference of the same recipe, run on CPU (where _scaled_mm runs too, slowly).
+
+The reference quantises each operand exactly as the recipe says (one scale per tensor, or per
+expert weight: the largest |x| maps onto the format's largest finite value; E4M3 for activations
+and weights, E5M2 for output gradients), dequantises in float64 and multiplies in float64. Our
+products then differ from it only by float32 accumulation and the float32 reciprocal of the
+scale: ~1e-6 relative; 1e-5 is allowed. A wrong format (E4M3 gradients: one more mantissa bit),
+a wrong scale or a missed operand moves results by percents.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longctx_moe.build import ConfigError, check_backends
+from longctx_moe.config import load_config
+from longctx_moe.kernels import fp8
+from longctx_moe.model import ModelConfig, build_model
+from longctx_moe.model.fp8 import Fp8Linear
+from tests.model.helpers import packed_batch
+
+TOL = 1e-5
+
+
+def _dq(x: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    """The recipe's quantise-dequantise of x, in float64."""
+    top = torch.finfo(fmt).max
+    amax = x.detach().double().abs().max()
+    scale = top / amax if amax > 0 else torch.tensor(1.0, dtype=torch.float64)
+    # the scale is formed in float32, as the recipe forms it
+    scale = torch.tensor(float(top) / float(amax), dtype=torch.float32).double() if amax > 0 else scale
+    return (x.detach().double() * scale).clamp(-top, top).to(fmt).double() / scale
+
+
+@pytest.fixture
+def scaled_mm_calls(monkeypatch):
+    """Every torch._scaled_mm call, each checked against what cuBLAS's FP8 GEMM accepts on a GPU
+    (CPU's _scaled_mm accepts more, so a layout or padding slip would pass here unseen):
+    a row-major, b column-major, contraction and output widths multiples of 16, float32 scalar
+    scales, and no E5M2 x E5M2 product."""
+    calls = []
+    real = torch._scaled_mm
+
+    def checked(a, b, scale_a, scale_b, out_dtype):
+        assert a.stride(1) == 1 and b.stride(0) == 1, (a.stride(), b.stride())
+        assert a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0, (a.shape, b.shape)
+        assert scale_a.dtype == scale_b.dtype == torch.float32 and scale_a.numel() == scale_b.numel() == 1
+        assert not (a.dtype == b.dtype == fp8.E5M2)
+        calls.append((a.dtype, b.dtype))
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", checked)
+    return calls
+
+
+def _close(a: torch.Tensor, ref: torch.Tensor) -> None:
+    err = float((a.double() - ref).abs().max()) / float(ref.abs().max())
+    assert err < TOL, err
+
+
+def test_quantize_scales_to_the_format_maximum_and_keeps_zeros_and_nonfinite():
+    x = torch.randn(64, 32) * 3
+    x_q, inv = fp8.quantize(x, fp8.E4M3)
+    assert x_q.dtype == fp8.E4M3 and float(x_q.float().abs().max()) == torch.finfo(fp8.E4M3).max
+    back = x_q.double() * float(inv)
+    assert 0 < float((back - x.double()).abs().max()) <= float(x.abs().max()) * 2**-4  # 3 mantissa bits
+    z_q, z_inv = fp8.quantize(torch.zeros(3, 3), fp8.E5M2)
+    assert float(z_inv) == 1.0 and not z_q.float().any()
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    b_q, b_inv = fp8.quantize(bad, fp8.E4M3)
+    assert not torch.isfinite(b_q.float() * b_inv).all()
+
+
+@pytest.mark.parametrize("m", [37, 48])  # 37: the weight gradient's contraction is zero-padded
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_forward_and_both_gradients_match_the_float64_recipe(m, bias, scaled_mm_calls):
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, 64, generator=g) * 2).requires_grad_()
+    w = (torch.randn(48, 64, generator=g) / 8).requires_grad_()
+    b = torch.randn(48, generator=g).requires_grad_() if bias else None
+    dy = torch.randn(m, 48, generator=g) * 1e-3
+    y = fp8.linear(x, w, b, torch.float32)
+    y.backward(dy)
+    xd, wd, gd = _dq(x, fp8.E4M3), _dq(w, fp8.E4M3), _dq(dy, fp8.E5M2)
+    ref = xd @ wd.t() + (0 if b is None else b.detach().double())
+    _close(y.detach(), ref)
+    _close(x.grad, gd @ wd)
+    _close(w.grad, gd.t() @ xd)
+    assert w.grad.dtype == torch.float32
+    assert scaled_mm_calls == [(fp8.E4M3, fp8.E4M3), (fp8.E5M2, fp8.E4M3), (fp8.E5M2, fp8.E4M3)]
+    if bias:
+        torch.testing.assert_close(b.grad, dy.sum(0), rtol=1e-6, atol=1e-9)
+
+
+def test_linear_keeps_leading_dims_and_computes_in_the_autocast_dtype():
+    torch.manual_seed(0)
+    lin = Fp8Linear.adopt(torch.nn.Linear(32, 16, bias=False))
+    x = torch.randn(2, 5, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.shape == (2, 5, 16) and y.dtype == torch.bfloat16
+    ref = (_dq(x, fp8.E4M3) @ _dq(lin.weight, fp8.E4M3).t()).view(2, 5, 16)
+    # a bf16 result: within one bf16 step of the largest value (CPU's _scaled_mm does not round
+    # its float32 sum exactly once; 200 seeds gave at most 0.47 of a step)
+    assert float((y.detach().double() - ref).abs().max()) <= float(ref.abs().max()) * 2**-7
+
+
+def test_grouped_matmul_scales_each_expert_and_handles_an_expert_without_rows(scaled_mm_calls):
+    g = torch.Generator().manual_seed(1)
+    counts = torch.tensor([5, 0, 19, 8])
+    x = torch.randn(int(counts.sum()), 32, generator=g).requires_grad_()
+    # experts of very different magnitudes: one scale for all would flush the small one to zero
+    w = (torch.randn(4, 32, 16, generator=g) * torch.tensor([1.0, 1.0, 1e-3, 10.0]).view(4, 1, 1))
+    w.requires_grad_()
+    dy = torch.randn(x.shape[0], 16, generator=g)
+    y = fp8.grouped_matmul(x, w, counts, torch.float32)
+    y.backward(dy)
+    xd, gd = _dq(x, fp8.E4M3), _dq(dy, fp8.E5M2)
+    rows = torch.split(torch.arange(x.shape[0]), counts.tolist())
+    wd = [_dq(w[e], fp8.E4M3) for e in range(4)]
+    for e, r in enumerate(rows):
+        if len(r) == 0:
+            assert not w.grad[e].any()
+            continue
+        _close(y.detach()[r], xd[r] @ wd[e])
+        _close(x.grad[r], gd[r] @ wd[e].t())
+        _close(w.grad[e], xd[r].t() @ gd[r])
+
+
+def _model_pair(**kw):
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, num_experts=4, top_k=2, expert_hidden_size=32, **kw)
+    torch.manual_seed(0)
+    ref = build_model(cfg)
+    torch.manual_seed(0)
+    ours = build_model(ModelConfig(**{**cfg.__dict__, "fp8": "torch"}))
+    return ref, ours
+
+
+def _loss(model, batch):
+    out = model(batch)
+    return out.ce_sum / batch.num_target_tokens()
+
+
+def test_the_fp8_model_has_the_same_parameters_and_runs_every_block_gemm_in_fp8(scaled_mm_calls):
+    ref, ours = _model_pair()
+    assert list(ref.state_dict()) == list(ours.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    batch = packed_batch([40, 100, 116], 256, generator=torch.Generator().manual_seed(0))
+    routed = sum(int(c > 0) for c in _expert_counts(ours, batch))
+    calls = scaled_mm_calls
+    calls.clear()
+    loss = _loss(ours, batch)
+    n_fwd = len(calls)
+    assert n_fwd == 2 * 4 + 2 * routed  # 4 attention projections a layer, 2 GEMMs per expert with rows
+    loss.backward()
+    assert len(calls) == 3 * n_fwd  # dgrad and wgrad of every product
+    ref_loss, loss = _loss(ref, batch).item(), loss.item()
+    # FP8 moves the loss, but little: 3 mantissa bits on 64-wide sums at init
+    assert loss != ref_loss and abs(loss - ref_loss) < 2e-2 * ref_loss
+    for name, p in ours.named_parameters():
+        assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, name
+
+
+def _expert_counts(model, batch):
+    """Rows each expert of each layer got in `model`'s forward of `batch` (from its router)."""
+    counts = []
+    hooks = [blk.ffn.experts.register_forward_hook(
+        lambda mod, args, out: counts.extend(args[1][:mod.num_local_experts].tolist()))
+        for blk in model.layers]
+    with torch.no_grad():
+        model(batch)
+    for h in hooks:
+        h.remove()
+    return counts
+
+
+def test_fp8_is_refused_in_one_line_where_it_cannot_run():
+    for setting, tp, words in (("torch", 1, "cpu"), ("te", 1, "Transformer Engine"), ("torch", 2, "parallel.tp=2")):
+        msg = fp8.unavailable_reason(setting, "cpu", tp)
+        assert msg and "\n" not in msg and words in msg and "model.fp8=none" in msg, msg
+    assert fp8.unavailable_reason("none", "cpu", 4) is None
+    cfg = load_config(None, ["model.fp8=torch", "train.device=cpu"])
+    with pytest.raises(ConfigError, match="needs a CUDA GPU with FP8 tensor cores, not cpu"):
+        check_backends(cfg, torch.device("cpu"))
+    with pytest.raises(Exception, match="model.fp8"):
+        load_config(None, ["model.fp8=e4m3"])
+    with pytest.raises(ValueError, match="Transformer Engine"):
+        build_model(ModelConfig(fp8="te"))
+
+
+def test_widths_fp8_gemms_cannot_take_are_refused_at_start_up(monkeypatch):
+    # hidden 72: every projection's input; expert hidden 40: the experts' down projection
+    for sets, where in ((["model.hidden_size=72"], "layers.0.attn.wq has width 72"),
+                        (["model.expert_hidden_size=40"], "layers.0.ffn.experts has width 40")):
+        cfg = load_config(None, ["model.fp8=torch", *sets])
+        monkeypatch.setattr(fp8, "unavailable_reason", lambda *a: None)  # as on an FP8 GPU
+        with pytest.raises(ConfigError, match=where) as e:
+            check_backends(cfg, torch.device("cpu"))
+        assert "\n" not in str(e.value) and "model.fp8=none" in str(e.value)
+    check_backends(load_config(None, ["model.fp8=torch"]), torch.device("cpu"))  # 128 / 32 wide: fine
