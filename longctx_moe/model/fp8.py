@@ -4,7 +4,8 @@ Applied once, where the Transformer is built: each block's nn.Linear (attention 
 projections, shared experts) becomes an Fp8Linear holding the same Parameter objects, and each
 block's experts are told to run their grouped GEMMs in FP8. Parameter names, shapes and dtypes
 are unchanged, so checkpoints, the optimizer and the HF export see the same model with or
-without FP8. The router, the embedding and the LM head are left as they are.
+without FP8. The router, a shared expert's gate, the embedding and the LM head are left as they
+are.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 
 from longctx_moe.kernels import fp8
 from longctx_moe.model.layers import autocast_dtype
-from longctx_moe.model.moe import GroupedExperts
+from longctx_moe.model.moe import GroupedExperts, SharedExpert
 
 
 class Fp8Linear(nn.Linear):
@@ -37,8 +38,10 @@ def apply_fp8(model: nn.Module, setting: str) -> None:
     if setting != "torch":  # te, or a bad value: the same line the start-up check gives
         raise ValueError(fp8.unavailable_reason(setting, "cuda"))
     for i, block in enumerate(model.layers):
+        # a shared expert's gate ([D] -> 1 per token) is a router of sorts: it stays as it is
+        gates = {id(m.gate) for m in block.modules() if isinstance(m, SharedExpert) and m.gate is not None}
         for name, module in block.named_modules():
-            if type(module) is nn.Linear:
+            if type(module) is nn.Linear and id(module) not in gates:
                 _check_widths(f"layers.{i}.{name}", module.in_features, module.out_features)
                 Fp8Linear.adopt(module)
             elif isinstance(module, GroupedExperts):

@@ -124,9 +124,10 @@ class SwiGLU(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         gate_TF, up_TF = self.w_gate(x_TD), self.w_up(x_TD)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or type(self.w_down) is not nn.Linear:
             # Inductor's partitioner already recomputes the pointwise silu and product in the
-            # backward instead of saving them; the plain ops let it fuse them.
+            # backward instead of saving them; the plain ops let it fuse them. A w_down that is
+            # not a plain Linear (model.fp8's Fp8Linear) runs its own product.
             return self.w_down(F.silu(gate_TF) * up_TF)
         # The weight's cast is the one autocast would make, outside the function so its gradient
         # reaches the fp32 parameter through autograd.

@@ -165,12 +165,25 @@ def test_the_fp8_model_has_the_same_parameters_and_runs_every_block_gemm_in_fp8(
         assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, name
 
 
+def test_dense_layers_and_gated_shared_experts_run_in_fp8_but_the_gate_does_not(scaled_mm_calls):
+    # layer 0 dense (3 projections), layer 1 MoE with a gated shared expert (3, its gate not)
+    _, ours = _model_pair(first_k_dense=1, dense_hidden_size=48, shared_expert_hidden_size=32,
+                          shared_expert_gate=True)
+    assert type(ours.layers[1].ffn.shared.gate) is torch.nn.Linear
+    batch = packed_batch([30, 66], 256, generator=torch.Generator().manual_seed(1))
+    routed = sum(int(c > 0) for c in _expert_counts(ours, batch))
+    scaled_mm_calls.clear()
+    _loss(ours, batch).backward()
+    assert len(scaled_mm_calls) == 3 * (2 * 4 + 3 + 3 + 2 * routed)
+    assert ours.layers[1].ffn.shared.gate.weight.grad is not None
+
+
 def _expert_counts(model, batch):
     """Rows each expert of each layer got in `model`'s forward of `batch` (from its router)."""
     counts = []
     hooks = [blk.ffn.experts.register_forward_hook(
         lambda mod, args, out: counts.extend(args[1][:mod.num_local_experts].tolist()))
-        for blk in model.layers]
+        for blk in model.layers if hasattr(blk.ffn, "experts")]
     with torch.no_grad():
         model(batch)
     for h in hooks:
