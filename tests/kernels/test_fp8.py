@@ -215,3 +215,17 @@ def test_widths_fp8_gemms_cannot_take_are_refused_at_start_up(monkeypatch):
             check_backends(cfg, torch.device("cpu"))
         assert "\n" not in str(e.value) and "model.fp8=none" in str(e.value)
     check_backends(load_config(None, ["model.fp8=torch"]), torch.device("cpu"))  # 128 / 32 wide: fine
+
+
+def test_recompute_reruns_the_fp8_products_exactly():
+    # quantisation is a pure function of its input: a recomputed forward quantises alike
+    _, ours = _model_pair()
+    batch = packed_batch([40, 100, 116], 256, generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for mode in ("none", "selective", "full"):
+        ours.set_recompute(mode)
+        ours.zero_grad()
+        _loss(ours, batch).backward()
+        grads[mode] = [p.grad.clone() for p in ours.parameters()]
+    for mode in ("selective", "full"):
+        assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads[mode], strict=True)), mode
