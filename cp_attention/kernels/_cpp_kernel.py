@@ -70,19 +70,19 @@ def _orphan_compilers(build_dir: Path) -> list[int]:
     return found
 
 
-def clear_dead_build(build_dir: Path, label: str) -> None:
+def clear_dead_build(build_dir: Path, label: str, owner: str = "cp_attention") -> None:
     """Call holding the flock. A build killed part-way left its owner record (our build) or
     torch's lock file (any build); nobody holds the flock, so its builder is gone. Torch's lock
     alone is removed; with the owner record, the orphaned compilers are stopped and everything the
     build left (objects, a half-linked .so, ninja's state) is deleted, with one notice."""
-    owner = build_dir / OWNER
+    record = build_dir / OWNER
     (build_dir / "lock").unlink(missing_ok=True)
-    if owner.exists():
+    if record.exists():
         _clean(build_dir, f"the build of the {label} in {build_dir} was killed part-way (builder pid "
-                          f"{owner.read_text().strip()} is gone)")
+                          f"{record.read_text().strip()} is gone)", owner)
 
 
-def _clean(build_dir: Path, why: str) -> None:
+def _clean(build_dir: Path, why: str, owner: str) -> None:
     """Stop compilers still running in `build_dir`, delete its files, print one notice."""
     for orphan in _orphan_compilers(build_dir):
         with contextlib.suppress(OSError):
@@ -90,7 +90,7 @@ def _clean(build_dir: Path, why: str) -> None:
     for path in build_dir.iterdir():
         if path.name != "build.flock" and path.is_file():
             path.unlink(missing_ok=True)
-    print(f"cp_attention: {why}; removed its lock and partial outputs and building again",
+    print(f"{owner}: {why}; removed its lock and partial outputs and building again",
           file=sys.stderr, flush=True)
 
 
@@ -126,6 +126,7 @@ class CppKernel:
     def __init__(self, source: str, cache_prefix: str, env: str, label: str, fallback: str,
                  self_check: Callable):
         self.source = Path(__file__).parent / source
+        self.owner = self.source.parent.parent.name  # the package whose kernel it is, in notices
         self.cache_prefix = cache_prefix
         self.env, self.label, self.fallback, self.self_check = env, label, fallback, self_check
         self.state: dict = {}
@@ -156,22 +157,22 @@ class CppKernel:
         build_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with build_lock(build_dir):
-            clear_dead_build(build_dir, self.label)
+            clear_dead_build(build_dir, self.label, self.owner)
             built = build_dir / f"{self.name}.so"
             if built.is_file():
                 try:
                     return _import_extension(self.name, built)
                 except ImportError as e:  # a .so cut short by a kill during the link
-                    _clean(build_dir, f"the cached {built.name} cannot be loaded ({str(e)[:120]})")
-            owner = build_dir / OWNER
-            owner.write_text(f"{os.getpid()}\n")
+                    _clean(build_dir, f"the cached {built.name} cannot be loaded ({str(e)[:120]})", self.owner)
+            record = build_dir / OWNER
+            record.write_text(f"{os.getpid()}\n")
             try:
                 mod = load(name=self.name, sources=[str(self.source)], extra_cflags=_FLAGS,
                            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
             finally:  # ended, well or not; only a kill leaves the record
-                owner.unlink(missing_ok=True)
+                record.unlink(missing_ok=True)
         if time.perf_counter() - t0 > 5:  # a compile, not a cache hit: say where the pause went
-            print(f"cp_attention: built the {self.label} in {time.perf_counter() - t0:.0f} s "
+            print(f"{self.owner}: built the {self.label} in {time.perf_counter() - t0:.0f} s "
                   "(cached for later runs)", file=sys.stderr, flush=True)
         return mod
 
