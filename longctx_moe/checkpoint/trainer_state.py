@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 
 
 # model.* keys that change kernels or numerics, not the function the weights compute: a
-# checkpoint resumes under other values. The parallel layout may change too (sharded_state.py).
+# checkpoint resumes under other values (an FP8 run continues in bf16, or on a CPU). The parallel
+# layout may change too (sharded_state.py).
 HARMLESS_MODEL_KEYS = ("attention_backend", "kernels", "grouped_gemm", "expert_precision", "loss_chunk_tokens",
-                       "loss_logits_cache_mb", "init_std")
+                       "loss_logits_cache_mb", "init_std", "fp8")
 
 
 def resume_expectations(cfg: Config) -> dict:
