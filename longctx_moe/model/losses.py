@@ -142,13 +142,19 @@ def _pick(t_CV: torch.Tensor, cols_C: torch.Tensor, own_C, shard: VocabShard | N
     return shard.reduce(torch.where(own_C, out_C, torch.zeros_like(out_C)))
 
 
-def _block_rows(v: int) -> int:
-    """Rows per block of _softmax_grad_rows: blocks whose fp32 copy fits in cache.
+def _block_rows(c: int, v: int, device: torch.device) -> int:
+    """Rows per block of _softmax_grad_rows over a [c, v] chunk: on CPU, blocks whose fp32 copy
+    fits in cache; elsewhere the whole chunk.
 
     With one intra-op thread, 1 MiB blocks (L2-resident) measured ~2x faster than 8 MiB ones
     (1024 x 16384 bf16 chunk on this CPU, medians of 5: 132 ms vs 266 ms). With several threads
     every op is a parallel region, and on a busy 2-core machine 1 MiB blocks (8x more ops) ran
-    2-3x slower than 8 MiB ones (last-level cache), so those keep 8 MiB."""
+    2-3x slower than 8 MiB ones (last-level cache), so those keep 8 MiB. A GPU gains nothing from
+    blocks and pays each one's ~9 kernel launches: at a 32K vocabulary 8 MiB is 64 rows, and the
+    ~1B model's 32K-token step on an H200, whose host was the bottleneck, ran 511 such blocks
+    (docs/PERFORMANCE.md). Every op here is per row, so the blocking does not change results."""
+    if device.type != "cpu":
+        return max(1, c)
     block_bytes = (1 << 20) if torch.get_num_threads() == 1 else (8 << 20)
     return max(1, block_bytes // (4 * v))
 
@@ -162,7 +168,7 @@ def _softmax_grad_rows(logits_CV, labels_C, weight_C, acc, want_grad):
     log_softmax (reads the low-precision logits, writes acc) replaces upcast + logsumexp + sub;
     the target column's gradient exp(logp_y) - 1 is formed in acc before the single downcast."""
     c, v = logits_CV.shape
-    rows = _block_rows(v)
+    rows = _block_rows(c, v, logits_CV.device)
     ce_C = torch.empty(c, dtype=acc, device=logits_CV.device)
     for s in range(0, c, rows):
         blk = logits_CV[s:s + rows]

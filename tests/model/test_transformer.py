@@ -56,6 +56,32 @@ def test_chunked_cross_entropy_matches_full_logits(vocab):
             torch.testing.assert_close(a, b, atol=TOL64, rtol=0)
 
 
+def test_whole_chunks_as_on_gpus_give_the_cpu_blocks_results_bit_for_bit(monkeypatch):
+    # On a GPU the loss works through each chunk of logits at once; on CPU in cache-sized row
+    # blocks. Every op is per row, so both give the same bits: checked here on CPU, bf16 logits
+    # (the autocast case) as well as float32, with loss weights.
+    from longctx_moe.model import losses
+
+    assert losses._block_rows(1000, 32768, torch.device("cuda")) == 1000
+    assert losses._block_rows(1000, 32768, torch.device("cpu")) < 1000
+    torch.manual_seed(0)
+    h = torch.randn(300, 16, requires_grad=True)
+    w = torch.randn(70000, 16, requires_grad=True)
+    labels = torch.randint(0, 70000, (300,))
+    weight = torch.rand(300)
+    results = {}
+    for mode in ("blocks", "whole"):
+        if mode == "whole":
+            monkeypatch.setattr(losses, "_block_rows", lambda c, v, device: c)
+        for dtype in (torch.float32, torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                ce = chunked_cross_entropy(h, w, labels, weight, chunk_tokens=256)
+            results[mode, dtype] = [ce, *torch.autograd.grad(ce, [h, w])]
+    for dtype in (torch.float32, torch.bfloat16):
+        for a, b in zip(results["blocks", dtype], results["whole", dtype], strict=True):
+            assert torch.equal(a, b), dtype
+
+
 def test_forward_output_contract_and_bf16_autocast():
     cfg = tiny_config(first_k_dense=1, num_layers=3, aux_loss_type="switch")
     torch.manual_seed(0)
