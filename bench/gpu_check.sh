@@ -4,7 +4,9 @@
 # a ~1B MoE (1.08B parameters) at 32K tokens: the Trainer's step with its MFU against a bf16 matmul
 # peak measured in the same run, and rl_hooks' compute_logprobs on ~64K tokens of rollouts. Then
 # the Triton kernels compiled for real, `longctx-moe train` of the tiny config on the GPU, and the
-# verl engine test where verl is installed. Writes everything under $OUT (at most 8 files). Run it
+# verl engine test where verl is installed. Writes under $OUT: env.txt, sections.log (every
+# section's output), gpu_check.json, fp8.json, triton_kernels.json and the profile tables of one
+# ~1B step and one compute_logprobs call (7 files: a device call brings back at most 8). Run it
 # in ONE device call, then give the machine back. The timeouts add up to 8 minutes;
 # gpu_check.json is rewritten after each section, so a timeout keeps the sections done.
 #
@@ -24,24 +26,25 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   lscpu | grep -E "Model name|^CPU\(s\)"
 } > "$OUT/env.txt" 2>&1
 
-section() {  # section NAME SECONDS COMMAND...: runs it with its log under $OUT, returns its code
+section() {  # section NAME SECONDS COMMAND...: its output goes to $OUT/sections.log; returns its code
   local name=$1 limit=$2
   shift 2
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local log="/tmp/gpu_check_$name.log"
+  timeout "$limit" "$@" > "$log" 2>&1
   local rc=$?
-  echo "$name exit code: $rc" | tee -a "$OUT/$name.log"
-  tail -n 25 "$OUT/$name.log"
+  { echo "===== $name: exit code $rc"; cat "$log"; } >> "$OUT/sections.log"
+  tail -n 25 "$log"
+  echo "$name exit code: $rc"
   return $rc
 }
 
 # On one H200 (2026-12-04) the whole script took 137 s, this section most of it.
-section gpu_check 240 $PY bench/gpu_check.py --out "$OUT/gpu_check.json"
+section gpu_check 240 $PY bench/gpu_check.py --out "$OUT/gpu_check.json" --profile-dir "$OUT"
 rc=$?
 # The ~1B step again with model.fp8=torch (FP8 GEMMs; its MFU is still against the bf16 peak).
 section fp8_trainer_step 90 $PY bench/gpu_check.py --sections check.fp8,time.trainer_step \
   --set model.fp8=torch --out "$OUT/fp8.json"
 rc_fp8=$?
-cat "$OUT/fp8_trainer_step.log" >> "$OUT/gpu_check.log" && rm "$OUT/fp8_trainer_step.log"
 # The Triton kernels compiled for real: each against its torch path (max difference, fwd+bwd time).
 section triton_kernels 60 $PY bench/triton_kernels.py --reps 5 --out "$OUT/triton_kernels.json"
 rc_triton=$?
