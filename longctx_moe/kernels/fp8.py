@@ -6,8 +6,8 @@ so nothing to checkpoint or to warm up), activations and weights in E4M3, output
 (wider range, fewer bits: gradients span more decades than they need digits). Weights are
 quantised from the float32 master weights on every call (one rounding, not bf16 then FP8), and
 the optimizer only ever sees float32. The dense linears of attention and MLPs and the experts'
-grouped GEMMs run in FP8; the router, the embedding and the LM head stay in the compute dtype, as
-in TE-based trainers (they are small, or precision-sensitive, or both).
+grouped GEMMs run in FP8; the router, a shared expert's gate, the embedding and the LM head stay
+in the compute dtype, as in TE-based trainers (they are small, or precision-sensitive, or both).
 
 Forward and both backward products are FP8 x FP8 with float32 accumulation, so each of the three
 GEMMs of a linear layer runs on FP8 tensor cores. The quantised operands are what autograd
