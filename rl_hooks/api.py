@@ -187,7 +187,7 @@ class PolicyTrainer:
         logp = torch.zeros(t, dtype=torch.float64)
         ent = torch.zeros(t, dtype=torch.float64) if return_entropy else None
         routes, dtype = None, torch.float32
-        head = LogProbHead(temperature, return_entropy)
+        head = LogProbHead(temperature, return_entropy, balance_losses=False)  # scoring: nothing reads them
         # Given routes are replayed here as in train_step, so old log-probs and the first
         # mini-batch's forward route every token alike (ratio exactly 1).
         def shard_of(item):

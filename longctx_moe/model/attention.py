@@ -50,6 +50,9 @@ class DocLayout:
     # With two micro-batches in flight, this one's turn (parallel/interleave.py's Turn): the MoE
     # layer hands it to the dispatcher, whose all-to-all waits let the other one compute.
     in_flight: Any = None
+    # False when nobody reads the routers' aux and z losses (scoring log-probs): the MoE layers
+    # then skip them, and with them their reductions over the ranks that split the tokens.
+    balance_losses: bool = True
 
     def rope_tables(self, spec, dtype: torch.dtype):
         """cos, sin [T, R] of a RoPE variant (longctx_moe.model.rope.RopeSpec), cached."""

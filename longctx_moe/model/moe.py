@@ -449,6 +449,9 @@ class MoE(nn.Module):
             topk_idx_TK, scores_TE, logits_TE, doc_T = topk_idx_TK[keep], scores_TE[keep], logits_TE[keep], doc_T[keep]
         counts_E = torch.bincount(topk_idx_TK.flatten(), minlength=cfg.num_experts)
         zero = scores_TE.new_zeros(())
+        if not layout.balance_losses:  # every rank of the reductions skips them alike
+            return MoEStats(aux_loss=zero, z_loss=zero, counts_E=counts_E, topk_idx_TK=all_idx_TK,
+                            replay_known=known, replay_agree=agree)
         if cfg.aux_loss_type == "switch":
             aux_loss = cfg.aux_loss_coeff * switch_aux_loss(scores_TE, topk_idx_TK, red)
         elif cfg.aux_loss_type == "seq":

@@ -12,7 +12,7 @@ Shapes: T physical tokens, D model dim, V vocabulary, L MoE layers, E experts, K
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -44,10 +44,13 @@ class ForwardOutput:
 
 @dataclass(frozen=True)
 class LogProbHead:
-    """Ask the model for per-token log-probs (at temperature) and optionally entropies."""
+    """Ask the model for per-token log-probs (at temperature) and optionally entropies;
+    `balance_losses=False` when the routers' aux and z losses will not be read (scoring without
+    training: they are then 0)."""
 
     temperature: float = 1.0
     entropy: bool = False
+    balance_losses: bool = True
 
 
 class Block(nn.Module):
@@ -134,6 +137,8 @@ class Transformer(nn.Module):
 
     def forward(self, batch: PackedBatch, layout: DocLayout | None = None,
                 head: LogProbHead | None = None) -> ForwardOutput:
+        if head is not None and not head.balance_losses:
+            layout = replace(doc_layout(batch) if layout is None else layout, balance_losses=False)
         h_TD, stats = self._run(batch, layout)
         logp_T = ent_T = None
         if head is None:

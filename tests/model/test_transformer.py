@@ -82,6 +82,29 @@ def test_whole_chunks_as_on_gpus_give_the_cpu_blocks_results_bit_for_bit(monkeyp
             assert torch.equal(a, b), dtype
 
 
+@pytest.mark.parametrize("aux", ["seq", "switch"])
+def test_scoring_without_balance_losses_skips_them_and_their_reductions_only(aux):
+    from dataclasses import replace
+
+    from longctx_moe.model.attention import doc_layout
+    from longctx_moe.model.transformer import LogProbHead
+
+    model = _model64(aux_loss_type=aux, z_loss_coeff=1e-3, first_k_dense=1, num_layers=3)
+    batch = packed_batch([9, 4, 13], 64, pad_multiple=4, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(batch, head=LogProbHead(entropy=True))
+
+        def refuse(t):  # the statistics reduction of a multi-rank layout: must not be reached
+            raise AssertionError("balance losses reduced over ranks while scoring")
+
+        layout = replace(doc_layout(batch), reduce_stats=refuse)
+        got = model(batch, layout, head=LogProbHead(entropy=True, balance_losses=False))
+    assert float(ref.aux_loss) > 0 and float(ref.z_loss) > 0
+    assert float(got.aux_loss) == 0 and float(got.z_loss) == 0
+    for name in ("logprobs_T", "entropy_T", "expert_counts", "routes_TLK", "ce_sum"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+
+
 def test_forward_output_contract_and_bf16_autocast():
     cfg = tiny_config(first_k_dense=1, num_layers=3, aux_loss_type="switch")
     torch.manual_seed(0)
