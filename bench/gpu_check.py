@@ -426,6 +426,12 @@ def _guarded(results: dict, name: str, fn, *args) -> None:
     print(f"{name:28s} {json.dumps(results[name])[:160]}", flush=True)
 
 
+# Every section a run can hold, in run order (attention ones per GPU backend).
+SECTIONS = tuple(f"{kind}.{b}" for b in BACKENDS if b != "reference" for kind in ("attention", "time.attention")) + (
+    "grouped_gemm", "model_bf16", "check.fp8", "time.train_step", "time.peak_matmul", "time.trainer_step",
+    "time.trainer_step.kernels_torch", "time.compute_logprobs", "time.compute_logprobs.kernels_torch")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -442,6 +448,9 @@ def main(argv=None) -> int:
     PROFILE_DIR = args.profile_dir
     EXTRA_SETS.extend(args.overrides)
     wanted = args.sections.split(",") if args.sections else None
+    unknown = [w for w in wanted or () if not any(name.startswith(w) for name in SECTIONS)]
+    if unknown:  # a typo would otherwise run nothing and report "all checks passed"
+        ap.error(f"--sections {unknown[0]!r} names no section; choose from {', '.join(SECTIONS)}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
