@@ -210,14 +210,17 @@ class GroupedExperts(nn.Module):
 
     def _swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor,
                 *biases) -> torch.Tensor:
-        cdtype = x_MD.dtype
-        if self.fp8:  # FP8 quantises the float32 masters itself: no cast to the compute dtype
-            h_MF2 = fp8.grouped_matmul(x_MD, w_gate_up, counts_E, cdtype)
-            return self._biased_down(h_MF2, w_down, counts_E, biases)
-        h_MF2 = grouped_matmul(x_MD, w_gate_up.to(cdtype), counts_E, self.impl)
-        if self.activation == "swiglu" and not biases:
-            return _SwiGLUDown.apply(h_MF2, w_down.to(cdtype), counts_E, self.impl)
-        return self._biased_down(h_MF2, w_down.to(cdtype), counts_E, biases)
+        h_MF2 = self._grouped(x_MD, w_gate_up, counts_E)
+        if self.activation == "swiglu" and not biases and not self.fp8:
+            return _SwiGLUDown.apply(h_MF2, w_down.to(x_MD.dtype), counts_E, self.impl)
+        return self._biased_down(h_MF2, w_down, counts_E, biases)
+
+    def _grouped(self, x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """The experts' grouped GEMM in x's dtype: in FP8 under model.fp8 (which quantises the
+        float32 masters itself: no cast to the compute dtype first), else w cast to x's dtype."""
+        if self.fp8:
+            return fp8.grouped_matmul(x_MD, w_EDF, counts_E, x_MD.dtype)
+        return grouped_matmul(x_MD, w_EDF.to(x_MD.dtype), counts_E, self.impl)
 
     def _biased_down(self, h_MF2, w_EFD, counts_E, biases) -> torch.Tensor:
         """The experts with biases and / or the clamped activation, or in FP8, through plain
@@ -227,10 +230,7 @@ class GroupedExperts(nn.Module):
             h_MF2 = h_MF2 + biases[0].flatten(1).to(cdtype).repeat_interleave(counts_E, 0, output_size=m)
         gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
         act_MF = _activation(gate_MF, up_MF, self.activation, self.limit)
-        if self.fp8:
-            y_MD = fp8.grouped_matmul(act_MF, w_EFD, counts_E, cdtype)
-        else:
-            y_MD = grouped_matmul(act_MF, w_EFD, counts_E, self.impl)
+        y_MD = self._grouped(act_MF, w_EFD, counts_E)
         if not biases:
             return y_MD
         b_ED = biases[1].to(cdtype)
