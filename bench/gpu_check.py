@@ -11,7 +11,7 @@ Checks (each records max errors and pass/fail, never aborts the rest):
   grouped_gemm: torch._grouped_mm bf16 fwd/bwd vs a float64 per-expert loop;
   model_bf16: one packed batch, loss of the bf16-autocast model on the GPU vs float64 on the CPU;
   check.fp8: model.fp8=torch's FP8 linear (forward, both gradients) against the float64 product
-    of the same quantised operands, on FP8-capable GPUs.
+    of the same quantised operands, on FP8-capable GPUs, per recipe (tensor; block on Hopper).
 Timings (medians): attention fwd+bwd per backend on a 32K packed row; one training step of the
 bench config (hidden 512, 4 layers, 16 experts top-2) in tokens/s; then, on the ~1B MoE of
 MOE_1B (1.08B parameters, 240M active per token):
@@ -117,26 +117,43 @@ def check_grouped_gemm(device) -> dict:
 
 
 def check_fp8(device) -> dict:
-    """model.fp8=torch's linear (torch._scaled_mm) on the GPU against the float64 product of the
-    same quantised operands (E4M3 x and w, E5M2 output gradient, per-tensor scales): only float32
-    accumulation separates them, so each result is within 1e-4 of its largest value (relative)."""
+    """model.fp8=torch's linear on the GPU against the float64 product of the same quantised
+    operands (E4M3 x and w, E5M2 output gradient), for each recipe the GPU runs: per-tensor
+    scales (torch._scaled_mm), and where it can, model.fp8_recipe=block (1 x 128 runs, 128 x 128
+    weight blocks; torch's blockwise-scaled GEMM). Only float32 accumulation separates each from
+    its reference, so each result is within 1e-4 of its largest value (relative)."""
+    from longctx_moe.kernels import fp8
+
+    out = {"ok": True}
+    for recipe in fp8.RECIPES:
+        reason = fp8.unavailable_reason("torch", device, recipe=recipe)
+        out[recipe] = _check_fp8_recipe(device, recipe) if reason is None else {"ok": None, "skipped": reason}
+        out["ok"] = out["ok"] and out[recipe]["ok"] is not False
+    return out
+
+
+def _check_fp8_recipe(device, recipe: str) -> dict:
     from longctx_moe.kernels import fp8
 
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(4096, 2048, device=device, generator=g).to(torch.bfloat16).requires_grad_()
     w = (torch.randn(1536, 2048, device=device, generator=g) / 45).requires_grad_()
     dy = torch.randn(4096, 1536, device=device, generator=g).to(torch.bfloat16)
-    y = fp8.linear(x, w, None, torch.bfloat16)
+    y = fp8.linear(x, w, None, torch.bfloat16, recipe)
     y.backward(dy)
 
-    def dq(t, fmt):
-        q, inv = fp8.quantize(t, fmt)
-        return q.double() * inv.double()
+    def dq(t, fmt, tile=None):  # the recipe's quantise-dequantise (tile None: per tensor)
+        if tile is None:
+            q, inv = fp8.quantize(t, fmt)
+            return q.double() * inv.double()
+        return fp8.quantize_tiles(t, fmt, tile).dequantize().double()
 
-    xd, wd, gd = dq(x, fp8.E4M3), dq(w, fp8.E4M3), dq(dy, fp8.E5M2)
-    errs = {}
-    for name, got, ref in (("y", y, xd @ wd.t()), ("dx", x.grad, gd @ wd), ("dw", w.grad, gd.t() @ xd)):
-        errs[name] = float((got.detach().double() - ref).abs().max() / ref.abs().max())
+    b = fp8.BLOCK  # the tiles of: activations and gradients along K, weights, both along the tokens
+    run, wt, tok = ((1, b), (b, b), (b, 1)) if recipe == "block" else (None, None, None)
+    wd = dq(w, fp8.E4M3, wt)
+    refs = (("y", y, dq(x, fp8.E4M3, run) @ wd.t()), ("dx", x.grad, dq(dy, fp8.E5M2, run) @ wd),
+            ("dw", w.grad, dq(dy, fp8.E5M2, tok).t() @ dq(x, fp8.E4M3, tok)))
+    errs = {name: float((got.detach().double() - ref).abs().max() / ref.abs().max()) for name, got, ref in refs}
     # y and dx are bf16 results: one bf16 rounding (2**-8 relative) on top of the accumulation
     return {"rel_err": errs, "ok": errs["dw"] < 1e-4 and max(errs["y"], errs["dx"]) < 2**-7}
 

@@ -39,17 +39,29 @@ section() {  # section NAME SECONDS COMMAND...: its output goes to $OUT/sections
 }
 
 # On one H200 (2026-12-04) the whole script took 137 s, this section most of it.
-section gpu_check 240 $PY bench/gpu_check.py --out "$OUT/gpu_check.json" --profile-dir "$OUT"
+section gpu_check 210 $PY bench/gpu_check.py --out "$OUT/gpu_check.json" --profile-dir "$OUT"
 rc=$?
-# The ~1B step again with model.fp8=torch (FP8 GEMMs; its MFU is still against the bf16 peak).
-section fp8_trainer_step 90 $PY bench/gpu_check.py --sections check.fp8,time.trainer_step \
+# The ~1B step again with model.fp8=torch (FP8 GEMMs; its MFU is still against the bf16 peak),
+# per-tensor scaling, then model.fp8_recipe=block (its JSON is folded into fp8.json as "block_run").
+section fp8_trainer_step 70 $PY bench/gpu_check.py --sections check.fp8,time.trainer_step \
   --set model.fp8=torch --out "$OUT/fp8.json"
 rc_fp8=$?
+section fp8_block_trainer_step 70 $PY bench/gpu_check.py --sections time.trainer_step \
+  --set model.fp8=torch --set model.fp8_recipe=block --out /tmp/gpu_check_fp8_block.json
+rc_fp8_block=$?
+$PY - "$OUT/fp8.json" /tmp/gpu_check_fp8_block.json <<'PYEOF' || true
+import json, sys
+from pathlib import Path
+main, block = (Path(p) for p in sys.argv[1:])
+res = json.loads(main.read_text()) if main.exists() else {}
+res["block_run"] = json.loads(block.read_text()) if block.exists() else None
+main.write_text(json.dumps(res, indent=2))
+PYEOF
 # The Triton kernels compiled for real: each against its torch path (max difference, fwd+bwd time).
-section triton_kernels 60 $PY bench/triton_kernels.py --reps 5 --out "$OUT/triton_kernels.json"
+section triton_kernels 50 $PY bench/triton_kernels.py --reps 5 --out "$OUT/triton_kernels.json"
 rc_triton=$?
 # The user's first command on a GPU: the default tiny config, train.device=auto picks cuda.
-section train_cli 45 $PY -m longctx_moe.cli train --config configs/tiny_cpu.yaml \
+section train_cli 40 $PY -m longctx_moe.cli train --config configs/tiny_cpu.yaml \
   --set data.path=data/stdlib_tiny --set train.steps=40 --set train.run_dir=/tmp/gpu_check_run \
   --set checkpoint.resume=none
 rc_cli=$?
@@ -57,11 +69,11 @@ rc_cli=$?
 # engine on cuda; verl's "nvidia" platform is picked over our host platform). verl and its Ray are
 # not in the stock image (and Ray's wheel is over what a device call carries): say so instead.
 if $PY -c "import verl" 2>/dev/null; then
-  section verl_engine 45 $PY -m pytest tests/rl_hooks/test_verl_engine.py -q -x -k "float32 and 1"
+  section verl_engine 35 $PY -m pytest tests/rl_hooks/test_verl_engine.py -q -x -k "float32 and 1"
   verl_rc=$?
 else
   echo "verl is not installed in this image: the verl engine test was not run"
   verl_rc=0
 fi
-for r in $rc_fp8 $rc_triton $rc_cli $verl_rc; do [ "$rc" -eq 0 ] && rc=$r; done
+for r in $rc_fp8 $rc_fp8_block $rc_triton $rc_cli $verl_rc; do [ "$rc" -eq 0 ] && rc=$r; done
 exit "$rc"

@@ -61,7 +61,7 @@ def check_backends(cfg: Config, device: torch.device) -> None:
         check_kernels(cfg.model.kernels, device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    reason = fp8.unavailable_reason(cfg.model.fp8, device, cfg.parallel.tp)
+    reason = fp8.unavailable_reason(cfg.model.fp8, device, cfg.parallel.tp, cfg.model.fp8_recipe)
     if reason is not None:
         raise ConfigError(reason)
     if cfg.model.fp8 != "none":  # widths FP8 GEMMs cannot take: refused by building on meta

@@ -1,6 +1,6 @@
-"""FP8 GEMMs through torch's own `torch._scaled_mm` (`model.fp8=torch`).
+"""FP8 GEMMs through torch's own scaled GEMMs (`model.fp8=torch`), in two recipes.
 
-The recipe is Transformer Engine's "current scaling" with its HYBRID format: every operand is
+`model.fp8_recipe=tensor` is Transformer Engine's "current scaling" with its HYBRID format: every operand is
 scaled per tensor from its own absolute maximum at the moment it is quantised (no amax history,
 so nothing to checkpoint or to warm up), activations and weights in E4M3, output gradients in E5M2
 (wider range, fewer bits: gradients span more decades than they need digits). Weights are
@@ -19,21 +19,31 @@ are zero-padded to a multiple of 16 there (zeros add nothing to a sum). Widths a
 and are checked with a one-line error. On CPU `_scaled_mm` runs too (slowly: it is the reference
 the tests use); `model.fp8=torch` is refused on devices without FP8 tensor cores.
 
+`model.fp8_recipe=block` (`BlockScaling`) scales 1 x 128 runs of activations and gradients and
+128 x 128 weight blocks instead, through `torch.nn.functional.scaled_mm`'s blockwise modes on
+Hopper; on CPU from the dequantised operands (the tests' reference).
+
 Shape legend: M rows (tokens), K contraction, N output features, E experts, D / F the experts'
-input / output widths.
+input / output widths; R x C a quantised matrix of any role.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from longctx_moe.choices import check_choice
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_CHOICES = ("none", "torch", "te")
 _ALIGN = 16  # cuBLAS FP8: contraction and output widths in multiples of 16 elements
+BLOCK = 128  # model.fp8_recipe=block: the length of a scaled run (and the side of a weight block)
 
 
-def unavailable_reason(setting: str, device, tp: int = 1) -> str | None:
-    """None when `model.fp8=setting` can run on `device`, else one cause-and-fix sentence."""
+def unavailable_reason(setting: str, device, tp: int = 1, recipe: str = "tensor") -> str | None:
+    """None when `model.fp8=setting` (with `model.fp8_recipe=recipe`) can run on `device`, else
+    one cause-and-fix sentence."""
     device = torch.device(device)
     if setting == "none":
         return None
@@ -52,6 +62,21 @@ def unavailable_reason(setting: str, device, tp: int = 1) -> str | None:
         cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
         return (f"model.fp8=torch needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper); "
                 f"{torch.cuda.get_device_name(device)} has {cap}; set model.fp8=none")
+    if recipe == "block":
+        return _block_unavailable_reason(device)
+    return None
+
+
+def _block_unavailable_reason(device: torch.device) -> str | None:
+    import torch.nn.functional as F
+
+    if not hasattr(F, "scaled_mm"):
+        return (f"model.fp8_recipe=block needs torch.nn.functional.scaled_mm's blockwise scaling, which "
+                f"torch {torch.__version__} lacks; set model.fp8_recipe=tensor")
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        return (f"model.fp8_recipe=block: torch's blockwise-scaled FP8 GEMM runs on Hopper (compute "
+                f"capability 9.x); {torch.cuda.get_device_name(device)} has {cap}; set model.fp8_recipe=tensor")
     return None
 
 
@@ -89,97 +114,239 @@ def scaled_mm(a_MK: torch.Tensor, inv_a: torch.Tensor, b_KN: torch.Tensor, inv_b
     return torch._scaled_mm(a_MK.contiguous(), b_col, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
 
 
-def _contract_rows(x_MK: torch.Tensor, g_MN: torch.Tensor, inv_x, inv_g, out_dtype) -> torch.Tensor:
-    """x^T @ g over the M rows (a weight gradient), rows zero-padded to a multiple of 16."""
-    if x_MK.shape[0] == 0:  # an expert without rows this step
-        return torch.zeros(x_MK.shape[1], g_MN.shape[1], dtype=out_dtype, device=x_MK.device)
-    return scaled_mm(_pad_rows(x_MK).t(), inv_x, _pad_rows(g_MN), inv_g, out_dtype)
-
-
 def _out_dtype(dtype: torch.dtype) -> torch.dtype:
     # _scaled_mm writes bf16, fp16 or fp32; float64 callers (tests) get float32 results, cast up.
     return dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
 
 
-class _Fp8Linear(torch.autograd.Function):
-    """y_MN = x_MK @ w_NK^T (+ b_N) with FP8 operands in all three products."""
+# ---- The block recipe's operands and product ----
+
+@dataclass
+class Fp8Tiles:
+    """An FP8 matrix with one float32 dequantisation factor per `tile` (rows x columns) of it:
+    data ~ data_q * inv (each tile's factor). Tiles of (1, 128) and (128, 1) run along a GEMM's
+    contraction; (128, 128) serve a weight both ways (forward and input gradient)."""
+
+    data: torch.Tensor  # [R, C] FP8
+    inv: torch.Tensor  # [R / tile[0], C / tile[1]] float32
+    tile: tuple[int, int]
+
+    def t(self) -> Fp8Tiles:
+        return Fp8Tiles(self.data.t(), self.inv.t(), self.tile[::-1])
+
+    def dequantize(self) -> torch.Tensor:
+        inv = self.inv.repeat_interleave(self.tile[0], 0).repeat_interleave(self.tile[1], 1)
+        return self.data.float() * inv
+
+
+def quantize_tiles(x_RC: torch.Tensor, fp8: torch.dtype, tile: tuple[int, int]) -> Fp8Tiles:
+    """x in `fp8` with one scale per tile (the rule of `quantize`, tile by tile): an outlier
+    costs its own tile's precision, not the whole tensor's. R and C are multiples of the tile."""
+    top = torch.finfo(fp8).max
+    (R, C), (tr, tc) = x_RC.shape, tile
+    blocks = x_RC.detach().float().reshape(R // tr, tr, C // tc, tc)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, top / amax, torch.ones_like(amax))
+    q = (blocks * scale[:, None, :, None]).clamp(-top, top).to(fp8).reshape(R, C)
+    return Fp8Tiles(q, scale.reciprocal(), tile)
+
+
+def _pad_to(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -x.shape[0] % multiple
+    return x if not extra else torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
+
+
+def block_mm(a_MK: Fp8Tiles, b_KN: Fp8Tiles, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b of tile-scaled operands, float32 accumulation. a's tiles run along K (1 x 128);
+    b's are 128 x 128 or 128 x 1. On a GPU: torch's blockwise-scaled GEMM (cuBLAS, Hopper),
+    with the operand and scale layouts it asks for; elsewhere the same sum from the dequantised
+    operands in float32 (the reference the tests use)."""
+    if a_MK.data.device.type == "cpu":
+        return (a_MK.dequantize() @ b_KN.dequantize()).to(out_dtype)
+    return _block_mm_gpu(a_MK, b_KN, out_dtype)
+
+
+def _block_mm_gpu(a_MK: Fp8Tiles, b_KN: Fp8Tiles, out_dtype: torch.dtype) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    kinds = {(1, BLOCK): F.ScalingType.BlockWise1x128, (BLOCK, 1): F.ScalingType.BlockWise1x128,
+             (BLOCK, BLOCK): F.ScalingType.BlockWise128x128}
+    M = a_MK.data.shape[0]
+    # a: row-major data; its [M, K/128] scales "outer-dim major" (stride [1, M]); M padded to a
+    # multiple of 16 (the scale columns stay 16-byte aligned; the padded rows are sliced off)
+    a = _pad_to(a_MK.data, _ALIGN).contiguous()
+    sa = _pad_to(a_MK.inv, _ALIGN).t().contiguous().t()
+    b = b_KN.data.t().contiguous().t()  # column-major
+    if b_KN.tile == (BLOCK, BLOCK):  # [K/128, N/128] with K/128 padded to a multiple of 4
+        sb = _pad_to(b_KN.inv, 4).t().contiguous().t()
+    else:  # (128, 1): [N, K/128], stride [1, N]
+        sb = b_KN.inv.contiguous().t()
+    y = F.scaled_mm(a, b, sa, kinds[a_MK.tile], sb, kinds[b_KN.tile], output_dtype=_out_dtype(out_dtype))
+    return y[:M]
+
+
+# ---- Recipes: how each of a linear layer's three products gets its FP8 operands ----
+
+class TensorScaling:
+    """Current per-tensor scaling (Transformer Engine's Float8CurrentScaling): one scale per
+    activation, weight and gradient tensor (per expert for expert weights), taken from the
+    tensor's own absolute maximum; quantised once, used in every product."""
+
+    name = "tensor"
+
+    def weight(self, w_NK):
+        return quantize(w_NK, E4M3)
+
+    def act(self, x_MK, counts):
+        """(operand of the forward product, pieces for the weight gradients)."""
+        q = quantize(x_MK, E4M3)
+        return q, self.split(q, counts)
+
+    def grad(self, g_MN, counts):
+        """(operand of the input gradient, pieces for the weight gradients)."""
+        q = quantize(g_MN, E5M2)
+        return q, self.split(q, counts)
+
+    def split(self, q, counts):
+        return [(p, q[1]) for p in torch.split(q[0], counts)]
+
+    def fprop(self, x, w, out_dtype):  # x @ w^T
+        return scaled_mm(x[0], x[1], w[0].t(), w[1], out_dtype)
+
+    def dgrad(self, g, w, out_dtype):  # g @ w
+        return scaled_mm(g[0], g[1], w[0], w[1], out_dtype)
+
+    def wgrad(self, g, x, out_dtype):  # g^T @ x over the rows, zero-padded to a multiple of 16
+        return scaled_mm(_pad_rows(g[0]).t(), g[1], _pad_rows(x[0]), x[1], out_dtype)
+
+
+class BlockScaling:
+    """Per-block scaling (DeepSeek-V3's recipe; Transformer Engine's Float8BlockScaling): the
+    activations and gradients one scale per 1 x 128 run of the contraction, weights one per
+    128 x 128 block (the same blocks serve the forward and the input gradient). A weight
+    gradient contracts over tokens, so its two operands are quantised again along the tokens,
+    from the high-precision tensors, 128 tokens a block (each expert's rows zero-padded to it)."""
+
+    name = "block"
+
+    def weight(self, w_NK):
+        return quantize_tiles(w_NK, E4M3, (BLOCK, BLOCK))
+
+    def act(self, x_MK, counts):
+        return (quantize_tiles(x_MK, E4M3, (1, BLOCK)),
+                [quantize_tiles(_pad_to(p, BLOCK), E4M3, (BLOCK, 1)) for p in torch.split(x_MK, counts)])
+
+    def grad(self, g_MN, counts):
+        return (quantize_tiles(g_MN, E5M2, (1, BLOCK)),
+                [quantize_tiles(_pad_to(p, BLOCK), E5M2, (BLOCK, 1)) for p in torch.split(g_MN, counts)])
+
+    def split(self, q: Fp8Tiles, counts):
+        return [Fp8Tiles(d, s, q.tile) for d, s in
+                zip(torch.split(q.data, counts), torch.split(q.inv, counts), strict=True)]
+
+    def fprop(self, x, w, out_dtype):
+        return block_mm(x, w.t(), out_dtype)
+
+    def dgrad(self, g, w, out_dtype):
+        return block_mm(g, w, out_dtype)
+
+    def wgrad(self, g, x, out_dtype):
+        return block_mm(g.t(), x, out_dtype)
+
+
+RECIPES = {"tensor": TensorScaling(), "block": BlockScaling()}
+
+
+def _flat(objs) -> tuple[list[torch.Tensor], list]:
+    """Quantised operands as plain tensors for save_for_backward (so saved-tensor hooks, e.g.
+    activation checkpointing, see them), and how to rebuild them."""
+    tensors, kinds = [], []
+    for o in objs:
+        if isinstance(o, Fp8Tiles):
+            tensors += [o.data, o.inv]
+            kinds.append(o.tile)
+        else:
+            tensors += list(o)
+            kinds.append(None)
+    return tensors, kinds
+
+
+def _unflat(tensors, kinds) -> list:
+    out = []
+    for i, tile in enumerate(kinds):
+        d, s = tensors[2 * i], tensors[2 * i + 1]
+        out.append((d, s) if tile is None else Fp8Tiles(d, s, tile))
+    return out
+
+
+def _weight_grad(recipe, g, x, n: int, k: int, device) -> torch.Tensor:
+    """g^T x [N, K] in float32 over one piece's rows (zeros for an expert without rows)."""
+    rows = x.data.shape[0] if isinstance(x, Fp8Tiles) else x[0].shape[0]
+    if rows == 0:
+        return torch.zeros(n, k, dtype=torch.float32, device=device)
+    return recipe.wgrad(g, x, torch.float32)
+
+
+class _Fp8Grouped(torch.autograd.Function):
+    """y_MN: rows sorted by group, counts rows each, y[rows of e] = x[rows of e] @ w_ENK[e]^T,
+    in FP8 by `recipe` with one weight (and its own scales) per group, as in TE's GroupedLinear.
+    A plain linear layer is one group. One GEMM per group with rows."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_NK, b_N, cdtype):
-        x_q, inv_x = quantize(x_MK, E4M3)
-        w_q, inv_w = quantize(w_NK, E4M3)
-        y_MN = scaled_mm(x_q, inv_x, w_q.t(), inv_w, _out_dtype(cdtype)).to(cdtype)
+    def forward(ctx, x_MK, w_ENK, counts, cdtype, recipe, b_N):
+        x_fwd, x_w = recipe.act(x_MK, counts)
+        ws = [recipe.weight(w) for w in w_ENK]
+        out = _out_dtype(cdtype)
+        y = [recipe.fprop(p, ws[e], out) for e, p in enumerate(recipe.split(x_fwd, counts))]
+        y_MN = torch.cat(y).to(cdtype) if y else x_MK.new_zeros(0, w_ENK.shape[1], dtype=cdtype)
         if b_N is not None:
             y_MN = y_MN + b_N.to(cdtype)
-        ctx.save_for_backward(x_q, inv_x, w_q, inv_w)
-        ctx.dtypes = (x_MK.dtype, w_NK.dtype, None if b_N is None else b_N.dtype)
+        tensors, ctx.kinds = _flat([*ws, *x_w])
+        ctx.save_for_backward(*tensors)
+        ctx.counts, ctx.recipe = counts, recipe
+        ctx.dtypes = (x_MK.dtype, w_ENK.dtype, None if b_N is None else b_N.dtype)
+        ctx.nk = w_ENK.shape[1:]
         return y_MN
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_MN):
-        x_q, inv_x, w_q, inv_w = ctx.saved_tensors
+        recipe, counts, (n, k) = ctx.recipe, ctx.counts, ctx.nk
+        saved = _unflat(ctx.saved_tensors, ctx.kinds)
+        ws, x_w = saved[:len(counts)], saved[len(counts):]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        g_q, inv_g = quantize(g_MN, E5M2)
+        g_d, g_w = recipe.grad(g_MN, counts)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = scaled_mm(g_q, inv_g, w_q, inv_w, _out_dtype(x_dtype)).to(x_dtype)
-        if ctx.needs_input_grad[1]:  # (x^T g)^T = g^T x: rows over N, contraction over M
-            dw = _contract_rows(g_q, x_q, inv_g, inv_x, torch.float32).to(w_dtype)
-        if b_dtype is not None and ctx.needs_input_grad[2]:
+            out = _out_dtype(x_dtype)
+            dx = torch.cat([recipe.dgrad(g, ws[e], out)
+                            for e, g in enumerate(recipe.split(g_d, counts))]).to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = torch.stack([_weight_grad(recipe, g, x, n, k, g_MN.device)
+                              for g, x in zip(g_w, x_w, strict=True)]).to(w_dtype)
+        if b_dtype is not None and ctx.needs_input_grad[5]:
             db = g_MN.float().sum(0).to(b_dtype)
-        return dx, dw, db, None
+        return dx, dw, None, None, None, db
 
 
-def linear(x: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, cdtype: torch.dtype) -> torch.Tensor:
+def _recipe(name: str):
+    check_choice("model.fp8_recipe", name, tuple(RECIPES))
+    return RECIPES[name]
+
+
+def linear(x: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, cdtype: torch.dtype,
+           recipe: str = "tensor") -> torch.Tensor:
     """F.linear in FP8 over the last dim of x (any leading dims); the result in `cdtype`."""
-    y_MN = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), w_NK, b_N, cdtype)
+    x_MK = x.reshape(-1, x.shape[-1])
+    y_MN = _Fp8Grouped.apply(x_MK, w_NK.unsqueeze(0), [x_MK.shape[0]], cdtype, _recipe(recipe), b_N)
     return y_MN.view(*x.shape[:-1], w_NK.shape[0])
 
 
-class _Fp8Grouped(torch.autograd.Function):
-    """y_MF: rows sorted by expert, counts_E rows each, y[rows of e] = x[rows of e] @ w_EDF[e],
-    FP8 with one scale for the activations and one per expert's weight (each expert's weight
-    is its own tensor, as in TE's GroupedLinear). One GEMM per expert with rows."""
-
-    @staticmethod
-    def forward(ctx, x_MD, w_EDF, counts_E, cdtype):
-        x_q, inv_x = quantize(x_MD, E4M3)
-        per_expert = [quantize(w, E4M3) for w in w_EDF]
-        w_q, inv_w = [q for q, _ in per_expert], [inv for _, inv in per_expert]
-        counts = counts_E.tolist()
-        pieces = torch.split(x_q, counts)
-        out = _out_dtype(cdtype)
-        y = [scaled_mm(p, inv_x, w_q[e], inv_w[e], out) for e, p in enumerate(pieces)]
-        ctx.save_for_backward(x_q, inv_x, *w_q, *inv_w)
-        ctx.counts, ctx.dtypes = counts, (x_MD.dtype, w_EDF.dtype)
-        return torch.cat(y).to(cdtype) if y else x_MD.new_zeros(0, w_EDF.shape[-1], dtype=cdtype)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g_MF):
-        x_q, inv_x, *rest = ctx.saved_tensors
-        e = len(rest) // 2
-        w_q, inv_w = rest[:e], rest[e:]
-        x_dtype, w_dtype = ctx.dtypes
-        g_q, inv_g = quantize(g_MF, E5M2)
-        g_pieces, x_pieces = torch.split(g_q, ctx.counts), torch.split(x_q, ctx.counts)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            out = _out_dtype(x_dtype)
-            dx = torch.cat([scaled_mm(g, inv_g, w_q[i].t(), inv_w[i], out)
-                            for i, g in enumerate(g_pieces)]).to(x_dtype)
-        if ctx.needs_input_grad[1]:
-            dw = torch.stack([_contract_rows(x, g, inv_x, inv_g, torch.float32)
-                              for x, g in zip(x_pieces, g_pieces, strict=True)]).to(w_dtype)
-        return dx, dw, None, None
-
-
 def grouped_matmul(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
-                   cdtype: torch.dtype) -> torch.Tensor:
+                   cdtype: torch.dtype, recipe: str = "tensor") -> torch.Tensor:
     """The experts' grouped GEMM in FP8 (model.grouped_gemm's contract, result in `cdtype`)."""
-    return _Fp8Grouped.apply(x_MD, w_EDF, counts_E, cdtype)
+    return _Fp8Grouped.apply(x_MD, w_EDF.transpose(1, 2), counts_E.tolist(), cdtype, _recipe(recipe), None)
 
 
-__all__ = ["E4M3", "E5M2", "FP8_CHOICES", "grouped_matmul", "linear", "quantize", "scaled_mm",
-           "unavailable_reason"]
+__all__ = ["BLOCK", "E4M3", "E5M2", "FP8_CHOICES", "RECIPES", "Fp8Tiles", "block_mm", "grouped_matmul", "linear",
+           "quantize", "quantize_tiles", "scaled_mm", "unavailable_reason"]

@@ -14,6 +14,7 @@ CHOICES = {
     "expert_precision": ("auto", "autocast", "param"),
     "kernels": ("auto", "torch", "triton"),
     "fp8": ("none", "torch", "te"),
+    "fp8_recipe": ("tensor", "block"),
     "qk_norm_scope": ("head", "full"),
     "attention_type": ("gqa", "mla"),
     "expert_activation": ("swiglu", "clamped_swiglu"),
@@ -65,6 +66,10 @@ class ModelConfig:
     # capability >= 8.9) | te (Transformer Engine: not built, refused). Refused in one line where
     # it cannot run.
     fp8: str = "none"
+    # How model.fp8 scales its operands: tensor (one scale per tensor, per expert for expert
+    # weights) | block (DeepSeek-V3's recipe: 1 x 128 runs of activations and gradients, 128 x 128
+    # weight blocks; widths in multiples of 128; Hopper, through torch's blockwise-scaled GEMM).
+    fp8_recipe: str = "tensor"
 
     # Cross-entropy over the vocabulary in chunks of this many tokens (bounds fp32 logits memory).
     loss_chunk_tokens: int = 1024

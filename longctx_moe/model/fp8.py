@@ -19,20 +19,25 @@ from longctx_moe.model.moe import GroupedExperts, SharedExpert
 
 
 class Fp8Linear(nn.Linear):
-    """nn.Linear whose product runs in FP8 (E4M3 forward, E5M2 gradients, float32 masters)."""
+    """nn.Linear whose product runs in FP8 (E4M3 forward, E5M2 gradients, float32 masters),
+    scaled by `fp8_recipe` (model.fp8_recipe: tensor | block)."""
+
+    fp8_recipe = "tensor"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8.linear(x, self.weight, self.bias, autocast_dtype(x))
+        return fp8.linear(x, self.weight, self.bias, autocast_dtype(x), self.fp8_recipe)
 
     @classmethod
-    def adopt(cls, linear: nn.Linear) -> Fp8Linear:
+    def adopt(cls, linear: nn.Linear, recipe: str = "tensor") -> Fp8Linear:
         """The same module re-classed: it keeps its parameters, hooks and attributes."""
         linear.__class__ = cls
+        linear.fp8_recipe = recipe
         return linear
 
 
-def apply_fp8(model: nn.Module, setting: str) -> None:
-    """Turn `model`'s block GEMMs to FP8 for `setting` (model.fp8); "none" leaves it as it is."""
+def apply_fp8(model: nn.Module, setting: str, recipe: str = "tensor") -> None:
+    """Turn `model`'s block GEMMs to FP8 for `setting` (model.fp8) scaled by `recipe`
+    (model.fp8_recipe); "none" leaves the model as it is."""
     if setting == "none":
         return
     if setting != "torch":  # te, or a bad value: the same line the start-up check gives
@@ -42,18 +47,21 @@ def apply_fp8(model: nn.Module, setting: str) -> None:
         gates = {id(m.gate) for m in block.modules() if isinstance(m, SharedExpert) and m.gate is not None}
         for name, module in block.named_modules():
             if type(module) is nn.Linear and id(module) not in gates:
-                _check_widths(f"layers.{i}.{name}", module.in_features, module.out_features)
-                Fp8Linear.adopt(module)
+                _check_widths(f"layers.{i}.{name}", recipe, module.in_features, module.out_features)
+                Fp8Linear.adopt(module, recipe)
             elif isinstance(module, GroupedExperts):
-                _check_widths(f"layers.{i}.{name}", *module.w_down.shape[1:])
-                module.fp8 = True
+                _check_widths(f"layers.{i}.{name}", recipe, *module.w_down.shape[1:])
+                module.fp8 = recipe
 
 
-def _check_widths(where: str, *widths: int) -> None:
-    """cuBLAS's FP8 GEMM takes widths in multiples of 16 only: refuse the model here, in one line,
-    rather than at its first forward on the GPU."""
-    odd = [w for w in widths if w % 16]
+def _check_widths(where: str, recipe: str, *widths: int) -> None:
+    """cuBLAS's FP8 GEMM takes widths in multiples of 16 only, and the block recipe scales runs
+    of 128: refuse the model here, in one line, rather than at its first forward on the GPU."""
+    multiple = fp8.BLOCK if recipe == "block" else 16
+    odd = [w for w in widths if w % multiple]
     if odd:
-        raise ValueError(f"model.fp8=torch: {where} has width {odd[0]}, and FP8 GEMMs need multiples of 16; "
+        what = "model.fp8_recipe=block" if recipe == "block" else "model.fp8=torch"
+        fix = "model.fp8_recipe=tensor" if recipe == "block" else "model.fp8=none"
+        raise ValueError(f"{what}: {where} has width {odd[0]}, and its FP8 GEMMs need multiples of {multiple}; "
                          "choose model widths (hidden_size, heads x head_dim, expert_hidden_size) that are, "
-                         "or set model.fp8=none")
+                         f"or set {fix}")

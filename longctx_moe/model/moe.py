@@ -161,7 +161,8 @@ class GroupedExperts(nn.Module):
         self.impl, self.precision = impl, precision
         self.activation, self.limit, self.down_bias_offset = activation, limit, 0
         self.recompute = False  # selective recompute (longctx_moe.model.recompute)
-        self.fp8 = False  # model.fp8: grouped GEMMs in FP8 (longctx_moe.model.fp8)
+        # model.fp8: the grouped GEMMs in FP8 with this model.fp8_recipe (longctx_moe.model.fp8)
+        self.fp8: str | None = None
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, dim, 2, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.b_gate_up = nn.Parameter(torch.empty(num_experts, 2, hidden)) if bias else None
@@ -219,7 +220,7 @@ class GroupedExperts(nn.Module):
         """The experts' grouped GEMM in x's dtype: in FP8 under model.fp8 (which quantises the
         float32 masters itself: no cast to the compute dtype first), else w cast to x's dtype."""
         if self.fp8:
-            return fp8.grouped_matmul(x_MD, w_EDF, counts_E, x_MD.dtype)
+            return fp8.grouped_matmul(x_MD, w_EDF, counts_E, x_MD.dtype, self.fp8)
         return grouped_matmul(x_MD, w_EDF.to(x_MD.dtype), counts_E, self.impl)
 
     def _biased_down(self, h_MF2, w_EFD, counts_E, biases) -> torch.Tensor:

@@ -108,16 +108,22 @@ def test_linear_keeps_leading_dims_and_computes_in_the_autocast_dtype():
     assert float((y.detach().double() - ref).abs().max()) <= float(ref.abs().max()) * 2**-7
 
 
-def test_grouped_matmul_scales_each_expert_and_handles_an_expert_without_rows(scaled_mm_calls):
-    g = torch.Generator().manual_seed(1)
-    counts = torch.tensor([5, 0, 19, 8])
-    x = torch.randn(int(counts.sum()), 32, generator=g).requires_grad_()
-    # experts of very different magnitudes: one scale for all would flush the small one to zero
-    w = (torch.randn(4, 32, 16, generator=g) * torch.tensor([1.0, 1.0, 1e-3, 10.0]).view(4, 1, 1))
+def _grouped_run(seed: int, counts: torch.Tensor, d: int, f: int, recipe: str = "tensor"):
+    """(x, w, dy, y) of a grouped FP8 GEMM after its backward, on experts of very different
+    magnitudes (one weight scale for all would flush the small one to zero)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(int(counts.sum()), d, generator=g).requires_grad_()
+    w = (torch.randn(4, d, f, generator=g) * torch.tensor([1.0, 1.0, 1e-3, 10.0]).view(4, 1, 1))
     w.requires_grad_()
-    dy = torch.randn(x.shape[0], 16, generator=g)
-    y = fp8.grouped_matmul(x, w, counts, torch.float32)
+    dy = torch.randn(x.shape[0], f, generator=g)
+    y = fp8.grouped_matmul(x, w, counts, torch.float32, recipe)
     y.backward(dy)
+    return x, w, dy, y
+
+
+def test_grouped_matmul_scales_each_expert_and_handles_an_expert_without_rows(scaled_mm_calls):
+    counts = torch.tensor([5, 0, 19, 8])
+    x, w, dy, y = _grouped_run(1, counts, 32, 16)
     xd, gd = _dq(x, fp8.E4M3), _dq(dy, fp8.E5M2)
     rows = torch.split(torch.arange(x.shape[0]), counts.tolist())
     wd = [_dq(w[e], fp8.E4M3) for e in range(4)]
@@ -229,3 +235,137 @@ def test_recompute_reruns_the_fp8_products_exactly():
         grads[mode] = [p.grad.clone() for p in ours.parameters()]
     for mode in ("selective", "full"):
         assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads[mode], strict=True)), mode
+
+
+# ---- model.fp8_recipe=block: 1 x 128 activation / gradient runs, 128 x 128 weight blocks ----
+
+def _dq_tiles(x: torch.Tensor, fmt: torch.dtype, tile: tuple[int, int]) -> torch.Tensor:
+    """The block recipe's quantise-dequantise of x [R, C], tile by tile, in float64 (each tile
+    by `_dq`'s per-tensor rule, which is the recipe's rule applied to one tile)."""
+    out = torch.empty(x.shape, dtype=torch.float64)
+    tr, tc = tile
+    for r in range(0, x.shape[0], tr):
+        for c in range(0, x.shape[1], tc):
+            out[r:r + tr, c:c + tc] = _dq(x[r:r + tr, c:c + tc], fmt)
+    return out
+
+
+def _dq_rows_padded(x: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    """x [M, C] quantised down its columns in runs of 128 rows (zero rows pad the last run)."""
+    pad = -x.shape[0] % fp8.BLOCK
+    xp = torch.cat([x.detach(), x.new_zeros(pad, x.shape[1])])
+    return _dq_tiles(xp, fmt, (fp8.BLOCK, 1))[:x.shape[0]]
+
+
+def test_quantize_tiles_gives_each_tile_its_own_scale():
+    x = torch.randn(4, 256)
+    x[1, 200] = 1e4  # an outlier: only its own 1 x 128 run loses precision
+    q = fp8.quantize_tiles(x, fp8.E4M3, (1, 128))
+    assert q.inv.shape == (4, 2) and q.data.dtype == fp8.E4M3
+    # the same values up to the float32 reciprocal of each scale
+    torch.testing.assert_close(q.dequantize().double(), _dq_tiles(x, fp8.E4M3, (1, 128)), rtol=1e-6, atol=0)
+    err = (q.dequantize() - x).abs()
+    assert float(err[1, :128].max()) <= float(x[1, :128].abs().max()) * 2**-4
+    assert float(err[0].max()) <= float(x[0].abs().max()) * 2**-4
+    w = fp8.quantize_tiles(torch.randn(256, 128), fp8.E4M3, (128, 128))
+    assert w.inv.shape == (2, 1) and torch.equal(w.t().dequantize(), w.dequantize().t())
+
+
+@pytest.mark.parametrize("m", [37, 300])  # the weight gradient's token runs: padded, and 2 full + 1 part
+@pytest.mark.parametrize("bias", [False, True])
+def test_block_linear_forward_and_both_gradients_match_the_float64_recipe(m, bias):
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, 256, generator=g) * 2).requires_grad_()
+    x.data[3, 130] = 300.0  # an outlier in one run of one token
+    w = (torch.randn(128, 256, generator=g) / 8).requires_grad_()
+    b = torch.randn(128, generator=g).requires_grad_() if bias else None
+    dy = torch.randn(m, 128, generator=g) * 1e-3
+    y = fp8.linear(x, w, b, torch.float32, recipe="block")
+    y.backward(dy)
+    wd = _dq_tiles(w, fp8.E4M3, (128, 128))
+    ref = _dq_tiles(x, fp8.E4M3, (1, 128)) @ wd.t() + (0 if b is None else b.detach().double())
+    _close(y.detach(), ref)
+    _close(x.grad, _dq_tiles(dy, fp8.E5M2, (1, 128)) @ wd)
+    _close(w.grad, _dq_rows_padded(dy, fp8.E5M2).t() @ _dq_rows_padded(x, fp8.E4M3))
+    if bias:
+        torch.testing.assert_close(b.grad, dy.sum(0), rtol=1e-6, atol=1e-9)
+    # the recipe is not the per-tensor one: the outlier would cost every other token precision
+    per_tensor = _dq(x, fp8.E4M3) @ _dq(w, fp8.E4M3).t() + (0 if b is None else b.detach().double())
+    assert float((per_tensor - ref).abs().max()) > 10 * TOL * float(ref.abs().max())
+
+
+def test_block_grouped_matmul_quantises_each_experts_rows_and_weight_on_their_own():
+    counts = torch.tensor([5, 0, 140, 8])
+    x, w, dy, y = _grouped_run(2, counts, 128, 256, "block")
+    xd, gd = _dq_tiles(x, fp8.E4M3, (1, 128)), _dq_tiles(dy, fp8.E5M2, (1, 128))
+    rows = torch.split(torch.arange(x.shape[0]), counts.tolist())
+    for e, r in enumerate(rows):
+        if len(r) == 0:
+            assert not w.grad[e].any()
+            continue
+        wd = _dq_tiles(w[e].t(), fp8.E4M3, (128, 128)).t()  # [D, F], blocks of the [F, D] weight
+        _close(y.detach()[r], xd[r] @ wd)
+        _close(x.grad[r], gd[r] @ wd.t())
+        _close(w.grad[e], _dq_rows_padded(x[r], fp8.E4M3).t() @ _dq_rows_padded(dy[r], fp8.E5M2))
+
+
+@pytest.mark.parametrize("tokens", [40, 512])
+def test_block_gemms_on_a_gpu_take_the_layouts_torch_checks(tokens, monkeypatch):
+    """The GPU branch of block_mm, its scaled_mm run on meta tensors: torch's own meta checks of
+    F.scaled_mm's blockwise modes (scale shapes, outer-dim-major strides, the padding of the
+    weight's scale rows to a multiple of 4) judge every call of a linear layer's three products."""
+    import torch.nn.functional as F
+
+    seen = []
+    real = F.scaled_mm
+
+    def on_meta(a, b, sa, ra, sb, rb, output_dtype):
+        to_meta = [t.to("meta").as_strided(t.shape, t.stride()) for t in (a, b, sa, sb)]
+        y = real(to_meta[0], to_meta[1], to_meta[2], ra, to_meta[3], rb, output_dtype=output_dtype)
+        seen.append((ra, rb, tuple(y.shape)))
+        return torch.zeros(y.shape, dtype=output_dtype)
+
+    monkeypatch.setattr(F, "scaled_mm", on_meta)
+    x = torch.randn(tokens, 640)  # K / 128 = 5: the weight's scales padded to 8 rows
+    w = torch.randn(384, 640)
+    for a, bt in ((fp8.quantize_tiles(x, fp8.E4M3, (1, 128)), fp8.quantize_tiles(w, fp8.E4M3, (128, 128)).t()),
+                  (fp8.quantize_tiles(torch.randn(tokens, 384), fp8.E5M2, (1, 128)),
+                   fp8.quantize_tiles(w, fp8.E4M3, (128, 128))),
+                  (fp8.quantize_tiles(torch.randn(512, 384), fp8.E5M2, (128, 1)).t(),
+                   fp8.quantize_tiles(torch.randn(512, 640), fp8.E4M3, (128, 1)))):
+        out = fp8._block_mm_gpu(a, bt, torch.bfloat16)
+        assert out.shape == (a.data.shape[0], bt.data.shape[1])
+    B1, B128 = F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128
+    assert [(ra, rb) for ra, rb, _ in seen] == [(B1, B128), (B1, B128), (B1, B1)]
+
+
+def test_block_recipe_model_trains_its_every_block_gemm_in_fp8():
+    cfg = ModelConfig(vocab_size=256, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4,
+                      head_dim=32, num_experts=4, top_k=2, expert_hidden_size=128)
+    torch.manual_seed(0)
+    ref = build_model(cfg)
+    torch.manual_seed(0)
+    ours = build_model(ModelConfig(**{**cfg.__dict__, "fp8": "torch", "fp8_recipe": "block"}))
+    assert {m.fp8_recipe for m in ours.modules() if isinstance(m, Fp8Linear)} == {"block"}
+    batch = packed_batch([40, 100, 116], 256, generator=torch.Generator().manual_seed(0))
+    calls = []
+    real = fp8.block_mm
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fp8, "block_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+        loss = _loss(ours, batch)
+        n_fwd = len(calls)
+        loss.backward()
+    routed = sum(int(c > 0) for c in _expert_counts(ours, batch))
+    assert n_fwd == 2 * 4 + 2 * routed and len(calls) == 3 * n_fwd
+    ref_loss, loss = _loss(ref, batch).item(), loss.item()
+    assert loss != ref_loss and abs(loss - ref_loss) < 2e-2 * ref_loss
+
+
+def test_block_recipe_refusals_name_the_width_and_the_fix(monkeypatch):
+    monkeypatch.setattr(fp8, "unavailable_reason", lambda *a: None)  # as on a Hopper GPU
+    cfg = load_config(None, ["model.fp8=torch", "model.fp8_recipe=block", "model.expert_hidden_size=192"])
+    with pytest.raises(ConfigError, match="layers.0.attn.wk has width 64.*multiples of 128") as e:
+        check_backends(cfg, torch.device("cpu"))  # kv heads x head dim = 64
+    assert "\n" not in str(e.value) and "model.fp8_recipe=tensor" in str(e.value)
+    with pytest.raises(Exception, match="model.fp8_recipe"):
+        load_config(None, ["model.fp8_recipe=delayed"])
