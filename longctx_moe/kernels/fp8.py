@@ -80,12 +80,14 @@ def _block_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def quantize(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, fp8: torch.dtype, dims: tuple[int, ...] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in `fp8`, its float32 dequantisation factor): x ~ x_q * inv_scale, with one scale per
-    tensor mapping the largest |x| onto the format's largest finite value (an all-zero tensor
-    keeps scale 1). Non-finite values stay non-finite, for the trainer's step guard to see."""
+    tensor (or per slice over `dims`, kept as size-1 dims: one per expert of a stacked weight)
+    mapping the largest |x| onto the format's largest finite value (an all-zero tensor keeps scale
+    1). Non-finite values stay non-finite, for the trainer's step guard to see."""
     top = torch.finfo(fp8).max
-    amax = x.detach().abs().amax().float()
+    amax = (x.detach().abs().amax() if dims is None else x.detach().abs().amax(dim=dims, keepdim=True)).float()
     scale = torch.where(amax > 0, top / amax, torch.ones_like(amax))
     x_q = (x.detach().float() * scale).clamp(-top, top).to(fp8)
     return x_q, scale.reciprocal()
@@ -141,13 +143,14 @@ class Fp8Tiles:
 
 def quantize_tiles(x_RC: torch.Tensor, fp8: torch.dtype, tile: tuple[int, int]) -> Fp8Tiles:
     """x in `fp8` with one scale per tile (the rule of `quantize`, tile by tile): an outlier
-    costs its own tile's precision, not the whole tensor's. R and C are multiples of the tile."""
+    costs its own tile's precision, not the whole tensor's. R and C are multiples of the tile;
+    leading dims (stacked experts) are quantised in the same ops."""
     top = torch.finfo(fp8).max
-    (R, C), (tr, tc) = x_RC.shape, tile
-    blocks = x_RC.detach().float().reshape(R // tr, tr, C // tc, tc)
-    amax = blocks.abs().amax(dim=(1, 3))
+    (*lead, R, C), (tr, tc) = x_RC.shape, tile
+    blocks = x_RC.detach().float().reshape(*lead, R // tr, tr, C // tc, tc)
+    amax = blocks.abs().amax(dim=(-3, -1))
     scale = torch.where(amax > 0, top / amax, torch.ones_like(amax))
-    q = (blocks * scale[:, None, :, None]).clamp(-top, top).to(fp8).reshape(R, C)
+    q = (blocks * scale[..., :, None, :, None]).clamp(-top, top).to(fp8).reshape(x_RC.shape)
     return Fp8Tiles(q, scale.reciprocal(), tile)
 
 
@@ -194,8 +197,10 @@ class TensorScaling:
 
     name = "tensor"
 
-    def weight(self, w_NK):
-        return quantize(w_NK, E4M3)
+    def weights(self, w_ENK):
+        """Each group's weight with its own scale, all groups in the same ops."""
+        q, inv = quantize(w_ENK, E4M3, dims=(1, 2))
+        return list(zip(q.unbind(), inv.unbind(), strict=True))
 
     def act(self, x_MK, counts):
         """(operand of the forward product, pieces for the weight gradients)."""
@@ -229,8 +234,9 @@ class BlockScaling:
 
     name = "block"
 
-    def weight(self, w_NK):
-        return quantize_tiles(w_NK, E4M3, (BLOCK, BLOCK))
+    def weights(self, w_ENK):
+        q = quantize_tiles(w_ENK, E4M3, (BLOCK, BLOCK))
+        return [Fp8Tiles(d, s, q.tile) for d, s in zip(q.data.unbind(), q.inv.unbind(), strict=True)]
 
     def act(self, x_MK, counts):
         return (quantize_tiles(x_MK, E4M3, (1, BLOCK)),
@@ -295,7 +301,7 @@ class _Fp8Grouped(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_ENK, counts, cdtype, recipe, b_N):
         x_fwd, x_w = recipe.act(x_MK, counts)
-        ws = [recipe.weight(w) for w in w_ENK]
+        ws = recipe.weights(w_ENK)
         out = _out_dtype(cdtype)
         y = [recipe.fprop(p, ws[e], out) for e, p in enumerate(recipe.split(x_fwd, counts))]
         y_MN = torch.cat(y).to(cdtype) if y else x_MK.new_zeros(0, w_ENK.shape[1], dtype=cdtype)

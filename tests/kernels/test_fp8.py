@@ -108,6 +108,17 @@ def test_linear_keeps_leading_dims_and_computes_in_the_autocast_dtype():
     assert float((y.detach().double() - ref).abs().max()) <= float(ref.abs().max()) * 2**-7
 
 
+def test_stacked_expert_weights_quantise_as_each_expert_alone():
+    # one set of ops for all experts (a GPU step issues 5 kernels per layer, not 5 per expert)
+    w = torch.randn(3, 256, 128) * torch.tensor([1.0, 1e-3, 50.0]).view(3, 1, 1)
+    for e, (q, inv) in enumerate(fp8.RECIPES["tensor"].weights(w)):
+        q1, inv1 = fp8.quantize(w[e], fp8.E4M3)
+        assert torch.equal(q.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(inv.view(()), inv1)
+    for e, t in enumerate(fp8.RECIPES["block"].weights(w)):
+        t1 = fp8.quantize_tiles(w[e], fp8.E4M3, (128, 128))
+        assert torch.equal(t.data.view(torch.uint8), t1.data.view(torch.uint8)) and torch.equal(t.inv, t1.inv)
+
+
 def _grouped_run(seed: int, counts: torch.Tensor, d: int, f: int, recipe: str = "tensor"):
     """(x, w, dy, y) of a grouped FP8 GEMM after its backward, on experts of very different
     magnitudes (one weight scale for all would flush the small one to zero)."""
