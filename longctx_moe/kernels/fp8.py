@@ -202,8 +202,12 @@ class TensorScaling:
         q, inv = quantize(w_ENK, E4M3, dims=(1, 2))
         return list(zip(q.unbind(), inv.unbind(), strict=True))
 
-    def act(self, x_MK, counts):
-        """(operand of the forward product, pieces for the weight gradients)."""
+    def act(self, x_MK, counts, given=None):
+        """(operand of the forward product, pieces for the weight gradients). `given`: the
+        forward operand quantised already (the block recipe's only)."""
+        if given is not None:
+            raise ValueError("model.fp8_recipe=tensor quantises each activation tensor whole; "
+                             "a pre-quantised operand (the fp8 dispatch's) is the block recipe's")
         q = quantize(x_MK, E4M3)
         return q, self.split(q, counts)
 
@@ -238,9 +242,13 @@ class BlockScaling:
         q = quantize_tiles(w_ENK, E4M3, (BLOCK, BLOCK))
         return [Fp8Tiles(d, s, q.tile) for d, s in zip(q.data.unbind(), q.inv.unbind(), strict=True)]
 
-    def act(self, x_MK, counts):
-        return (quantize_tiles(x_MK, E4M3, (1, BLOCK)),
-                [quantize_tiles(_pad_to(p, BLOCK), E4M3, (BLOCK, 1)) for p in torch.split(x_MK, counts)])
+    def act(self, x_MK, counts, given: Fp8Tiles | None = None):
+        if given is None:
+            given = quantize_tiles(x_MK, E4M3, (1, BLOCK))
+        elif given.tile != (1, BLOCK) or given.data.shape != x_MK.shape or given.data.dtype != E4M3:
+            raise ValueError(f"a pre-quantised activation must be E4M3 in 1 x {BLOCK} tiles of shape "
+                             f"{tuple(x_MK.shape)}, got {given.data.dtype} {given.tile} {tuple(given.data.shape)}")
+        return given, [quantize_tiles(_pad_to(p, BLOCK), E4M3, (BLOCK, 1)) for p in torch.split(x_MK, counts)]
 
     def grad(self, g_MN, counts):
         return (quantize_tiles(g_MN, E5M2, (1, BLOCK)),
@@ -299,8 +307,8 @@ class _Fp8Grouped(torch.autograd.Function):
     A plain linear layer is one group. One GEMM per group with rows."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_ENK, counts, cdtype, recipe, b_N):
-        x_fwd, x_w = recipe.act(x_MK, counts)
+    def forward(ctx, x_MK, w_ENK, counts, cdtype, recipe, b_N, x_given):
+        x_fwd, x_w = recipe.act(x_MK, counts, x_given)
         ws = recipe.weights(w_ENK)
         out = _out_dtype(cdtype)
         y = [recipe.fprop(p, ws[e], out) for e, p in enumerate(recipe.split(x_fwd, counts))]
@@ -332,7 +340,7 @@ class _Fp8Grouped(torch.autograd.Function):
                               for g, x in zip(g_w, x_w, strict=True)]).to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[5]:
             db = g_MN.float().sum(0).to(b_dtype)
-        return dx, dw, None, None, None, db
+        return dx, dw, None, None, None, db, None
 
 
 def _recipe(name: str):
@@ -344,14 +352,17 @@ def linear(x: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, cdtype
            recipe: str = "tensor") -> torch.Tensor:
     """F.linear in FP8 over the last dim of x (any leading dims); the result in `cdtype`."""
     x_MK = x.reshape(-1, x.shape[-1])
-    y_MN = _Fp8Grouped.apply(x_MK, w_NK.unsqueeze(0), [x_MK.shape[0]], cdtype, _recipe(recipe), b_N)
+    y_MN = _Fp8Grouped.apply(x_MK, w_NK.unsqueeze(0), [x_MK.shape[0]], cdtype, _recipe(recipe), b_N, None)
     return y_MN.view(*x.shape[:-1], w_NK.shape[0])
 
 
 def grouped_matmul(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
-                   cdtype: torch.dtype, recipe: str = "tensor") -> torch.Tensor:
-    """The experts' grouped GEMM in FP8 (model.grouped_gemm's contract, result in `cdtype`)."""
-    return _Fp8Grouped.apply(x_MD, w_EDF.transpose(1, 2), counts_E.tolist(), cdtype, _recipe(recipe), None)
+                   cdtype: torch.dtype, recipe: str = "tensor", x_fp8: Fp8Tiles | None = None) -> torch.Tensor:
+    """The experts' grouped GEMM in FP8 (model.grouped_gemm's contract, result in `cdtype`).
+    `x_fp8`: x's FP8 form already made (the block recipe's 1 x 128 tiles, e.g. the fp8 dispatch's
+    payload), used as the forward operand instead of quantising x again; the weight gradient
+    still quantises x along the tokens itself."""
+    return _Fp8Grouped.apply(x_MD, w_EDF.transpose(1, 2), counts_E.tolist(), cdtype, _recipe(recipe), None, x_fp8)
 
 
 __all__ = ["BLOCK", "E4M3", "E5M2", "FP8_CHOICES", "RECIPES", "Fp8Tiles", "block_mm", "grouped_matmul", "linear",

@@ -15,6 +15,7 @@ M = T*K routed rows, F expert hidden.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -188,11 +189,13 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor,
                 borrowed: tuple[torch.Tensor, ...] | None = None,
-                padded: bool = False) -> torch.Tensor:
+                padded: bool = False, x_fp8=None) -> torch.Tensor:
         """`borrowed` (expert_params() of [B, ...] each): other ranks' experts lent for this
         call (parallel/expert_lending.py), run after the local ones; tokens_per_expert then has
         E + B entries. `padded`: the rows are already laid out per expert as the GEMM wants them
-        (the dispatcher's Triton permute wrote them so), in the compute dtype."""
+        (the dispatcher's Triton permute wrote them so), in the compute dtype. `x_fp8`: the same
+        rows already in FP8 (Fp8Tiles of 1 x 128, as the fp8 dispatch sent them), the first
+        GEMM's operand under model.fp8_recipe=block."""
         cdtype = self.compute_dtype(x_MD)
         x_MD = x_MD.to(cdtype)
         params = self.expert_params()
@@ -200,6 +203,8 @@ class GroupedExperts(nn.Module):
             params = [torch.cat([p, b]) for p, b in zip(params, borrowed, strict=True)]
         params[0] = params[0].flatten(2)  # w_gate_up [E, D, 2F]: gate columns, then up
         run = self._swiglu if padded else self._padded_swiglu
+        if x_fp8 is not None and self.fp8 == "block" and not (padded or wants_padding(x_MD)):
+            run = partial(self._swiglu, x_fp8=x_fp8)  # rows in place: the FP8 form still matches
         if self.recompute and torch.is_grad_enabled():
             return recompute_call(run, params[0], params[1], x_MD, tokens_per_expert_E, *params[2:])
         return run(params[0], params[1], x_MD, tokens_per_expert_E, *params[2:])
@@ -210,17 +215,19 @@ class GroupedExperts(nn.Module):
         return with_padded_groups(lambda x, c: self._swiglu(w_gate_up, w_down, x, c, *biases), x_MD, counts_E)
 
     def _swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor,
-                *biases) -> torch.Tensor:
-        h_MF2 = self._grouped(x_MD, w_gate_up, counts_E)
+                *biases, x_fp8=None) -> torch.Tensor:
+        h_MF2 = self._grouped(x_MD, w_gate_up, counts_E, x_fp8)
         if self.activation == "swiglu" and not biases and not self.fp8:
             return _SwiGLUDown.apply(h_MF2, w_down.to(x_MD.dtype), counts_E, self.impl)
         return self._biased_down(h_MF2, w_down, counts_E, biases)
 
-    def _grouped(self, x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
+                 x_fp8=None) -> torch.Tensor:
         """The experts' grouped GEMM in x's dtype: in FP8 under model.fp8 (which quantises the
-        float32 masters itself: no cast to the compute dtype first), else w cast to x's dtype."""
+        float32 masters itself: no cast to the compute dtype first; x too, unless `x_fp8` is
+        its FP8 form already), else w cast to x's dtype."""
         if self.fp8:
-            return fp8.grouped_matmul(x_MD, w_EDF, counts_E, x_MD.dtype, self.fp8)
+            return fp8.grouped_matmul(x_MD, w_EDF, counts_E, x_MD.dtype, self.fp8, x_fp8)
         return grouped_matmul(x_MD, w_EDF.to(x_MD.dtype), counts_E, self.impl)
 
     def _biased_down(self, h_MF2, w_EFD, counts_E, biases) -> torch.Tensor:

@@ -15,9 +15,11 @@ Legend: N rows (token copies) of D features; splits are host lists of row counts
   replicated activations (each rank ends with the full, identical gradient).
 
 Payload codecs (`make_codec`): "none", "bf16", "fp8". The fp8 codec sends e4m3 values with one
-fp32 scale per row (s = amax(|x_row|) / 448), packed into one uint8 buffer so a single all-to-all
-carries both. Round-trip bound per element (e4m3 has 3 mantissa bits; its smallest subnormal
-step is 2^-9 in scaled units):
+fp32 scale per row (s = amax(|x_row|) / 448), or per run of 128 features when the experts run
+model.fp8_recipe=block (their own activation tiles: the dispatcher then hands them the received
+payload itself, through a `receipt`, as their first GEMM's operand), packed into one uint8 buffer
+so a single all-to-all carries both. Round-trip bound per element, s the element's row or run scale (e4m3 has 3
+mantissa bits; its smallest subnormal step is 2^-9 in scaled units):
 
     |decode(encode(x)) - x| <= 2^-4 * |x| + 2^-10 * s        (FP8_REL_BOUND, FP8_ABS_BOUND)
 
@@ -81,68 +83,93 @@ class BF16Codec(Codec):
 
 
 class FP8Codec(Codec):
-    """e4m3 values plus one fp32 scale per row, in one uint8 buffer [N, D + 4]."""
+    """e4m3 values plus fp32 scales in one uint8 buffer: [N, D + 4] with one scale per row, or
+    [N, D + 4 D / run] with one per `run` features (run 128: the activation tiles of
+    model.fp8_recipe=block, so that the experts' first GEMM takes the rows as they arrive)."""
 
     name = "fp8"
 
+    def __init__(self, run: int | None = None):
+        self.run = run
+
+    def _runs(self, dim: int) -> int:
+        return 1 if self.run is None else dim // self.run
+
     def encode(self, x_ND):
-        x32 = x_ND.to(torch.float32)
-        # tiny floor: an all-zero row gets scale > 0 and encodes as zeros.
-        scale_N1 = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1e-30)
-        q_ND = (x32 / scale_N1).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return torch.cat([q_ND.view(torch.uint8), scale_N1.view(torch.uint8)], dim=1)
+        n, dim = x_ND.shape
+        x32 = x_ND.to(torch.float32).reshape(n, self._runs(dim), -1)
+        # tiny floor: an all-zero run gets scale > 0 and encodes as zeros.
+        scale = (x32.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_min(1e-30)
+        q_ND = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(n, dim)
+        return torch.cat([q_ND.view(torch.uint8), scale.reshape(n, -1).view(torch.uint8)], dim=1)
+
+    def _split(self, buf, dim):
+        """(e4m3 values [N, D], scales [N, runs]) of a received buffer."""
+        return buf[:, :dim].contiguous().view(torch.float8_e4m3fn), buf[:, dim:].contiguous().view(torch.float32)
 
     def decode(self, buf, dtype, dim):
-        q_ND = buf[:, :dim].contiguous().view(torch.float8_e4m3fn)
-        scale_N1 = buf[:, dim:].contiguous().view(torch.float32)
-        return (q_ND.to(torch.float32) * scale_N1).to(dtype)
+        q_ND, scale = self._split(buf, dim)
+        n = q_ND.shape[0]
+        return (q_ND.to(torch.float32).reshape(n, scale.shape[1], -1) * scale[:, :, None]).reshape(n, dim).to(dtype)
+
+    def tiles(self, buf, dim):
+        """The received rows as the block recipe's FP8 operand (Fp8Tiles, 1 x run tiles)."""
+        from longctx_moe.kernels.fp8 import Fp8Tiles
+
+        q_ND, scale = self._split(buf, dim)
+        return Fp8Tiles(q_ND, scale, (1, self.run))
 
     def wire_bytes_per_row(self, dim, dtype):
-        return dim + 4
+        return dim + 4 * self._runs(dim)
 
     def grad(self):
         return BF16Codec()
 
 
-def make_codec(name: str) -> Codec:
-    """'none' | 'bf16' | 'fp8' -> codec."""
+def make_codec(name: str, run: int | None = None) -> Codec:
+    """'none' | 'bf16' | 'fp8' -> codec; `run`: the fp8 codec's scale per that many features."""
     check_choice("parallel.dispatch_dtype", name, DISPATCH_DTYPES)
-    return {"none": Codec, "bf16": BF16Codec, "fp8": FP8Codec}[name]()
+    return FP8Codec(run) if name == "fp8" else {"none": Codec, "bf16": BF16Codec}[name]()
 
 
-def _a2a_raw(x_ND, send_splits, recv_splits, group, codec):
+def _a2a_raw(x_ND, send_splits, recv_splits, group, codec, receipt: list | None = None):
     buf = codec.encode(x_ND)
     out = buf.new_empty((sum(recv_splits),) + tuple(buf.shape[1:]))
     with record_function("comm.a2a"):
         dist.all_to_all_single(out, buf, recv_splits, send_splits, group=group)
+    if receipt is not None:
+        receipt.append(out)
     return codec.decode(out, x_ND.dtype, x_ND.shape[1])
 
 
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, send_splits, recv_splits, group, codec):
+    def forward(ctx, x_ND, send_splits, recv_splits, group, codec, receipt):
         ctx.meta = (send_splits, recv_splits, group, codec)
-        return _a2a_raw(x_ND, send_splits, recv_splits, group, codec)
+        return _a2a_raw(x_ND, send_splits, recv_splits, group, codec, receipt)
 
     @staticmethod
     def backward(ctx, grad_ND):
         send_splits, recv_splits, group, codec = ctx.meta
         grad = _a2a_raw(grad_ND.contiguous(), recv_splits, send_splits, group, codec.grad())
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def all_to_all_rows(x_ND: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                    group, codec: Codec | None = None) -> torch.Tensor:
-    """Send rows [sum(send_splits), D] in rank order; return received rows [sum(recv_splits), D]."""
-    return _AllToAllRows.apply(x_ND, list(send_splits), list(recv_splits), group, codec or Codec())
+                    group, codec: Codec | None = None, receipt: list | None = None) -> torch.Tensor:
+    """Send rows [sum(send_splits), D] in rank order; return received rows [sum(recv_splits), D].
+    `receipt`: a list the received wire buffer (the codec's payload, before decoding) is appended
+    to, for a consumer that reads the payload itself (the FP8 experts)."""
+    return _AllToAllRows.apply(x_ND, list(send_splits), list(recv_splits), group, codec or Codec(), receipt)
 
 
 class _Transfer:
     """One asynchronous all-to-all in flight: the work handle, the buffers it must keep alive
     until it completes, and how to decode what arrives."""
 
-    def __init__(self, x_ND, send_splits, recv_splits, group, codec, turn: Turn | None = None):
-        self.send_buf, self.turn = codec.encode(x_ND), turn
+    def __init__(self, x_ND, send_splits, recv_splits, group, codec, turn: Turn | None = None,
+                 receipt: list | None = None):
+        self.send_buf, self.turn, self.receipt = codec.encode(x_ND), turn, receipt
         self.out = self.send_buf.new_empty((sum(recv_splits),) + tuple(self.send_buf.shape[1:]))
         with record_function("comm.a2a_launch"):
             self.work = dist.all_to_all_single(self.out, self.send_buf, recv_splits,
@@ -155,6 +182,8 @@ class _Transfer:
         with record_function("comm.a2a_wait"):
             self.work.wait()
         self.send_buf = None
+        if self.receipt is not None:
+            self.receipt.append(self.out)
         return self.codec.decode(self.out, self.dtype, self.dim)
 
 
@@ -162,9 +191,10 @@ class _Link:
     """What the start and wait halves of one all-to-all share: its layout, and the transfer in
     flight in each direction."""
 
-    def __init__(self, send_splits, recv_splits, group, codec, turn: Turn | None):
+    def __init__(self, send_splits, recv_splits, group, codec, turn: Turn | None, receipt: list | None = None):
         self.send, self.recv, self.group, self.codec = send_splits, recv_splits, group, codec
         self.turn = turn  # the forward's; the backward runs one micro-batch at a time
+        self.receipt = receipt  # the forward's received payload goes here (all_to_all_rows)
         self.forward: _Transfer | None = None
         self.backward: _Transfer | None = None
 
@@ -181,7 +211,7 @@ class _StartRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, link):
         ctx.link = link
-        link.forward = _Transfer(x_ND, link.send, link.recv, link.group, link.codec, link.turn)
+        link.forward = _Transfer(x_ND, link.send, link.recv, link.group, link.codec, link.turn, link.receipt)
         return x_ND.new_empty(0)
 
     @staticmethod
@@ -217,11 +247,13 @@ class AllToAllInFlight:
 
 
 def start_all_to_all_rows(x_ND: torch.Tensor, send_splits: list[int], recv_splits: list[int],
-                          group, codec: Codec | None = None, turn: Turn | None = None) -> AllToAllInFlight:
+                          group, codec: Codec | None = None, turn: Turn | None = None,
+                          receipt: list | None = None) -> AllToAllInFlight:
     """Launch `all_to_all_rows` asynchronously; call `.wait()` on the result, once, on every
     rank of `group` before the next collective that must follow it. `turn`: this micro-batch's
-    Turn when two are in flight (the forward's wait hands over first)."""
-    link = _Link(list(send_splits), list(recv_splits), group, codec or Codec(), turn)
+    Turn when two are in flight (the forward's wait hands over first); `receipt`: as in
+    all_to_all_rows, filled at the wait."""
+    link = _Link(list(send_splits), list(recv_splits), group, codec or Codec(), turn, receipt)
     return AllToAllInFlight(_StartRows.apply(x_ND, link), link)
 
 

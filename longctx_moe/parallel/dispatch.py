@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from longctx_moe.choices import check_choice
+from longctx_moe.kernels.fp8 import BLOCK
 from longctx_moe.parallel.comm import (
     all_gather_rows,
     all_to_all_rows,
@@ -212,10 +213,11 @@ class _EPDispatcher:
     def _remote_rows(self, splits: list[int]) -> int:
         return sum(n for r, n in enumerate(splits) if r != self.ep_rank)
 
-    def _experts(self, experts, x_MD, counts_L):
-        """experts(x_MD, counts_L), over the ETP peers when the experts' hidden units are split."""
+    def _experts(self, experts, x_MD, counts_L, **kw):
+        """experts(x_MD, counts_L), over the ETP peers when the experts' hidden units are split.
+        `kw`: x_fp8, the rows' FP8 form (never over ETP: see AllToAllDispatcher._token_codec)."""
         if self.etp_group is None:
-            return experts(x_MD, counts_L)
+            return experts(x_MD, counts_L, **kw)
         return experts_over_etp(experts, x_MD, counts_L, self.etp_group)
 
 
@@ -248,7 +250,9 @@ class AllToAllDispatcher(_EPDispatcher):
     """Permute by expert, all-to-all with split sizes, sort by local expert, experts(), and back.
 
     `dispatch_dtype` compresses the payloads: "bf16" both ways; "fp8" sends the tokens as e4m3
-    with per-token scales and brings the outputs back in bf16 (see comm.py for the bound).
+    with per-token scales and brings the outputs back in bf16 (see comm.py for the bound); to
+    experts under model.fp8_recipe=block, with a scale per 128 features, and the experts' first
+    GEMM takes the e4m3 rows as they arrived (`_token_codec`).
     `overlap`: the tokens' all-to-all is asynchronous and hides the shared expert (module doc).
     `spare_slots` > 0: overloaded ranks lend rows of their hottest experts to lighter ranks, which
     borrow the weights for the call (expert_lending.py), in lends of at least `min_lend_rows`
@@ -261,6 +265,7 @@ class AllToAllDispatcher(_EPDispatcher):
                  min_lend_rows: int | None = None):
         super().__init__(num_experts, group, capacity_factor, drop_policy, tp_group, etp_group)
         self.codec = make_codec(dispatch_dtype)
+        self.block_codec = make_codec(dispatch_dtype, run=BLOCK) if dispatch_dtype == "fp8" else None
         self.combine_codec = self.codec.grad()
         self.overlap = overlap
         self.overlaps_shared = overlap and self.ep_size > 1
@@ -288,11 +293,12 @@ class AllToAllDispatcher(_EPDispatcher):
             send = send_RS.sum(1).tolist()
         recv = recv_RS.sum(1).tolist()
         x_ND = x_TD.index_select(0, routing.token_N)
-        x_MD, side_TD = self._send_tokens(x_ND, send, recv, side, turn)
-        y_MD = self._run_experts(x_MD, recv_RS, experts, borrowed)
+        codec = self._token_codec(experts)
+        x_MD, side_TD, payload = self._send_tokens(x_ND, send, recv, side, turn, codec)
+        y_MD = self._run_experts(x_MD, recv_RS, experts, borrowed, payload)
         y_ND = self._send_back(y_MD, recv, send, turn)
         D, dtype = x_TD.shape[1], x_TD.dtype
-        self.wire_bytes = (self._remote_rows(send) * self.codec.wire_bytes_per_row(D, dtype)
+        self.wire_bytes = (self._remote_rows(send) * codec.wire_bytes_per_row(D, dtype)
                            + self._remote_rows(recv) * self.combine_codec.wire_bytes_per_row(D, dtype)
                            + lent_bytes)
         if side_TD is None:  # synchronous: the side work runs where it would without EP, after
@@ -327,16 +333,29 @@ class AllToAllDispatcher(_EPDispatcher):
         send_RL = routing.counts_E.view(self.ep_size, self.local_experts)
         return send_RL, exchange_counts(send_RL, self.group)
 
-    def _send_tokens(self, x_ND, send, recv, side, turn: Turn | None):
-        """Dispatch stage: (rows for my experts x_MD, side() if it ran while they travelled).
-        With another micro-batch in flight (a `turn`, interleave.py) the all-to-all is
-        asynchronous even without side work: the other micro-batch computes while it travels."""
+    def _token_codec(self, experts):
+        """The tokens' codec for this call. Under model.fp8_recipe=block the fp8 codec scales
+        runs of 128 features, the experts' own activation tiles: their first GEMM then takes the
+        rows as they arrive (FP8 values and scales), without decoding and quantising them again.
+        Not over ETP, whose peers gather the decoded rows again."""
+        if self.block_codec is not None and getattr(experts, "fp8", None) == "block" and self.etp_group is None:
+            return self.block_codec
+        return self.codec
+
+    def _send_tokens(self, x_ND, send, recv, side, turn: Turn | None, codec):
+        """Dispatch stage: (rows for my experts x_MD, side() if it ran while they travelled, the
+        received FP8 payload where the experts read it, else None). With another micro-batch in
+        flight (a `turn`, interleave.py) the all-to-all is asynchronous even without side work:
+        the other micro-batch computes while it travels."""
+        receipt = [] if codec is self.block_codec is not None else None
         overlap_side = self.overlap and side is not None
         if not (overlap_side or turn is not None):
-            return all_to_all_rows(x_ND, send, recv, self.group, self.codec), None
-        in_flight = start_all_to_all_rows(x_ND, send, recv, self.group, self.codec, turn)
-        side_TD = side() if overlap_side else None
-        return in_flight.wait(), side_TD
+            x_MD, side_TD = all_to_all_rows(x_ND, send, recv, self.group, codec, receipt), None
+        else:
+            in_flight = start_all_to_all_rows(x_ND, send, recv, self.group, codec, turn, receipt)
+            side_TD = side() if overlap_side else None
+            x_MD = in_flight.wait()
+        return x_MD, side_TD, (receipt[0] if receipt else None)
 
     def _send_back(self, y_MD, recv, send, turn: Turn | None):
         """Combine stage's all-to-all (asynchronous with another micro-batch in flight)."""
@@ -344,19 +363,21 @@ class AllToAllDispatcher(_EPDispatcher):
             return start_all_to_all_rows(y_MD, recv, send, self.group, self.combine_codec, turn).wait()
         return all_to_all_rows(y_MD, recv, send, self.group, self.combine_codec)
 
-    def _run_experts(self, x_MD, recv_RS, experts, borrowed=None):
+    def _run_experts(self, x_MD, recv_RS, experts, borrowed=None, payload=None):
         """Experts stage: rows arrive grouped by source rank, then local slot (owned experts, then
         borrowed ones); experts() wants them slot-major, and the combine all-to-all wants them
-        back in arrival order."""
+        back in arrival order. `payload`: the rows' FP8 wire form, handed to the experts too."""
         R, S = recv_RS.shape
         slot_M = torch.arange(S).repeat(R).repeat_interleave(recv_RS.flatten())
         order_M = torch.argsort(slot_M, stable=True).to(x_MD.device)
         counts_S = recv_RS.sum(0).to(x_MD.device)
         x_MD = x_MD.index_select(0, order_M)
+        kw = {} if payload is None else {
+            "x_fp8": self.block_codec.tiles(payload.index_select(0, order_M), x_MD.shape[1])}
         if borrowed is None:
-            y_MD = self._experts(experts, x_MD, counts_S)
+            y_MD = self._experts(experts, x_MD, counts_S, **kw)
         else:  # etp = 1 here (the constructor refuses lending over ETP)
-            y_MD = experts(x_MD, counts_S, borrowed)
+            y_MD = experts(x_MD, counts_S, borrowed, **kw)
         return y_MD.index_select(0, _inverse(order_M))
 
 
