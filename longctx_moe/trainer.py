@@ -33,6 +33,7 @@ from data_packing.batch import PackedBatch
 from longctx_moe.config import Config
 from longctx_moe.host import HeapTrim
 from longctx_moe.metrics import ep_load_stats, peak_memory_mb, reset_peak_memory, step_flops
+from longctx_moe.model.fp8 import advance_fp8
 from longctx_moe.optim import LRSchedule
 from longctx_moe.parallel.dims import Axis
 from longctx_moe.parallel.runtime import ParallelRuntime, Shard
@@ -212,6 +213,7 @@ class Trainer:
             if self.cfg.model.expert_bias and pending.counts is not None:
                 self.model.update_expert_bias(pending.counts.to(self.device))
         self.optimizer.zero_grad(set_to_none=True)
+        advance_fp8(self.model, skipped)  # delayed FP8 scaling: freeze this step's scales
         self.schedule.advance()
         self.step += 1
         peak_mb = self._peak_memory()  # before the trim: the step's own peak

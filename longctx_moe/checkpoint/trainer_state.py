@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 # checkpoint resumes under other values (an FP8 run continues in bf16, or on a CPU). The parallel
 # layout may change too (sharded_state.py).
 HARMLESS_MODEL_KEYS = ("attention_backend", "kernels", "grouped_gemm", "expert_precision", "loss_chunk_tokens",
-                       "loss_logits_cache_mb", "init_std", "fp8", "fp8_recipe")
+                       "loss_logits_cache_mb", "init_std", "fp8", "fp8_recipe",
+                       "fp8_amax_history")
 
 
 def resume_expectations(cfg: Config) -> dict:

@@ -1,4 +1,4 @@
-"""FP8 GEMMs through torch's own scaled GEMMs (`model.fp8=torch`), in two recipes.
+"""FP8 GEMMs through torch's own scaled GEMMs (`model.fp8=torch`), in three recipes.
 
 `model.fp8_recipe=tensor` is Transformer Engine's "current scaling" with its HYBRID format: every operand is
 scaled per tensor from its own absolute maximum at the moment it is quantised (no amax history,
@@ -21,7 +21,8 @@ the tests use); `model.fp8=torch` is refused on devices without FP8 tensor cores
 
 `model.fp8_recipe=block` (`BlockScaling`) scales 1 x 128 runs of activations and gradients and
 128 x 128 weight blocks instead, through `torch.nn.functional.scaled_mm`'s blockwise modes on
-Hopper; on CPU from the dequantised operands (the tests' reference).
+Hopper; on CPU from the dequantised operands (the tests' reference). `model.fp8_recipe=delayed`
+(`DelayedScaling`) takes the activations' and gradients' scales from the amax of earlier steps.
 
 Shape legend: M rows (tokens), K contraction, N output features, E experts, D / F the experts'
 input / output widths; R x C a quantised matrix of any role.
@@ -80,17 +81,51 @@ def _block_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def quantize(x: torch.Tensor, fp8: torch.dtype, dims: tuple[int, ...] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, fp8: torch.dtype, dims: tuple[int, ...] | None = None,
+             scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in `fp8`, its float32 dequantisation factor): x ~ x_q * inv_scale, with one scale per
     tensor (or per slice over `dims`, kept as size-1 dims: one per expert of a stacked weight)
     mapping the largest |x| onto the format's largest finite value (an all-zero tensor keeps scale
-    1). Non-finite values stay non-finite, for the trainer's step guard to see."""
+    1), or the given `scale` (values beyond its range saturate). Non-finite values stay
+    non-finite, for the trainer's step guard to see."""
     top = torch.finfo(fp8).max
-    amax = (x.detach().abs().amax() if dims is None else x.detach().abs().amax(dim=dims, keepdim=True)).float()
-    scale = torch.where(amax > 0, top / amax, torch.ones_like(amax))
+    if scale is None:
+        amax = (x.detach().abs().amax() if dims is None else x.detach().abs().amax(dim=dims, keepdim=True)).float()
+        scale = torch.where(amax > 0, top / amax, torch.ones_like(amax))
     x_q = (x.detach().float() * scale).clamp(-top, top).to(fp8)
     return x_q, scale.reciprocal()
+
+
+class AmaxHistory:
+    """model.fp8_recipe=delayed, one operand role of one module: the largest |value| of the last
+    `length` optimizer steps (slot 0: the step under way, the max over its micro-batches and any
+    recomputed forward), and the scale frozen from them at the last step boundary. Until the first
+    boundary the scale is the tensor's own (current scaling), so a fresh or resumed run never
+    quantises with a made-up scale; after it, every call of a step uses the same frozen scale, so
+    a recomputed forward quantises exactly as the first one did."""
+
+    def __init__(self, fp8: torch.dtype, length: int):
+        self.fp8, self.length = fp8, length
+        self.amax: torch.Tensor | None = None  # [length] float32, on the operand's device
+        self.scale: torch.Tensor | None = None
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        now = x.detach().abs().amax().float()
+        if self.amax is None:
+            self.amax = torch.zeros(self.length, device=x.device)
+        self.amax[0] = torch.maximum(self.amax[0], now)
+        return quantize(x, self.fp8, scale=self.scale)
+
+    def advance(self, skipped: bool) -> None:
+        """A step boundary: freeze the scale from the history and open a new slot; a skipped
+        step (non-finite loss or gradients) leaves the scale and forgets its slot."""
+        if self.amax is None:
+            return
+        if not skipped:
+            amax = self.amax.amax()
+            self.scale = torch.where(amax > 0, torch.finfo(self.fp8).max / amax, torch.ones_like(amax))
+            self.amax = torch.roll(self.amax, 1)
+        self.amax[0] = 0.0
 
 
 def _check_widths(k: int, n: int, device: torch.device) -> None:
@@ -197,6 +232,12 @@ class TensorScaling:
 
     name = "tensor"
 
+    def _quantize_act(self, x_MK):
+        return quantize(x_MK, E4M3)
+
+    def _quantize_grad(self, g_MN):
+        return quantize(g_MN, E5M2)
+
     def weights(self, w_ENK):
         """Each group's weight with its own scale, all groups in the same ops."""
         q, inv = quantize(w_ENK, E4M3, dims=(1, 2))
@@ -206,14 +247,14 @@ class TensorScaling:
         """(operand of the forward product, pieces for the weight gradients). `given`: the
         forward operand quantised already (the block recipe's only)."""
         if given is not None:
-            raise ValueError("model.fp8_recipe=tensor quantises each activation tensor whole; "
+            raise ValueError(f"model.fp8_recipe={self.name} quantises each activation tensor whole; "
                              "a pre-quantised operand (the fp8 dispatch's) is the block recipe's")
-        q = quantize(x_MK, E4M3)
+        q = self._quantize_act(x_MK)
         return q, self.split(q, counts)
 
     def grad(self, g_MN, counts):
         """(operand of the input gradient, pieces for the weight gradients)."""
-        q = quantize(g_MN, E5M2)
+        q = self._quantize_grad(g_MN)
         return q, self.split(q, counts)
 
     def split(self, q, counts):
@@ -227,6 +268,31 @@ class TensorScaling:
 
     def wgrad(self, g, x, out_dtype):  # g^T @ x over the rows, zero-padded to a multiple of 16
         return scaled_mm(_pad_rows(g[0]).t(), g[1], _pad_rows(x[0]), x[1], out_dtype)
+
+
+class DelayedScaling(TensorScaling):
+    """Transformer Engine's DelayedScaling (its HYBRID format, amax "max" over the history):
+    activations and output gradients are scaled from the largest |value| of the last steps
+    (AmaxHistory), not from their own, so quantising needs no reduction over the tensor first.
+    Weights keep current scaling per tensor (per expert): the optimizer changes them every step,
+    their amax is exact and cheap, and a lent expert (expert lending) brings no history along.
+    One instance per module: it holds that module's histories, advanced by the trainer at every
+    optimizer step (`advance`)."""
+
+    name = "delayed"
+
+    def __init__(self, length: int):
+        self.x, self.g = AmaxHistory(E4M3, length), AmaxHistory(E5M2, length)
+
+    def _quantize_act(self, x_MK):
+        return self.x.quantize(x_MK)
+
+    def _quantize_grad(self, g_MN):
+        return self.g.quantize(g_MN)
+
+    def advance(self, skipped: bool = False) -> None:
+        self.x.advance(skipped)
+        self.g.advance(skipped)
 
 
 class BlockScaling:
@@ -268,7 +334,14 @@ class BlockScaling:
         return block_mm(g.t(), x, out_dtype)
 
 
-RECIPES = {"tensor": TensorScaling(), "block": BlockScaling()}
+RECIPES = {"tensor": TensorScaling(), "block": BlockScaling()}  # stateless: one instance serves all
+RECIPE_CHOICES = ("tensor", "block", "delayed")
+
+
+def make_recipe(name: str, history: int = 16):
+    """The scaling object a module runs `model.fp8_recipe=name` with (its own for delayed)."""
+    check_choice("model.fp8_recipe", name, RECIPE_CHOICES)
+    return DelayedScaling(history) if name == "delayed" else RECIPES[name]
 
 
 def _flat(objs) -> tuple[list[torch.Tensor], list]:
@@ -343,21 +416,22 @@ class _Fp8Grouped(torch.autograd.Function):
         return dx, dw, None, None, None, db, None
 
 
-def _recipe(name: str):
-    check_choice("model.fp8_recipe", name, tuple(RECIPES))
-    return RECIPES[name]
+def _recipe(recipe):
+    """A recipe object, or the name of a stateless one."""
+    return make_recipe(recipe) if isinstance(recipe, str) else recipe
 
 
 def linear(x: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, cdtype: torch.dtype,
-           recipe: str = "tensor") -> torch.Tensor:
-    """F.linear in FP8 over the last dim of x (any leading dims); the result in `cdtype`."""
+           recipe="tensor") -> torch.Tensor:
+    """F.linear in FP8 over the last dim of x (any leading dims); the result in `cdtype`.
+    `recipe`: a recipe's name, or its object (make_recipe; delayed scaling's holds state)."""
     x_MK = x.reshape(-1, x.shape[-1])
     y_MN = _Fp8Grouped.apply(x_MK, w_NK.unsqueeze(0), [x_MK.shape[0]], cdtype, _recipe(recipe), b_N, None)
     return y_MN.view(*x.shape[:-1], w_NK.shape[0])
 
 
 def grouped_matmul(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
-                   cdtype: torch.dtype, recipe: str = "tensor", x_fp8: Fp8Tiles | None = None) -> torch.Tensor:
+                   cdtype: torch.dtype, recipe="tensor", x_fp8: Fp8Tiles | None = None) -> torch.Tensor:
     """The experts' grouped GEMM in FP8 (model.grouped_gemm's contract, result in `cdtype`).
     `x_fp8`: x's FP8 form already made (the block recipe's 1 x 128 tiles, e.g. the fp8 dispatch's
     payload), used as the forward operand instead of quantising x again; the weight gradient
@@ -365,5 +439,6 @@ def grouped_matmul(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
     return _Fp8Grouped.apply(x_MD, w_EDF.transpose(1, 2), counts_E.tolist(), cdtype, _recipe(recipe), None, x_fp8)
 
 
-__all__ = ["BLOCK", "E4M3", "E5M2", "FP8_CHOICES", "RECIPES", "Fp8Tiles", "block_mm", "grouped_matmul", "linear",
-           "quantize", "quantize_tiles", "scaled_mm", "unavailable_reason"]
+__all__ = ["BLOCK", "E4M3", "E5M2", "FP8_CHOICES", "RECIPES", "RECIPE_CHOICES", "AmaxHistory", "DelayedScaling",
+           "Fp8Tiles", "block_mm", "grouped_matmul", "linear", "make_recipe", "quantize", "quantize_tiles",
+           "scaled_mm", "unavailable_reason"]

@@ -14,7 +14,7 @@ CHOICES = {
     "expert_precision": ("auto", "autocast", "param"),
     "kernels": ("auto", "torch", "triton"),
     "fp8": ("none", "torch", "te"),
-    "fp8_recipe": ("tensor", "block"),
+    "fp8_recipe": ("tensor", "block", "delayed"),
     "qk_norm_scope": ("head", "full"),
     "attention_type": ("gqa", "mla"),
     "expert_activation": ("swiglu", "clamped_swiglu"),
@@ -68,8 +68,11 @@ class ModelConfig:
     fp8: str = "none"
     # How model.fp8 scales its operands: tensor (one scale per tensor, per expert for expert
     # weights) | block (DeepSeek-V3's recipe: 1 x 128 runs of activations and gradients, 128 x 128
-    # weight blocks; widths in multiples of 128; Hopper, through torch's blockwise-scaled GEMM).
+    # weight blocks; widths in multiples of 128; Hopper, through torch's blockwise-scaled GEMM) |
+    # delayed (TE's DelayedScaling: activations and gradients scaled from the largest |value| of
+    # the last fp8_amax_history optimizer steps; weights per tensor).
     fp8_recipe: str = "tensor"
+    fp8_amax_history: int = 16
 
     # Cross-entropy over the vocabulary in chunks of this many tokens (bounds fp32 logits memory).
     loss_chunk_tokens: int = 1024
@@ -140,7 +143,8 @@ class ModelConfig:
         for key, allowed in CHOICES.items():
             check_choice(f"model.{key}", getattr(self, key), allowed)
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                    "head_dim", "num_experts", "top_k", "expert_hidden_size", "loss_chunk_tokens"):
+                    "head_dim", "num_experts", "top_k", "expert_hidden_size", "loss_chunk_tokens",
+                    "fp8_amax_history"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
         if self.loss_logits_cache_mb < 0:

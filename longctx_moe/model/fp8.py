@@ -20,24 +20,36 @@ from longctx_moe.model.moe import GroupedExperts, SharedExpert
 
 class Fp8Linear(nn.Linear):
     """nn.Linear whose product runs in FP8 (E4M3 forward, E5M2 gradients, float32 masters),
-    scaled by `fp8_recipe` (model.fp8_recipe: tensor | block)."""
+    scaled by `fp8_recipe` (model.fp8_recipe: tensor | block | delayed) through `fp8_scaling`,
+    the recipe's object (delayed scaling's holds this layer's amax histories)."""
 
     fp8_recipe = "tensor"
+    fp8_scaling = fp8.RECIPES["tensor"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8.linear(x, self.weight, self.bias, autocast_dtype(x), self.fp8_recipe)
+        return fp8.linear(x, self.weight, self.bias, autocast_dtype(x), self.fp8_scaling)
 
     @classmethod
-    def adopt(cls, linear: nn.Linear, recipe: str = "tensor") -> Fp8Linear:
+    def adopt(cls, linear: nn.Linear, recipe: str = "tensor", history: int = 16) -> Fp8Linear:
         """The same module re-classed: it keeps its parameters, hooks and attributes."""
         linear.__class__ = cls
-        linear.fp8_recipe = recipe
+        linear.fp8_recipe, linear.fp8_scaling = recipe, fp8.make_recipe(recipe, history)
         return linear
 
 
-def apply_fp8(model: nn.Module, setting: str, recipe: str = "tensor") -> None:
+def advance_fp8(model: nn.Module, skipped: bool = False) -> None:
+    """An optimizer step boundary for every FP8 module with step state (model.fp8_recipe=delayed
+    freezes its scales from the amax histories and opens a new slot); nothing for the others."""
+    for module in model.modules():
+        advance = getattr(getattr(module, "fp8_scaling", None), "advance", None)
+        if advance is not None:
+            advance(skipped)
+
+
+def apply_fp8(model: nn.Module, setting: str, recipe: str = "tensor", history: int = 16) -> None:
     """Turn `model`'s block GEMMs to FP8 for `setting` (model.fp8) scaled by `recipe`
-    (model.fp8_recipe); "none" leaves the model as it is."""
+    (model.fp8_recipe, with `history` steps of amax for delayed scaling); "none" leaves the model
+    as it is."""
     if setting == "none":
         return
     if setting != "torch":  # te, or a bad value: the same line the start-up check gives
@@ -48,10 +60,10 @@ def apply_fp8(model: nn.Module, setting: str, recipe: str = "tensor") -> None:
         for name, module in block.named_modules():
             if type(module) is nn.Linear and id(module) not in gates:
                 _check_widths(f"layers.{i}.{name}", recipe, module.in_features, module.out_features)
-                Fp8Linear.adopt(module, recipe)
+                Fp8Linear.adopt(module, recipe, history)
             elif isinstance(module, GroupedExperts):
                 _check_widths(f"layers.{i}.{name}", recipe, *module.w_down.shape[1:])
-                module.fp8 = recipe
+                module.fp8, module.fp8_scaling = recipe, fp8.make_recipe(recipe, history)
 
 
 def _check_widths(where: str, recipe: str, *widths: int) -> None:

@@ -162,8 +162,10 @@ class GroupedExperts(nn.Module):
         self.impl, self.precision = impl, precision
         self.activation, self.limit, self.down_bias_offset = activation, limit, 0
         self.recompute = False  # selective recompute (longctx_moe.model.recompute)
-        # model.fp8: the grouped GEMMs in FP8 with this model.fp8_recipe (longctx_moe.model.fp8)
+        # model.fp8: the grouped GEMMs in FP8 with this model.fp8_recipe (longctx_moe.model.fp8),
+        # through the recipe's object (delayed scaling's holds these experts' amax histories)
         self.fp8: str | None = None
+        self.fp8_scaling = None
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, dim, 2, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.b_gate_up = nn.Parameter(torch.empty(num_experts, 2, hidden)) if bias else None
@@ -227,7 +229,7 @@ class GroupedExperts(nn.Module):
         float32 masters itself: no cast to the compute dtype first; x too, unless `x_fp8` is
         its FP8 form already), else w cast to x's dtype."""
         if self.fp8:
-            return fp8.grouped_matmul(x_MD, w_EDF, counts_E, x_MD.dtype, self.fp8, x_fp8)
+            return fp8.grouped_matmul(x_MD, w_EDF, counts_E, x_MD.dtype, self.fp8_scaling, x_fp8)
         return grouped_matmul(x_MD, w_EDF.to(x_MD.dtype), counts_E, self.impl)
 
     def _biased_down(self, h_MF2, w_EFD, counts_E, biases) -> torch.Tensor:

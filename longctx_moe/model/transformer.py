@@ -87,7 +87,7 @@ class Transformer(nn.Module):
         # A vocab-parallel head (set by parallelize under TP): output_weight() then holds this
         # rank's rows and the losses reduce their softmax statistics over the shard's group.
         self.vocab_shard: VocabShard | None = None
-        apply_fp8(self, cfg.fp8, cfg.fp8_recipe)
+        apply_fp8(self, cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history)
 
     def set_recompute(self, mode: str) -> None:
         """none | selective | full (see longctx_moe.model.recompute): what the backward recomputes."""

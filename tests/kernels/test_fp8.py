@@ -237,13 +237,17 @@ def test_widths_fp8_gemms_cannot_take_are_refused_at_start_up(monkeypatch):
 def test_recompute_reruns_the_fp8_products_exactly():
     # quantisation is a pure function of its input: a recomputed forward quantises alike
     _, ours = _model_pair()
-    batch = packed_batch([40, 100, 116], 256, generator=torch.Generator().manual_seed(0))
+    _assert_recompute_exact(ours, packed_batch([40, 100, 116], 256, generator=torch.Generator().manual_seed(0)))
+
+
+def _assert_recompute_exact(model, batch):
+    """Gradients under selective and full recompute equal those without, bit for bit."""
     grads = {}
     for mode in ("none", "selective", "full"):
-        ours.set_recompute(mode)
-        ours.zero_grad()
-        _loss(ours, batch).backward()
-        grads[mode] = [p.grad.clone() for p in ours.parameters()]
+        model.set_recompute(mode)
+        model.zero_grad()
+        _loss(model, batch).backward()
+        grads[mode] = [p.grad.clone() for p in model.parameters()]
     for mode in ("selective", "full"):
         assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads[mode], strict=True)), mode
 
@@ -379,4 +383,76 @@ def test_block_recipe_refusals_name_the_width_and_the_fix(monkeypatch):
         check_backends(cfg, torch.device("cpu"))  # kv heads x head dim = 64
     assert "\n" not in str(e.value) and "model.fp8_recipe=tensor" in str(e.value)
     with pytest.raises(Exception, match="model.fp8_recipe"):
-        load_config(None, ["model.fp8_recipe=delayed"])
+        load_config(None, ["model.fp8_recipe=mxfp8"])
+
+
+# ---- model.fp8_recipe=delayed: scales from the amax of earlier steps ----
+
+def test_amax_history_scales_from_earlier_steps_and_forgets_skipped_ones():
+    h = fp8.AmaxHistory(fp8.E4M3, length=3)
+    x = torch.randn(8, 16)
+    q, inv = h.quantize(x)  # before any step boundary: the tensor's own scale (current scaling)
+    q1, inv1 = fp8.quantize(x, fp8.E4M3)
+    assert torch.equal(q.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(inv, inv1)
+    h.quantize(x * 4)  # a second micro-batch of the same step: the slot keeps the max
+    h.advance(skipped=False)
+    top, big = torch.finfo(fp8.E4M3).max, float(x.abs().max()) * 4
+    torch.testing.assert_close(h.scale, torch.tensor(top / big), rtol=1e-6, atol=0)
+    q, inv = h.quantize(x * 8)  # twice the history's max: saturates at the format's largest value
+    assert float(q.float().abs().max()) == top and float(inv) == pytest.approx(big / top, rel=1e-6)
+    h.quantize(torch.full((2, 2), 1e6))  # a step with an overflow is skipped: its amax never counts
+    h.advance(skipped=True)
+    assert float(h.amax[0]) == 0 and float(h.amax[1]) == pytest.approx(big)
+    for _ in range(3):  # the big step leaves the 3-step window
+        h.quantize(x)
+        h.advance(skipped=False)
+    torch.testing.assert_close(h.scale, top / x.abs().max(), rtol=1e-6, atol=0)
+
+
+def _delayed_model():
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, num_experts=4, top_k=2, expert_hidden_size=32, fp8="torch",
+                      fp8_recipe="delayed", fp8_amax_history=4)
+    torch.manual_seed(0)
+    return build_model(cfg)
+
+
+def test_delayed_recipe_quantises_with_frozen_scales_and_recompute_matches():
+    from longctx_moe.model.fp8 import advance_fp8
+
+    model = _delayed_model()
+    scalings = {id(m.fp8_scaling): m.fp8_scaling for m in model.modules() if hasattr(m, "fp8_scaling")}
+    assert all(isinstance(s, fp8.DelayedScaling) for s in scalings.values()) and len(scalings) == 2 * 5
+    batch = packed_batch([40, 100, 116], 256, generator=torch.Generator().manual_seed(0))
+    _loss(model, batch).backward()
+    advance_fp8(model)
+    assert all(s.x.scale is not None and s.g.scale is not None for s in scalings.values())
+    _assert_recompute_exact(model, batch)  # a step's calls all use the frozen scales
+
+
+def test_delayed_forward_equals_current_scaling_at_the_frozen_scale(scaled_mm_calls):
+    # after one step the activation is quantised with the history's scale, not its own: halve
+    # the input and the quantised values halve too (current scaling would map it to 448 again)
+    lin = fp8.DelayedScaling(2)
+    x, w = torch.randn(32, 64), torch.randn(48, 64) / 8
+    fp8.linear(x, w, None, torch.float32, lin)
+    lin.advance()
+    y = fp8.linear(x / 2, w, None, torch.float32, lin)
+    top = torch.finfo(fp8.E4M3).max
+    scale = top / float(x.abs().max())
+    xd = ((x / 2).double() * scale).clamp(-top, top).to(fp8.E4M3).double() / scale
+    _close(y, xd @ _dq(w, fp8.E4M3).t())
+
+
+def test_the_trainer_advances_the_fp8_histories_each_optimizer_step(monkeypatch):
+    from longctx_moe import trainer as trainer_mod
+
+    seen = []
+    monkeypatch.setattr(trainer_mod, "advance_fp8", lambda model, skipped: seen.append(skipped))
+    from tests.trainer.test_split_step import _trainer
+
+    tr = _trainer()
+    batch = packed_batch([30, 50], tr.cfg.model.vocab_size, generator=torch.Generator().manual_seed(0))
+    tr.train_step([batch])
+    tr.train_step([batch])
+    assert seen == [False, False]

@@ -128,7 +128,9 @@ def _block_experts(local: int, offset: int):
     with torch.no_grad():
         experts.w_gate_up.copy_(full.w_gate_up[offset:offset + local])
         experts.w_down.copy_(full.w_down[offset:offset + local])
-    experts.fp8 = "block"
+    from longctx_moe.kernels import fp8
+
+    experts.fp8, experts.fp8_scaling = "block", fp8.make_recipe("block")  # as model.fp8's apply_fp8 sets them
     return experts
 
 
