@@ -160,6 +160,7 @@ class ModelConfig:
                              "lower top_k or raise num_experts")
         self._validate_family_features()
         self._validate_attention_features()
+        self._validate_fp8()
         if not 0 <= self.first_k_dense <= self.num_layers:
             raise ValueError(f"model.first_k_dense={self.first_k_dense} must lie in "
                              f"[0, model.num_layers={self.num_layers}]")
@@ -187,6 +188,16 @@ class ModelConfig:
         if self.shared_expert_gate and self.shared_expert_hidden_size < 1:
             raise ValueError("model.shared_expert_gate=true needs a shared expert; set "
                              "model.shared_expert_hidden_size > 0")
+
+    def _validate_fp8(self) -> None:
+        # the recipe keys act only under model.fp8 (the history only under delayed scaling):
+        # refused rather than ignored
+        if self.fp8 == "none" and self.fp8_recipe != "tensor":
+            raise ValueError(f"model.fp8_recipe={self.fp8_recipe} scales FP8 GEMMs, and model.fp8=none runs "
+                             "none; set model.fp8=torch or drop fp8_recipe")
+        if self.fp8_recipe != "delayed" and self.fp8_amax_history != 16:
+            raise ValueError(f"model.fp8_amax_history={self.fp8_amax_history} is the history of "
+                             "model.fp8_recipe=delayed; set that or drop fp8_amax_history")
 
     def _validate_attention_features(self) -> None:
         from longctx_moe.model.rope import RopeSpec

@@ -384,6 +384,12 @@ def test_block_recipe_refusals_name_the_width_and_the_fix(monkeypatch):
     assert "\n" not in str(e.value) and "model.fp8_recipe=tensor" in str(e.value)
     with pytest.raises(Exception, match="model.fp8_recipe"):
         load_config(None, ["model.fp8_recipe=mxfp8"])
+    # recipe keys without the setting they shape: refused, not ignored
+    with pytest.raises(Exception, match="model.fp8=none runs none"):
+        load_config(None, ["model.fp8_recipe=block"])
+    with pytest.raises(Exception, match="history of model.fp8_recipe=delayed"):
+        load_config(None, ["model.fp8=torch", "model.fp8_amax_history=64"])
+    load_config(None, ["model.fp8=torch", "model.fp8_recipe=delayed", "model.fp8_amax_history=64"])
 
 
 # ---- model.fp8_recipe=delayed: scales from the amax of earlier steps ----
