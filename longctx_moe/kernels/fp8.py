@@ -50,8 +50,8 @@ def unavailable_reason(setting: str, device, tp: int = 1, recipe: str = "tensor"
         return None
     if setting == "te":
         return ("model.fp8=te: the Transformer Engine path is not built (its wheels cannot be installed "
-                "or run where this project is tested); model.fp8=torch runs the same recipe through "
-                "torch's FP8 GEMMs; or set model.fp8=none")
+                "or run where this project is tested); model.fp8=torch runs TE's recipes (model.fp8_recipe="
+                "tensor | delayed | block) through torch's FP8 GEMMs; or set model.fp8=none")
     if setting != "torch":
         return f"model.fp8={setting!r} is not one of {FP8_CHOICES}"
     if tp > 1:
