@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longctx_moe.kernels import ops, use_triton
+from longctx_moe.kernels import cpu_rmsnorm, ops, use_triton
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -74,6 +74,11 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, out_dtype: torch.dtype):
+        ctx.fused = cpu_rmsnorm.serves(x, out_dtype)  # the same arithmetic in one pass per row
+        if ctx.fused:
+            y_ND, r_N = cpu_rmsnorm.forward(x.reshape(-1, x.shape[-1]), weight, eps, out_dtype)
+            ctx.save_for_backward(x, weight, r_N.view(*x.shape[:-1], 1))
+            return y_ND.view(x.shape)
         dtype = _compute_dtype(x)
         x_hi = x.to(dtype)
         r_N1 = torch.rsqrt(x_hi.square().mean(-1, keepdim=True) + eps)
@@ -84,6 +89,10 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight, r_N1 = ctx.saved_tensors
+        if ctx.fused:
+            d = x.shape[-1]
+            dx_ND, dw = cpu_rmsnorm.backward(g.reshape(-1, d), x.reshape(-1, d), weight, r_N1.reshape(-1))
+            return dx_ND.view(x.shape), dw.to(weight.dtype), None, None
         dtype = r_N1.dtype
         xh = x.to(dtype) * r_N1
         gw = g.to(dtype) * weight.to(dtype)
