@@ -11,7 +11,8 @@ Checks (each records max errors and pass/fail, never aborts the rest):
   grouped_gemm: torch._grouped_mm bf16 fwd/bwd vs a float64 per-expert loop;
   model_bf16: one packed batch, loss of the bf16-autocast model on the GPU vs float64 on the CPU;
   check.fp8: model.fp8=torch's FP8 linear (forward, both gradients) against the float64 product
-    of the same quantised operands, on FP8-capable GPUs, per recipe (tensor; block on Hopper).
+    of the same quantised operands, on FP8-capable GPUs, per recipe (tensor, delayed; block on
+    Hopper).
 Timings (medians): attention fwd+bwd per backend on a 32K packed row; one training step of the
 bench config (hidden 512, 4 layers, 16 experts top-2) in tokens/s; then, on the ~1B MoE of
 MOE_1B (1.08B parameters, 240M active per token):
@@ -119,13 +120,15 @@ def check_grouped_gemm(device) -> dict:
 def check_fp8(device) -> dict:
     """model.fp8=torch's linear on the GPU against the float64 product of the same quantised
     operands (E4M3 x and w, E5M2 output gradient), for each recipe the GPU runs: per-tensor
-    scales (torch._scaled_mm), and where it can, model.fp8_recipe=block (1 x 128 runs, 128 x 128
-    weight blocks; torch's blockwise-scaled GEMM). Only float32 accumulation separates each from
-    its reference, so each result is within 1e-4 of its largest value (relative)."""
+    scales (torch._scaled_mm); delayed scaling after one step (x and the gradient quantised with
+    the scales frozen from a step of 3x their size: not a power of 2, so other values); and where it can, model.fp8_recipe=block
+    (1 x 128 runs, 128 x 128 weight blocks; torch's blockwise-scaled GEMM). Only float32
+    accumulation separates each from its reference, so each result is within 1e-4 of its largest
+    value (relative)."""
     from longctx_moe.kernels import fp8
 
     out = {"ok": True}
-    for recipe in fp8.RECIPES:
+    for recipe in fp8.RECIPE_CHOICES:
         reason = fp8.unavailable_reason("torch", device, recipe=recipe)
         out[recipe] = _check_fp8_recipe(device, recipe) if reason is None else {"ok": None, "skipped": reason}
         out["ok"] = out["ok"] and out[recipe]["ok"] is not False
@@ -139,20 +142,32 @@ def _check_fp8_recipe(device, recipe: str) -> dict:
     x = torch.randn(4096, 2048, device=device, generator=g).to(torch.bfloat16).requires_grad_()
     w = (torch.randn(1536, 2048, device=device, generator=g) / 45).requires_grad_()
     dy = torch.randn(4096, 1536, device=device, generator=g).to(torch.bfloat16)
-    y = fp8.linear(x, w, None, torch.bfloat16, recipe)
+    scaling, frozen = fp8.make_recipe(recipe, 4), {}
+    if recipe == "delayed":  # one step of 3x the values fills the history, then its scales hold
+        fp8.linear(3 * x.detach(), w, None, torch.bfloat16, scaling).backward(3 * dy)
+        w.grad = None
+        scaling.advance()
+        # the scales that step must leave, from the history's rule (not read back from the recipe)
+        frozen = {fmt: torch.finfo(fmt).max / (3 * t.detach().float().abs().amax())
+                  for fmt, t in ((fp8.E4M3, x), (fp8.E5M2, dy))}
+    y = fp8.linear(x, w, None, torch.bfloat16, scaling)
     y.backward(dy)
 
-    def dq(t, fmt, tile=None):  # the recipe's quantise-dequantise (tile None: per tensor)
+    def dq(t, fmt, tile=None, scale=None):  # the recipe's quantise-dequantise (tile None: per tensor)
         if tile is None:
-            q, inv = fp8.quantize(t, fmt)
+            q, inv = fp8.quantize(t, fmt, scale=scale)
             return q.double() * inv.double()
         return fp8.quantize_tiles(t, fmt, tile).dequantize().double()
 
     b = fp8.BLOCK  # the tiles of: activations and gradients along K, weights, both along the tokens
     run, wt, tok = ((1, b), (b, b), (b, 1)) if recipe == "block" else (None, None, None)
     wd = dq(w, fp8.E4M3, wt)
-    refs = (("y", y, dq(x, fp8.E4M3, run) @ wd.t()), ("dx", x.grad, dq(dy, fp8.E5M2, run) @ wd),
-            ("dw", w.grad, dq(dy, fp8.E5M2, tok).t() @ dq(x, fp8.E4M3, tok)))
+    xd, gd = dq(x, fp8.E4M3, run, frozen.get(fp8.E4M3)), dq(dy, fp8.E5M2, run, frozen.get(fp8.E5M2))
+    if recipe == "block":  # the weight gradient's operands, quantised along the tokens
+        xt, gt = dq(x, fp8.E4M3, tok), dq(dy, fp8.E5M2, tok)
+    else:
+        xt, gt = xd, gd
+    refs = (("y", y, xd @ wd.t()), ("dx", x.grad, gd @ wd), ("dw", w.grad, gt.t() @ xt))
     errs = {name: float((got.detach().double() - ref).abs().max() / ref.abs().max()) for name, got, ref in refs}
     # y and dx are bf16 results: one bf16 rounding (2**-8 relative) on top of the accumulation
     return {"rel_err": errs, "ok": errs["dw"] < 1e-4 and max(errs["y"], errs["dx"]) < 2**-7}
