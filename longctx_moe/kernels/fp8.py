@@ -182,6 +182,10 @@ def quantize_tiles(x_RC: torch.Tensor, fp8: torch.dtype, tile: tuple[int, int]) 
     leading dims (stacked experts) are quantised in the same ops."""
     top = torch.finfo(fp8).max
     (*lead, R, C), (tr, tc) = x_RC.shape, tile
+    if R % tr or C % tc:  # e.g. an expert-tensor-parallel shard of the experts' hidden width
+        raise ValueError(f"model.fp8_recipe=block: a [{R}, {C}] operand does not split into {tr} x {tc} "
+                         f"tiles; make every GEMM width (per ETP shard too) a multiple of {BLOCK}, or set "
+                         "model.fp8_recipe=tensor")
     blocks = x_RC.detach().float().reshape(*lead, R // tr, tr, C // tc, tc)
     amax = blocks.abs().amax(dim=(-3, -1))
     scale = torch.where(amax > 0, top / amax, torch.ones_like(amax))

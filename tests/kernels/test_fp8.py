@@ -384,6 +384,9 @@ def test_block_recipe_refusals_name_the_width_and_the_fix(monkeypatch):
     assert "\n" not in str(e.value) and "model.fp8_recipe=tensor" in str(e.value)
     with pytest.raises(Exception, match="model.fp8_recipe"):
         load_config(None, ["model.fp8_recipe=mxfp8"])
+    with pytest.raises(ValueError, match=r"\[256, 192\] operand does not split into 128 x 128 tiles") as e:
+        fp8.RECIPES["block"].weights(torch.zeros(2, 256, 192))  # an ETP shard of a 384-wide expert
+    assert "\n" not in str(e.value)
     # recipe keys without the setting they shape: refused, not ignored
     with pytest.raises(Exception, match="model.fp8=none runs none"):
         load_config(None, ["model.fp8_recipe=block"])
