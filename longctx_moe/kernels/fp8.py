@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from longctx_moe.choices import check_choice
+from longctx_moe.kernels import fp8_grouped
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_CHOICES = ("none", "torch", "te")
@@ -267,6 +268,15 @@ class TensorScaling:
     def fprop(self, x, w, out_dtype):  # x @ w^T
         return scaled_mm(x[0], x[1], w[0].t(), w[1], out_dtype)
 
+    def fprop_groups(self, x, ws, counts, out_dtype):
+        """Every group's forward product [M, N]: one grouped GEMM where torch has one for these
+        operands (fp8_grouped: E4M3 x E4M3 on Hopper), else a GEMM per group."""
+        if fp8_grouped.usable(x[0], out_dtype, len(ws)):
+            y = fp8_grouped.forward(x, ws, counts)
+            if y is not None:
+                return y
+        return _each_group(self, x, ws, counts, out_dtype)
+
     def dgrad(self, g, w, out_dtype):  # g @ w
         return scaled_mm(g[0], g[1], w[0], w[1], out_dtype)
 
@@ -331,6 +341,9 @@ class BlockScaling:
     def fprop(self, x, w, out_dtype):
         return block_mm(x, w.t(), out_dtype)
 
+    def fprop_groups(self, x, ws, counts, out_dtype):
+        return _each_group(self, x, ws, counts, out_dtype)
+
     def dgrad(self, g, w, out_dtype):
         return block_mm(g, w, out_dtype)
 
@@ -378,18 +391,23 @@ def _weight_grad(recipe, g, x, n: int, k: int, device) -> torch.Tensor:
     return recipe.wgrad(g, x, torch.float32)
 
 
+def _each_group(recipe, x, ws, counts, out_dtype) -> torch.Tensor:
+    """The forward product group by group: one GEMM per group with its own weight."""
+    return torch.cat([recipe.fprop(p, ws[e], out_dtype) for e, p in enumerate(recipe.split(x, counts))])
+
+
 class _Fp8Grouped(torch.autograd.Function):
     """y_MN: rows sorted by group, counts rows each, y[rows of e] = x[rows of e] @ w_ENK[e]^T,
     in FP8 by `recipe` with one weight (and its own scales) per group, as in TE's GroupedLinear.
-    A plain linear layer is one group. One GEMM per group with rows."""
+    A plain linear layer is one group. One GEMM per group with rows (the forward's as one
+    grouped GEMM where fp8_grouped can)."""
 
     @staticmethod
     def forward(ctx, x_MK, w_ENK, counts, cdtype, recipe, b_N, x_given):
         x_fwd, x_w = recipe.act(x_MK, counts, x_given)
         ws = recipe.weights(w_ENK)
         out = _out_dtype(cdtype)
-        y = [recipe.fprop(p, ws[e], out) for e, p in enumerate(recipe.split(x_fwd, counts))]
-        y_MN = torch.cat(y).to(cdtype) if y else x_MK.new_zeros(0, w_ENK.shape[1], dtype=cdtype)
+        y_MN = recipe.fprop_groups(x_fwd, ws, counts, out).to(cdtype)
         if b_N is not None:
             y_MN = y_MN + b_N.to(cdtype)
         tensors, ctx.kinds = _flat([*ws, *x_w])
