@@ -61,9 +61,8 @@ def unavailable_reason(setting: str, device, tp: int = 1, recipe: str = "tensor"
     if device.type != "cuda":
         return f"model.fp8=torch needs a CUDA GPU with FP8 tensor cores, not {device.type}; set model.fp8=none"
     if torch.cuda.get_device_capability(device) < (8, 9):
-        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
         return (f"model.fp8=torch needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper); "
-                f"{torch.cuda.get_device_name(device)} has {cap}; set model.fp8=none")
+                f"{_gpu(device)}; set model.fp8=none")
     if recipe == "block":
         return _block_unavailable_reason(device)
     return None
@@ -76,10 +75,15 @@ def _block_unavailable_reason(device: torch.device) -> str | None:
         return (f"model.fp8_recipe=block needs torch.nn.functional.scaled_mm's blockwise scaling, which "
                 f"torch {torch.__version__} lacks; set model.fp8_recipe=tensor")
     if torch.cuda.get_device_capability(device)[0] != 9:
-        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
         return (f"model.fp8_recipe=block: torch's blockwise-scaled FP8 GEMM runs on Hopper (compute "
-                f"capability 9.x); {torch.cuda.get_device_name(device)} has {cap}; set model.fp8_recipe=tensor")
+                f"capability 9.x); {_gpu(device)}; set model.fp8_recipe=tensor")
     return None
+
+
+def _gpu(device: torch.device) -> str:
+    """'<GPU name> has <compute capability>', for a refusal."""
+    cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    return f"{torch.cuda.get_device_name(device)} has {cap}"
 
 
 def quantize(x: torch.Tensor, fp8: torch.dtype, dims: tuple[int, ...] | None = None,
@@ -91,10 +95,17 @@ def quantize(x: torch.Tensor, fp8: torch.dtype, dims: tuple[int, ...] | None = N
     non-finite, for the trainer's step guard to see."""
     top = torch.finfo(fp8).max
     if scale is None:
-        amax = (x.detach().abs().amax() if dims is None else x.detach().abs().amax(dim=dims, keepdim=True)).float()
-        scale = torch.where(amax > 0, top / amax, torch.ones_like(amax))
+        scale = _scale_for(x.detach().abs().amax() if dims is None else x.detach().abs().amax(dim=dims, keepdim=True),
+                           fp8)
     x_q = (x.detach().float() * scale).clamp(-top, top).to(fp8)
     return x_q, scale.reciprocal()
+
+
+def _scale_for(amax: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    """The recipes' one rule: the scale mapping `amax` onto the format's largest finite value
+    (1 where amax is 0, so an all-zero tensor or tile stays zero)."""
+    amax = amax.float()
+    return torch.where(amax > 0, torch.finfo(fp8).max / amax, torch.ones_like(amax))
 
 
 class AmaxHistory:
@@ -115,7 +126,8 @@ class AmaxHistory:
         if self.amax is None:
             self.amax = torch.zeros(self.length, device=x.device)
         self.amax[0] = torch.maximum(self.amax[0], now)
-        return quantize(x, self.fp8, scale=self.scale)
+        # before the first boundary: this tensor's own scale, from the amax just taken
+        return quantize(x, self.fp8, scale=self.scale if self.scale is not None else _scale_for(now, self.fp8))
 
     def advance(self, skipped: bool) -> None:
         """A step boundary: freeze the scale from the history and open a new slot; a skipped
@@ -123,8 +135,7 @@ class AmaxHistory:
         if self.amax is None:
             return
         if not skipped:
-            amax = self.amax.amax()
-            self.scale = torch.where(amax > 0, torch.finfo(self.fp8).max / amax, torch.ones_like(amax))
+            self.scale = _scale_for(self.amax.amax(), self.fp8)
             self.amax = torch.roll(self.amax, 1)
         self.amax[0] = 0.0
 
@@ -134,11 +145,6 @@ def _check_widths(k: int, n: int, device: torch.device) -> None:
         raise ValueError(f"model.fp8=torch: a GEMM of contraction {k} and width {n} is not FP8-able "
                          f"(cuBLAS needs multiples of {_ALIGN}); make the model's widths multiples of "
                          f"{_ALIGN} or set model.fp8=none")
-
-
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
-    extra = -x.shape[0] % _ALIGN
-    return x if not extra else torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
 
 
 def scaled_mm(a_MK: torch.Tensor, inv_a: torch.Tensor, b_KN: torch.Tensor, inv_b: torch.Tensor,
@@ -188,13 +194,13 @@ def quantize_tiles(x_RC: torch.Tensor, fp8: torch.dtype, tile: tuple[int, int]) 
                          f"tiles; make every GEMM width (per ETP shard too) a multiple of {BLOCK}, or set "
                          "model.fp8_recipe=tensor")
     blocks = x_RC.detach().float().reshape(*lead, R // tr, tr, C // tc, tc)
-    amax = blocks.abs().amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, top / amax, torch.ones_like(amax))
+    scale = _scale_for(blocks.abs().amax(dim=(-3, -1)), fp8)
     q = (blocks * scale[..., :, None, :, None]).clamp(-top, top).to(fp8).reshape(x_RC.shape)
     return Fp8Tiles(q, scale.reciprocal(), tile)
 
 
 def _pad_to(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """x with zero rows appended up to a multiple of `multiple` (zeros add nothing to a sum)."""
     extra = -x.shape[0] % multiple
     return x if not extra else torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
 
@@ -281,7 +287,7 @@ class TensorScaling:
         return scaled_mm(g[0], g[1], w[0], w[1], out_dtype)
 
     def wgrad(self, g, x, out_dtype):  # g^T @ x over the rows, zero-padded to a multiple of 16
-        return scaled_mm(_pad_rows(g[0]).t(), g[1], _pad_rows(x[0]), x[1], out_dtype)
+        return scaled_mm(_pad_to(g[0], _ALIGN).t(), g[1], _pad_to(x[0], _ALIGN), x[1], out_dtype)
 
 
 class DelayedScaling(TensorScaling):

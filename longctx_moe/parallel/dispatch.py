@@ -347,7 +347,7 @@ class AllToAllDispatcher(_EPDispatcher):
         received FP8 payload where the experts read it, else None). With another micro-batch in
         flight (a `turn`, interleave.py) the all-to-all is asynchronous even without side work:
         the other micro-batch computes while it travels."""
-        receipt = [] if codec is self.block_codec is not None else None
+        receipt = [] if codec is self.block_codec else None  # self.codec is never the block one
         overlap_side = self.overlap and side is not None
         if not (overlap_side or turn is not None):
             x_MD, side_TD = all_to_all_rows(x_ND, send, recv, self.group, codec, receipt), None
