@@ -25,6 +25,18 @@ def test_switched_off_by_environment(adapter, monkeypatch):
     assert not adapter.available()
 
 
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="no AVX512-BF16 here: the kernels are not built")
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_built_and_self_checked_where_the_cpu_can_run_it(adapter, monkeypatch):
+    """A build or self-check failure falls back to aten with a warning at run time; in the tests
+    it is a failure, so that a broken kernel is not mistaken for a CPU without AVX512-BF16."""
+    monkeypatch.delenv(adapter.KERNEL.env, raising=False)
+    monkeypatch.setattr(adapter.KERNEL, "state", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert adapter.available()
+
+
 @pytest.mark.parametrize("adapter", ADAPTERS)
 def test_first_use_inside_autocast_still_builds_and_runs(adapter, monkeypatch):
     monkeypatch.setattr(adapter.KERNEL, "state", {})  # a first use: built and self-checked anew
