@@ -13,11 +13,13 @@ without this package:
 | log-prob + entropy statistics per vocabulary chunk | triton_logprobs | losses._LinearLogProbs |
 | RMSNorm, and residual add + RMSNorm | triton_rmsnorm | layers._RMSNormFn |
 
-Two CPU-side modules live here too, outside `model.kernels`: `cpu_logprobs`, a C++ (AVX512)
-kernel for the log-prob head's softmax work on bf16 logits, which the torch path uses on CPUs
-with AVX512-BF16 (as cp_attention's C++ attention kernels are used; `LONGCTX_CPU_LOGPROBS=0`
-turns it off), and `logits_cache`, the rule by which both log-prob heads keep their forward's
-logits for the backward (`model.loss_logits_cache_mb`).
+CPU-side modules live here too, outside `model.kernels`: three C++ (AVX512) kernels that the torch
+path uses on CPUs where cp_attention's builder builds its kernels (as it uses the C++ attention
+kernels), each with an environment switch to turn it off - `cpu_logprobs`, the log-prob head's
+softmax work on bf16 logits (`LONGCTX_CPU_LOGPROBS=0`); `cpu_rmsnorm`, RMSNorm in one pass per
+row each way (`LONGCTX_CPU_RMSNORM=0`); `cpu_swiglu`, the experts' SwiGLU activation in one pass
+each way (`LONGCTX_CPU_SWIGLU=0`) - and `logits_cache`, the rule by which both log-prob heads keep
+their forward's logits for the backward (`model.loss_logits_cache_mb`).
 
 `model.kernels`: "torch" never uses them; "triton" always does (refused at start-up where it
 cannot run: without the package, or on CPU outside the interpreter); "auto" uses them for CUDA

@@ -24,7 +24,7 @@ from torch import nn
 from cp_attention.hardware import native_bf16
 from cp_attention.kernels import accumulate_dtype
 from longctx_moe.compile import eager_only
-from longctx_moe.kernels import fp8, ops, use_triton
+from longctx_moe.kernels import cpu_swiglu, fp8, ops, use_triton
 from longctx_moe.model.attention import DocLayout
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.grouped_gemm import (
@@ -279,7 +279,8 @@ class _SwiGLUDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_MF2, w_EFD, counts_E, impl):
-        _, act_MF = _silu_and_act(h_MF2)
+        ctx.fused = cpu_swiglu.serves(h_MF2)  # the same roundings in one pass (kernels/cpu_swiglu.py)
+        act_MF = cpu_swiglu.forward(h_MF2) if ctx.fused else _silu_and_act(h_MF2)[1]
         ctx.impl = resolve_impl(impl, act_MF, w_EFD)
         ctx.save_for_backward(h_MF2, w_EFD, counts_E)
         return grouped_matmul(act_MF, w_EFD, counts_E, ctx.impl)
@@ -289,6 +290,12 @@ class _SwiGLUDown(torch.autograd.Function):
     def backward(ctx, g_MD):
         h_MF2, w_EFD, counts_E = ctx.saved_tensors
         g_MD = g_MD.contiguous()
+        if ctx.fused:
+            dact_MF = grouped_matmul(g_MD, w_EFD.transpose(-2, -1), counts_E, ctx.impl)
+            act_MF, dh_MF2 = cpu_swiglu.backward(h_MF2, dact_MF)
+            del dact_MF
+            dw_EFD = grouped_weight_grad(act_MF, g_MD, counts_E, ctx.impl) if ctx.needs_input_grad[1] else None
+            return dh_MF2, dw_EFD, None, None
         silu_MF, act_MF = _silu_and_act(h_MF2)
         gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
         dw_EFD = grouped_weight_grad(act_MF, g_MD, counts_E, ctx.impl) if ctx.needs_input_grad[1] else None

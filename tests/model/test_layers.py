@@ -7,6 +7,8 @@ from unittest import mock
 import pytest
 import torch
 
+from cp_attention.hardware import cpu_has_avx512_bf16
+from longctx_moe.kernels import cpu_swiglu
 from longctx_moe.model.attention import Attention, doc_layout
 from longctx_moe.model.grouped_gemm import (
     grouped_matmul,
@@ -244,13 +246,23 @@ def _plain_swiglu_down(experts, x_MD, counts_E):
                           experts.impl)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_swiglu_down_is_bitwise_the_plain_composition(dtype):
+@pytest.mark.parametrize("dtype,fused", [(torch.float64, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_swiglu_down_is_bitwise_the_plain_composition(dtype, fused):
     """The hand-written backward forms the products autograd forms (same kernels, same order):
     outputs and every gradient bitwise equal, float64 (loop GEMMs) and bf16 (`_grouped_mm` where
-    torch has it), with an expert that gets no rows."""
+    torch has it), with an expert that gets no rows. `fused`: the activation in the C++ kernel
+    (kernels/cpu_swiglu.py, where the CPU builds it), whose roundings are the torch path's."""
+    if fused:
+        assert cpu_swiglu.available() or not cpu_has_avx512_bf16()  # built wherever it can be
+        _check_swiglu_down_bitwise(dtype)
+    else:
+        with cpu_swiglu.disabled():
+            _check_swiglu_down_bitwise(dtype)
+
+
+def _check_swiglu_down_bitwise(dtype):
     torch.manual_seed(0)
-    experts = GroupedExperts(4, 32, 16)
+    experts = GroupedExperts(4, 32, 64)  # F = 64: aten's bf16 silu takes its vector path on whole rows
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.2)
     if dtype == torch.float64:
