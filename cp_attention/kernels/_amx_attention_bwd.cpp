@@ -48,16 +48,22 @@ inline void to_bf16(const float* src, BFloat16* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<BFloat16>(src[i]);
 }
 
-// 16 fp32 values -> bf16, as to_bf16 rounds them.
-inline void store_bf16(const Vec& v, BFloat16* dst) {
+// 16 fp32 values -> 16 bf16 in a 256-bit register, as to_bf16 rounds them.
+inline __m256i bf16x16(const Vec& v) {
 #ifdef __AVX512BF16__
-  __m256bh b = _mm512_cvtneps_pbh(v);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i&>(b));
+  const __m256bh b = _mm512_cvtneps_pbh(v);
+  return reinterpret_cast<const __m256i&>(b);
 #else
   alignas(64) float tmp[Vec::size()];
+  alignas(32) BFloat16 out[Vec::size()];
   v.store(tmp);
-  to_bf16(tmp, dst, Vec::size());
+  to_bf16(tmp, out, Vec::size());
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(out));
 #endif
+}
+
+inline void store_bf16(const Vec& v, BFloat16* dst) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bf16x16(v));
 }
 
 // B operands in brgemm's VNNI layout (pairs of K rows interleaved: element (k, n) at
@@ -226,20 +232,26 @@ void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
         }
         // dP^T = V_n dO_m^T
         gemm(Bk, Bq, D, v_h.data() + n0 * D, D, doT_pk.data() + m * D * Bq, dpT.data(), Bq, false);
-        for (int64_t i = 0; i < Bk; ++i) {
-          float* p = sT.data() + i * Bq;
-          float* dp = dpT.data() + i * Bq;
-          BFloat16* ds16 = dsT16 + i * cw;
-          int64_t j = 0;
-          for (; j + Vec::size() <= Bq; j += Vec::size()) {  // dS only in bf16: no product reads it in fp32
-            const Vec ds = Vec::loadu(p + j) * (Vec::loadu(dp + j) - Vec::loadu(delta_m + j)) * Vec(scale);
-            store_bf16(ds, ds16 + j);
+        // dS^T only in bf16 (no product reads it in fp32), written twice: as rows (the A operand of
+        // dK_n) and as the VNNI B operand of dQ^T (pack_b's layout, one panel as Bq <= 64: the
+        // pair of keys (i, i + 1) of query j is the 32-bit word (i / 2) Bq + j), two rows at a time.
+        auto* dsT_words = reinterpret_cast<int32_t*>(dsT_pk.data());
+        for (int64_t i = 0; i < Bk; i += 2) {
+          for (int64_t j = 0; j < Bq; j += Vec::size()) {  // Bq is a multiple of 16
+            __m256i ds[2];
+            for (int64_t r = 0; r < 2; ++r) {
+              const float* p = sT.data() + (i + r) * Bq + j;
+              const float* dp = dpT.data() + (i + r) * Bq + j;
+              ds[r] = bf16x16(Vec::loadu(p) * (Vec::loadu(dp) - Vec::loadu(delta_m + j)) * Vec(scale));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsT16 + (i + r) * cw + j), ds[r]);
+            }
+            const __m512i pairs = _mm512_or_si512(_mm512_cvtepu16_epi32(ds[0]),
+                                                  _mm512_slli_epi32(_mm512_cvtepu16_epi32(ds[1]), 16));
+            _mm512_storeu_si512(dsT_words + (i / 2) * Bq + j, pairs);
           }
-          for (; j < Bq; ++j) ds16[j] = static_cast<BFloat16>(p[j] * (dp[j] - delta_m[j]) * scale);
         }
         // dQ_m^T += K_n^T dS^T  (A = K^T[:, n0:n0+Bk], lda L; B = dS^T packed [Bk keys, Bq queries];
         // C = block m of dQ^T)
-        pack_b(dsT16, dsT_pk.data(), Bk, Bq, cw);
         gemm(D, Bq, Bk, kT.data() + n0, L, dsT_pk.data(), dqT_acc.data() + m * D * Bq, Bq, true);
         if (m0 + Bq == cs + cw) {  // the chunk is complete: dV_n += P^T dO[cs:cs+cw], dK_n += dS^T Q[cs:cs+cw]
           gemm(Bk, D, cw, pT_row.data(), cw, do_pk.data(), dv_acc.data() + n0 * D, D, true, L, cs);
