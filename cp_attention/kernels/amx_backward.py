@@ -7,9 +7,10 @@ so `cpublas::could_pack`, False without AMX, is not needed). The file keeps its 
 kernel its first target. Backward alone, 8 query / 4 KV heads of 64, bf16, medians, against aten's
 kernel in the same run: with AMX, 59 ms against 99 ms on a 2048-token document (one core of the
 dev VM) and 0.6 against 3.9 ms at 128 tokens. On an AMD EPYC with AVX512-BF16 and no AMX
-(bench/attention_kernels.py, 1 / 2 threads, quiet machine): one 8192-token document 555 / 282 ms
-against 1248 / 655 (2.3x); the bench's 2048-token row of six documents (102-731 tokens) 14.4 /
-8.1 ms against 49.9 / 32.9 (3.5 / 4.0x). It is also more accurate (dK/dV are accumulated in
+(bench/attention_kernels.py --backward-only --lengths 8192, 8 query / 4 KV heads of 64, quiet
+machine, 2026-12-05): one 8192-token document 966 / 489 ms on 1 / 2 threads against aten's 1765 /
+905 (1.8x); the bench's 2048-token row of six documents (102-731 tokens) 14.4 / 8.1 ms against
+49.9 / 32.9 (3.5 / 4.0x, measured before the 512-query chunks of dV / dK). It is also more accurate (dK/dV are accumulated in
 fp32, not rounded to bf16 tile by tile).
 
 It is built with torch.utils.cpp_extension the first time a bf16 causal backward asks for it
