@@ -94,10 +94,29 @@ def launch_local(nproc: int, train_argv: list[str], max_restarts: int = 0) -> in
         run(launcher_args)
     except ChildFailedError as e:
         return _report_failures(e.failures)
-    except SignalException as e:
-        print(f"error: stopped by {e.sigval.name}; the ranks were stopped too", file=sys.stderr)
-        return 128 + int(e.sigval)
+    except Exception as e:
+        stop = _signal_behind(e, SignalException)
+        if stop is None:
+            raise
+        print(f"error: stopped by {stop.sigval.name}; the ranks were stopped too", file=sys.stderr)
+        return 128 + int(stop.sigval)
     return 0
+
+
+def _signal_behind(e: BaseException, signal_exception: type) -> BaseException | None:
+    """The torchrun SignalException that `e` is, or that was being handled when `e` was raised.
+
+    torchrun's agent raises it from its signal handler wherever the main thread is; caught in a
+    frame whose clean-up then fails (its metrics wrapper's `finally` reads a local the signal
+    interrupted before it was set: UnboundLocalError), it surfaces as that error's context, and
+    the launcher must still report the signal (the agent's own `finally` stopped the ranks)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, signal_exception):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _quiet_launcher_logs() -> None:

@@ -151,3 +151,39 @@ def test_the_killed_rank_is_named_not_the_peer_that_lost_it(capsys):
                 2: SimpleNamespace(exitcode=-signal.SIGTERM, pid=12)}
     assert _report_failures(failures) == 1
     assert capsys.readouterr().err == "error: rank 1 (pid 11) was killed by SIGKILL; see its output above\n"
+
+
+def _raise_in_cleanup(sig):
+    """What torchrun's metrics wrapper does when the signal lands before its `start` is set: the
+    SignalException is replaced by an UnboundLocalError raised from its `finally`."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def run(_args):
+        try:
+            raise SignalException(f"got signal: {sig}", sigval=sig)
+        finally:
+            raise UnboundLocalError("cannot access local variable 'start'")
+    return run
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_hidden_behind_torchruns_cleanup_error_is_still_reported(monkeypatch, capsys, sig):
+    import torch.distributed.run
+
+    from longctx_moe.cli import launch_local
+
+    monkeypatch.setattr(torch.distributed.run, "run", _raise_in_cleanup(sig))
+    assert launch_local(2, ["--config", "unused.yaml"]) == 128 + sig
+    assert capsys.readouterr().err == f"error: stopped by {sig.name}; the ranks were stopped too\n"
+
+
+def test_other_launcher_errors_are_not_taken_for_a_signal(monkeypatch):
+    import torch.distributed.run
+
+    from longctx_moe.cli import launch_local
+
+    def run(_args):
+        raise UnboundLocalError("a bug of its own")
+    monkeypatch.setattr(torch.distributed.run, "run", run)
+    with pytest.raises(UnboundLocalError, match="a bug of its own"):
+        launch_local(2, ["--config", "unused.yaml"])
