@@ -168,7 +168,7 @@ void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
   std::vector<BFloat16> q_h(L * D), do_h(L * D), o_h(L * D);
   std::vector<BFloat16> qT_pk(D * L), doT_pk(D * L), q_pk(L * D), do_pk(L * D);
   // dQ^T accumulators blocked per query block ([nq][D][Bq]): each tile's 16 KiB accumulator is
-  // contiguous. As one [D, L] array its 64 rows lay a whole row of L floats apart, and loading it
+  // contiguous. As one [D, L] array its 64 rows lie a whole row of L floats apart, and loading it
   // from L3 for every tile cost ~3% of the kernel on an 8192-token document.
   std::vector<float> lse_h(L), delta(L), dqT_acc(D * L), dq_rows(L * D);
   std::vector<float> sT(Bk * Bq), dpT(Bk * Bq);
