@@ -36,19 +36,7 @@ using at::BFloat16;
 using Vec = at::vec::Vectorized<float>;
 namespace cpublas = at::native::cpublas;
 
-// fp32 row -> bf16 row, round to nearest even (AVX512-BF16 where the compiler targets it).
-inline void to_bf16(const float* src, BFloat16* dst, int64_t n) {
-  int64_t i = 0;
-#ifdef __AVX512BF16__
-  for (; i + 16 <= n; i += 16) {
-    __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i&>(b));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<BFloat16>(src[i]);
-}
-
-// 16 fp32 values -> 16 bf16 in a 256-bit register, as to_bf16 rounds them.
+// 16 fp32 values -> 16 bf16 in a 256-bit register, rounded to nearest even.
 inline __m256i bf16x16(const Vec& v) {
 #ifdef __AVX512BF16__
   const __m256bh b = _mm512_cvtneps_pbh(v);
@@ -57,13 +45,20 @@ inline __m256i bf16x16(const Vec& v) {
   alignas(64) float tmp[Vec::size()];
   alignas(32) BFloat16 out[Vec::size()];
   v.store(tmp);
-  to_bf16(tmp, out, Vec::size());
+  for (int64_t i = 0; i < Vec::size(); ++i) out[i] = static_cast<BFloat16>(tmp[i]);
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(out));
 #endif
 }
 
 inline void store_bf16(const Vec& v, BFloat16* dst) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bf16x16(v));
+}
+
+// fp32 row -> bf16 row, rounded as bf16x16 rounds.
+inline void to_bf16(const float* src, BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) store_bf16(Vec::loadu(src + i), dst + i);
+  for (; i < n; ++i) dst[i] = static_cast<BFloat16>(src[i]);
 }
 
 // B operands in brgemm's VNNI layout (pairs of K rows interleaved: element (k, n) at

@@ -34,8 +34,12 @@ inline __m256i narrow(__m512 v) {  // round to nearest even, as aten's bf16 conv
 }
 
 // The value a store to T and a reload would give: a bf16 rounding, or nothing.
-inline Vec round_to(const Vec& v, float*) { return v; }
-inline Vec round_to(const Vec& v, BFloat16*) { return Vec(widen(narrow(v))); }
+template <typename T>
+inline Vec round_to(const Vec& v);
+template <>
+inline Vec round_to<float>(const Vec& v) { return v; }
+template <>
+inline Vec round_to<BFloat16>(const Vec& v) { return Vec(widen(narrow(v))); }
 
 inline Vec load(const float* p, int64_t n) { return Vec(_mm512_maskz_loadu_ps(head(n), p)); }
 inline Vec load(const BFloat16* p, int64_t n) { return Vec(widen(_mm256_maskz_loadu_epi16(head(n), p))); }
@@ -44,10 +48,9 @@ inline void store(BFloat16* p, const Vec& v, int64_t n) { _mm256_mask_storeu_epi
 
 constexpr int64_t kW = Vec::size();
 
-template <typename T>
-inline Vec silu(const Vec& g) {  // aten's silu: x / (1 + exp(-x)), then stored in T
-  return round_to(g / (Vec(1.f) + g.neg().exp()), static_cast<T*>(nullptr));
-}
+// 1 + exp(-x): the denominator of aten's silu, x / (1 + exp(-x)), and of its sigmoid in
+// silu_backward, 1 / (1 + exp(-x)) (one exp serves both: the same value either way).
+inline Vec one_plus_exp_neg(const Vec& x) { return Vec(1.f) + x.neg().exp(); }
 
 template <typename T>
 void forward_rows(const T* h, T* act, int64_t M, int64_t F) {
@@ -57,7 +60,8 @@ void forward_rows(const T* h, T* act, int64_t M, int64_t F) {
       const T* up = gate + F;
       for (int64_t j = 0; j < F; j += kW) {
         const int64_t n = std::min(kW, F - j);
-        store(act + i * F + j, silu<T>(load(gate + j, n)) * load(up + j, n), n);
+        const Vec g = load(gate + j, n);
+        store(act + i * F + j, round_to<T>(g / one_plus_exp_neg(g)) * load(up + j, n), n);  // silu stored in T
       }
     }
   });
@@ -66,7 +70,6 @@ void forward_rows(const T* h, T* act, int64_t M, int64_t F) {
 template <typename T>
 void backward_rows(const T* h, const T* dact, T* act, T* dh, int64_t M, int64_t F) {
   at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
-    T* tag = nullptr;
     for (int64_t i = lo; i < hi; ++i) {
       const T* gate = h + i * 2 * F;
       const T* up = gate + F;
@@ -74,11 +77,12 @@ void backward_rows(const T* h, const T* dact, T* act, T* dh, int64_t M, int64_t 
       for (int64_t j = 0; j < F; j += kW) {
         const int64_t n = std::min(kW, F - j);
         const Vec g = load(gate + j, n), u = load(up + j, n), d = load(da + j, n);
-        const Vec s = silu<T>(g);
+        const Vec denom = one_plus_exp_neg(g);
+        const Vec s = round_to<T>(g / denom);          // silu, stored by the torch path
         store(act + i * F + j, s * u, n);
         store(dh + i * 2 * F + F + j, d * s, n);       // d up
-        const Vec du = round_to(d * u, tag);           // dact * up, stored by the torch path
-        const Vec sig = Vec(1.f) / (Vec(1.f) + g.neg().exp());
+        const Vec du = round_to<T>(d * u);             // dact * up, stored by the torch path
+        const Vec sig = Vec(1.f) / denom;
         store(dh + i * 2 * F + j, du * sig * (Vec(1.f) + g * (Vec(1.f) - sig)), n);  // d gate
       }
     }
