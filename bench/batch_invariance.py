@@ -226,7 +226,7 @@ def probe_layers(policy, seqs, args) -> dict[str, float]:
         model = policy.runtime.model
         h_a, h_p = _first_tensor(rec_a["norm"][3]), _first_tensor(rec_p["norm"][3]).clone()
         h_p[off:off + n] = h_a
-        w, chunk = model.output_weight(), model.cfg.loss_chunk_tokens
+        w, chunk = model.output_weight(), model.ops.loss_chunk_tokens
         lp_a = chunked_token_logprobs(h_a, w, alone.packed.labels, chunk)[0]
         lp_p = chunked_token_logprobs(h_p, w, shard_p.batch.labels, chunk)[0]
         res["LM head + log-prob (chunked)"] = _rows_diff(lp_p[off:off + n], lp_a)

@@ -10,7 +10,7 @@ Checks (each records max errors and pass/fail, never aborts the rest):
   attention.<backend>: fwd out/lse and bwd dq/dk/dv in bf16 vs the float64 reference;
   grouped_gemm: torch._grouped_mm bf16 fwd/bwd vs a float64 per-expert loop;
   model_bf16: one packed batch, loss of the bf16-autocast model on the GPU vs float64 on the CPU;
-  check.fp8: model.fp8=torch's FP8 linear (forward, both gradients) against the float64 product
+  check.fp8: execution.fp8=torch's FP8 linear (forward, both gradients) against the float64 product
     of the same quantised operands, on FP8-capable GPUs, per recipe (tensor, delayed; block on
     Hopper).
 Timings (medians): attention fwd+bwd per backend on a 32K packed row; one training step of the
@@ -25,7 +25,7 @@ MOE_1B (1.08B parameters, 240M active per token):
   time.compute_logprobs: rl_hooks' PolicyTrainer.compute_logprobs on ~64K tokens of rollouts of
     128..16K tokens, without and with entropy: tokens/s, forward TFLOP/s and MFU, peak memory.
 `--quick` (the CPU smoke run) runs the last three on a tiny model and a few thousand tokens.
-A trainer section that fails on cuda with the Triton kernels is rerun with model.kernels=torch
+A trainer section that fails on cuda with the Triton kernels is rerun with execution.kernels=torch
 (`<name>.kernels_torch`), so one broken kernel does not cost the run its MFU.
 Reruns inside a lease: `--sections time.trainer_step,...` runs only the sections named (by
 prefix), `--set KEY=VALUE` overrides the trainer sections' config (train.compile=true, ...), and
@@ -118,10 +118,10 @@ def check_grouped_gemm(device) -> dict:
 
 
 def check_fp8(device) -> dict:
-    """model.fp8=torch's linear on the GPU against the float64 product of the same quantised
+    """execution.fp8=torch's linear on the GPU against the float64 product of the same quantised
     operands (E4M3 x and w, E5M2 output gradient), for each recipe the GPU runs: per-tensor
     scales (torch._scaled_mm); delayed scaling after one step (x and the gradient quantised with
-    the scales frozen from a step of 3x their size: not a power of 2, so other values); and where it can, model.fp8_recipe=block
+    the scales frozen from a step of 3x their size: not a power of 2, so other values); and where it can, execution.fp8_recipe=block
     (1 x 128 runs, 128 x 128 weight blocks; torch's blockwise-scaled GEMM). Only float32
     accumulation separates each from its reference, so each result is within 1e-4 of its largest
     value (relative)."""
@@ -309,7 +309,7 @@ def trainer_config(device, sizes: TrainerSizes, kernels: str = "auto"):
     """The Config `longctx-moe train` would load for this model, one row of step_tokens per step."""
     from longctx_moe.config import load_config
 
-    sets = [f"model.{k}={v}" for k, v in sizes.model.items()] + [f"model.kernels={kernels}"]
+    sets = [f"model.{k}={v}" for k, v in sizes.model.items()] + [f"execution.kernels={kernels}"]
     sets += [f"train.device={device.type}", f"train.autocast_dtype={autocast_setting(device)}",
              f"data.micro_batch_tokens={sizes.step_tokens}", f"data.global_batch_tokens={sizes.step_tokens}",
              f"train.steps={sizes.warmup + sizes.iters}", "optim.warmup_steps=0", "optim.lr=1e-4"]
@@ -330,17 +330,14 @@ def build_trainer(cfg, device):
 
 
 def model_info(model, cfg, device, dtype) -> dict:
-    """Parameter counts and the kernels the model runs here ("auto" resolved as a call resolves it)."""
-    from longctx_moe.kernels import unavailable_reason
+    """Parameter counts and the ops the model runs here (its resolved Ops)."""
     from longctx_moe.model.flops import active_matmul_params
 
-    triton = unavailable_reason(device) if cfg.model.kernels != "torch" else "model.kernels=torch"
     return {"model": {k: getattr(cfg.model, k) for k in MOE_1B},
             "total_params": sum(p.numel() for p in model.parameters()),
             # what one token multiplies with, lm head included, embedding lookup not: the 6N of MFU
             "active_matmul_params": active_matmul_params(cfg.model),
-            "attention_backend": resolve_backend(cfg.model.attention_backend, device, dtype),
-            "triton_kernels": "used" if triton is None else f"not used: {triton}",
+            "ops": model.ops.as_dict(),
             "compile": cfg.train.compile, "recompute": cfg.train.recompute}  # the defaults of `train`
 
 

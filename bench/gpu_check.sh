@@ -41,13 +41,13 @@ section() {  # section NAME SECONDS COMMAND...: its output goes to $OUT/sections
 # On one H200 (2026-12-04) the whole script took 137 s, this section most of it.
 section gpu_check 210 $PY bench/gpu_check.py --out "$OUT/gpu_check.json" --profile-dir "$OUT"
 rc=$?
-# The ~1B step again with model.fp8=torch (FP8 GEMMs; its MFU is still against the bf16 peak),
-# per-tensor scaling, then model.fp8_recipe=block (its JSON is folded into fp8.json as "block_run").
+# The ~1B step again with execution.fp8=torch (FP8 GEMMs; its MFU is still against the bf16 peak),
+# per-tensor scaling, then execution.fp8_recipe=block (its JSON is folded into fp8.json as "block_run").
 section fp8_trainer_step 70 $PY bench/gpu_check.py --sections check.fp8,time.trainer_step \
-  --set model.fp8=torch --out "$OUT/fp8.json"
+  --set execution.fp8=torch --out "$OUT/fp8.json"
 rc_fp8=$?
 section fp8_block_trainer_step 70 $PY bench/gpu_check.py --sections time.trainer_step \
-  --set model.fp8=torch --set model.fp8_recipe=block --out /tmp/gpu_check_fp8_block.json
+  --set execution.fp8=torch --set execution.fp8_recipe=block --out /tmp/gpu_check_fp8_block.json
 rc_fp8_block=$?
 $PY - "$OUT/fp8.json" /tmp/gpu_check_fp8_block.json <<'PYEOF' || true
 import json, sys

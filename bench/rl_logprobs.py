@@ -256,7 +256,7 @@ def ours_breakdown(policy, batch, call) -> dict[str, float]:
             t_embed = _timed(model.embed, shard.batch.tokens)[0]
             t_hidden, h_TD = _timed(model.hidden_states, shard.batch, shard.layout)
             t_head = _timed(chunked_token_logprobs, h_TD, model.output_weight(), shard.batch.labels,
-                            model.cfg.loss_chunk_tokens)[0]
+                            model.ops.loss_chunk_tokens)[0]
             parts = [p + t for p, t in zip(parts, (t_embed, t_hidden, t_head), strict=True)]
     return _split(_timed(call)[0], *parts, _attention_kernel_s(call))
 

@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-allocator", choices=["default", "tuned"], default="default",
                    help="HF side's malloc: default (plain transformers + torch) or tuned (ours, longctx_moe.host)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra config override (repeatable; HF reads only the architecture), e.g. model.expert_precision=autocast")
+                   help="extra config override (repeatable; HF reads only the architecture), e.g. execution.expert_precision=autocast")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="compute dtype of both sides: auto = bf16 autocast where the CPU has native bf16, "
                         "float32 elsewhere (as train.autocast_dtype=auto)")

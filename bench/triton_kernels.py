@@ -2,7 +2,7 @@
 
     python bench/triton_kernels.py --out bench/results/triton_kernels.json [--quick]
 
-Peer: the torch path of the same op in the same run (model.kernels=torch). Per op: the median
+Peer: the torch path of the same op in the same run (execution.kernels=torch). Per op: the median
 and spread (min, max) of `--reps` timed forward+backward calls after warm-up, the speed-up
 (torch median / Triton median), and the largest difference between the two paths' outputs and
 gradients. Sizes are a ~1B MoE at 32K tokens: D=2048, E=64 experts top-8, q/k heads of 128,
@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_io import write_json  # noqa: E402
-from longctx_moe.kernels import interpreting, ops  # noqa: E402
+from longctx_moe.execution import Target, triton_unavailable  # noqa: E402
+from longctx_moe.kernels import triton_ops as ops  # noqa: E402
 from longctx_moe.model.config import ModelConfig  # noqa: E402
 from longctx_moe.model.layers import RMSNorm  # noqa: E402
 from longctx_moe.model.losses import chunked_token_logprobs  # noqa: E402
@@ -143,7 +144,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not (interpreting() and args.quick):
+    interpreting = device.type == "cpu" and triton_unavailable(Target("cpu")) is None
+    if device.type == "cpu" and not (interpreting and args.quick):
         sys.exit("error: bench/triton_kernels.py times compiled kernels and needs a CUDA device; "
                  "on CPU only TRITON_INTERPRET=1 with --quick runs (a check of this program)")
     sizes = QUICK if args.quick else FULL
@@ -165,7 +167,7 @@ def main() -> None:
               f"{rec['triton']['median_s'] * 1e3:>10.3f} {rec['speedup']:>8.2f}x "
               f"{rec['max_abs_diff']:>9.2e} {rec['max_rel_diff']:>9.2e}")
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
-            "interpreter": interpreting(), "sizes": sizes, "reps": args.reps,
+            "interpreter": interpreting, "sizes": sizes, "reps": args.reps,
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime())}
     write_json(args.out, {"meta": meta, "ops": rows})
 

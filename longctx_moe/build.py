@@ -47,51 +47,57 @@ def build_dims(cfg: Config, ctx: RunContext):
     return dims
 
 
-def check_backends(cfg: Config, device: torch.device) -> None:
-    """A backend that cannot run here fails at start-up with one line, not at the first forward."""
-    from cp_attention.kernels import resolve_backend
+_PARAM_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def target_of(cfg: Config, device: torch.device):
+    """What the execution choices are resolved against: the device, the run's compute and
+    parameter dtypes, compilation and the TP degree."""
+    from longctx_moe.execution import Target
+    from longctx_moe.precision import resolve_compute_dtype
+
+    param_dtype = _PARAM_DTYPES[cfg.train.param_dtype]
+    compute = resolve_compute_dtype(cfg.train.autocast_dtype, param_dtype, device).dtype
+    return Target(torch.device(device).type, compute, param_dtype, cfg.train.compile, cfg.parallel.tp)
+
+
+def resolve_ops(cfg: Config, device: torch.device, rl: bool = False):
+    """The run's Ops (longctx_moe.execution; `rl`: for an RL policy): a choice the device cannot
+    honour fails at start-up with one line, not at the first forward; so do model widths FP8
+    GEMMs cannot take."""
+    from longctx_moe.execution import resolve
 
     try:
-        resolve_backend(cfg.model.attention_backend, device)
-    except (RuntimeError, ValueError) as e:
-        raise ConfigError(f"model.attention_backend={cfg.model.attention_backend!r}: {e}") from None
-    from longctx_moe.kernels import check_kernels, fp8
+        ops = resolve(cfg.execution, target_of(cfg, device), cfg.train.recompute, rl)
+        if ops.fp8 != "none":  # refused by building the model on meta
+            from longctx_moe.model import Transformer
 
-    try:
-        check_kernels(cfg.model.kernels, device)
+            with torch.device("meta"):
+                Transformer(cfg.model, ops)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    reason = fp8.unavailable_reason(cfg.model.fp8, device, cfg.parallel.tp, cfg.model.fp8_recipe)
-    if reason is not None:
-        raise ConfigError(reason)
-    if cfg.model.fp8 != "none":  # widths FP8 GEMMs cannot take: refused by building on meta
-        from longctx_moe.model import Transformer
-
-        try:
-            with torch.device("meta"):
-                Transformer(cfg.model)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    return ops
 
 
-def build_runtime(cfg: Config, dims: Any, device: torch.device):
-    """Build the single-device model, apply the parallel layout (also on one rank: the capacity
-    and drop policy of the dispatcher, the global-batch aux loss) and return its runtime."""
+def build_runtime(cfg: Config, dims: Any, device: torch.device, ops: Any = None):
+    """Build the single-device model with the run's Ops (resolved here unless given), apply the
+    parallel layout (also on one rank: the capacity and drop policy of the dispatcher, the
+    global-batch aux loss) and return its runtime."""
     from longctx_moe.model import build_model
 
-    check_backends(cfg, device)
+    ops = resolve_ops(cfg, device) if ops is None else ops
     torch.manual_seed(cfg.train.seed)  # same init on every rank: replicas start identical
-    dtype = {"fp32": torch.float32, "fp64": torch.float64}[cfg.train.param_dtype]
+    dtype = _PARAM_DTYPES[cfg.train.param_dtype]
     if cfg.train.init_from:  # each rank reads only its slices into a model built on meta
         from longctx_moe.hf.load import load_hf_sharded
         from longctx_moe.model import Transformer
 
         with torch.device("meta"):
-            model = Transformer(cfg.model).to(dtype=dtype)
+            model = Transformer(cfg.model, ops).to(dtype=dtype)
         runtime = _parallelize(cfg, model, dims)
         load_hf_sharded(model, cfg.train.init_from, device)
     else:
-        model = build_model(cfg.model).to(device=device, dtype=dtype)
+        model = build_model(cfg.model, ops).to(device=device, dtype=dtype)
         runtime = _parallelize(cfg, model, dims)
     if cfg.train.compile:
         from longctx_moe.compile import apply_compile
@@ -103,7 +109,6 @@ def build_runtime(cfg: Config, dims: Any, device: torch.device):
 def _parallelize(cfg: Config, model: Any, dims: Any):
     from longctx_moe.parallel.parallelize import parallelize
 
-    model.set_recompute(cfg.train.recompute)
     try:
         return parallelize(model, dims, cfg.parallel, cfg.data.micro_batch_tokens)
     except ValueError as e:

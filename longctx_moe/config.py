@@ -23,10 +23,10 @@ from typing import Any
 
 import yaml
 
-from cp_attention.kernels import BACKENDS as ATTENTION_BACKENDS
 from data_packing.config import DataConfig
 from longctx_moe.choices import check_choice
-from longctx_moe.host import ALLOCATOR_MODES
+from longctx_moe.execution import MOVED_MODEL_KEYS, ExecutionConfig
+from longctx_moe.host import ALLOCATOR_MODES, HOST_TUNING
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.flops import pair_cost_ratio
 from longctx_moe.model.recompute import MODES as RECOMPUTE_MODES
@@ -61,7 +61,9 @@ class TrainConfig:
     # longctx_moe.precision) | bf16 | fp16 | none
     autocast_dtype: str = "auto"
     nan_policy: str = "stop"  # stop | skip: what a non-finite loss or grad norm does
-    num_threads: int = 0  # intra-op CPU threads per rank; 0 = cores // local ranks
+    # intra-op CPU threads per rank; 0 = cores // local ranks where the host is tuned (host_tuning),
+    # torch's own count elsewhere
+    num_threads: int = 0
     # torch.compile each block (longctx_moe.compile): fuses the elementwise ops; the first steps
     # pay the compilation (cached on disk by inductor for later runs).
     compile: bool = False
@@ -70,7 +72,12 @@ class TrainConfig:
     recompute: str = "none"
     # glibc malloc (longctx_moe.host): tuned (freed blocks up to 32 MiB reused: speed) | lean
     # (blocks above 1 MiB returned on free: memory, for long context and CP ranks) | default
-    host_allocator: str = "tuned"
+    # (glibc's own) | auto (tuned where the host is tuned, glibc's own elsewhere)
+    host_allocator: str = "auto"
+    # Process-wide CPU settings (longctx_moe.host: denormals, threads, malloc, oneDNN's caches):
+    # on | off | auto (on for `longctx-moe train`, off for a PolicyTrainer inside an RL framework's
+    # process, which then changes only what train.num_threads / host_allocator name explicitly)
+    host_tuning: str = "auto"
     # Hand the heap's free pages back to the OS (glibc malloc_trim) after a step whose resident set
     # grew by more than this fraction since the last trim; bounds the creep of a long CPU run as
     # new lengths land in new heap holes (longctx_moe.host.HeapTrim). 0 = never.
@@ -111,6 +118,7 @@ class LoggingConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -119,10 +127,8 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-# Closed sets of string values of the sections defined here. The model, data and parallel
-# sections check their own (their `validate()`, run when each is made, _build), except
-# model.attention_backend: its values are the kernel registry's, which the model package does not
-# read.
+# Closed sets of string values of the sections defined here. The model, execution, data and
+# parallel sections check their own (their `validate()`, run when each is made, _build).
 CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "optim.impl": ("auto", "fused", "foreach", "for_loop"),
@@ -132,7 +138,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.nan_policy": ("stop", "skip"),
     "train.recompute": RECOMPUTE_MODES,
     "train.host_allocator": ALLOCATOR_MODES,
-    "model.attention_backend": ("auto", *ATTENTION_BACKENDS),
+    "train.host_tuning": HOST_TUNING,
 }
 
 # ---------------------------------------------------------------- building from dicts
@@ -144,6 +150,9 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 
 def _unknown_key(prefix: str, name: str, options: list[str]) -> ConfigError:
+    if prefix == "model." and name in MOVED_MODEL_KEYS:
+        return ConfigError(f"model.{name} is a choice of how the model runs, not of what it is: "
+                           f"write it as execution.{name}")
     close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
     hint = f"did you mean '{prefix}{close[0]}'?" if close else f"known keys: {', '.join(options)}"
     return ConfigError(f"unknown config key '{prefix}{name}'; {hint}")
@@ -365,12 +374,15 @@ def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def write_config(cfg: Config, path: str | Path) -> Path:
-    """Write the resolved config as YAML (atomically: temp file + rename)."""
+def write_config(cfg: Config, path: str | Path, notes: list[str] | None = None) -> Path:
+    """Write the resolved config as YAML (atomically: temp file + rename); `notes` (the run's
+    resolved ops) follow as comments: what the device made of the config, which a rerun resolves
+    again on its own device."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    comments = "".join(f"# {line}\n" for line in notes or [])
+    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False) + comments)
     tmp.replace(path)
     return path
 

@@ -86,9 +86,10 @@ class _Rank:
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(device_index),
                           LOCAL_WORLD_SIZE=str(local_world))
-        if cfg.train.num_threads == 0:
-            # Ray granted this actor `cpus` cores; the default (the node's cores / ranks on the
-            # node) would oversubscribe a node shared with other actors (rollout engines).
+        if cfg.train.num_threads == 0 and cfg.train.host_tuning == "on":
+            # Ray granted this actor `cpus` cores; a tuned host's default (the node's cores /
+            # ranks on the node) would oversubscribe a node shared with other actors (rollout
+            # engines). Untuned, the actor keeps Ray's count (OMP_NUM_THREADS = its CPUs).
             train = dataclasses.replace(cfg.train, num_threads=max(1, int(cpus)))
             cfg = dataclasses.replace(cfg, train=train)
         self.policy = PolicyTrainer(cfg, **policy_kwargs)
@@ -141,7 +142,7 @@ class RayPolicyGroup:
                  gpus_per_rank: float | None = None, placement_group=None, strategy: str = "PACK",
                  env: dict[str, str] | None = None, ready_timeout_s: float = 300.0,
                  grace_s: float = 10.0, micro_batch_tokens: int | None = None,
-                 advantage_estimator: str = "grpo", batch_invariant: bool = True):
+                 advantage_estimator: str = "grpo", batch_invariant: bool | None = None):
         ray = _import_ray()
         from longctx_moe.build import check_layout
 

@@ -30,11 +30,11 @@ float64 maths, for tests), "torch_varlen" (torch's varlen flash kernel, CUDA), "
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from . import reference as _reference
-from ._buckets import batch_invariant
-from ._buckets import invariant_enabled as batch_invariant_enabled
 from ._common import (
     accumulate_dtype,
     check_inputs,
@@ -45,6 +45,8 @@ from ._common import (
 )
 from ._registry import (
     BACKENDS,
+    AttnKernel,
+    as_kernel,
     check_window_support,
     load_backend,
     offset_backend,
@@ -52,7 +54,7 @@ from ._registry import (
 )
 from .sinks import add_sink, check_sink, sink_grad
 
-__all__ = ["BACKENDS", "accumulate_dtype", "add_sink", "batch_invariant", "batch_invariant_enabled",
+__all__ = ["BACKENDS", "AttnKernel", "accumulate_dtype", "add_sink", "as_kernel",
            "attn_backward", "attn_forward", "check_window_support", "offset_backend",
            "reference_attention",
            "resolve_backend", "sink_grad", "varlen_attention"]
@@ -70,37 +72,50 @@ def _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal=True, window
         doc_lengths(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0], max_q, max_k)
 
 
-def _resolve(backend, q_THD, window, offset=0):
-    name = resolve_backend(backend, q_THD.device, q_THD.dtype)
+def _resolve(backend: str | AttnKernel, q_THD, window, offset=0) -> AttnKernel:
+    """The kernel with its backend resolved for this call's device, dtype, window and offset."""
+    kernel = as_kernel(backend)
+    name = resolve_backend(kernel.backend, q_THD.device, q_THD.dtype)
     if offset:
         name = offset_backend(name, q_THD.device)
     if window is not None:
         check_window_support(name, q_THD.device)
-    return name
+    return kernel if name == kernel.backend else replace(kernel, backend=name)
+
+
+def _extra(kernel: AttnKernel, offset: int) -> dict:
+    """Keyword arguments only some backends take: the offset, and the kernel's choices for the
+    backend that reads them (TAKES_KERNEL)."""
+    extra = {"offset": offset} if offset else {}
+    if getattr(load_backend(kernel.backend), "TAKES_KERNEL", False):
+        extra["kernel"] = kernel
+    return extra
 
 
 def attn_forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
-                 scale: float | None = None, backend: str = "auto", window: int | None = None,
-                 offset: int = 0):
+                 scale: float | None = None, backend: str | AttnKernel = "auto",
+                 window: int | None = None, offset: int = 0):
     """q [T, Hq, D], k [S, Hkv, D], v [S, Hkv, Dv] -> (out [T, Hq, Dv] input dtype, lse [Hq, T]
     float32/64). window: each query sees at most the `window` latest keys of its document (its
     own position included; bottom-right aligned like the causal mask); None = all of them.
-    offset: the causal alignment moved (see the module docstring)."""
+    offset: the causal alignment moved (see the module docstring). backend: a name or an
+    AttnKernel (the choices of a run)."""
     _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, window, offset)
-    name = _resolve(backend, q_THD, window, offset)
+    kernel = _resolve(backend, q_THD, window, offset)
+    name = kernel.backend
     scale = default_scale(scale, q_THD.shape[-1])
     dv = v_SHD.shape[-1]
     if name not in _NATIVE_DV and dv != q_THD.shape[-1]:
         q_THD, k_SHD, v_SHD = pad_head_dims(q_THD, k_SHD, v_SHD)
-    extra = {"offset": offset} if offset else {}
+    extra = _extra(kernel, offset)
     out, lse = load_backend(name).forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal,
                                           scale, window, **extra)
     return out[..., :dv], lse
 
 
 def attn_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q: int,
-                  max_k: int, causal: bool, scale: float | None = None, backend: str = "auto",
-                  window: int | None = None, offset: int = 0):
+                  max_k: int, causal: bool, scale: float | None = None,
+                  backend: str | AttnKernel = "auto", window: int | None = None, offset: int = 0):
     """-> (dq [T, Hq, D], dk [S, Hkv, D], dv [S, Hkv, Dv]) in the input dtype, for the passed
     (possibly globally merged) out [T, Hq, Dv] and lse [Hq, T]."""
     _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, window, offset)
@@ -111,13 +126,14 @@ def attn_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, ma
     if lse_HT.shape != (q_THD.shape[1], q_THD.shape[0]):
         raise ValueError(f"lse must be [Hq, T] = {[q_THD.shape[1], q_THD.shape[0]]}; got "
                          f"{list(lse_HT.shape)} (transpose a [T, H] lse)")
-    name = _resolve(backend, q_THD, window, offset)
+    kernel = _resolve(backend, q_THD, window, offset)
+    name = kernel.backend
     scale = default_scale(scale, q_THD.shape[-1])
     d, dv = q_THD.shape[-1], v_SHD.shape[-1]
     if name not in _NATIVE_DV and dv != d:
         q_THD, k_SHD, v_SHD, out_THD, dout_THD = pad_head_dims(q_THD, k_SHD, v_SHD, out_THD,
                                                                dout_THD)
-    extra = {"offset": offset} if offset else {}
+    extra = _extra(kernel, offset)
     gq, gk, gv = load_backend(name).backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q,
                                              cu_k, max_q, max_k, causal, scale, window, **extra)
     return gq[..., :d], gk[..., :d], gv[..., :dv]
@@ -142,13 +158,13 @@ def reference_attention(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q: int, max_k: int,
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sink, cu_q, cu_k, max_q, max_k, causal, scale, backend, window):
-        name = _resolve(backend, q, window)
+        kernel = _resolve(backend, q, window)
         scale = default_scale(scale, q.shape[-1])
-        out, lse = attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, name, window)
+        out, lse = attn_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, kernel, window)
         if sink is not None:
             out, lse = add_sink(out, lse, sink)
         ctx.save_for_backward(q, k, v, sink, out, lse, cu_q, cu_k)
-        ctx.args = (max_q, max_k, causal, scale, name, window)
+        ctx.args = (max_q, max_k, causal, scale, kernel, window)
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -187,8 +203,8 @@ _EXTRA_COLS = 8
 
 
 def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool = True,
-                     scale: float | None = None, backend: str = "auto", window: int | None = None,
-                     sink: torch.Tensor | None = None):
+                     scale: float | None = None, backend: str | AttnKernel = "auto",
+                     window: int | None = None, sink: torch.Tensor | None = None):
     """Differentiable attn_forward: (out [T, Hq, Dv], lse [Hq, T]); gradients flow through both
     (an lse gradient costs a backward on a head dim padded by 8). sink: [Hq] logits joining each
     row's softmax (gpt-oss; cp_attention.kernels.sinks), with a gradient; lse then includes it."""

@@ -19,8 +19,6 @@ Shape legend: B documents in a bucket, Pq / Pk padded query / key slots.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -37,31 +35,16 @@ PAD_WINDOW = 168
 _DP_LIMIT = 160  # beyond this many documents, bucket greedily instead of the O(N^2) DP
 
 
-_INVARIANT: ContextVar[bool] = ContextVar("batch_invariant_attention", default=False)
-
-
-@contextmanager
-def batch_invariant(enabled: bool = True):
-    """Inside it, every document's attention runs in a bucket of its own, so its output does not
-    depend on the documents packed beside it.
-
-    Why: aten's CPU flash kernel gives a row a result that depends on the padded length P of its
-    bucket (different block splits of the same reduction): a 300-token document in a bucket
-    padded to 320 differs by up to 1e-3 in bf16 from the same document alone, and a log-prob by
-    up to 7e-2 (bench/batch_invariance.py). Per-document buckets make P a function of the
-    document's own length. The cost is one kernel call per document (~0.3 ms each on a CPU core),
-    negligible beside long sequences; RL log-prob and training passes use it so that the same
-    sequence gets bitwise the same log-probs whatever its neighbours. The expert GEMMs read the
-    same switch (longctx_moe.model.grouped_gemm.wants_padding)."""
-    token = _INVARIANT.set(enabled)
-    try:
-        yield
-    finally:
-        _INVARIANT.reset(token)
-
-
-def invariant_enabled() -> bool:
-    return _INVARIANT.get()
+# Batch invariance (`invariant` of plan_buckets; AttnKernel.batch_invariant): every document in a
+# bucket of its own, so that its output does not depend on the documents packed beside it.
+# Why: aten's CPU flash kernel gives a row a result that depends on the padded length P of its
+# bucket (different block splits of the same reduction): a 300-token document in a bucket padded
+# to 320 differs by up to 1e-3 in bf16 from the same document alone, and a log-prob by up to 7e-2
+# (bench/batch_invariance.py). Per-document buckets make P a function of the document's own
+# length. The cost is one kernel call per document (~0.3 ms each on a CPU core), negligible beside
+# long sequences; RL log-prob and training passes use it so that the same sequence gets bitwise
+# the same log-probs whatever its neighbours. The expert GEMMs follow the same choice
+# (longctx_moe.model.grouped_gemm.wants_padding).
 
 
 @dataclass

@@ -4,6 +4,7 @@ through their one adapter module, and only when asked for)."""
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 import torch
 
@@ -11,6 +12,25 @@ BACKENDS = ("torch_cpu", "reference", "torch_varlen", "flex", "flash_attn")
 _MODULES = {"torch_cpu": "torch_cpu", "reference": "_reference_backend",
             "torch_varlen": "torch_varlen", "flex": "flex", "flash_attn": "flash_attn"}
 _CUDA_PREFERENCE = ("flash_attn", "torch_varlen", "flex")
+
+
+@dataclass(frozen=True)
+class AttnKernel:
+    """How attention runs, decided once by the caller (longctx_moe.execution resolves it at
+    start-up): `backend` a BACKENDS name or "auto"; `batch_invariant` puts every document in a
+    bucket of its own, so its output does not depend on its neighbours (see _buckets);
+    `native_forward` / `native_backward` let torch_cpu run our C++ kernels where they serve the
+    call (bf16 causal self-attention) and are built. A plain backend name passed where an
+    AttnKernel is taken means AttnKernel(name): not invariant, C++ kernels where built."""
+
+    backend: str = "auto"
+    batch_invariant: bool = False
+    native_forward: bool = True
+    native_backward: bool = True
+
+
+def as_kernel(backend: str | AttnKernel) -> AttnKernel:
+    return backend if isinstance(backend, AttnKernel) else AttnKernel(backend)
 
 
 def load_backend(name: str):

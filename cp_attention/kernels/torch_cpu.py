@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 
 from . import amx_backward, brgemm_forward
-from ._buckets import Bucket, invariant_enabled, plan_buckets
+from ._buckets import Bucket, plan_buckets
 from ._common import accumulate_dtype, default_scale, kernel_lse
+from ._registry import AttnKernel
 
 _fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -43,16 +44,18 @@ _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 # and run in bf16. The forward is not padded (no such cliff there) and stays in the input dtype
 # (bf16 is 2-3x faster than float32 there).
 TAKES_OFFSET = True  # see cp_attention.kernels.attn_forward(offset=)
+TAKES_KERNEL = True  # reads the AttnKernel's batch invariance and C++ kernel choices
+_DEFAULT = AttnKernel("torch_cpu")
 SMALL_BLOCK_LEN = 768  # below this many rows the backward runs in float32
 BIG_BLOCK_LEN = 768
 _REDUCED = (torch.bfloat16, torch.float16)
 
 
-def _plan(cu_q, cu_k, causal, dtype, backward: bool = False, window: int | None = None,
-          offset: int = 0):
+def _plan(cu_q, cu_k, causal, dtype, invariant: bool, backward: bool = False,
+          window: int | None = None, offset: int = 0):
     pad_to = BIG_BLOCK_LEN if backward and dtype in _REDUCED else 0
     return plan_buckets(tuple(cu_q.tolist()), tuple(cu_k.tolist()), bool(causal), pad_to,
-                        invariant_enabled(), window, offset)
+                        invariant, window, offset)
 
 
 def _backward_dtype(dtype, bk: Bucket):
@@ -161,21 +164,21 @@ def _keyless_rows(bk: Bucket):
 
 
 def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None, window=None,
-            offset=0):
+            offset=0, kernel: AttnKernel = _DEFAULT):
     """-> (out_THD in the input dtype, lse_HT float32, or float64 for float64 inputs).
     A sliding window or an offset runs on aten's kernel with a mask (our C++ kernels have
     neither)."""
     t, hq, d = q_THD.shape
     scale = default_scale(scale, d)
     # brgemm_forward: 2.7-3.9x aten's kernel on 2048-8192-token rows (see its module docstring);
-    # per document by construction, so batch_invariant() needs nothing more from it.
-    if (window is None and not offset
+    # per document by construction, so batch invariance needs nothing more from it.
+    if (kernel.native_forward and window is None and not offset
             and _causal_self_bf16((q_THD, k_SHD, v_SHD), cu_q, cu_k, causal)
             and d <= 256 and brgemm_forward.available()):
         res = brgemm_forward.try_varlen_causal_forward(q_THD, k_SHD, v_SHD, cu_q, scale)
         if res is not None:
             return res
-    plan = _plan(cu_q, cu_k, causal, q_THD.dtype, window=window, offset=offset)
+    plan = _plan(cu_q, cu_k, causal, q_THD.dtype, kernel.batch_invariant, window=window, offset=offset)
     tiles = _tiling(plan, t, k_SHD.shape[0])
     plan = tiles or plan
     res = [_forward_bucket(q_THD, k_SHD, v_SHD, bk, scale) for bk in plan]
@@ -251,17 +254,18 @@ def _brgemm_backward_eligible(tensors, cu_q, cu_k, causal) -> bool:
 
 
 def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, max_k, causal,
-             scale=None, window=None, offset=0):
+             scale=None, window=None, offset=0, kernel: AttnKernel = _DEFAULT):
     """Gradients of this block for a (possibly larger, merged) (out, lse): (dq_THD, dk_SHD,
     dv_SHD) in the input dtype. The kernel computes rowsum(dout * out) from the out passed."""
     scale = default_scale(scale, q_THD.shape[2])
-    if window is None and not offset and _brgemm_backward_eligible((dout_THD, q_THD, k_SHD, v_SHD, out_THD),
+    if kernel.native_backward and window is None and not offset and _brgemm_backward_eligible((dout_THD, q_THD, k_SHD, v_SHD, out_THD),
                                                     cu_q, cu_k, causal):
         grads = amx_backward.try_varlen_causal_backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD,
                                                         kernel_lse(lse_HT), cu_q, scale)
         if grads is not None:
             return grads
-    plan = _plan(cu_q, cu_k, causal, q_THD.dtype, backward=True, window=window, offset=offset)
+    plan = _plan(cu_q, cu_k, causal, q_THD.dtype, kernel.batch_invariant, backward=True,
+                 window=window, offset=offset)
     tiles = _tiling(plan, q_THD.shape[0], k_SHD.shape[0])
     plan = tiles or plan
     inputs = {}  # compute dtype -> inputs cast once for every bucket that needs them

@@ -199,7 +199,7 @@ def materialize(model: torch.nn.Module, device: torch.device | str = "cpu") -> N
 
 def load_hf_model(hf_dir: str | Path, overrides: list[str] | None = None) -> torch.nn.Module:
     """Our single-device model (fp32, eval) holding `hf_dir`'s weights; model.* from its
-    config.json plus `overrides` (non-architecture keys, e.g. model.attention_backend)."""
+    config.json plus `overrides` (non-architecture keys, e.g. execution.attention_backend)."""
     from longctx_moe.config import load_config
     from longctx_moe.model import Transformer
 

@@ -1,6 +1,6 @@
-"""FP8 GEMMs through torch's own scaled GEMMs (`model.fp8=torch`), in three recipes.
+"""FP8 GEMMs through torch's own scaled GEMMs (`execution.fp8=torch`), in three recipes.
 
-`model.fp8_recipe=tensor` is Transformer Engine's "current scaling" with its HYBRID format: every operand is
+`execution.fp8_recipe=tensor` is Transformer Engine's "current scaling" with its HYBRID format: every operand is
 scaled per tensor from its own absolute maximum at the moment it is quantised (no amax history,
 so nothing to checkpoint or to warm up), activations and weights in E4M3, output gradients in E5M2
 (wider range, fewer bits: gradients span more decades than they need digits). Weights are
@@ -17,11 +17,11 @@ cuBLAS's FP8 GEMM wants the second operand column-major, and both the contractio
 the output width multiples of 16. The contraction of a weight gradient is over tokens, so rows
 are zero-padded to a multiple of 16 there (zeros add nothing to a sum). Widths are the model's
 and are checked with a one-line error. On CPU `_scaled_mm` runs too (slowly: it is the reference
-the tests use); `model.fp8=torch` is refused on devices without FP8 tensor cores.
+the tests use); `execution.fp8=torch` is refused on devices without FP8 tensor cores.
 
-`model.fp8_recipe=block` (`BlockScaling`) scales 1 x 128 runs of activations and gradients and
+`execution.fp8_recipe=block` (`BlockScaling`) scales 1 x 128 runs of activations and gradients and
 128 x 128 weight blocks instead, through `torch.nn.functional.scaled_mm`'s blockwise modes on
-Hopper; on CPU from the dequantised operands (the tests' reference). `model.fp8_recipe=delayed`
+Hopper; on CPU from the dequantised operands (the tests' reference). `execution.fp8_recipe=delayed`
 (`DelayedScaling`) takes the activations' and gradients' scales from the amax of earlier steps.
 
 Shape legend: M rows (tokens), K contraction, N output features, E experts, D / F the experts'
@@ -40,29 +40,29 @@ from longctx_moe.kernels import fp8_grouped
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_CHOICES = ("none", "torch", "te")
 _ALIGN = 16  # cuBLAS FP8: contraction and output widths in multiples of 16 elements
-BLOCK = 128  # model.fp8_recipe=block: the length of a scaled run (and the side of a weight block)
+BLOCK = 128  # execution.fp8_recipe=block: the length of a scaled run (and the side of a weight block)
 
 
 def unavailable_reason(setting: str, device, tp: int = 1, recipe: str = "tensor") -> str | None:
-    """None when `model.fp8=setting` (with `model.fp8_recipe=recipe`) can run on `device`, else
+    """None when `execution.fp8=setting` (with `execution.fp8_recipe=recipe`) can run on `device`, else
     one cause-and-fix sentence."""
     device = torch.device(device)
     if setting == "none":
         return None
     if setting == "te":
-        return ("model.fp8=te: the Transformer Engine path is not built (its wheels cannot be installed "
-                "or run where this project is tested); model.fp8=torch runs TE's recipes (model.fp8_recipe="
-                "tensor | delayed | block) through torch's FP8 GEMMs; or set model.fp8=none")
+        return ("execution.fp8=te: the Transformer Engine path is not built (its wheels cannot be installed "
+                "or run where this project is tested); execution.fp8=torch runs TE's recipes (execution.fp8_recipe="
+                "tensor | delayed | block) through torch's FP8 GEMMs; or set execution.fp8=none")
     if setting != "torch":
-        return f"model.fp8={setting!r} is not one of {FP8_CHOICES}"
+        return f"execution.fp8={setting!r} is not one of {FP8_CHOICES}"
     if tp > 1:
-        return (f"model.fp8=torch with parallel.tp={tp}: the tensor-parallel projections run their own "
-                "GEMMs and are not FP8 yet; set parallel.tp=1 or model.fp8=none")
+        return (f"execution.fp8=torch with parallel.tp={tp}: the tensor-parallel projections run their own "
+                "GEMMs and are not FP8 yet; set parallel.tp=1 or execution.fp8=none")
     if device.type != "cuda":
-        return f"model.fp8=torch needs a CUDA GPU with FP8 tensor cores, not {device.type}; set model.fp8=none"
+        return f"execution.fp8=torch needs a CUDA GPU with FP8 tensor cores, not {device.type}; set execution.fp8=none"
     if torch.cuda.get_device_capability(device) < (8, 9):
-        return (f"model.fp8=torch needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper); "
-                f"{_gpu(device)}; set model.fp8=none")
+        return (f"execution.fp8=torch needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper); "
+                f"{_gpu(device)}; set execution.fp8=none")
     if recipe == "block":
         return _block_unavailable_reason(device)
     return None
@@ -72,11 +72,11 @@ def _block_unavailable_reason(device: torch.device) -> str | None:
     import torch.nn.functional as F
 
     if not hasattr(F, "scaled_mm"):
-        return (f"model.fp8_recipe=block needs torch.nn.functional.scaled_mm's blockwise scaling, which "
-                f"torch {torch.__version__} lacks; set model.fp8_recipe=tensor")
+        return (f"execution.fp8_recipe=block needs torch.nn.functional.scaled_mm's blockwise scaling, which "
+                f"torch {torch.__version__} lacks; set execution.fp8_recipe=tensor")
     if torch.cuda.get_device_capability(device)[0] != 9:
-        return (f"model.fp8_recipe=block: torch's blockwise-scaled FP8 GEMM runs on Hopper (compute "
-                f"capability 9.x); {_gpu(device)}; set model.fp8_recipe=tensor")
+        return (f"execution.fp8_recipe=block: torch's blockwise-scaled FP8 GEMM runs on Hopper (compute "
+                f"capability 9.x); {_gpu(device)}; set execution.fp8_recipe=tensor")
     return None
 
 
@@ -109,7 +109,7 @@ def _scale_for(amax: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
 
 
 class AmaxHistory:
-    """model.fp8_recipe=delayed, one operand role of one module: the largest |value| of the last
+    """execution.fp8_recipe=delayed, one operand role of one module: the largest |value| of the last
     `length` optimizer steps (slot 0: the step under way, the max over its micro-batches and any
     recomputed forward), and the scale frozen from them at the last step boundary. Until the first
     boundary the scale is the tensor's own (current scaling), so a fresh or resumed run never
@@ -142,9 +142,9 @@ class AmaxHistory:
 
 def _check_widths(k: int, n: int, device: torch.device) -> None:
     if device.type == "cuda" and (k % _ALIGN or n % _ALIGN):
-        raise ValueError(f"model.fp8=torch: a GEMM of contraction {k} and width {n} is not FP8-able "
+        raise ValueError(f"execution.fp8=torch: a GEMM of contraction {k} and width {n} is not FP8-able "
                          f"(cuBLAS needs multiples of {_ALIGN}); make the model's widths multiples of "
-                         f"{_ALIGN} or set model.fp8=none")
+                         f"{_ALIGN} or set execution.fp8=none")
 
 
 def scaled_mm(a_MK: torch.Tensor, inv_a: torch.Tensor, b_KN: torch.Tensor, inv_b: torch.Tensor,
@@ -190,9 +190,9 @@ def quantize_tiles(x_RC: torch.Tensor, fp8: torch.dtype, tile: tuple[int, int]) 
     top = torch.finfo(fp8).max
     (*lead, R, C), (tr, tc) = x_RC.shape, tile
     if R % tr or C % tc:  # e.g. an expert-tensor-parallel shard of the experts' hidden width
-        raise ValueError(f"model.fp8_recipe=block: a [{R}, {C}] operand does not split into {tr} x {tc} "
+        raise ValueError(f"execution.fp8_recipe=block: a [{R}, {C}] operand does not split into {tr} x {tc} "
                          f"tiles; make every GEMM width (per ETP shard too) a multiple of {BLOCK}, or set "
-                         "model.fp8_recipe=tensor")
+                         "execution.fp8_recipe=tensor")
     blocks = x_RC.detach().float().reshape(*lead, R // tr, tr, C // tc, tc)
     scale = _scale_for(blocks.abs().amax(dim=(-3, -1)), fp8)
     q = (blocks * scale[..., :, None, :, None]).clamp(-top, top).to(fp8).reshape(x_RC.shape)
@@ -258,7 +258,7 @@ class TensorScaling:
         """(operand of the forward product, pieces for the weight gradients). `given`: the
         forward operand quantised already (the block recipe's only)."""
         if given is not None:
-            raise ValueError(f"model.fp8_recipe={self.name} quantises each activation tensor whole; "
+            raise ValueError(f"execution.fp8_recipe={self.name} quantises each activation tensor whole; "
                              "a pre-quantised operand (the fp8 dispatch's) is the block recipe's")
         q = self._quantize_act(x_MK)
         return q, self.split(q, counts)
@@ -362,8 +362,8 @@ RECIPE_CHOICES = ("tensor", "block", "delayed")
 
 
 def make_recipe(name: str, history: int = 16):
-    """The scaling object a module runs `model.fp8_recipe=name` with (its own for delayed)."""
-    check_choice("model.fp8_recipe", name, RECIPE_CHOICES)
+    """The scaling object a module runs `execution.fp8_recipe=name` with (its own for delayed)."""
+    check_choice("execution.fp8_recipe", name, RECIPE_CHOICES)
     return DelayedScaling(history) if name == "delayed" else RECIPES[name]
 
 
@@ -460,7 +460,7 @@ def linear(x: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, cdtype
 
 def grouped_matmul(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
                    cdtype: torch.dtype, recipe="tensor", x_fp8: Fp8Tiles | None = None) -> torch.Tensor:
-    """The experts' grouped GEMM in FP8 (model.grouped_gemm's contract, result in `cdtype`).
+    """The experts' grouped GEMM in FP8 (execution.grouped_gemm's contract, result in `cdtype`).
     `x_fp8`: x's FP8 form already made (the block recipe's 1 x 128 tiles, e.g. the fp8 dispatch's
     payload), used as the forward operand instead of quantising x again; the weight gradient
     still quantises x along the tokens itself."""

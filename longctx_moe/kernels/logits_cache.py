@@ -1,4 +1,4 @@
-"""The LM head's logits kept from a log-prob forward for its backward (model.loss_logits_cache_mb).
+"""The LM head's logits kept from a log-prob forward for its backward (execution.loss_logits_cache_mb).
 
 A log-prob head's backward needs each chunk's logits again. Recomputing them costs one more
 [C, D] x [D, V] product per chunk, a quarter of the head's GEMM work; keeping them costs N x V

@@ -19,8 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from cp_attention.kernels import AttnKernel
 from data_packing.batch import PackedBatch
 from longctx_moe.compile import eager_only
+from longctx_moe.execution import Ops
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.layers import RMSNorm, apply_rope, rope_cos_sin
 from longctx_moe.model.rope import RopeSpec, apply_partial_rope, rope_tables
@@ -110,7 +112,7 @@ def doc_layout(batch: PackedBatch, *, doc_id_T: torch.Tensor | None = None, num_
 # Kept out of torch.compile: the varlen kernels plan buckets on the host (data-dependent shapes),
 # and the context-parallel executors run collectives.
 @eager_only
-def attend(q_THR, k_TGR, v_TGR, layout: DocLayout, backend: str, window: int | None = None,
+def attend(q_THR, k_TGR, v_TGR, layout: DocLayout, backend: AttnKernel, window: int | None = None,
            sink_H: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention inside each document of `layout`: out_THRv (input dtype); `window` a
     sliding window, `sink_H` [H] attention-sink logits (cp_attention.kernels.sinks), `scale`
@@ -132,8 +134,9 @@ class Attention(nn.Module):
     head (Qwen3: weight [R]) or over the whole projection (OLMoE: weight [H R] and [G R], one
     mean of squares per token); q, k and v may carry biases (Qwen2-MoE)."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, ops: Ops | None = None):
         super().__init__()
+        ops = Ops() if ops is None else ops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.rope_theta = cfg.rope_theta
         d, bias = cfg.hidden_size, cfg.qkv_bias
@@ -145,9 +148,9 @@ class Attention(nn.Module):
         self.norm_full_width = cfg.qk_norm_scope == "full"
         q_width, k_width = ((cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
                             if self.norm_full_width else (cfg.head_dim, cfg.head_dim))
-        self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.kernels) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.kernels) if cfg.qk_norm else None
-        self.backend = cfg.attention_backend
+        self.q_norm = RMSNorm(q_width, cfg.norm_eps, ops.norm) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.norm_eps, ops.norm) if cfg.qk_norm else None
+        self.backend = ops.attention  # an AttnKernel: backend, batch invariance, C++ kernels
 
     def _init_family_features(self, cfg: ModelConfig, layer_idx: int) -> None:
         """Sinks (gpt-oss), this layer's sliding window, and a RoPE variant (partial rotary,

@@ -10,11 +10,6 @@ from longctx_moe.choices import check_choice
 CHOICES = {
     "router_score": ("softmax", "sigmoid"),
     "aux_loss_type": ("none", "switch", "seq"),
-    "grouped_gemm": ("auto", "grouped_mm", "loop"),
-    "expert_precision": ("auto", "autocast", "param"),
-    "kernels": ("auto", "torch", "triton"),
-    "fp8": ("none", "torch", "te"),
-    "fp8_recipe": ("tensor", "block", "delayed"),
     "qk_norm_scope": ("head", "full"),
     "attention_type": ("gqa", "mla"),
     "expert_activation": ("swiglu", "clamped_swiglu"),
@@ -34,7 +29,6 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
-    attention_backend: str = "auto"  # see cp_attention.kernels: auto | torch_cpu | torch_varlen | flex | flash_attn | reference
 
     # Mixture of experts
     num_experts: int = 8
@@ -50,38 +44,6 @@ class ModelConfig:
     z_loss_coeff: float = 1e-3
     expert_bias: bool = False  # aux-loss-free balancing: a bias that affects selection only
     expert_bias_update_rate: float = 1e-3
-    grouped_gemm: str = "auto"  # auto | grouped_mm | loop
-    # Dtype of the expert GEMMs under autocast: autocast (bf16, weights cast every forward) | param
-    # (the weights' own dtype, no casts) | auto (= autocast where the device has native bf16: with
-    # rows padded per expert on CPU, bf16 experts are ~3x faster than fp32 there; = param on a CPU
-    # without it, where bf16 is 20-30x slower; see longctx_moe.model.grouped_gemm).
-    expert_precision: str = "auto"
-
-    # Triton kernels (longctx_moe.kernels) for MoE permute/unpermute, router top-k, RMSNorm (+
-    # residual add) and the log-prob/entropy head: auto (on CUDA when triton is installed) | torch
-    # | triton (refused at start-up where it cannot run).
-    kernels: str = "auto"
-    # FP8 GEMMs in the blocks (longctx_moe.model.fp8): none | torch (torch._scaled_mm, current
-    # per-tensor scaling, E4M3 forward / E5M2 gradients, float32 masters; CUDA with compute
-    # capability >= 8.9) | te (Transformer Engine: not built, refused). Refused in one line where
-    # it cannot run.
-    fp8: str = "none"
-    # How model.fp8 scales its operands: tensor (one scale per tensor, per expert for expert
-    # weights) | block (DeepSeek-V3's recipe: 1 x 128 runs of activations and gradients, 128 x 128
-    # weight blocks; widths in multiples of 128; Hopper, through torch's blockwise-scaled GEMM) |
-    # delayed (TE's DelayedScaling: activations and gradients scaled from the largest |value| of
-    # the last fp8_amax_history optimizer steps; weights per tensor).
-    fp8_recipe: str = "tensor"
-    fp8_amax_history: int = 16
-
-    # Cross-entropy over the vocabulary in chunks of this many tokens (bounds fp32 logits memory).
-    loss_chunk_tokens: int = 1024
-    # A log-prob head (RL) keeps a micro-batch's logits for its backward when they fit in this many
-    # MiB (tokens x vocabulary x the compute dtype's size), instead of recomputing them: a quarter
-    # of the head's GEMM work. 0 always recomputes. Results are the same either way. 128 MiB holds
-    # 8,192 tokens of bf16 logits over an 8,192-word vocabulary, 2,048 tokens of fp32 ones over
-    # 16,384 words; real vocabularies (150K words) need far more than it, and so recompute.
-    loss_logits_cache_mb: int = 128
 
     # ---- Pretrained-family features (the HF families of longctx_moe.hf.families) ----
     # The Hugging Face model_type that export-hf and the weight exporter write; train.init_from
@@ -143,13 +105,9 @@ class ModelConfig:
         for key, allowed in CHOICES.items():
             check_choice(f"model.{key}", getattr(self, key), allowed)
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                    "head_dim", "num_experts", "top_k", "expert_hidden_size", "loss_chunk_tokens",
-                    "fp8_amax_history"):
+                    "head_dim", "num_experts", "top_k", "expert_hidden_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
-        if self.loss_logits_cache_mb < 0:
-            raise ValueError(f"model.loss_logits_cache_mb={self.loss_logits_cache_mb} must be >= 0 "
-                             "(0: the log-prob head recomputes its logits in the backward)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_heads={self.num_heads} must be divisible by "
                              f"model.num_kv_heads={self.num_kv_heads} (GQA)")
@@ -160,7 +118,6 @@ class ModelConfig:
                              "lower top_k or raise num_experts")
         self._validate_family_features()
         self._validate_attention_features()
-        self._validate_fp8()
         if not 0 <= self.first_k_dense <= self.num_layers:
             raise ValueError(f"model.first_k_dense={self.first_k_dense} must lie in "
                              f"[0, model.num_layers={self.num_layers}]")
@@ -188,16 +145,6 @@ class ModelConfig:
         if self.shared_expert_gate and self.shared_expert_hidden_size < 1:
             raise ValueError("model.shared_expert_gate=true needs a shared expert; set "
                              "model.shared_expert_hidden_size > 0")
-
-    def _validate_fp8(self) -> None:
-        # the recipe keys act only under model.fp8 (the history only under delayed scaling):
-        # refused rather than ignored
-        if self.fp8 == "none" and self.fp8_recipe != "tensor":
-            raise ValueError(f"model.fp8_recipe={self.fp8_recipe} scales FP8 GEMMs, and model.fp8=none runs "
-                             "none; set model.fp8=torch or drop fp8_recipe")
-        if self.fp8_recipe != "delayed" and self.fp8_amax_history != 16:
-            raise ValueError(f"model.fp8_amax_history={self.fp8_amax_history} is the history of "
-                             "model.fp8_recipe=delayed; set that or drop fp8_amax_history")
 
     def _validate_attention_features(self) -> None:
         from longctx_moe.model.rope import RopeSpec

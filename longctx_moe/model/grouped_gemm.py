@@ -14,7 +14,6 @@ from itertools import accumulate
 
 import torch
 
-from cp_attention.kernels import batch_invariant_enabled
 from data_packing.batch import pad_to
 from longctx_moe.choices import check_choice
 
@@ -63,10 +62,10 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 
 def resolve_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor) -> str:
     """The implementation `grouped_matmul` will use for these operands (raises for a bad request)."""
-    check_choice("model.grouped_gemm", impl, IMPLS)
+    check_choice("execution.grouped_gemm", impl, IMPLS)
     usable = grouped_mm_works(x_MD.device.type, x_MD.dtype) and _aligned(x_MD, w_EDF)
     if impl == "grouped_mm" and not usable:
-        raise ValueError(f"model.grouped_gemm='grouped_mm' cannot run {x_MD.dtype} on {x_MD.device.type} "
+        raise ValueError(f"execution.grouped_gemm='grouped_mm' cannot run {x_MD.dtype} on {x_MD.device.type} "
                          f"with D={x_MD.shape[-1]}, F={w_EDF.shape[-1]} (needs torch._grouped_mm, "
                          "fp32/bf16 and 16-byte rows); use grouped_gemm='auto'")
     return "grouped_mm" if impl == "grouped_mm" or (impl == "auto" and usable) else "loop"
@@ -167,20 +166,21 @@ class _GatherSlots(torch.autograd.Function):
         return g_MD.new_zeros(ctx.total, g_MD.shape[-1]).index_copy_(0, slot_M, g_MD), None
 
 
-def wants_padding(x_MD: torch.Tensor) -> bool:
+def wants_padding(x_MD: torch.Tensor, batch_invariant: bool = False) -> bool:
     """Pad groups where oneDNN builds a kernel per shape: bf16/fp16 GEMMs on CPU; and fp32 ones
     in batch-invariant mode, since MKL's fp32 GEMM takes another path for 1-3 rows, so an
     expert's rows would differ with how many tokens its group holds (padded groups hold >= 16)."""
     if x_MD.device.type != "cpu":
         return False
     return x_MD.dtype in (torch.bfloat16, torch.float16) or (
-        x_MD.dtype == torch.float32 and batch_invariant_enabled())
+        x_MD.dtype == torch.float32 and batch_invariant)
 
 
-def with_padded_groups(fn, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+def with_padded_groups(fn, x_MD: torch.Tensor, counts_E: torch.Tensor,
+                       batch_invariant: bool = False) -> torch.Tensor:
     """fn(x, counts) -> y (row-wise per group, zero rows map to rows nobody reads), run on rows
     padded per group where that pays (wants_padding), else called as is."""
-    if not wants_padding(x_MD):
+    if not wants_padding(x_MD, batch_invariant):
         return fn(x_MD, counts_E)
     slot_M, padded_E, total = pad_layout(counts_E)
     y_PD = fn(_ScatterRows.apply(x_MD, slot_M, total), padded_E)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longctx_moe.kernels import cpu_rmsnorm, ops, use_triton
+from longctx_moe.kernels import cpu_rmsnorm, triton_ops
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -36,27 +36,28 @@ class RMSNorm(nn.Module):
     and normalised tensor that autograd through the composite op keeps: at long context the
     norms' saved tensors were a third of a layer's activations.
 
-    `kernels` (model.kernels) may run it as one Triton kernel (longctx_moe.kernels)."""
+    `impl` (Ops.norm): torch; triton, one Triton kernel (longctx_moe.kernels); cpp, the fused C++
+    kernel for the rows it serves (kernels/cpu_rmsnorm.py)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, kernels: str = "torch"):
+    def __init__(self, dim: int, eps: float = 1e-6, impl: str = "torch"):
         super().__init__()
-        self.eps, self.kernels = eps, kernels
+        self.eps, self.impl = eps, impl
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, (x + residual, norm(x + residual)): one kernel under Triton."""
         if residual is None:
             return self._norm(x)
-        if use_triton(self.kernels, x) and x.shape == residual.shape:
+        if self.impl == "triton" and x.shape == residual.shape:
             dtype = _autocast_of(torch.promote_types(x.dtype, residual.dtype), x.device.type)
-            return ops().add_rmsnorm(x, residual, self.weight, self.eps, dtype)
+            return triton_ops().add_rmsnorm(x, residual, self.weight, self.eps, dtype)
         s = x + residual
         return s, self._norm(s)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(self.kernels, x):
-            return ops().rmsnorm(x, self.weight, self.eps, autocast_dtype(x))
-        return _RMSNormFn.apply(x, self.weight, self.eps, autocast_dtype(x))
+        if self.impl == "triton":
+            return triton_ops().rmsnorm(x, self.weight, self.eps, autocast_dtype(x))
+        return _RMSNormFn.apply(x, self.weight, self.eps, autocast_dtype(x), self.impl == "cpp")
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -73,8 +74,8 @@ class _RMSNormFn(torch.autograd.Function):
               dx = r * (g w - xh * mean_D(g w * xh))"""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float, out_dtype: torch.dtype):
-        ctx.fused = cpu_rmsnorm.serves(x, out_dtype)  # the same arithmetic in one pass per row
+    def forward(ctx, x, weight, eps: float, out_dtype: torch.dtype, cpp: bool = False):
+        ctx.fused = cpp and cpu_rmsnorm.serves(x, out_dtype)  # the same arithmetic in one pass per row
         if ctx.fused:
             y_ND, r_N = cpu_rmsnorm.forward(x.reshape(-1, x.shape[-1]), weight, eps, out_dtype)
             ctx.save_for_backward(x, weight, r_N.view(*x.shape[:-1], 1))
@@ -92,13 +93,13 @@ class _RMSNormFn(torch.autograd.Function):
         if ctx.fused:
             d = x.shape[-1]
             dx_ND, dw = cpu_rmsnorm.backward(g.reshape(-1, d), x.reshape(-1, d), weight, r_N1.reshape(-1))
-            return dx_ND.view(x.shape), dw.to(weight.dtype), None, None
+            return dx_ND.view(x.shape), dw.to(weight.dtype), None, None, None
         dtype = r_N1.dtype
         xh = x.to(dtype) * r_N1
         gw = g.to(dtype) * weight.to(dtype)
         dx = r_N1 * (gw - xh * (gw * xh).mean(-1, keepdim=True))
         dw = (g.to(dtype) * xh).reshape(-1, x.shape[-1]).sum(0)
-        return dx.to(x.dtype), dw.to(weight.dtype), None, None
+        return dx.to(x.dtype), dw.to(weight.dtype), None, None, None
 
 
 def rope_cos_sin(position_ids_T: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +137,7 @@ class SwiGLU(nn.Module):
         if torch.compiler.is_compiling() or type(self.w_down) is not nn.Linear:
             # Inductor's partitioner already recomputes the pointwise silu and product in the
             # backward instead of saving them; the plain ops let it fuse them. A w_down that is
-            # not a plain Linear (model.fp8's Fp8Linear) runs its own product.
+            # not a plain Linear (execution.fp8's Fp8Linear) runs its own product.
             return self.w_down(F.silu(gate_TF) * up_TF)
         # The weight's cast is the one autocast would make, outside the function so its gradient
         # reaches the fp32 parameter through autograd.

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from cp_attention.kernels import accumulate_dtype
 from data_packing.batch import IGNORE_INDEX
-from longctx_moe.kernels import cpu_logprobs, ops, use_triton
+from longctx_moe.kernels import cpu_logprobs, triton_ops
 from longctx_moe.kernels.logits_cache import keeps_logits, kept_logits
 from longctx_moe.model.layers import autocast_dtype
 
@@ -258,7 +258,7 @@ def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torc
     `shard`: W holds this rank's V_l rows of a vocab-parallel head; every rank of the shard's
     group must pass the same h and labels, and gets the same ce_sum."""
     if chunk_tokens < 1:
-        raise ValueError(f"model.loss_chunk_tokens={chunk_tokens} must be >= 1")
+        raise ValueError(f"execution.loss_chunk_tokens={chunk_tokens} must be >= 1")
     idx_N = (labels_T != IGNORE_INDEX).nonzero().squeeze(1)
     labels_N = labels_T.index_select(0, idx_N)
     weight_N = None if loss_weight_T is None else loss_weight_T.index_select(0, idx_N)
@@ -280,7 +280,7 @@ class _LinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_TD, w_VD, idx_N, labels_N, chunk, cdtype, temperature, want_entropy, shard,
-                keep_bytes=0):
+                keep_bytes=0, cpp=False):
         acc = accumulate_dtype(cdtype)
         w_c = w_VD.to(cdtype)
         n = idx_N.numel()
@@ -289,7 +289,7 @@ class _LinearLogProbs(torch.autograd.Function):
         kept = []
         # The fused CPU kernel's row statistics (lse; the entropies, always written) are kept for
         # its backward; without it lse_N is empty.
-        fused = cpu_logprobs.serves(cdtype, h_TD.device, shard)
+        fused = cpp and cpu_logprobs.serves(cdtype, h_TD.device, shard)
         ent_N = torch.zeros(n if want_entropy or fused else 0, dtype=acc, device=h_TD.device)
         lse_N = torch.empty(n if fused else 0, dtype=acc, device=h_TD.device)
         for s in range(0, n, chunk):
@@ -355,7 +355,7 @@ class _LinearLogProbs(torch.autograd.Function):
         if need_h and shard is not None:
             shard.reduce(grad_h)
         return (grad_h, None if grad_w is None else grad_w.to(w_VD.dtype),
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 def _project_grad(g_CV, h_TD, w_c, rows, cdtype, acc, grad_h, grad_w) -> None:
@@ -397,27 +397,30 @@ def _log_softmax(z_CV, acc, temperature, shard=None):
 def chunked_token_logprobs(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor,
                            chunk_tokens: int = 1024, temperature: float = 1.0,
                            entropy: bool = False, shard: VocabShard | None = None,
-                           kernels: str = "torch",
+                           impl: str = "torch",
                            logits_cache_mb: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log p(labels_T[t]) under softmax(h_t @ W^T / temperature): logp_T [T] fp32
     (float64 for float64), 0 where labels_T == -100, differentiable; and the entropy of each
     row's distribution (entropy_T, same layout) when `entropy`. [T, V] is never materialised.
-    `shard` as in chunked_cross_entropy; `kernels` (model.kernels) may run the softmax work of
-    each chunk in Triton (longctx_moe.kernels.triton_logprobs); the backward reuses the
-    forward's logits when they fit in `logits_cache_mb` (model.loss_logits_cache_mb), else
-    recomputes them."""
+    `shard` as in chunked_cross_entropy; `impl` (Ops.logprobs) runs the softmax work of each chunk
+    on torch, in Triton (longctx_moe.kernels.triton_logprobs) or in C++ (kernels/cpu_logprobs.py,
+    for the calls it serves); the backward reuses the forward's logits when they fit in
+    `logits_cache_mb` (execution.loss_logits_cache_mb), else recomputes them."""
     if chunk_tokens < 1:
-        raise ValueError(f"model.loss_chunk_tokens={chunk_tokens} must be >= 1")
+        raise ValueError(f"execution.loss_chunk_tokens={chunk_tokens} must be >= 1")
     if not temperature > 0:
         raise ValueError(f"temperature={temperature} must be > 0")
     idx_N = (labels_T != IGNORE_INDEX).nonzero().squeeze(1)
     labels_N = labels_T.index_select(0, idx_N)
     cdtype = autocast_dtype(h_TD)
-    fn = ops().linear_logprobs if use_triton(kernels, h_TD) else _LinearLogProbs.apply
     if logits_cache_mb < 0:
-        raise ValueError(f"model.loss_logits_cache_mb={logits_cache_mb} must be >= 0 (0: recompute)")
-    logp_N, ent_N = fn(h_TD, w_VD, idx_N, labels_N, chunk_tokens, cdtype, float(temperature),
-                       entropy, shard, logits_cache_mb << 20)
+        raise ValueError(f"execution.loss_logits_cache_mb={logits_cache_mb} must be >= 0 (0: recompute)")
+    args = (h_TD, w_VD, idx_N, labels_N, chunk_tokens, cdtype, float(temperature), entropy, shard,
+            logits_cache_mb << 20)
+    if impl == "triton":
+        logp_N, ent_N = triton_ops().linear_logprobs(*args)
+    else:
+        logp_N, ent_N = _LinearLogProbs.apply(*args, impl == "cpp")
     t = labels_T.shape[0]
     logp_T = logp_N.new_zeros(t).index_put((idx_N,), logp_N)
     ent_T = ent_N.new_zeros(t).index_put((idx_N,), ent_N) if entropy else None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from longctx_moe.execution import Ops
 from longctx_moe.model.attention import DocLayout, attend
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.layers import RMSNorm
@@ -35,8 +36,9 @@ LATENT_NORM_EPS = 1e-6
 class MLAttention(nn.Module):
     """DeepSeek-V3 attention (see the module docstring); weight names follow transformers'."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, ops: Ops | None = None):
         super().__init__()
+        ops = Ops() if ops is None else ops
         d, h = cfg.hidden_size, cfg.num_heads
         self.num_heads = h
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -44,12 +46,12 @@ class MLAttention(nn.Module):
         qk = self.nope + self.rope_dim
         if cfg.q_lora_rank > 0:
             self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, cfg.kernels)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, ops.norm)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
         else:
             self.q_proj = nn.Linear(d, h * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_rank + self.rope_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(self.kv_rank, LATENT_NORM_EPS, cfg.kernels)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, LATENT_NORM_EPS, ops.norm)
         self.kv_b_proj = nn.Linear(self.kv_rank, h * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
         self.rope_spec = RopeSpec.from_config(self.rope_dim, cfg.rope_theta, cfg.rope_scaling,
@@ -58,7 +60,7 @@ class MLAttention(nn.Module):
         self.scale = qk ** -0.5 * yarn_softmax_scale_factor(cfg.rope_scaling)
         self.window = cfg.window_of(layer_idx)
         self.sinks = nn.Parameter(torch.zeros(h)) if cfg.attention_sinks else None
-        self.backend = cfg.attention_backend
+        self.backend = ops.attention
 
     def _queries(self, x_TD: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cp_attention.hardware import native_bf16
 from cp_attention.kernels import accumulate_dtype
 from longctx_moe.compile import eager_only
-from longctx_moe.kernels import cpu_swiglu, fp8, ops, use_triton
+from longctx_moe.execution import Ops
+from longctx_moe.kernels import cpu_swiglu, fp8, triton_ops
 from longctx_moe.model.attention import DocLayout
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.grouped_gemm import (
@@ -62,13 +62,13 @@ class MoEStats:
 class Router(nn.Module):
     """Linear scores -> softmax|sigmoid -> top-k (selection may add the aux-free expert bias) ->
     weights from the unbiased scores, optionally renormalised. Math in fp32 regardless of autocast.
-    Under model.kernels=triton everything after the logits GEMM is one kernel (triton_router)."""
+    Under `impl` (Ops.router) triton everything after the logits GEMM is one kernel (triton_router)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, impl: str = "torch"):
         super().__init__()
         self.top_k, self.score, self.renormalize = cfg.top_k, cfg.router_score, cfg.router_renormalize
         self.use_bias, self.bias_rate = cfg.expert_bias, cfg.expert_bias_update_rate
-        self.kernels = cfg.kernels
+        self.impl = impl
         self.groups, self.topk_groups = cfg.router_groups, cfg.router_topk_groups
         self.scale = cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
@@ -86,9 +86,9 @@ class Router(nn.Module):
             bias = None if self.bias is None else self.bias.to(dtype)
             logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype), bias)
         # The Triton kernel has no group-limited selection: those routers take the torch path.
-        if self.groups == 1 and use_triton(self.kernels, logits_TE):
+        if self.groups == 1 and self.impl == "triton":
             bias_E = self.expert_bias if self.use_bias else None
-            scores_TE, topk_idx_TK, topk_weight_TK = ops().router_topk(
+            scores_TE, topk_idx_TK, topk_weight_TK = triton_ops().router_topk(
                 logits_TE, self.score, self.top_k, self.renormalize, bias_E)
             if replay_TK is None:
                 return topk_idx_TK, topk_weight_TK * self.scale, RouterAux(logits_TE, scores_TE)
@@ -152,20 +152,23 @@ class GroupedExperts(nn.Module):
     `bias` (model.expert_proj_bias, gpt-oss): b_gate_up [E, 2, F] added to [gate | up] and b_down
     [E, D'] added to the down projection's output columns [down_bias_offset, + D') (ETP splits
     D so that the partial outputs summed over its ranks hold the bias once; D' = D otherwise).
-    `activation` (model.expert_activation): swiglu or gpt-oss's clamped_swiglu (`limit`)."""
+    `activation` (model.expert_activation): swiglu or gpt-oss's clamped_swiglu (`limit`).
+    `ops` (longctx_moe.execution): the grouped GEMM (grouped_gemm), the GEMMs' dtype
+    (expert_precision), the SwiGLU's C++ kernel (swiglu), row padding for batch invariance, FP8
+    (fp8, fp8_recipe: the recipe's object holds these experts' amax histories under delayed
+    scaling) and selective recompute (recompute)."""
 
-    def __init__(self, num_experts: int, dim: int, hidden: int, impl: str = "auto",
-                 precision: str = "auto", bias: bool = False, activation: str = "swiglu",
-                 limit: float = 7.0):
+    def __init__(self, num_experts: int, dim: int, hidden: int, bias: bool = False,
+                 activation: str = "swiglu", limit: float = 7.0, ops: Ops | None = None):
         super().__init__()
+        ops = Ops() if ops is None else ops
         self.num_local_experts, self.expert_offset = num_experts, 0
-        self.impl, self.precision = impl, precision
+        self.impl, self.precision, self.swiglu_impl = ops.grouped_gemm, ops.expert_precision, ops.swiglu
+        self.batch_invariant = ops.batch_invariant
         self.activation, self.limit, self.down_bias_offset = activation, limit, 0
-        self.recompute = False  # selective recompute (longctx_moe.model.recompute)
-        # model.fp8: the grouped GEMMs in FP8 with this model.fp8_recipe (longctx_moe.model.fp8),
-        # through the recipe's object (delayed scaling's holds these experts' amax histories)
-        self.fp8: str | None = None
-        self.fp8_scaling = None
+        self.recompute = ops.recompute == "selective"
+        self.fp8: str | None = ops.fp8_recipe if ops.fp8 != "none" else None
+        self.fp8_scaling = fp8.make_recipe(ops.fp8_recipe, ops.fp8_amax_history) if self.fp8 else None
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, dim, 2, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.b_gate_up = nn.Parameter(torch.empty(num_experts, 2, hidden)) if bias else None
@@ -181,13 +184,7 @@ class GroupedExperts(nn.Module):
         if self.precision == "param":
             return self.w_gate_up.dtype
         # _grouped_mm is not on autocast's list: we cast by hand, once per forward per weight.
-        cdtype = autocast_dtype(x_MD)
-        if (self.precision == "auto" and cdtype == torch.bfloat16 and x_MD.dtype != cdtype
-                and not native_bf16(x_MD.device)[0]):
-            # An explicit bf16 autocast on a CPU without native bf16: the experts, most of the
-            # FLOPs, stay in the weights' dtype instead of running 20-30x slower.
-            return self.w_gate_up.dtype
-        return cdtype
+        return autocast_dtype(x_MD)
 
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor,
                 borrowed: tuple[torch.Tensor, ...] | None = None,
@@ -197,7 +194,7 @@ class GroupedExperts(nn.Module):
         E + B entries. `padded`: the rows are already laid out per expert as the GEMM wants them
         (the dispatcher's Triton permute wrote them so), in the compute dtype. `x_fp8`: the same
         rows already in FP8 (Fp8Tiles of 1 x 128, as the fp8 dispatch sent them), the first
-        GEMM's operand under model.fp8_recipe=block."""
+        GEMM's operand under execution.fp8_recipe=block."""
         cdtype = self.compute_dtype(x_MD)
         x_MD = x_MD.to(cdtype)
         params = self.expert_params()
@@ -205,7 +202,7 @@ class GroupedExperts(nn.Module):
             params = [torch.cat([p, b]) for p, b in zip(params, borrowed, strict=True)]
         params[0] = params[0].flatten(2)  # w_gate_up [E, D, 2F]: gate columns, then up
         run = self._swiglu if padded else self._padded_swiglu
-        if x_fp8 is not None and self.fp8 == "block" and not (padded or wants_padding(x_MD)):
+        if x_fp8 is not None and self.fp8 == "block" and not (padded or wants_padding(x_MD, self.batch_invariant)):
             run = partial(self._swiglu, x_fp8=x_fp8)  # rows in place: the FP8 form still matches
         if self.recompute and torch.is_grad_enabled():
             return recompute_call(run, params[0], params[1], x_MD, tokens_per_expert_E, *params[2:])
@@ -214,18 +211,20 @@ class GroupedExperts(nn.Module):
     def _padded_swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor,
                        *biases) -> torch.Tensor:
         # On CPU in bf16, rows are padded per expert so the GEMM shapes repeat (see grouped_gemm).
-        return with_padded_groups(lambda x, c: self._swiglu(w_gate_up, w_down, x, c, *biases), x_MD, counts_E)
+        return with_padded_groups(lambda x, c: self._swiglu(w_gate_up, w_down, x, c, *biases), x_MD, counts_E,
+                                  self.batch_invariant)
 
     def _swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor,
                 *biases, x_fp8=None) -> torch.Tensor:
         h_MF2 = self._grouped(x_MD, w_gate_up, counts_E, x_fp8)
         if self.activation == "swiglu" and not biases and not self.fp8:
-            return _SwiGLUDown.apply(h_MF2, w_down.to(x_MD.dtype), counts_E, self.impl)
+            return _SwiGLUDown.apply(h_MF2, w_down.to(x_MD.dtype), counts_E, self.impl,
+                                     self.swiglu_impl == "cpp")
         return self._biased_down(h_MF2, w_down, counts_E, biases)
 
     def _grouped(self, x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
                  x_fp8=None) -> torch.Tensor:
-        """The experts' grouped GEMM in x's dtype: in FP8 under model.fp8 (which quantises the
+        """The experts' grouped GEMM in x's dtype: in FP8 under execution.fp8 (which quantises the
         float32 masters itself: no cast to the compute dtype first; x too, unless `x_fp8` is
         its FP8 form already), else w cast to x's dtype."""
         if self.fp8:
@@ -278,8 +277,8 @@ class _SwiGLUDown(torch.autograd.Function):
     runs), so gradients are bitwise those of the plain composition."""
 
     @staticmethod
-    def forward(ctx, h_MF2, w_EFD, counts_E, impl):
-        ctx.fused = cpu_swiglu.serves(h_MF2)  # the same roundings in one pass (kernels/cpu_swiglu.py)
+    def forward(ctx, h_MF2, w_EFD, counts_E, impl, cpp):
+        ctx.fused = cpp and cpu_swiglu.serves(h_MF2)  # the same roundings in one pass (kernels/cpu_swiglu.py)
         act_MF = cpu_swiglu.forward(h_MF2) if ctx.fused else _silu_and_act(h_MF2)[1]
         ctx.impl = resolve_impl(impl, act_MF, w_EFD)
         ctx.save_for_backward(h_MF2, w_EFD, counts_E)
@@ -295,7 +294,7 @@ class _SwiGLUDown(torch.autograd.Function):
             act_MF, dh_MF2 = cpu_swiglu.backward(h_MF2, dact_MF)
             del dact_MF
             dw_EFD = grouped_weight_grad(act_MF, g_MD, counts_E, ctx.impl) if ctx.needs_input_grad[1] else None
-            return dh_MF2, dw_EFD, None, None
+            return dh_MF2, dw_EFD, None, None, None
         silu_MF, act_MF = _silu_and_act(h_MF2)
         gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
         dw_EFD = grouped_weight_grad(act_MF, g_MD, counts_E, ctx.impl) if ctx.needs_input_grad[1] else None
@@ -309,7 +308,7 @@ class _SwiGLUDown(torch.autograd.Function):
         torch.mul(dact_MF, silu_MF, out=dup_MF)
         del silu_MF
         torch.ops.aten.silu_backward.grad_input(dact_MF.mul_(up_MF), gate_MF, grad_input=dgate_MF)
-        return dh_MF2, dw_EFD, None, None
+        return dh_MF2, dw_EFD, None, None, None
 
 
 class _GatherRows(torch.autograd.Function):
@@ -346,13 +345,13 @@ class _Permute(torch.autograd.Function):
 class LocalDispatcher:
     """Single-device dispatch: stable sort of the T*K assignments by expert (argsort + bincount, no
     one-hot), grouped GEMM, un-sort, and the weighted sum over K as one batched matmul.
-    `kernels` (model.kernels) may run the permute and the un-sort + weighted sum in Triton."""
+    `impl` (Ops.permute) triton runs the permute and the un-sort + weighted sum in Triton."""
 
-    def __init__(self, kernels: str = "torch"):
-        self.kernels = kernels
+    def __init__(self, impl: str = "torch"):
+        self.impl = impl
 
     def __call__(self, x_TD, topk_idx_TK, topk_weight_TK, experts: GroupedExperts) -> torch.Tensor:
-        if use_triton(self.kernels, x_TD):
+        if self.impl == "triton":
             return _triton_dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts)
         t, k = topk_idx_TK.shape
         flat_M = topk_idx_TK.flatten()
@@ -391,11 +390,11 @@ def _triton_dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts: GroupedExperts)
     """LocalDispatcher's result with the permute (cast to the experts' dtype on the way) and the
     un-permute + weighted sum over K as Triton kernels (longctx_moe.kernels.triton_permute)."""
     cdtype = experts.compute_dtype(x_TD)
-    pad = wants_padding(x_TD.new_empty(0, dtype=cdtype))  # the rows the experts' GEMM wants
+    pad = wants_padding(x_TD.new_empty(0, dtype=cdtype), experts.batch_invariant)  # the rows the GEMM wants
     slot_TK, counts_E, total = permute_layout(topk_idx_TK, experts.num_local_experts, pad)
-    x_PD = ops().permute(x_TD, slot_TK, total, cdtype)
+    x_PD = triton_ops().permute(x_TD, slot_TK, total, cdtype)
     y_PD = experts(x_PD, counts_E, padded=True)
-    return ops().unpermute(y_PD, slot_TK, topk_weight_TK.to(y_PD.dtype))
+    return triton_ops().unpermute(y_PD, slot_TK, topk_weight_TK.to(y_PD.dtype))
 
 
 class SharedExpert(SwiGLU):
@@ -416,17 +415,17 @@ class SharedExpert(SwiGLU):
 class MoE(nn.Module):
     """Routed experts (+ optional shared expert). forward(x_TD, layout) -> (y_TD, MoEStats)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: Ops | None = None):
         super().__init__()
-        self.cfg = cfg
-        self.router = Router(cfg)
+        ops = Ops() if ops is None else ops
+        self.cfg, self.ops = cfg, ops
+        self.router = Router(cfg, ops.router)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_hidden_size,
-                                      cfg.grouped_gemm, cfg.expert_precision, cfg.expert_proj_bias,
-                                      cfg.expert_activation, cfg.swiglu_limit)
+                                      cfg.expert_proj_bias, cfg.expert_activation, cfg.swiglu_limit, ops)
         hs = cfg.shared_expert_hidden_size
         self.shared = SharedExpert(cfg.hidden_size, hs, cfg.shared_expert_gate) if hs > 0 else None
         # Expert parallelism replaces it with a dispatcher over the EP group (parallel/dispatch.py).
-        self.dispatcher = LocalDispatcher(cfg.kernels)
+        self.dispatcher = LocalDispatcher(ops.permute)
 
     def forward(self, x_TD: torch.Tensor, layout: DocLayout, replay_TK: torch.Tensor | None = None):
         topk_idx_TK, topk_weight_TK, aux = self.router(x_TD, replay_TK)

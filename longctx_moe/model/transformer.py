@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from data_packing.batch import PackedBatch
+from longctx_moe.execution import Ops, default_ops
 from longctx_moe.model.attention import Attention, DocLayout, doc_layout
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.fp8 import apply_fp8
@@ -25,7 +26,7 @@ from longctx_moe.model.layers import RMSNorm, SwiGLU, autocast_dtype
 from longctx_moe.model.losses import VocabShard, chunked_cross_entropy, chunked_token_logprobs
 from longctx_moe.model.mla import MLAttention
 from longctx_moe.model.moe import MoE, MoEStats
-from longctx_moe.model.recompute import MODES, BlockRecompute, recompute_call
+from longctx_moe.model.recompute import BlockRecompute, recompute_call
 
 
 @dataclass
@@ -56,17 +57,17 @@ class LogProbHead:
 class Block(nn.Module):
     """Pre-norm block: x + attn(norm(x)); x + ffn(norm(x)) where ffn is MoE or a dense SwiGLU."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Ops):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.kernels)
-        self.attn = (MLAttention if cfg.attention_type == "mla" else Attention)(cfg, layer_idx)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.kernels)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ops.norm)
+        self.attn = (MLAttention if cfg.attention_type == "mla" else Attention)(cfg, layer_idx, ops)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ops.norm)
         self.is_moe = layer_idx >= cfg.first_k_dense
-        self.ffn = MoE(cfg) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.dense_hidden_size)
+        self.ffn = MoE(cfg, ops) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.dense_hidden_size)
 
     def forward(self, x_TD: torch.Tensor, layout: DocLayout,
                 replay_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats | None]:
-        # The residual add and the next norm are one kernel under model.kernels=triton.
+        # The residual add and the next norm are one kernel when the norm runs in Triton.
         x_TD, n_TD = self.ffn_norm(x_TD, residual=self.attn(self.attn_norm(x_TD), layout))
         if self.is_moe:
             h_TD, stats = self.ffn(n_TD, layout, replay_TK)
@@ -76,27 +77,23 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`cfg`: what the model is (architecture); `ops`: how it runs (longctx_moe.execution,
+    resolved once at start-up; default: a default run on the CPU)."""
+
+    def __init__(self, cfg: ModelConfig, ops: Ops | None = None):
         super().__init__()
-        self.cfg = cfg
+        ops = default_ops() if ops is None else ops
+        self.cfg, self.ops = cfg, ops
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.kernels)
+        self.layers = nn.ModuleList([Block(cfg, i, ops) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ops.norm)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.recompute = "none"  # activation recompute: set_recompute (longctx_moe.model.recompute)
+        # activation recompute (longctx_moe.model.recompute): none | selective | full
+        self.recompute = ops.recompute
         # A vocab-parallel head (set by parallelize under TP): output_weight() then holds this
         # rank's rows and the losses reduce their softmax statistics over the shard's group.
         self.vocab_shard: VocabShard | None = None
-        apply_fp8(self, cfg.fp8, cfg.fp8_recipe, cfg.fp8_amax_history)
-
-    def set_recompute(self, mode: str) -> None:
-        """none | selective | full (see longctx_moe.model.recompute): what the backward recomputes."""
-        if mode not in MODES:
-            raise ValueError(f"train.recompute={mode!r} is not allowed; choose one of {', '.join(MODES)}")
-        self.recompute = mode
-        for block in self.layers:
-            if block.is_moe:
-                block.ffn.experts.recompute = mode == "selective"
+        apply_fp8(self, ops.fp8, ops.fp8_recipe, ops.fp8_amax_history)
 
     def output_weight(self) -> torch.Tensor:
         """[V, D] projection to the vocabulary (the embedding when tied)."""
@@ -143,12 +140,12 @@ class Transformer(nn.Module):
         logp_T = ent_T = None
         if head is None:
             ce_sum = chunked_cross_entropy(h_TD, self.output_weight(), batch.labels, batch.loss_weight,
-                                           self.cfg.loss_chunk_tokens, self.vocab_shard)
+                                           self.ops.loss_chunk_tokens, self.vocab_shard)
         else:
             logp_T, ent_T = chunked_token_logprobs(h_TD, self.output_weight(), batch.labels,
-                                                   self.cfg.loss_chunk_tokens, head.temperature,
-                                                   head.entropy, self.vocab_shard, self.cfg.kernels,
-                                                   self.cfg.loss_logits_cache_mb)
+                                                   self.ops.loss_chunk_tokens, head.temperature,
+                                                   head.entropy, self.vocab_shard, self.ops.logprobs,
+                                                   self.ops.loss_logits_cache_mb)
             w_T = logp_T if batch.loss_weight is None else logp_T * batch.loss_weight
             ce_sum = -w_T.sum()
         zero = h_TD.new_zeros((), dtype=torch.float32)
@@ -196,9 +193,9 @@ class Transformer(nn.Module):
             layer.router.expert_bias.zero_()
 
 
-def build_model(cfg: ModelConfig) -> Transformer:
+def build_model(cfg: ModelConfig, ops: Ops | None = None) -> Transformer:
     """A randomly initialised Transformer (deterministic under torch.manual_seed), fp32 on CPU."""
-    model = Transformer(cfg)
+    model = Transformer(cfg, ops)
     model.init_weights()
     return model
 

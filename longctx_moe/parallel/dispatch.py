@@ -251,7 +251,7 @@ class AllToAllDispatcher(_EPDispatcher):
 
     `dispatch_dtype` compresses the payloads: "bf16" both ways; "fp8" sends the tokens as e4m3
     with per-token scales and brings the outputs back in bf16 (see comm.py for the bound); to
-    experts under model.fp8_recipe=block, with a scale per 128 features, and the experts' first
+    experts under execution.fp8_recipe=block, with a scale per 128 features, and the experts' first
     GEMM takes the e4m3 rows as they arrived (`_token_codec`).
     `overlap`: the tokens' all-to-all is asynchronous and hides the shared expert (module doc).
     `spare_slots` > 0: overloaded ranks lend rows of their hottest experts to lighter ranks, which
@@ -334,7 +334,7 @@ class AllToAllDispatcher(_EPDispatcher):
         return send_RL, exchange_counts(send_RL, self.group)
 
     def _token_codec(self, experts):
-        """The tokens' codec for this call. Under model.fp8_recipe=block the fp8 codec scales
+        """The tokens' codec for this call. Under execution.fp8_recipe=block the fp8 codec scales
         runs of 128 features, the experts' own activation tiles: their first GEMM then takes the
         rows as they arrive (FP8 values and scales), without decoding and quantising them again.
         Not over ETP, whose peers gather the decoded rows again."""
@@ -431,12 +431,12 @@ class AllGatherDispatcher(_EPDispatcher):
                        torch.bincount(local_A[sel], minlength=self.local_experts))
 
 
-def build_dispatcher(dims, cfg, num_experts: int, kernels: str = "torch"):
+def build_dispatcher(dims, cfg, num_experts: int, permute: str = "torch"):
     """The dispatcher `cfg` (ParallelConfig) asks for, over `dims`' EP group.
 
     Dropless on one rank without TP or ETP there is nothing to route across ranks: the model's own
     LocalDispatcher (sort by expert, one batched combine) computes the same sum faster, with the
-    model's `kernels` (model.kernels: its permute may run in Triton)."""
+    model's `permute` path (Ops.permute: it may run in Triton)."""
     group = dims.group_or_none(Axis.EP)
     # TP peers split their shared tokens; under SP each already holds only its own.
     tp_group = None if cfg.sequence_parallel else dims.group_or_none(Axis.TP)
@@ -447,7 +447,7 @@ def build_dispatcher(dims, cfg, num_experts: int, kernels: str = "torch"):
     if group is None and tp_group is None and etp_group is None and cfg.capacity_factor is None:
         from longctx_moe.model.moe import LocalDispatcher
 
-        return LocalDispatcher(kernels)
+        return LocalDispatcher(permute)
     if cfg.dispatcher == "allgather":
         return AllGatherDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,
                                    tp_group, etp_group)

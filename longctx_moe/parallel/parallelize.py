@@ -93,7 +93,7 @@ def check_attention_features(model: nn.Module, dims, cfg: ParallelConfig) -> Non
         return
     from cp_attention.kernels import check_window_support, offset_backend, resolve_backend
 
-    backend, device = model.cfg.attention_backend, next(model.parameters()).device
+    backend, device = model.ops.attention.backend, next(model.parameters()).device
     if backend != "auto":
         check_window_support(backend, device)
     if (dims.cp > 1 or cfg.dynamic_cp) and cfg.cp_backend != "ulysses":
@@ -125,4 +125,4 @@ def apply_expert_parallel(model: nn.Module, dims, cfg: ParallelConfig) -> None:
             shard_experts(layer.experts, ep_rank, dims.ep)
         if dims.etp > 1:
             shard_expert_hidden(layer.experts, dims.rank_in(Axis.ETP), dims.etp)
-        layer.dispatcher = build_dispatcher(dims, cfg, num_experts, layer.cfg.kernels)
+        layer.dispatcher = build_dispatcher(dims, cfg, num_experts, layer.ops.permute)

@@ -194,7 +194,7 @@ def test_tiled_and_scattered_assembly_are_exact():
     lens = [100, 300, 600]
     for pad, tiled in ((0, True), (3, False)):
         q, k, v, dout, cu_q, cu_k, mq, mk = _make(lens, lens, 4, 2, 8, pad, torch.float64, 9)
-        plan = torch_cpu._plan(cu_q, cu_k, True, q.dtype)
+        plan = torch_cpu._plan(cu_q, cu_k, True, q.dtype, False)
         assert (torch_cpu._tiling(plan, q.shape[0], k.shape[0]) is not None) == tiled
         _assert_causal_exact(q, k, v, dout, cu_q, cu_k, mq, mk)
 
@@ -205,7 +205,7 @@ def test_padded_big_block_layout_is_exact(monkeypatch):
     from cp_attention.kernels import _buckets, torch_cpu
 
     pad_to = {}
-    monkeypatch.setattr(torch_cpu, "_plan", lambda cu_q, cu_k, causal, dtype, backward=False,
+    monkeypatch.setattr(torch_cpu, "_plan", lambda cu_q, cu_k, causal, dtype, invariant, backward=False,
                         window=None, offset=0: _buckets.plan_buckets(
                             tuple(cu_q.tolist()), tuple(cu_k.tolist()), bool(causal),
                             pad_to["len"], False, window, offset))
@@ -216,7 +216,7 @@ def test_padded_big_block_layout_is_exact(monkeypatch):
     for length, lens_q, lens_k in cases:
         pad_to["len"] = length
         q, k, v, dout, cu_q, cu_k, mq, mk = _make(lens_q, lens_k, 4, 2, 8, 2, torch.float64, 4)
-        plan = torch_cpu._plan(cu_q, cu_k, True, None)
+        plan = torch_cpu._plan(cu_q, cu_k, True, None, False)
         assert max(bk.pk for bk in plan) == length > max(lens_k)
         assert (length == 150) == any(bk.q_slice is not None and bk.q_len < bk.pq for bk in plan)
         _assert_causal_exact(q, k, v, dout, cu_q, cu_k, mq, mk)

@@ -1,4 +1,4 @@
-"""model.fp8=torch: torch._scaled_mm FP8 GEMMs (longctx_moe.kernels.fp8) against a float64
+"""execution.fp8=torch: torch._scaled_mm FP8 GEMMs (longctx_moe.kernels.fp8) against a float64
 reference of the same recipe, run on CPU (where _scaled_mm runs too, slowly).
 
 The reference quantises each operand exactly as the recipe says (one scale per tensor, or per
@@ -211,13 +211,13 @@ def _expert_counts(model, batch):
 def test_fp8_is_refused_in_one_line_where_it_cannot_run():
     for setting, tp, words in (("torch", 1, "cpu"), ("te", 1, "Transformer Engine"), ("torch", 2, "parallel.tp=2")):
         msg = fp8.unavailable_reason(setting, "cpu", tp)
-        assert msg and "\n" not in msg and words in msg and "model.fp8=none" in msg, msg
+        assert msg and "\n" not in msg and words in msg and "execution.fp8=none" in msg, msg
     assert fp8.unavailable_reason("none", "cpu", 4) is None
-    cfg = load_config(None, ["model.fp8=torch", "train.device=cpu"])
+    cfg = load_config(None, ["execution.fp8=torch", "train.device=cpu"])
     with pytest.raises(ConfigError, match="needs a CUDA GPU with FP8 tensor cores, not cpu"):
         check_backends(cfg, torch.device("cpu"))
-    with pytest.raises(Exception, match="model.fp8"):
-        load_config(None, ["model.fp8=e4m3"])
+    with pytest.raises(Exception, match="execution.fp8"):
+        load_config(None, ["execution.fp8=e4m3"])
     with pytest.raises(ValueError, match="Transformer Engine"):
         build_model(ModelConfig(fp8="te"))
 
@@ -226,12 +226,12 @@ def test_widths_fp8_gemms_cannot_take_are_refused_at_start_up(monkeypatch):
     # hidden 72: every projection's input; expert hidden 40: the experts' down projection
     for sets, where in ((["model.hidden_size=72"], "layers.0.attn.wq has width 72"),
                         (["model.expert_hidden_size=40"], "layers.0.ffn.experts has width 40")):
-        cfg = load_config(None, ["model.fp8=torch", *sets])
+        cfg = load_config(None, ["execution.fp8=torch", *sets])
         monkeypatch.setattr(fp8, "unavailable_reason", lambda *a: None)  # as on an FP8 GPU
         with pytest.raises(ConfigError, match=where) as e:
             check_backends(cfg, torch.device("cpu"))
-        assert "\n" not in str(e.value) and "model.fp8=none" in str(e.value)
-    check_backends(load_config(None, ["model.fp8=torch"]), torch.device("cpu"))  # 128 / 32 wide: fine
+        assert "\n" not in str(e.value) and "execution.fp8=none" in str(e.value)
+    check_backends(load_config(None, ["execution.fp8=torch"]), torch.device("cpu"))  # 128 / 32 wide: fine
 
 
 def test_recompute_reruns_the_fp8_products_exactly():
@@ -252,7 +252,7 @@ def _assert_recompute_exact(model, batch):
         assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads[mode], strict=True)), mode
 
 
-# ---- model.fp8_recipe=block: 1 x 128 activation / gradient runs, 128 x 128 weight blocks ----
+# ---- execution.fp8_recipe=block: 1 x 128 activation / gradient runs, 128 x 128 weight blocks ----
 
 def _dq_tiles(x: torch.Tensor, fmt: torch.dtype, tile: tuple[int, int]) -> torch.Tensor:
     """The block recipe's quantise-dequantise of x [R, C], tile by tile, in float64 (each tile
@@ -378,24 +378,24 @@ def test_block_recipe_model_trains_its_every_block_gemm_in_fp8():
 
 def test_block_recipe_refusals_name_the_width_and_the_fix(monkeypatch):
     monkeypatch.setattr(fp8, "unavailable_reason", lambda *a: None)  # as on a Hopper GPU
-    cfg = load_config(None, ["model.fp8=torch", "model.fp8_recipe=block", "model.expert_hidden_size=192"])
+    cfg = load_config(None, ["execution.fp8=torch", "execution.fp8_recipe=block", "model.expert_hidden_size=192"])
     with pytest.raises(ConfigError, match="layers.0.attn.wk has width 64.*multiples of 128") as e:
         check_backends(cfg, torch.device("cpu"))  # kv heads x head dim = 64
-    assert "\n" not in str(e.value) and "model.fp8_recipe=tensor" in str(e.value)
-    with pytest.raises(Exception, match="model.fp8_recipe"):
-        load_config(None, ["model.fp8_recipe=mxfp8"])
+    assert "\n" not in str(e.value) and "execution.fp8_recipe=tensor" in str(e.value)
+    with pytest.raises(Exception, match="execution.fp8_recipe"):
+        load_config(None, ["execution.fp8_recipe=mxfp8"])
     with pytest.raises(ValueError, match=r"\[256, 192\] operand does not split into 128 x 128 tiles") as e:
         fp8.RECIPES["block"].weights(torch.zeros(2, 256, 192))  # an ETP shard of a 384-wide expert
     assert "\n" not in str(e.value)
     # recipe keys without the setting they shape: refused, not ignored
-    with pytest.raises(Exception, match="model.fp8=none runs none"):
-        load_config(None, ["model.fp8_recipe=block"])
-    with pytest.raises(Exception, match="history of model.fp8_recipe=delayed"):
-        load_config(None, ["model.fp8=torch", "model.fp8_amax_history=64"])
-    load_config(None, ["model.fp8=torch", "model.fp8_recipe=delayed", "model.fp8_amax_history=64"])
+    with pytest.raises(Exception, match="execution.fp8=none runs none"):
+        load_config(None, ["execution.fp8_recipe=block"])
+    with pytest.raises(Exception, match="history of execution.fp8_recipe=delayed"):
+        load_config(None, ["execution.fp8=torch", "execution.fp8_amax_history=64"])
+    load_config(None, ["execution.fp8=torch", "execution.fp8_recipe=delayed", "execution.fp8_amax_history=64"])
 
 
-# ---- model.fp8_recipe=delayed: scales from the amax of earlier steps ----
+# ---- execution.fp8_recipe=delayed: scales from the amax of earlier steps ----
 
 def test_amax_history_scales_from_earlier_steps_and_forgets_skipped_ones():
     h = fp8.AmaxHistory(fp8.E4M3, length=3)

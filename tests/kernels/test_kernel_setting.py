@@ -1,5 +1,6 @@
-"""model.kernels: refused at start-up where Triton cannot run, resolved per call, and a whole
-model under "triton" equal to the same model under "torch".
+"""execution.kernels and the per-op settings: resolved once (longctx_moe.execution), refused at
+start-up where the device cannot run them, and a whole model under "triton" equal to the same
+model under "torch".
 
 Tolerance of the model test (fp32): each kernel agrees with its torch path to ~1e-6 relative
 (its own tests), and a two-layer forward/backward compounds a few of those: 2e-5 relative on the
@@ -7,67 +8,92 @@ loss and every parameter gradient; the routes must be identical."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+
 import pytest
 import torch
 
-import longctx_moe.kernels as kernels
-from longctx_moe.build import check_backends
+from longctx_moe.build import resolve_ops
 from longctx_moe.config import ConfigError, load_config
-from longctx_moe.kernels import check_kernels, use_triton
+from longctx_moe.execution import ExecutionConfig, Target, resolve
 from longctx_moe.model import build_model
 from longctx_moe.model.moe import LocalDispatcher
 from longctx_moe.model.transformer import LogProbHead
 from longctx_moe.parallel.parallelize import parallelize
-from tests.model.helpers import packed_batch, tiny_config
+from tests.model.helpers import packed_batch, tiny_config, tiny_ops
 
 pytestmark = pytest.mark.triton
+CPU32 = Target("cpu", torch.float32, torch.float32)
 
 
 def test_triton_on_cpu_outside_the_interpreter_is_refused_in_one_line(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    cfg = load_config(None, ["model.kernels=triton"])
+    cfg = load_config(None, ["execution.kernels=triton"])
     with pytest.raises(ConfigError) as e:
-        check_backends(cfg, torch.device("cpu"))
+        resolve_ops(cfg, torch.device("cpu"))
     msg = str(e.value)
-    assert "\n" not in msg and "TRITON_INTERPRET=1" in msg and "model.kernels=auto or torch" in msg
-    with pytest.raises(ValueError, match="model.kernels='triton'"):  # and at the call, too
-        use_triton("triton", torch.zeros(1))
+    assert "\n" not in msg and "TRITON_INTERPRET=1" in msg and "execution.kernels=auto or torch" in msg
+    with pytest.raises(ValueError, match="execution.norm=triton: .*use execution.norm=auto or torch"):
+        resolve(ExecutionConfig(norm="triton"), CPU32)  # an op's own setting is named as such
 
 
 def test_triton_without_the_package_is_refused(monkeypatch):
-    monkeypatch.setattr(kernels, "_installed", lambda: False)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
     with pytest.raises(ValueError, match=r"triton package is not installed .*longctx-moe\[triton\]"):
-        check_kernels("triton", "cuda")
-    assert not use_triton("auto", torch.zeros(1))  # auto falls back instead
+        resolve(ExecutionConfig(kernels="triton"), Target("cuda", torch.bfloat16))
+    ops = resolve(ExecutionConfig(), Target("cuda", torch.bfloat16))  # auto falls back instead
+    assert (ops.norm, ops.router, ops.permute, ops.logprobs) == ("torch",) * 4
+    assert "triton package is not installed" in dict(ops.reasons)["router"]
 
 
-def test_bad_value_is_refused_by_the_config_loader():
-    with pytest.raises(ConfigError, match="model.kernels='trition'.*did you mean 'triton'"):
-        load_config(None, ["model.kernels=trition"])
+def test_bad_value_and_an_old_model_key_are_refused_by_the_config_loader():
+    with pytest.raises(ConfigError, match="execution.kernels='trition'.*did you mean 'triton'"):
+        load_config(None, ["execution.kernels=trition"])
+    with pytest.raises(ConfigError, match=r"^model.kernels is a choice of how the model runs.*execution.kernels$"):
+        load_config(None, ["model.kernels=torch"])
 
 
-def test_auto_is_torch_on_cpu_and_triton_runs_under_the_interpreter(monkeypatch):
-    check_backends(load_config(None, ["model.kernels=triton"]), torch.device("cpu"))  # allowed
-    assert not use_triton("auto", torch.zeros(1)) and not use_triton("torch", torch.zeros(1))
-    assert use_triton("triton", torch.zeros(1))
-    # What torch.compile traces is left to inductor's own fused kernels.
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not use_triton("triton", torch.zeros(1))
+def test_one_setting_changes_one_op():
+    base = resolve(ExecutionConfig(kernels="torch"), CPU32)
+    norm = resolve(ExecutionConfig(kernels="torch", router="triton"), CPU32)
+    changed = {f.name for f in dataclasses.fields(base)
+               if f.name != "reasons" and getattr(base, f.name) != getattr(norm, f.name)}
+    assert changed == {"router"} and norm.router == "triton"
+
+
+def test_auto_on_cpu_and_under_compile():
+    ops = resolve(ExecutionConfig(), CPU32)
+    assert (ops.router, ops.permute) == ("torch", "torch")  # no Triton on CPU outside kernels=triton
+    assert ops.attention.backend == "torch_cpu"
+    compiled = resolve(ExecutionConfig(kernels="auto"), dataclasses.replace(CPU32, compile=True))
+    assert compiled.norm == "torch" and "train.compile" in dict(compiled.reasons)["norm"]
+    f64 = resolve(ExecutionConfig(), Target("cpu", torch.float64, torch.float64))
+    assert (f64.norm, f64.swiglu, f64.logprobs, f64.attention.native_forward) == ("torch", "torch", "torch", False)
+
+
+def test_every_choice_is_printed_with_its_reason():
+    lines = resolve(ExecutionConfig(), CPU32).lines()
+    assert all(line.startswith("ops: ") for line in lines)
+    named = {line.split()[1] for line in lines}
+    assert {"attention_backend", "attention_kernels", "norm", "swiglu", "logprobs", "router", "permute",
+            "grouped_gemm", "expert_precision", "fp8", "batch_invariant", "recompute"} <= named
+    assert all("(" in line for line in lines if line.split()[1] in ("norm", "router", "grouped_gemm"))
 
 
 def test_parallelize_on_one_rank_keeps_the_triton_permute():
-    """The trainer's one-rank runtime installs a LocalDispatcher: it must keep model.kernels."""
-    model = build_model(tiny_config(kernels="triton"))
+    """The trainer's one-rank runtime installs a LocalDispatcher: it must keep the model's permute."""
+    model = build_model(tiny_config(), tiny_ops(kernels="triton"))
     parallelize(model)
-    assert all(isinstance(m.dispatcher, LocalDispatcher) and m.dispatcher.kernels == "triton"
+    assert all(isinstance(m.dispatcher, LocalDispatcher) and m.dispatcher.impl == "triton"
                for m in model.moe_layers())
 
 
 def _model_run(kernel_setting, batch, head):
     torch.manual_seed(0)
-    cfg = tiny_config(kernels=kernel_setting, vocab_size=300, expert_bias=True,
-                      shared_expert_hidden_size=8, first_k_dense=0)
-    model = build_model(cfg)
+    cfg = tiny_config(vocab_size=300, expert_bias=True, shared_expert_hidden_size=8, first_k_dense=0)
+    model = build_model(cfg, tiny_ops(kernels=kernel_setting))
     for layer in model.moe_layers():  # a bias that changes some selections
         layer.router.expert_bias.copy_(torch.linspace(-0.05, 0.05, cfg.num_experts))
     out = model(batch, head=head)

@@ -100,7 +100,7 @@ def test_vocab_sharded_logprobs_match_whole_vocab():
 
 def test_kept_logits_give_the_recomputed_results_bitwise(monkeypatch):
     """The Triton head writes the gradient over the logits it kept from the forward
-    (model.loss_logits_cache_mb): the same values as recomputing them, and a retained graph's
+    (execution.loss_logits_cache_mb): the same values as recomputing them, and a retained graph's
     second backward (which finds them handed over already) recomputes and agrees."""
     from longctx_moe.kernels import logits_cache, triton_logprobs
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longctx_moe.kernels import ops
+from longctx_moe.kernels import triton_ops as ops
 from longctx_moe.model.grouped_gemm import pad_layout
 from longctx_moe.model.moe import GroupedExperts, LocalDispatcher, permute_layout
 
@@ -105,7 +105,7 @@ def test_local_dispatcher_triton_matches_torch_path(dtype, kind):
     t, k, e, d, f = 40, 2, 4, 32, 16
     # precision=autocast: bf16 experts whatever the host (auto keeps them fp32 on a CPU without
     # native bf16, which is not the path this case compares).
-    experts = GroupedExperts(e, d, f, precision="autocast", **kind)
+    experts = GroupedExperts(e, d, f, **kind)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.2)
     idx_TK = _routes(t, k, e, seed=4, skip_expert=2)

@@ -5,15 +5,23 @@ from __future__ import annotations
 import torch
 
 from data_packing.batch import PackedBatch, labels_from_tokens, position_ids_from_cu
+from longctx_moe.execution import ExecutionConfig, Ops, Target, resolve
 from longctx_moe.model.config import ModelConfig
 
 
 def tiny_config(**overrides) -> ModelConfig:
     base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                num_experts=4, top_k=2, expert_hidden_size=16, dense_hidden_size=32,
-                loss_chunk_tokens=7, attention_backend="auto")
+                num_experts=4, top_k=2, expert_hidden_size=16, dense_hidden_size=32)
     base.update(overrides)
     return ModelConfig(**base)
+
+
+def tiny_ops(recompute: str = "none", compute: torch.dtype = torch.float32, **overrides) -> Ops:
+    """The Ops of a CPU run computing in `compute` with execution.* `overrides` and
+    train.recompute=`recompute`; the loss in chunks of 7 tokens so that the tiny batches span
+    several chunks."""
+    return resolve(ExecutionConfig(**{"loss_chunk_tokens": 7, **overrides}),
+                   Target("cpu", compute, torch.float32), recompute)
 
 
 def packed_batch(doc_lens: list[int], vocab: int, pad_multiple: int = 1, trailing_pad: int = 0,

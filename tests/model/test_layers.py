@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cp_attention.hardware import cpu_has_avx512_bf16
+from longctx_moe.execution import torch_ops
 from longctx_moe.kernels import cpu_swiglu
 from longctx_moe.model.attention import Attention, doc_layout
 from longctx_moe.model.grouped_gemm import (
@@ -254,15 +255,12 @@ def test_swiglu_down_is_bitwise_the_plain_composition(dtype, fused):
     (kernels/cpu_swiglu.py, where the CPU builds it), whose roundings are the torch path's."""
     if fused:
         assert cpu_swiglu.available() or not cpu_has_avx512_bf16()  # built wherever it can be
-        _check_swiglu_down_bitwise(dtype)
-    else:
-        with cpu_swiglu.disabled():
-            _check_swiglu_down_bitwise(dtype)
+    _check_swiglu_down_bitwise(dtype, torch_ops(swiglu="cpp" if fused else "torch"))
 
 
-def _check_swiglu_down_bitwise(dtype):
+def _check_swiglu_down_bitwise(dtype, ops):
     torch.manual_seed(0)
-    experts = GroupedExperts(4, 32, 64)  # F = 64: aten's bf16 silu takes its vector path on whole rows
+    experts = GroupedExperts(4, 32, 64, ops=ops)  # F = 64: aten's bf16 silu takes its vector path on whole rows
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.2)
     if dtype == torch.float64:

@@ -1,12 +1,12 @@
 """The log-prob head keeps its forward's logits for the backward when they fit in
-model.loss_logits_cache_mb: the same log-probs, entropies and gradients bit for bit as
+execution.loss_logits_cache_mb: the same log-probs, entropies and gradients bit for bit as
 recomputing them, one fewer logits product per chunk, and the budget is honoured."""
 
 import pytest
 import torch
 
+from longctx_moe.execution import ExecutionConfig
 from longctx_moe.model import losses
-from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.losses import chunked_token_logprobs
 
 T, D, V, CHUNK = 40, 16, 300, 16  # three chunks (16, 16, 8 target rows)
@@ -88,8 +88,8 @@ def test_a_retained_graph_backpropagates_twice_the_same(dtype, autocast):
 
 
 def test_a_negative_budget_is_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"model.loss_logits_cache_mb=-1 must be >= 0"):
-        ModelConfig(loss_logits_cache_mb=-1)
+    with pytest.raises(ValueError, match=r"execution.loss_logits_cache_mb=-1 must be >= 0"):
+        ExecutionConfig(loss_logits_cache_mb=-1)
     h, w, labels = _case(torch.float64)
     with pytest.raises(ValueError, match="loss_logits_cache_mb"):
         chunked_token_logprobs(h, w, labels, CHUNK, logits_cache_mb=-1)

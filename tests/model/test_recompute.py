@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from longctx_moe.model import build_model
-from tests.model.helpers import packed_batch, tiny_config
+from tests.model.helpers import packed_batch, tiny_config, tiny_ops
 
 TOL = 1e-12
 
@@ -21,9 +21,7 @@ def _model(mode, **overrides):
     cfg = tiny_config(first_k_dense=1, num_layers=3, shared_expert_hidden_size=8,
                       aux_loss_type="seq", aux_loss_coeff=0.1, z_loss_coeff=0.01, expert_bias=True,
                       **overrides)
-    model = build_model(cfg).double()
-    model.set_recompute(mode)
-    return model
+    return build_model(cfg, tiny_ops(mode)).double()
 
 
 def _grads(mode):
@@ -75,8 +73,8 @@ def _first_forward_of_the_process(rank, world):
     # The launcher's ranks fork from a server that only imported modules: nothing probed yet.
     assert grouped_mm_works.cache_info().currsize == 0
     torch.manual_seed(0)
-    m = build_model(tiny_config(hidden_size=64, head_dim=16, expert_hidden_size=64))
-    m.set_recompute("selective")
+    m = build_model(tiny_config(hidden_size=64, head_dim=16, expert_hidden_size=64),
+                    tiny_ops("selective", torch.bfloat16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = m(packed_batch([200], 64))
     out.ce_sum.backward()

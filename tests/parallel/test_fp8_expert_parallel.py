@@ -1,4 +1,4 @@
-"""model.fp8=torch under expert parallelism through the Trainer, on gloo with the GPU refusal
+"""execution.fp8=torch under expert parallelism through the Trainer, on gloo with the GPU refusal
 lifted (CPU's scaled GEMMs stand in for the GPU's): every recipe trains with EP=2 and the fp8
 dispatch (the block recipe reading the dispatched payload), both ranks agree on each step's
 global loss, and the delayed recipe's histories advance at every optimizer step on each rank."""
@@ -23,7 +23,7 @@ def _train(rank, world, recipe):
     fp8.unavailable_reason = lambda *a, **k: None  # as on an FP8 GPU
     sets = ["model.vocab_size=256", "model.hidden_size=128", "model.num_layers=2", "model.num_heads=4",
             "model.num_kv_heads=4", "model.head_dim=32", "model.num_experts=4", "model.expert_hidden_size=128",
-            "parallel.ep=2", "parallel.dispatch_dtype=fp8", "model.fp8=torch", f"model.fp8_recipe={recipe}",
+            "parallel.ep=2", "parallel.dispatch_dtype=fp8", "execution.fp8=torch", f"execution.fp8_recipe={recipe}",
             "optim.lr=3e-3", "optim.warmup_steps=1", "train.autocast_dtype=none"]
     cfg = load_config(None, sets)
     dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)

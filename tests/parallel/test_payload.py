@@ -130,7 +130,7 @@ def _block_experts(local: int, offset: int):
         experts.w_down.copy_(full.w_down[offset:offset + local])
     from longctx_moe.kernels import fp8
 
-    experts.fp8, experts.fp8_scaling = "block", fp8.make_recipe("block")  # as model.fp8's apply_fp8 sets them
+    experts.fp8, experts.fp8_scaling = "block", fp8.make_recipe("block")  # as execution.fp8's apply_fp8 sets them
     return experts
 
 
@@ -182,7 +182,7 @@ def _check_payload_reuse(rank, world):
 
 @pytest.mark.slow
 def test_fp8_dispatch_payload_is_the_block_experts_first_gemm_operand():
-    """Under model.fp8_recipe=block the tokens travel in the experts' own 1 x 128 FP8 tiles and
+    """Under execution.fp8_recipe=block the tokens travel in the experts' own 1 x 128 FP8 tiles and
     their first GEMM takes them as they arrived (its x_fp8 dequantises to exactly the decoded
     rows); the down projection quantises its own input. The result equals the path that decodes
     and quantises again, up to float32 rounding of the scales (requantising a decoded e4m3 value

@@ -38,7 +38,7 @@ SETS = ["train.param_dtype=fp64", "train.autocast_dtype=none", f"train.steps={ST
         "model.head_dim=8", "model.num_experts=4", "model.top_k=2", "model.expert_hidden_size=16",
         "model.first_k_dense=1", "model.dense_hidden_size=32", "model.shared_expert_hidden_size=16",
         "model.aux_loss_coeff=0.1", "model.z_loss_coeff=0.01", "model.expert_bias=true",
-        "model.expert_bias_update_rate=0.01", "model.loss_chunk_tokens=16"]
+        "model.expert_bias_update_rate=0.01", "execution.loss_chunk_tokens=16"]
 # world 4: CP4 as hierarchical 2x2 / EP2 EDP2, and CP2 DP2 / EP4 with
 # Megatron's global-batch aux loss; world 8: TP2 CP2 DP2 / EP4 EDP2.
 # Recompute re-runs the CP executors and the expert all-to-alls in the backward: full and

@@ -22,7 +22,7 @@ SETS = ["train.param_dtype=fp64", "train.autocast_dtype=none", "train.num_thread
         f"model.num_layers={LAYERS}", "model.num_heads=4", "model.num_kv_heads=2",
         "model.head_dim=8", f"model.num_experts={EXPERTS}", f"model.top_k={TOP_K}",
         "model.expert_hidden_size=16", "model.shared_expert_hidden_size=8",
-        "model.loss_chunk_tokens=5", "model.aux_loss_type=seq",
+        "execution.loss_chunk_tokens=5", "model.aux_loss_type=seq",
         # The router's balance losses are statistics of each micro-batch (Switch / DeepSeek
         # define them so): they are the one part of the objective that depends on the split,
         # so the split-invariance tests switch them off (aux_loss_scope=global_batch is the

@@ -92,15 +92,17 @@ def test_none_never_autocasts():
 def test_auto_expert_precision_follows_native_bf16(native, monkeypatch):
     """Under an explicit bf16 autocast, `expert_precision: auto` runs the experts in bf16 only
     where bf16 is native; `autocast` obeys the autocast dtype everywhere."""
-    import longctx_moe.model.moe as moe
+    import cp_attention.hardware as hardware
+    from longctx_moe.execution import ExecutionConfig, Target, resolve
 
-    monkeypatch.setattr(moe, "native_bf16", lambda device: (native, ""))
-    experts = GroupedExperts(4, 16, 8, precision="auto")
+    monkeypatch.setattr(hardware, "native_bf16", lambda device: (native, ""))
+    bf16 = Target("cpu", torch.bfloat16, torch.float32)
     x = torch.randn(5, 16)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert experts.compute_dtype(x) == (torch.bfloat16 if native else torch.float32)
-        experts.precision = "autocast"
-        assert experts.compute_dtype(x) == torch.bfloat16
+    for setting, want in (("auto", torch.bfloat16 if native else torch.float32), ("autocast", torch.bfloat16)):
+        ops = resolve(ExecutionConfig(expert_precision=setting, kernels="torch"), bf16)
+        experts = GroupedExperts(4, 16, 8, ops=ops)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert experts.compute_dtype(x) == want
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -96,9 +96,9 @@ def test_bad_data_path_is_one_line(tmp_path, capsys):
 def test_unavailable_attention_backend_fails_at_start_up_in_one_line(tmp_path, corpus, capsys, backend):
     # On this CPU machine the GPU-only backends cannot run: the run must stop before building
     # anything else, with one line that names the key, the cause and a fix.
-    assert train_main(args(tmp_path / "run", corpus, 1, f"model.attention_backend={backend}")) == 2
+    assert train_main(args(tmp_path / "run", corpus, 1, f"execution.attention_backend={backend}")) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith(f"error: model.attention_backend='{backend}'")
+    assert "\n" not in err and err.startswith(f"error: execution.attention_backend='{backend}'")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
