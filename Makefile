@@ -21,7 +21,7 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # The AVX2 path on an AVX512 machine (cp_attention/hardware.py): oneDNN and aten's kernels capped at
 # AVX2 and our CPU probes switched, as on a CPU without native bf16.
-AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 LONGCTX_CPU_ISA=avx2
+AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 
 .PHONY: install data train test test-fast lint bench clean train-avx2 test-avx2
 

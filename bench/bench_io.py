@@ -26,7 +26,7 @@ def host_info() -> dict:
     from cp_attention.hardware import native_bf16
 
     native, why = native_bf16("cpu")
-    env = {k: os.environ[k] for k in ("LONGCTX_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+    env = {k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
            if k in os.environ}
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native,
             "native_bf16_reason": why, "isa_env": env, "torch": torch.__version__}

@@ -7,32 +7,25 @@ runs 20-30x slower than float32 there (1.5 vs 41.8 GFLOP/s measured on a 2-core 
 The compute dtype (longctx_moe.precision) and the C++ attention kernels (kernels/_cpp_kernel.py)
 both follow `native_bf16()`.
 
-The AVX2 path runs on an AVX512 machine with three environment variables, set before the process
-starts (the Makefile's `train-avx2` / `test-avx2` targets set them):
+The AVX2 path runs on an AVX512 machine with two of torch's environment variables, set before the
+process starts (the Makefile's `train-avx2` / `test-avx2` targets set them):
   ONEDNN_MAX_CPU_ISA=AVX2      oneDNN dispatches as on an AVX2 CPU (its bf16 GEMMs become slow)
   ATEN_CPU_CAPABILITY=avx2     aten's vectorised kernels are the AVX2 builds
-  LONGCTX_CPU_ISA=avx2         our probes answer as on an AVX2 CPU (no native bf16, no C++
-                               attention kernels), even where oneDNN was not capped
+Our probes then answer as on an AVX2 CPU (no native bf16, no C++ kernels): they ask torch which
+kernels it dispatches to, never a variable of our own.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import torch
 
-ISA_ENV = "LONGCTX_CPU_ISA"
-ISA_CHOICES = ("", "native", "avx2")
-
-
-def isa_override() -> str:
-    """The LONGCTX_CPU_ISA setting: "" (native) or "avx2"; anything else is refused."""
-    value = os.environ.get(ISA_ENV, "").strip().lower()
-    if value not in ISA_CHOICES:
-        raise ValueError(f"{ISA_ENV}={value!r} is not one of native, avx2 (unset it to use the CPU as it is)")
-    return "" if value == "native" else value
+def aten_capability() -> str:
+    """The instruction set aten's vectorised CPU kernels were dispatched for (AVX512, AVX2, ...):
+    the CPU's own, or less where ATEN_CPU_CAPABILITY capped it."""
+    return torch.backends.cpu.get_cpu_capability()
 
 
 @functools.cache
@@ -49,10 +42,11 @@ def _cpuinfo_flags() -> frozenset[str]:
 
 @functools.cache
 def _native_cpu_bf16() -> tuple[bool, str]:
-    if isa_override() == "avx2":
-        return False, f"{ISA_ENV}=avx2 (the AVX2 path: no native bf16)"
     flags = _cpuinfo_flags()
     has_isa = "avx512_bf16" in flags or "amx_bf16" in flags
+    capability = aten_capability()
+    if has_isa and not capability.startswith("AVX512"):
+        return False, f"aten's CPU kernels run the {capability} build (the AVX2 path: no native bf16)"
     # oneDNN's own answer: it also honours ONEDNN_MAX_CPU_ISA, and covers CPUs whose flags
     # /proc/cpuinfo does not show (non-Linux).
     onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
