@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+
 def aten_capability() -> str:
     """The instruction set aten's vectorised CPU kernels were dispatched for (AVX512, AVX2, ...):
     the CPU's own, or less where ATEN_CPU_CAPABILITY capped it."""
