@@ -3,7 +3,7 @@
 
 Model code never decides which kernel runs: it is handed an `Ops` (frozen) at construction and
 each module takes its own choice as a constructor argument. Nothing below the trainer reads the
-environment, a ContextVar or /proc to pick a path; what the device can do is asked here, once.
+environment, a context variable or /proc to pick a path; what the device can do is asked here, once.
 
     ops = resolve(cfg.execution, Target.of(cfg.train, device))
     print("\\n".join(ops.lines()))          # one line per choice, with its reason

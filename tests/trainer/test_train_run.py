@@ -41,6 +41,12 @@ def test_short_default_run_then_exact_resume(tmp_path, corpus, capsys):
         assert len(r["expert_load_cv"]) == 2 and min(r["expert_load_min"]) <= 1 <= max(r["expert_load_max"])
         assert r["tokens"] <= 1024 and 0 < r["target_tokens"] < r["tokens"]
     assert load_config(run_dir / "config.yaml").train.steps == 5  # the resolved config
+    # The resolved ops: printed once at start-up, one line each with its reason, and kept in the
+    # run's config (as comments: a rerun resolves them again on its own device).
+    printed = [line for line in out.splitlines() if line.startswith("ops: ")]
+    assert len(printed) >= 10 and any(line.startswith("ops: norm = ") and "(" in line for line in printed)
+    written = [line[2:] for line in (run_dir / "config.yaml").read_text().splitlines() if line.startswith("# ops: ")]
+    assert written == printed
     ckpts = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000004", "step_00000005"]  # keep_last=2
 
