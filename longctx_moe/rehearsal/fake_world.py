@@ -1,0 +1,112 @@
+"""One rank of an N-rank job in this process: torch's `fake` process group (every collective
+returns at once, values untouched), the rank's groups, and its part of the model on `meta`.
+
+    with fake_world(8, rank=3):
+        dims, runtime = build_rank(cfg, 8, 3)
+        failure = first_failure(lambda: run_micro_batch(runtime, meta_batch([1000, 3000, 96])))
+
+Nothing here changes the program: a failure is reported with the program's file:line and op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from data_packing.batch import PackedBatch
+
+_PACKAGES = ("data_packing", "cp_attention", "longctx_moe", "rl_hooks")
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """The default process group as rank `rank` of `world_size` fake ranks, for the block."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from longctx_moe.parallel.dims import destroy_process_groups
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world: a process group already exists in this process; "
+                           "rehearse in a process of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        destroy_process_groups()
+
+
+def build_rank(cfg, world_size: int, rank: int, dtype: torch.dtype = torch.float32):
+    """(dims, runtime): the layout of `cfg` (longctx_moe.config.Config) for `rank`, and the
+    model built on meta in `dtype` and parallelized as `longctx-moe train` does it."""
+    from longctx_moe.build import _parallelize, check_layout
+    from longctx_moe.model import Transformer
+
+    dims = check_layout(cfg, world_size)
+    dims.build_groups(rank)
+    with torch.device("meta"):
+        model = Transformer(cfg.model).to(dtype=dtype)
+    return dims, _parallelize(cfg, model, dims)
+
+
+def host_batch(lengths: list[int], multiple: int = 1) -> PackedBatch:
+    """A packed micro-batch of documents of `lengths` on the host (token values 0): the
+    metadata the loader would give, each slot padded to `multiple`."""
+    from data_packing.batch import pack_documents
+
+    docs = [torch.zeros(n, dtype=torch.long) for n in lengths]
+    return pack_documents(docs, [d.clone() for d in docs], multiple)
+
+
+def meta_batch(batch: PackedBatch, keep_host: bool = False) -> PackedBatch:
+    """`batch` on the meta device (as the trainer's `mb.to(device)`); `keep_host`: the document
+    boundaries stay host tensors (the seam the findings propose)."""
+    moved = batch.to("meta")
+    if keep_host:
+        moved = dataclasses.replace(moved, cu_seqlens=batch.cu_seqlens,
+                                    cu_seqlens_padded=batch.cu_seqlens_padded)
+    return moved
+
+
+def run_micro_batch(runtime, batch: PackedBatch) -> torch.Tensor:
+    """Forward and backward of one micro-batch through the runtime (no optimizer step)."""
+    shard = runtime.shard(batch, None, num_targets=batch.num_tokens)
+    out = runtime.forward(shard)
+    loss = out.ce_sum + out.aux_loss + out.z_loss
+    loss.backward()
+    return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    where: str  # file:line (function) of the program's innermost frame
+    op: str  # that line's source
+    error: str  # the exception's type and first line
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.op} -> {self.error}"
+
+
+def first_failure(step: Callable[[], object]) -> Failure | None:
+    """None when `step()` runs through; else where in the program it failed."""
+    try:
+        step()
+    except Exception as e:  # any failure of the program is the finding
+        return _failure_of(e)
+    return None
+
+
+def _failure_of(e: BaseException) -> Failure:
+    ours = [f for f in traceback.extract_tb(e.__traceback__)
+            if any(f"/{p}/" in f.filename for p in _PACKAGES) and "/rehearsal/" not in f.filename]
+    frame = ours[-1] if ours else traceback.extract_tb(e.__traceback__)[-1]
+    root = next((p for p in Path(frame.filename).parents if (p / "pyproject.toml").is_file()), None)
+    name = str(Path(frame.filename).relative_to(root)) if root else frame.filename
+    first = (str(e).splitlines() or [""])[0][:200]
+    return Failure(f"{name}:{frame.lineno} ({frame.name})", (frame.line or "").strip(),
+                   f"{type(e).__name__}: {first}")
