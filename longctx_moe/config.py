@@ -75,8 +75,8 @@ class TrainConfig:
     # (glibc's own) | auto (tuned where the host is tuned, glibc's own elsewhere)
     host_allocator: str = "auto"
     # Process-wide CPU settings (longctx_moe.host: denormals, threads, malloc, oneDNN's caches):
-    # on | off | auto (on for `longctx-moe train`, off for a PolicyTrainer inside an RL framework's
-    # process, which then changes only what train.num_threads / host_allocator name explicitly)
+    # full | none | auto (full for `longctx-moe train`, none for a PolicyTrainer inside an RL
+    # framework's process, which then changes only what train.num_threads / host_allocator name)
     host_tuning: str = "auto"
     # Hand the heap's free pages back to the OS (glibc malloc_trim) after a step whose resident set
     # grew by more than this fraction since the last trim; bounds the creep of a long CPU run as
@@ -87,6 +87,10 @@ class TrainConfig:
     # whose weights start the run; its config.json fills model.* (longctx_moe.hf.families), each
     # rank reading only its slices. A checkpoint to resume wins.
     init_from: str = ""
+    # A Hugging Face config.json (a file, or a directory holding one) whose architecture fills
+    # model.* without weights (longctx_moe.hf.config_file), e.g. configs/models/qwen3-30b-a3b.json:
+    # random weights of a published shape. Not with init_from, whose own config.json gives it.
+    model_config: str = ""
     # A collective that waits longer than this (a peer crashed or hangs) raises instead of
     # blocking forever; covers the slowest checkpoint save or load of one rank.
     process_group_timeout_s: float = 600.0
@@ -362,6 +366,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Read YAML (or start from defaults when `path` is None), apply overrides, validate."""
     data = load_yaml(path) if path is not None else {}
     apply_overrides(data, list(overrides or []))
+    model_config = (data.get("train") or {}).get("model_config")
+    if model_config:  # a config.json alone: the architecture keys of model.*, no weights
+        from longctx_moe.hf.config_file import fill_model_from_file
+
+        fill_model_from_file(data, model_config)
     init_from = (data.get("train") or {}).get("init_from")
     if init_from:  # a Hugging Face directory: its config.json fills the architecture keys of model.*
         from longctx_moe.hf.load import fill_model_from_hf

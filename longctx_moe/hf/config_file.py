@@ -4,8 +4,7 @@
     model_values_from_file  its model.* values through the family tables (hf/families.py)
     model_config_from_file  its ModelConfig
     fill_model_from_file    `train.model_config`: fill the architecture keys of a training
-                            config's model.* from the file, as `train.init_from` does from a
-                            directory, with no weights read (configs/models/ holds the published
+                            config's model.* that it does not set itself, with no weights read (configs/models/ holds the published
                             config.json of the large MoE models people train)
 
 Reading the architecture only, the keys that say how a checkpoint stores its weights
@@ -17,7 +16,6 @@ refuses a storage it cannot read.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from longctx_moe.config import ConfigError
@@ -69,28 +67,13 @@ def model_config_from_file(path: str | Path, **overrides) -> ModelConfig:
         raise ConfigError(f"train.model_config='{path}': {e}") from None
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, float) or isinstance(b, float):
-        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-12)
-    return a == b
-
-
 def fill_model_from_file(data: dict, path: str) -> None:
-    """Set data["model"]'s architecture keys from the config.json at `path`, in place. A key the
-    config (YAML or --set) already gives must agree; ConfigError names the first that does not.
-    With train.init_from also set, the directory's own config.json is the architecture: refused."""
-    from longctx_moe.config import _coerce, _field_types
-
+    """Fill data["model"]'s architecture keys from the config.json at `path`, in place. A key the
+    config (YAML or --set) gives itself wins: no weights are read, so `model.num_layers=2` makes a
+    shrunk copy of the same shapes (tests, quick rehearsals). With train.init_from also set, the
+    directory's own config.json is the architecture: refused."""
     if (data.get("train") or {}).get("init_from"):
         raise ConfigError(f"train.model_config='{path}' and train.init_from are both set; init_from's "
                           "config.json already gives the architecture: drop train.model_config")
-    values = model_values_from_file(path)
     model = data.get("model") or {}
-    data["model"] = model
-    types = _field_types(ModelConfig)
-    for key, value in values.items():
-        if key in model and not _same(_coerce(f"model.{key}", model[key], types[key]), value):
-            raise ConfigError(f"train.model_config='{path}' gives model.{key}={value!r} but the config sets "
-                              f"model.{key}={model[key]!r}; drop that setting (model_config fills the "
-                              "architecture) or pick a matching config.json")
-        model[key] = value
+    data["model"] = {**model_values_from_file(path), **model}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from longctx_moe.config import ConfigError, config_from_dict
+from longctx_moe.config import ConfigError, config_from_dict, load_config
 from longctx_moe.hf.config_file import (
     fill_model_from_file,
     model_config_from_file,
@@ -85,10 +85,12 @@ def test_fills_a_training_config():
     assert (cfg.model.num_layers, cfg.model.num_experts, cfg.model.aux_loss_coeff) == (48, 128, 1e-3)
 
 
-def test_a_contradicting_setting_or_init_from_is_refused():
+def test_the_config_own_keys_win_and_init_from_is_refused():
+    """train.model_config reads no weights: a key the config sets itself (a shrunk copy of the
+    shapes) wins over the file's; with init_from, whose directory gives the architecture, refused."""
     path = str(MODELS / "qwen3-30b-a3b.json")
-    with pytest.raises(ConfigError, match=r"model.num_layers=48 but the config sets model.num_layers=2"):
-        fill_model_from_file({"model": {"num_layers": 2}}, path)
+    cfg = load_config(None, [f"train.model_config={path}", "model.num_layers=2"])
+    assert (cfg.model.num_layers, cfg.model.num_experts, cfg.model.hidden_size) == (2, 128, 2048)
     with pytest.raises(ConfigError, match="both set"):
         fill_model_from_file({"train": {"init_from": "/some/dir"}}, path)
     with pytest.raises(ConfigError, match="cannot read"):
