@@ -5,7 +5,8 @@ The interrupted run is relaunched after each kill (a fresh `longctx-moe train --
 resumes from `latest`). Kills come every ~`--kill-every` steps (uniform in 0.5-1.5x), at a point
 drawn from:
 
-- step:   a rank SIGKILLs itself as an optimizer step starts (checkpoint.KILL_ENV "step");
+- step:   a rank SIGKILLs itself as an optimizer step starts (tests/trainer/kill_entry.py's
+          KILL_ENV "step": the runs start through that test-only entry);
 - save:   a rank SIGKILLs itself while writing its file of a checkpoint ("save");
 - prune:  rank 0 SIGKILLs itself while pruning an old step, after the new one is published and
           the old one's meta.json is gone ("prune");
@@ -39,9 +40,9 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from bench.bench_io import write_json  # noqa: E402
-from longctx_moe.checkpoint.faults import KILL_ENV  # noqa: E402
 from longctx_moe.checkpoint.reader import CheckpointReader  # noqa: E402
 from longctx_moe.checkpoint.steps import step_dir_name  # noqa: E402
+from tests.trainer.kill_entry import KILL_ENV, MODULE, RANK_FLAG  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("step", "save", "prune", "random")
@@ -52,7 +53,7 @@ def train_cmd(run_dir: Path, args) -> list[str]:
     sets = [f"train.run_dir={run_dir}", f"data.path={args.data}", f"train.steps={args.steps}",
             f"checkpoint.every_steps={args.every}", f"checkpoint.keep_last={KEEP}", "logging.progress_bar=false",
             "logging.peak_tflops=1.0", *args.set]
-    return [sys.executable, "-m", "longctx_moe.cli", "train", "--nproc", str(args.nproc),
+    return [sys.executable, "-m", MODULE, "train", "--nproc", str(args.nproc),
             "--config", str(ROOT / "configs/tiny_cpu.yaml"), *[a for s in sets for a in ("--set", s)]]
 
 
@@ -91,7 +92,7 @@ def rank_pids(launcher: int) -> list[int]:
     pids = []
     for pid in descendants(launcher):
         try:
-            if b"longctx_moe.train" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if RANK_FLAG.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
                 pids.append(pid)
         except OSError:
             continue

@@ -55,6 +55,13 @@ of faulting them in again on the next step: trimming after every step ran at abo
 tokens/s. Trimming only when the resident set after a step has grown by more than a fraction
 (train.host_heap_trim, 0.1) held that run's median peak at 1.05 GB from step 60 on, for ~3% of
 the step time (docs/PERFORMANCE.md, "Memory over a run").
+
+Whose process it is (train.host_tuning): every setting above is process-wide. `longctx-moe train`
+and the benchmarks own their processes and tune them (`auto`). A PolicyTrainer runs inside a
+process an RL framework made (a verl engine, a NeMo-RL worker, a Ray actor), whose other code
+(rollout engines, the framework's own tensors, its thread pools) would inherit them: there `auto`
+changes nothing the config does not name (an explicit train.num_threads or train.host_allocator
+tuned / lean), and train.host_tuning=full asks for the whole tuning.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -74,7 +82,10 @@ _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
-ALLOCATOR_MODES = ("tuned", "lean", "default")
+# auto: tuned where the host is tuned (train.host_tuning), glibc's settings left alone elsewhere.
+ALLOCATOR_MODES = ("auto", "tuned", "lean", "default")
+# auto: full in a process of ours (`longctx-moe train`), none in one an RL framework made.
+HOST_TUNING = ("auto", "full", "none")
 
 # Smallest block glibc serves with its own mmap, by allocator mode (see the module docstring).
 MMAP_THRESHOLD = {"tuned": 32 << 20, "lean": 1 << 20}
@@ -135,41 +146,93 @@ class HeapTrim:
         return True
 
 
+def _mallopt(param: int, value: int) -> bool:
+    """glibc's mallopt: every malloc setting of the project goes through here (a test watches it
+    to see that a process we do not own was left alone)."""
+    return bool(_libc().mallopt(param, value))
+
+
 def tune_host_allocator(mode: str = "tuned") -> bool:
     """Keep freed heap memory for reuse, blocks above MMAP_THRESHOLD[mode] in their own mmap (see
     the module docstring). Returns False where the C library has no glibc mallopt, in which case
     nothing changes. Idempotent."""
-    lib = _libc()
-    if lib is None:
+    if _libc() is None:
         return False
     # Smaller blocks from the heap, where their freed pages stay mapped. Setting the threshold
     # also stops glibc from moving it itself.
-    ok = lib.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD[mode])
-    ok &= lib.mallopt(_M_TRIM_THRESHOLD, 1 << 30)  # give memory back only past 1 GiB of free top
-    ok &= lib.mallopt(_M_TOP_PAD, 64 << 20)  # grow the heap in 64 MiB steps, not per allocation
-    ok &= lib.mallopt(_M_ARENA_MAX, 1)  # every thread on that one heap (module docstring)
-    return bool(ok)
+    ok = _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD[mode])
+    ok &= _mallopt(_M_TRIM_THRESHOLD, 1 << 30)  # give memory back only past 1 GiB of free top
+    ok &= _mallopt(_M_TOP_PAD, 64 << 20)  # grow the heap in 64 MiB steps, not per allocation
+    ok &= _mallopt(_M_ARENA_MAX, 1)  # every thread on that one heap (module docstring)
+    return ok
 
 
-def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> list[str]:
     """Cap oneDNN's and ideep's GEMM caches at `capacity` shapes each (see the module docstring),
-    unless the environment already sets them. Each library reads its variable once, at the
-    process's first bf16 GEMM: this must run before it (configure_cpu does, before the model is
-    built); later it changes nothing in this process."""
+    unless the environment already sets them; returns the variables it set. Each library reads
+    its variable once, at the process's first bf16 GEMM: this must run before it (the trainer's
+    start-up does, before the model is built); later it changes nothing in this process."""
     if capacity < 1:  # ideep crashes on LRU_CACHE_CAPACITY=0
         raise ValueError(f"oneDNN cache capacity must be >= 1, got {capacity}")
-    for var in ONEDNN_CACHE_VARS:
-        os.environ.setdefault(var, str(capacity))
+    unset = [var for var in ONEDNN_CACHE_VARS if var not in os.environ]
+    os.environ.update({var: str(capacity) for var in unset})
+    return unset
 
 
-def configure_cpu(threads: int, allocator: str = "tuned") -> None:
-    """Flush denormals, set the intra-op thread count, cap oneDNN's shape caches, and
-    (allocator 'tuned' or 'lean') tune malloc."""
-    check_choice("train.host_allocator", allocator, ALLOCATOR_MODES)
-    bound_onednn_caches()
+@dataclass(frozen=True)
+class HostSettings:
+    """The process-wide settings to make; None / False leaves that part of the process as found."""
+
+    threads: int | None = None  # torch's intra-op threads
     # Denormal fp32 values (AdamW's second moments of tiny gradients) make sqrt/div crawl on x86.
-    torch.set_flush_denormal(True)
-    if threads > 0:
-        torch.set_num_threads(threads)
-    if allocator in MMAP_THRESHOLD:
-        tune_host_allocator(allocator)
+    flush_denormals: bool = False
+    allocator: str | None = None  # a key of MMAP_THRESHOLD: tune glibc malloc
+    onednn_cache: int | None = None  # capacity for ONEDNN_CACHE_VARS the environment leaves unset
+    reason: str = ""  # why: printed with what was set
+
+
+def host_settings(tuning: str, num_threads: int, allocator: str, *, owned: bool,
+                  default_threads: int) -> HostSettings:
+    """What to change in this process (see "Whose process it is" above). `owned`: the process is
+    ours (`longctx-moe train`'s ranks); `default_threads`: the thread count of a tuned host whose
+    train.num_threads is 0."""
+    check_choice("train.host_tuning", tuning, HOST_TUNING)
+    check_choice("train.host_allocator", allocator, ALLOCATOR_MODES)
+    if num_threads < 0:
+        raise ValueError(f"train.num_threads={num_threads} must be >= 0 (0 = automatic)")
+    if tuning == "full" or (tuning == "auto" and owned):
+        why = ("train.host_tuning=auto: `longctx-moe train` tunes its own process" if tuning == "auto"
+               else "train.host_tuning=full")
+        mode = "tuned" if allocator == "auto" else allocator
+        return HostSettings(num_threads or default_threads, True, mode if mode in MMAP_THRESHOLD else None,
+                            ONEDNN_CACHE_CAPACITY, why)
+    # A process we do not own (or host_tuning=none): only what the config names explicitly.
+    mode = allocator if allocator in MMAP_THRESHOLD else None
+    asked = [key for key, given in (("train.num_threads", num_threads > 0), ("train.host_allocator", mode))
+             if given]
+    return HostSettings(num_threads or None, False, mode, None,
+                        f"set explicitly by {' and '.join(asked)}; train.host_tuning={tuning} leaves the rest "
+                        "of this process as it was")
+
+
+def apply_host(settings: HostSettings) -> str | None:
+    """Make `settings`' changes to this process; one line saying what was set (None: nothing)."""
+    done = []
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+        done.append(f"{settings.threads} intra-op thread{'s' if settings.threads > 1 else ''}")
+    if settings.flush_denormals and torch.set_flush_denormal(True):  # False: no FTZ/DAZ on this CPU
+        done.append("denormals flushed to zero")
+    if settings.allocator and tune_host_allocator(settings.allocator):
+        done.append(f"glibc malloc {settings.allocator} (mmap above "
+                    f"{MMAP_THRESHOLD[settings.allocator] >> 20} MiB, trim above 1 GiB, one arena)")
+    if settings.onednn_cache:
+        done += [f"{var}={settings.onednn_cache}" for var in bound_onednn_caches(settings.onednn_cache)]
+    return f"host: {', '.join(done)} ({settings.reason})" if done else None
+
+
+def configure_cpu(threads: int, allocator: str = "tuned") -> str | None:
+    """Tune a process of ours (the benchmarks'): flush denormals, set the intra-op thread count
+    (threads > 0), cap oneDNN's shape caches, and (allocator 'tuned', 'lean' or 'auto') tune
+    malloc. Returns the line saying what was set."""
+    return apply_host(host_settings("full", max(threads, 0), allocator, owned=True, default_threads=0))

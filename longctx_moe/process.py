@@ -29,6 +29,7 @@ class RunContext:
     device: torch.device
     run_dir: Path
     ckpt_dir: Path
+    host: str | None = None  # what configure_cpu set in this process (one line), None: nothing
 
 
 # ---------------------------------------------------------------------- process setup
@@ -106,18 +107,28 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def configure_cpu(cfg: Config, local_world_size: int) -> None:
-    threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // local_world_size)
-    host.configure_cpu(threads, cfg.train.host_allocator)
+def configure_cpu(cfg: Config, local_world_size: int, owned: bool) -> str | None:
+    """The process-wide CPU settings of train.host_tuning (longctx_moe.host): all of them in a
+    process of ours (`owned`), only the ones the config names in one an RL framework made.
+    Returns the line saying what was set (None: nothing)."""
+    t = cfg.train
+    try:
+        settings = host.host_settings(t.host_tuning, t.num_threads, t.host_allocator, owned=owned,
+                                      default_threads=max(1, (os.cpu_count() or 1) // local_world_size))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return host.apply_host(settings)
 
 
-def make_context(cfg: Config) -> RunContext:
+def make_context(cfg: Config, owned: bool = False) -> RunContext:
+    """The run's ranks, device and directories; CPU settings as configure_cpu (`owned`: this
+    process is ours, `longctx-moe train`'s, not an RL framework's)."""
     kind = "cuda" if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()) else "cpu"
     rank, world, local_world = init_distributed(kind, cfg.train.process_group_timeout_s)
     device = pick_device(cfg.train.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    configure_cpu(cfg, local_world)
+    line = configure_cpu(cfg, local_world, owned)
     run_dir = Path(cfg.train.run_dir)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    return RunContext(rank, world, local_world, device, run_dir, ckpt_dir)
+    return RunContext(rank, world, local_world, device, run_dir, ckpt_dir, line)

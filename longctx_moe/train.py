@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from longctx_moe.build import start_up
 from longctx_moe.checkpoint.errors import CheckpointError
-from longctx_moe.checkpoint.faults import kill_point
 from longctx_moe.checkpoint.resume import maybe_resume
 from longctx_moe.checkpoint.trainer_state import Checkpointer
 from longctx_moe.config import Config, ConfigError, load_config, write_config
@@ -82,7 +81,6 @@ def fit(trainer: Trainer, loader: Any, ctx: RunContext, logger: MetricsLogger, p
     saver = Checkpointer(trainer, loader, ctx)
     for batches in iterate_steps(loader, trainer.step, stop):
         saver.poll()
-        kill_point("step", trainer.step + 1, ctx.rank)
         t0 = time.perf_counter()
         res = trainer.train_step(batches)
         record = step_record(res, time.perf_counter() - t0, peak, ctx.world_size, trainer.step,
@@ -102,7 +100,9 @@ def fit(trainer: Trainer, loader: Any, ctx: RunContext, logger: MetricsLogger, p
 def run(cfg: Config, until: int | None = None) -> dict:
     """Train as configured (stopping after step `until` if given, e.g. a test's interrupted
     run); return a summary (run dir, metrics file, checkpoint dir, losses)."""
-    ctx = make_context(cfg)
+    ctx = make_context(cfg, owned=True)
+    if ctx.rank == 0 and ctx.host:
+        print(ctx.host, flush=True)  # what this run set process-wide (threads, denormals, malloc, oneDNN)
     runtime, loader = start_up(cfg, ctx)
     trainer = Trainer(cfg, runtime, ctx.device)
     announce(trainer.compute, ctx.rank)

@@ -89,7 +89,11 @@ class PolicyTrainer:
         from longctx_moe.process import make_context
 
         self.cfg = cfg
-        self.ctx = make_context(cfg)
+        # An RL framework made this process (a verl engine, a NeMo-RL worker, a Ray actor): it
+        # keeps its host settings but for those the config names (train.host_tuning).
+        self.ctx = make_context(cfg, owned=False)
+        if self.ctx.rank == 0 and self.ctx.host:
+            print(self.ctx.host, flush=True)
         self.dims = build_dims(cfg, self.ctx)
         self.runtime = build_runtime(cfg, self.dims, self.ctx.device)
         self.trainer = Trainer(cfg, self.runtime, self.ctx.device)

@@ -86,7 +86,7 @@ class _Rank:
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(device_index),
                           LOCAL_WORLD_SIZE=str(local_world))
-        if cfg.train.num_threads == 0 and cfg.train.host_tuning == "on":
+        if cfg.train.num_threads == 0 and cfg.train.host_tuning == "full":
             # Ray granted this actor `cpus` cores; a tuned host's default (the node's cores /
             # ranks on the node) would oversubscribe a node shared with other actors (rollout
             # engines). Untuned, the actor keeps Ray's count (OMP_NUM_THREADS = its CPUs).

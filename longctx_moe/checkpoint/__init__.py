@@ -57,5 +57,4 @@ Modules, one job each:
     resume.py         the resume rules a run applies at start-up
     errors.py         CheckpointError, and `agree`: every rank raises the same error or none does
     rng.py            every RNG stream as JSON
-    faults.py         the test hook that kills a rank at a named point
 """

@@ -16,7 +16,6 @@ import torch
 
 from longctx_moe.checkpoint.durable import atomic_write_text, fsync_dir, write_error, write_synced
 from longctx_moe.checkpoint.errors import agree
-from longctx_moe.checkpoint.faults import kill_point
 from longctx_moe.checkpoint.rank_file import write_rank_file
 from longctx_moe.checkpoint.steps import (
     FORMAT_VERSION,
@@ -107,7 +106,6 @@ def write_staged(staged: Staged, rank_state: dict[str, Any]) -> tuple[str | None
     metadata = {"format": str(FORMAT_VERSION), "state": json.dumps(rank_state),
                 "slices": json.dumps(staged.slices)}
     try:
-        kill_point("save", staged.step, staged.rank)
         return None, write_rank_file(part, staged.tensors, metadata)
     except (OSError, RuntimeError) as e:
         return write_error(part, e), None

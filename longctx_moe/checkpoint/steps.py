@@ -13,7 +13,6 @@ from typing import Any
 
 from longctx_moe.checkpoint.durable import fsync_dir
 from longctx_moe.checkpoint.errors import CheckpointError
-from longctx_moe.checkpoint.faults import kill_point
 
 FORMAT_VERSION = 4  # 2: meta.json records each rank file's bytes and sha256; 3: tensors by global slice, safetensors; 4: a sha256 per block of each rank file
 SUPERSEDED = "superseded"
@@ -71,7 +70,6 @@ def _remove_step(step_dir: Path) -> None:
         fsync_dir(step_dir)
     except FileNotFoundError:
         pass
-    kill_point("prune", step_number(step_dir.name) or 0, 0)
     shutil.rmtree(step_dir, ignore_errors=True)
 
 

@@ -1,8 +1,9 @@
 """Fault test: `longctx-moe train --nproc 2 --max-restarts 2` with one rank SIGKILLed mid-save on
-the first attempt and another mid-step on the restarted one (a test hook, checkpoint.KILL_ENV,
-makes the kills deterministic). Each time the launcher stops the other ranks and relaunches all
-of them; they resume from the latest complete checkpoint, the run completes, every step directory
-left is intact, and the losses equal those of the uninterrupted run bitwise."""
+the first attempt and another mid-step on the restarted one (tests/trainer/kill_entry.py, which
+wraps the trainer's functions in each rank from outside, makes the kills deterministic). Each time
+the launcher stops the other ranks and relaunches all of them; they resume from the latest
+complete checkpoint, the run completes, every step directory left is intact, and the losses equal
+those of the uninterrupted run bitwise."""
 
 import json
 import os
@@ -12,11 +13,11 @@ import sys
 import pytest
 import torch
 
-from longctx_moe.checkpoint.faults import KILL_ENV
 from longctx_moe.checkpoint.reader import CheckpointReader
 from longctx_moe.config import load_config
 from longctx_moe.train import run as train_run
 from tests.launcher import run_distributed
+from tests.trainer.kill_entry import KILL_ENV, MODULE
 from tests.trainer.test_train_run import ROOT
 
 STEPS = 8
@@ -37,8 +38,9 @@ def _sets(run_dir, corpus) -> list[str]:
 
 
 def _train(run_dir, corpus, kill: str) -> str:
-    """`longctx-moe train --nproc 2 --max-restarts 2` with the kills `kill` (KILL_ENV's format)."""
-    cmd = [sys.executable, "-m", "longctx_moe.cli", "train", "--nproc", str(NPROC), "--max-restarts", "2",
+    """`longctx-moe train --nproc 2 --max-restarts 2` with the kills `kill` (KILL_ENV's format): the
+    CLI and its launcher as they are, each rank with the kills installed (kill_entry)."""
+    cmd = [sys.executable, "-m", MODULE, "train", "--nproc", str(NPROC), "--max-restarts", "2",
            "--config", str(ROOT / "configs/tiny_cpu.yaml"), *[a for s in _sets(run_dir, corpus) for a in ("--set", s)]]
     env = {**os.environ, **KERNELS_OFF, KILL_ENV: kill}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1200, env=env)
@@ -97,3 +99,52 @@ def test_killed_ranks_restart_and_end_like_the_uninterrupted_run(tmp_path, corpu
     assert _losses(run_dir) == _losses(uninterrupted)  # every step, the last included: exact floats
     assert [s for s, _ in _losses(run_dir)] == list(range(1, STEPS + 1))
     _assert_intact(ckpt)
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_kill_points_fire_where_the_crash_tests_aim(tmp_path, monkeypatch):
+    """kill_entry's wrappers reach the production code paths the kills name: write_staged stops
+    before its rank file exists, the pruning after meta.json is gone and before the files are, a
+    step before the trainer runs it; other steps, ranks and attempts pass untouched."""
+    from types import SimpleNamespace
+
+    from longctx_moe.checkpoint import save, steps
+    from longctx_moe.trainer import Trainer
+    from tests.trainer import kill_entry
+
+    def kill(pid, sig):
+        raise _Killed(sig)
+
+    monkeypatch.setattr(kill_entry.os, "kill", kill)
+    kill_entry.install_kills(monkeypatch.setattr)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the second attempt: the list's second kill
+    monkeypatch.setenv(KILL_ENV, "step:1:0,save:4:1")
+
+    def staged(rank):
+        (tmp_path / ".step_00000004.tmp").mkdir(exist_ok=True)
+        return save.Staged(tmp_path, 4, rank, {"w": torch.zeros(2)}, {}, {"w": [[2], [0]]})
+
+    assert save.write_staged(staged(0), {})[0] is None  # rank 0 writes its file
+    with pytest.raises(_Killed):
+        save.write_staged(staged(1), {})
+    assert not (tmp_path / ".step_00000004.tmp" / steps.rank_file_name(1)).exists()
+
+    monkeypatch.setenv(KILL_ENV, "save:9:9,prune:2:0")
+    old = tmp_path / steps.step_dir_name(2)
+    old.mkdir()
+    (old / "meta.json").write_text("{}")
+    (old / steps.rank_file_name(0)).write_text("")
+    with pytest.raises(_Killed):
+        steps._remove_step(old)
+    assert not (old / "meta.json").exists() and (old / steps.rank_file_name(0)).exists()
+
+    monkeypatch.setenv(KILL_ENV, "save:9:9,step:7:0")
+    with pytest.raises(_Killed):
+        Trainer.train_step(SimpleNamespace(step=6), [])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # the first attempt aims at save 9
+    with pytest.raises(Exception) as passed:  # on into the real step, which this stand-in fails
+        Trainer.train_step(SimpleNamespace(step=6), [])
+    assert not isinstance(passed.value, _Killed)
