@@ -4,8 +4,8 @@ CPU without it.
 Why it matters: on an x86-64 CPU without AVX512-BF16 or AMX (AVX2-only cloud VMs, laptops, CI
 runners) oneDNN has no bf16 GEMM kernel and falls back to a reference loop: a 512^3 bf16 matmul
 runs 20-30x slower than float32 there (1.5 vs 41.8 GFLOP/s measured on a 2-core AVX2 EPYC VM).
-The compute dtype (longctx_moe.precision) and the C++ attention kernels (kernels/_cpp_kernel.py)
-both follow `native_bf16()`.
+The compute dtype (longctx_moe.precision) and the C++ kernels (cp_attention/native.py) both
+follow `native_bf16()`.
 
 The AVX2 path runs on an AVX512 machine with two of torch's environment variables, set before the
 process starts (the Makefile's `train-avx2` / `test-avx2` targets set them):

@@ -56,15 +56,15 @@ def _xdist_worker(config) -> bool:
 
 
 def pytest_sessionstart(session):
-    # Build (or load) the C++ CPU kernels (attention, log-prob head, RMSNorm, SwiGLU) once, here, before any test runs: a first build
-    # takes ~20-30 s, which would otherwise land inside one test, or inside a distributed test's
-    # timeout with every rank waiting on the same build lock. Without AVX512-BF16 (AMX included)
-    # this does nothing.
-    from cp_attention.kernels import amx_backward, brgemm_forward
-    from longctx_moe.kernels import cpu_logprobs, cpu_rmsnorm, cpu_swiglu
+    # Build (or load) the native extension (the C++ CPU kernels: attention, log-prob head, RMSNorm,
+    # SwiGLU) and self-check each kernel once, here, before any test runs: a first build takes
+    # ~30-60 s, which would otherwise land inside one test, or inside a distributed test's timeout
+    # with every rank waiting on the same build lock. Without AVX512-BF16 (AMX included) this
+    # builds nothing.
+    from cp_attention import native
 
-    for kernel in (amx_backward, brgemm_forward, cpu_logprobs, cpu_rmsnorm, cpu_swiglu):
-        kernel.available()
+    for kernel in native.KERNELS:
+        native.unavailable_reason(kernel)
     if _xdist_worker(session.config):
         # `make test` runs more xdist workers than cores: a worker's own intra-op threads would
         # only contend with the others' (and spin in OpenMP barriers meanwhile).

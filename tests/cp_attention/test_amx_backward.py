@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cp_attention import native, native_checks
 from cp_attention.hardware import cpu_has_avx512_bf16
 from cp_attention.kernels import (
     amx_backward,
@@ -77,7 +78,7 @@ def test_backend_uses_it_only_for_bf16_causal_self_attention(monkeypatch):
 
 @needs_kernel
 def test_a_failing_call_falls_back_to_aten_with_one_warning(monkeypatch):
-    monkeypatch.setattr(amx_backward.KERNEL, "state", dict(amx_backward.KERNEL.state))  # restored afterwards
+    monkeypatch.setattr(native._STATE, "reasons", dict(native._STATE.reasons))  # restored afterwards
 
     def broken(*args):
         raise RuntimeError("could not create a BRGeMM ukernel")
@@ -98,12 +99,12 @@ def test_a_failing_call_falls_back_to_aten_with_one_warning(monkeypatch):
 @needs_kernel
 def test_self_check_rejects_a_wrong_kernel():
     """A kernel 5% off (a wrong oneDNN path would be O(1) off) fails the self-check."""
-    real = amx_backward._module()
+    real = native.extension()
 
     class Off:
         def varlen_causal_backward(self, *args):
             return [g.float().mul(1.05).bfloat16() for g in real.varlen_causal_backward(*args)]
 
-    amx_backward._self_check(real)
+    native_checks.attention_bwd(real)
     with pytest.raises(RuntimeError, match="self-check"):
-        amx_backward._self_check(Off())
+        native_checks.attention_bwd(Off())

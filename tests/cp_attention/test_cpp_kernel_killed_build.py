@@ -3,10 +3,10 @@ lock file alone): the next process stops the dead build's compilers, deletes wha
 and builds again, with one notice, instead of loading a half-linked binary (which switched the
 kernel off in every later run) or racing the orphaned compiler.
 
-The kernel built here is a module with no code, through the attention kernels' own builder
-(`CppKernel`): the build, lock and clean-up steps are the same, and it compiles in about a second
-where the attention kernels take half a minute of two cores (they are built, once per machine, by
-the session's start in conftest.py)."""
+The extension built here is a module with no code, through the native extension's own builder
+(`cp_attention.native.Extension`): the build, lock and clean-up steps are the same, and it
+compiles in about a second where the real kernels take most of a minute of two cores (they are
+built, once per machine, by the session's start in conftest.py)."""
 
 from __future__ import annotations
 
@@ -35,11 +35,10 @@ EMPTY_EXTENSION = textwrap.dedent("""
 """)
 
 
-def _kernel(source: Path):
-    from cp_attention.kernels._cpp_kernel import CppKernel
+def _kernel(source_dir: Path):
+    from cp_attention.native import Extension
 
-    return CppKernel(str(source), "longctx_test_empty_", "LONGCTX_TEST_EMPTY_KERNEL", "empty test kernel",
-                     "forward", lambda mod: None)
+    return Extension(source_dir, "longctx_test_empty_", "empty test kernel")
 
 
 # A build killed while linking: torch's load() has taken its lock file, its compiler still runs
@@ -77,8 +76,9 @@ def _running(pid: int) -> bool:
 def test_a_build_killed_part_way_is_cleared_and_rebuilt_with_one_notice(tmp_path, monkeypatch, capfd):
     if shutil.which("sleep") is None:
         pytest.skip("no `sleep` program to stand in for the orphaned compiler")
-    source = tmp_path / "empty.cpp"
-    source.write_text(EMPTY_EXTENSION)
+    source = tmp_path / "csrc"
+    source.mkdir()
+    (source / "empty.cpp").write_text(EMPTY_EXTENSION)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))  # a fresh cache
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     killed = subprocess.run([sys.executable, "-c", KILLED_BUILD, str(tmp_path), str(source)], cwd=ROOT, env=env,

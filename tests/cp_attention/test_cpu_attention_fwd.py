@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cp_attention import native
 from cp_attention.hardware import cpu_has_avx512_bf16
 from cp_attention.kernels import (
+    AttnKernel,
     attn_backward,
     attn_forward,
-    batch_invariant,
     brgemm_forward,
     reference_attention,
 )
@@ -103,7 +104,7 @@ def test_backend_uses_it_only_for_bf16_causal_self_attention(monkeypatch):
 
 @needs_kernel
 def test_a_failing_call_falls_back_to_aten_with_one_warning(monkeypatch):
-    monkeypatch.setattr(brgemm_forward.KERNEL, "state", dict(brgemm_forward.KERNEL.state))  # restored afterwards
+    monkeypatch.setattr(native._STATE, "reasons", dict(native._STATE.reasons))  # restored afterwards
 
     def broken(*args):
         raise RuntimeError("could not create a BRGeMM ukernel")
@@ -123,7 +124,7 @@ def test_a_failing_call_falls_back_to_aten_with_one_warning(monkeypatch):
 @needs_kernel
 def test_a_document_is_bitwise_the_same_alone_and_packed():
     """Per-document work items: neither the neighbours nor the thread count change a bit, with or
-    without batch_invariant() (which only changes aten's bucketing)."""
+    without batch invariance (which only changes aten's bucketing)."""
     q, k, v, _, cu, mx = _row([77, 300, 5, 130], 4, 2, 64, 2, seed=5)
     a, b = 77, 377  # the 300-token document
     alone = attn_forward(q[a:b], k[a:b], v[a:b], *(torch.tensor([0, 300], dtype=torch.int32),) * 2,
@@ -132,9 +133,9 @@ def test_a_document_is_bitwise_the_same_alone_and_packed():
     try:
         for n in {1, threads}:
             torch.set_num_threads(n)
-            for ctx in (batch_invariant(), batch_invariant(False)):
-                with ctx:
-                    out, lse = attn_forward(q, k, v, cu, cu, mx, mx, True)
+            for invariant in (True, False):
+                kernel = AttnKernel("torch_cpu", batch_invariant=invariant)
+                out, lse = attn_forward(q, k, v, cu, cu, mx, mx, True, backend=kernel)
                 assert torch.equal(out[a:b], alone[0]) and torch.equal(lse[:, a:b], alone[1])
     finally:
         torch.set_num_threads(threads)

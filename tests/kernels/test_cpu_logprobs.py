@@ -1,10 +1,11 @@
-"""The fused CPU log-prob head (kernels/_cpu_logprobs.cpp) against the torch path it replaces
+"""The fused CPU log-prob head (cp_attention/csrc/logprobs.cpp) against the torch path it replaces
 under bf16 autocast: the same float32 statistics to float32 rounding, the same bf16 gradient of
 the logits up to one bf16 rounding, hence h's and W's gradients to bf16 GEMM rounding."""
 
 import pytest
 import torch
 
+from cp_attention import native, native_checks
 from cp_attention.hardware import cpu_has_avx512_bf16
 from longctx_moe.kernels import cpu_logprobs
 from longctx_moe.model.losses import chunked_token_logprobs
@@ -46,10 +47,10 @@ def test_fused_head_matches_the_torch_path(monkeypatch, temperature, entropy, ca
     calls = []
     real = cpu_logprobs.forward_stats
     monkeypatch.setattr(cpu_logprobs, "forward_stats", lambda *a: calls.append(1) or real(*a))
-    fused = _run(h, w, labels, **kw)
+    fused = _run(h, w, labels, impl="cpp", **kw)
     assert len(calls) == 3  # 42 target rows in chunks of 16: the kernel ran the head
-    with cpu_logprobs.disabled():
-        ref = _run(h, w, labels, **kw)
+    ref = _run(h, w, labels, impl="torch", **kw)
+    assert len(calls) == 3
     n_stats = 2 if entropy else 1
     for a, b in zip(fused[:n_stats], ref[:n_stats], strict=True):
         # float32 statistics of the same bf16 logits: only the summation order differs
@@ -67,7 +68,7 @@ def test_the_logits_gradient_is_one_rounding_of_float32_maths():
     """The built kernel itself (not through its self-check, which would hide a wrong one behind
     the torch fallback) against float64 maths on the same bf16 logits: float32-exact statistics,
     the gradient within one bf16 rounding."""
-    mod = cpu_logprobs.KERNEL.build()
+    mod = native.extension()
     g = torch.Generator().manual_seed(3)
     z = (torch.randn(9, 70, generator=g) * 4).bfloat16()
     labels = torch.randint(0, 70, (9,), generator=g)
@@ -97,7 +98,7 @@ def test_bad_inputs_are_refused_by_the_kernel():
 
 def test_self_check_rejects_a_wrong_kernel():
     """A gradient 2% off fails the self-check (the head then stays on torch, with a warning)."""
-    real = cpu_logprobs.KERNEL.build()
+    real = native.extension()
 
     class Off:
         forward_stats = staticmethod(real.forward_stats)
@@ -105,6 +106,6 @@ def test_self_check_rejects_a_wrong_kernel():
         def backward_grad_(self, *args):
             return real.backward_grad_(*args).float().mul(1.02).bfloat16()
 
-    cpu_logprobs._self_check(real)
+    native_checks.logprobs(real)
     with pytest.raises(RuntimeError, match="self-check"):
-        cpu_logprobs._self_check(Off())
+        native_checks.logprobs(Off())

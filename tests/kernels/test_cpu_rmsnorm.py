@@ -1,4 +1,4 @@
-"""The fused CPU RMSNorm (kernels/_cpu_rmsnorm.cpp) against the torch path of
+"""The fused CPU RMSNorm (cp_attention/csrc/rmsnorm.cpp) against the torch path of
 model.layers._RMSNormFn and a float64 reference.
 
 Both compute in float32 and differ only by the order of each row's sums: the float32 results
@@ -19,10 +19,10 @@ from longctx_moe.model.layers import RMSNorm, _RMSNormFn
 pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the fused CPU RMSNorm is built for AVX512")
 
 
-def _run(x, w, out_dtype, g):
+def _run(x, w, out_dtype, g, cpp):
     x = x.detach().clone().requires_grad_()
     w = w.detach().clone().requires_grad_()
-    y = _RMSNormFn.apply(x, w, 1e-6, out_dtype)
+    y = _RMSNormFn.apply(x, w, 1e-6, out_dtype, cpp)
     y.backward(g)
     return y.detach(), x.grad, w.grad
 
@@ -40,13 +40,12 @@ def test_fused_norm_matches_the_torch_path_and_float64(shape, x_dtype, out_dtype
     x = (torch.randn(shape, generator=gen) * 3).to(x_dtype)
     w = torch.randn(shape[-1], generator=gen)
     g = torch.randn(shape, generator=gen).to(out_dtype)
-    ours = _run(x, w, out_dtype, g)
-    with cpu_rmsnorm.disabled():
-        torch_path = _run(x, w, out_dtype, g)
+    ours = _run(x, w, out_dtype, g, cpp=True)
+    torch_path = _run(x, w, out_dtype, g, cpp=False)
     for a, b in zip(ours, torch_path, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert _rel(a, b) <= (2e-6 if a.dtype == torch.float32 else 2**-8), (a.dtype, _rel(a, b))
-    ref = _run(x.double(), w.double(), torch.float64, g.double())  # float64: the torch path
+    ref = _run(x.double(), w.double(), torch.float64, g.double(), cpp=False)
     if x_dtype == out_dtype == torch.float32:
         for a, b in zip(ours, ref, strict=True):
             assert _rel(a, b) < 1e-5
@@ -54,7 +53,7 @@ def test_fused_norm_matches_the_torch_path_and_float64(shape, x_dtype, out_dtype
 
 
 def test_the_norm_module_runs_the_kernel_and_repeats_itself_bit_for_bit():
-    norm = RMSNorm(96)
+    norm = RMSNorm(96, impl="cpp")
     x = torch.randn(50, 96, requires_grad=True)
     runs = []
     for _ in range(2):

@@ -1,5 +1,5 @@
-"""The fused CPU SwiGLU (kernels/_cpu_swiglu.cpp) against the torch path of model.moe._SwiGLUDown
-and a float64 reference.
+"""The fused CPU SwiGLU (cp_attention/csrc/swiglu.cpp) against the torch path of
+model.moe._SwiGLUDown and a float64 reference.
 
 The kernel keeps the torch path's float32 arithmetic and stores, with at::vec's exp: where aten
 runs its vector loop over a whole row (rows of a multiple of 64 bf16 / 32 float32 values: it

@@ -12,26 +12,15 @@
 // The torch path makes five elementwise passes over [M, F] for the backward (each a fresh
 // tensor); this is one, and one for the forward instead of two.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "common.h"
+#include "kernels.h"
+
 #include <ATen/cpu/vec/vec.h>
 
-#include <immintrin.h>
-
-#include <tuple>
-
+namespace longctx {
 namespace {
 
-using at::BFloat16;
 using Vec = at::vec::Vectorized<float>;
-
-inline __mmask16 head(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
-
-inline __m512 widen(__m256i bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)); }
-inline __m256i narrow(__m512 v) {  // round to nearest even, as aten's bf16 conversion
-  const __m256bh b = _mm512_cvtneps_pbh(v);
-  return reinterpret_cast<const __m256i&>(b);
-}
 
 // The value a store to T and a reload would give: a bf16 rounding, or nothing.
 template <typename T>
@@ -39,12 +28,12 @@ inline Vec round_to(const Vec& v);
 template <>
 inline Vec round_to<float>(const Vec& v) { return v; }
 template <>
-inline Vec round_to<BFloat16>(const Vec& v) { return Vec(widen(narrow(v))); }
+inline Vec round_to<BFloat16>(const Vec& v) { return Vec(widen(bf16x16(v))); }
 
-inline Vec load(const float* p, int64_t n) { return Vec(_mm512_maskz_loadu_ps(head(n), p)); }
-inline Vec load(const BFloat16* p, int64_t n) { return Vec(widen(_mm256_maskz_loadu_epi16(head(n), p))); }
-inline void store(float* p, const Vec& v, int64_t n) { _mm512_mask_storeu_ps(p, head(n), v); }
-inline void store(BFloat16* p, const Vec& v, int64_t n) { _mm256_mask_storeu_epi16(p, head(n), narrow(v)); }
+template <typename T>
+inline Vec load(const T* p, int64_t n) { return Vec(load16(p, n)); }
+template <typename T>
+inline void store(T* p, const Vec& v, int64_t n) { store16(p, v, n); }
 
 constexpr int64_t kW = Vec::size();
 
@@ -124,7 +113,4 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(at::Tensor h, at::Tensor dact
   return {act, dh};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("swiglu_forward", &swiglu_forward);
-  m.def("swiglu_backward", &swiglu_backward);
-}
+}  // namespace longctx

@@ -19,46 +19,23 @@
 // KV head run in one item and share its packed K/V. Every item writes only its own rows, so a
 // document's result does not depend on its neighbours or on the thread count.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "common.h"
+#include "kernels.h"
+
 #include <ATen/cpu/vec/vec.h>
-#include <ATen/native/CPUBlas.h>
 
-#include <immintrin.h>
-
-#include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
-#include <vector>
+#include <memory>
 
+namespace longctx {
 namespace {
 
-using at::BFloat16;
 using Vec = at::vec::Vectorized<float>;
 namespace cpublas = at::native::cpublas;
 
 constexpr int64_t kBlock = 64;  // queries per query block = keys per key block
-// B operands in brgemm's VNNI layout (pairs of K rows interleaved), stored as panels of at most 64
-// columns as in _amx_attention_bwd.cpp (the widest panel oneDNN's own packer accepted).
-constexpr int64_t kPanel = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline void to_bf16(const float* src, BFloat16* dst, int64_t n) {
-  int64_t i = 0;
-#ifdef __AVX512BF16__
-  for (; i + 16 <= n; i += 16) {
-    __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i&>(b));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<BFloat16>(src[i]);
-}
-
-struct Doc {
-  int64_t start, len;
-  int64_t packed;  // offset of this document's packed K/V (all KV heads) in the shared buffer
-};
 
 struct Views {  // the packed row in the caller's layouts
   const BFloat16 *q, *k, *v;  // [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
@@ -71,26 +48,12 @@ struct Views {  // the packed row in the caller's layouts
 
 inline int64_t n_blocks(int64_t len) { return (len + kBlock - 1) / kBlock; }
 
-// Rows [r0, r0 + kBlock) of one KV head as VNNI B operands: K^T [D, 64 keys] (a 32-bit transpose:
-// the pair (d, d + 1) of one key is adjacent in its row) and V [64 keys, D] in 64-column panels.
+// Rows [r0, r0 + kBlock) of one KV head as VNNI B operands: K^T [D, 64 keys] and V [64 keys, D].
 // Rows past the document are zeros: P is 0 there, but 0 * NaN from stale memory would not be.
-void pack_block(const BFloat16* k, const BFloat16* v, int64_t ld, int64_t rows, int64_t D,
-                BFloat16* kT_out, BFloat16* v_out) {
-  const auto* ks = reinterpret_cast<const uint32_t*>(k);
-  auto* kd = reinterpret_cast<uint32_t*>(kT_out);
-  for (int64_t n = 0; n < kBlock; ++n)
-    for (int64_t p = 0; p < D / 2; ++p) kd[p * kBlock + n] = n < rows ? ks[n * (ld / 2) + p] : 0u;
-  const auto* vs = reinterpret_cast<const uint16_t*>(v);
-  auto* vd = reinterpret_cast<uint16_t*>(v_out);
-  for (int64_t c0 = 0; c0 < D; c0 += kPanel) {
-    const int64_t w = std::min(kPanel, D - c0);
-    uint16_t* panel = vd + c0 * kBlock;
-    for (int64_t r = 0; r < kBlock; r += 2)
-      for (int64_t c = 0; c < w; ++c) {
-        panel[r * w + 2 * c] = r < rows ? vs[r * ld + c0 + c] : 0;
-        panel[r * w + 2 * c + 1] = r + 1 < rows ? vs[(r + 1) * ld + c0 + c] : 0;
-      }
-  }
+inline void pack_block(const BFloat16* k, const BFloat16* v, int64_t ld, int64_t rows, int64_t D,
+                       BFloat16* kT_out, BFloat16* v_out) {
+  pack_bt(k, kT_out, D, kBlock, ld, rows);
+  pack_b(v, v_out, kBlock, D, ld, rows);
 }
 
 void pack_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
@@ -122,8 +85,7 @@ void softmax_block(float* S, BFloat16* P, float* row_max, float* row_sum, float*
   // alpha = exp(m_old - m_new): 0 on the first block (m_old = -inf, where O and row_sum are 0),
   // exactly 1 where the maximum did not move (exp_u20(0) == 1), so O is rescaled only when needed.
   for (int64_t i = 0; i < rows; i += 16) {
-    const __mmask16 k = rows - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (rows - i)) - 1);
-    const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, row_max + i), _mm512_maskz_loadu_ps(k, m_new + i));
+    const __m512 d = _mm512_sub_ps(load16(row_max + i, rows - i), load16(m_new + i, rows - i));
     _mm512_store_ps(alpha + i, Vec(d).exp_u20());
   }
   const __m512 vs = _mm512_set1_ps(scale);
@@ -135,8 +97,7 @@ void softmax_block(float* S, BFloat16* P, float* row_max, float* row_sum, float*
     for (int64_t j = 0; j < kBlock; j += 16) {
       const __m512 e = Vec(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), vs, vm)).exp_u20();  // exp(-inf) = 0
       sum = _mm512_add_ps(sum, e);
-      const __m256bh b = _mm512_cvtneps_pbh(e);
-      _mm256_storeu_si256(p + j / 16, reinterpret_cast<const __m256i&>(b));
+      _mm256_storeu_si256(p + j / 16, bf16x16(e));
     }
     row_sum[i] = row_sum[i] * alpha[i] + _mm512_reduce_add_ps(sum);
     row_max[i] = m_new[i];
@@ -196,17 +157,6 @@ void forward_item(const Views& x, const Doc& doc, int64_t hk, int64_t m, Scratch
   }
 }
 
-// Runs fn(i) for i in [0, n) on torch's threads, taking items from a shared counter in the given
-// order (longest first: a static split would give one thread all the long ones).
-template <typename F>
-void run_items(int64_t n, F fn) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < n; i = next++) fn(i);
-    cpublas::brgemm_release();
-  });
-}
-
 }  // namespace
 
 // Causal self-attention over the documents of a packed row: q [T, Hq, D], k, v [T, Hkv, D] (bf16,
@@ -217,27 +167,23 @@ std::vector<at::Tensor> varlen_causal_forward(at::Tensor q, at::Tensor k, at::Te
   for (const auto& t : {q, k, v})
     TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.dim() == 3,
                 "cpu attention forward: contiguous bf16 [T, H, D] tensors expected");
-  TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong, "cpu attention forward: int64 cu_seqlens");
   const int64_t T = q.size(0), hq = q.size(1), hkv = k.size(1), D = q.size(2);
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == T && k.size(2) == D && hq % hkv == 0 &&
               D % 16 == 0 && D <= 256 && scale > 0,
               "cpu attention forward: head dim a multiple of 16 up to 256, Hq % Hkv == 0, scale > 0");
-  std::vector<Doc> docs;
-  auto cu = cu_seqlens.accessor<int64_t, 1>();
-  TORCH_CHECK(cu.size(0) >= 1 && cu[cu.size(0) - 1] <= T, "cpu attention forward: boundaries past T");
+  std::vector<Doc> docs = documents(cu_seqlens, T, "cpu attention forward");
   int64_t packed = 0;
-  for (int64_t i = 0; i + 1 < cu.size(0); ++i)
-    if (cu[i + 1] > cu[i]) {
-      docs.push_back({cu[i], cu[i + 1] - cu[i], packed});
-      packed += 2 * hkv * n_blocks(cu[i + 1] - cu[i]) * kBlock * D;
-    }
+  for (auto& doc : docs) {
+    doc.packed = packed;
+    packed += 2 * hkv * n_blocks(doc.len) * kBlock * D;
+  }
   auto out = at::zeros_like(q);
   auto lse = at::full({hq, T}, kNegInf, q.options().dtype(at::kFloat));
   auto buf = at::empty({packed}, q.options());
   Views x{q.const_data_ptr<BFloat16>(), k.const_data_ptr<BFloat16>(), v.const_data_ptr<BFloat16>(),
           out.data_ptr<BFloat16>(), lse.data_ptr<float>(), buf.data_ptr<BFloat16>(),
           T, hq, hkv, D, static_cast<float>(scale)};
-  std::sort(docs.begin(), docs.end(), [](const Doc& a, const Doc& b) { return a.len > b.len; });
+  longest_first(docs);
   const int64_t nd = static_cast<int64_t>(docs.size());
   run_items(nd * hkv, [&](int64_t i) { pack_doc_kv_head(x, docs[i / hkv], i % hkv); });
   // (document, KV head, query block); block m costs m + 1 tile pairs per head.
@@ -258,6 +204,4 @@ std::vector<at::Tensor> varlen_causal_forward(at::Tensor q, at::Tensor k, at::Te
   return {out, lse};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("varlen_causal_forward", &varlen_causal_forward);
-}
+}  // namespace longctx

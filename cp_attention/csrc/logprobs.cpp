@@ -13,48 +13,37 @@
 // those passes, not the products, were half the head's time on a CPU core.
 // Rows are independent; at::parallel_for splits them over the intra-op threads.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
+#include "common.h"
+#include "kernels.h"
 
-#include <immintrin.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <cmath>
 #include <limits>
-#include <tuple>
 
+namespace longctx {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // 16 bf16 values (or the first n of them, the rest reading as `fill`) as float32.
-inline __m512 load16(const at::BFloat16* p, int64_t n, float fill) {
-  const __mmask16 k = n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
-  const __m256i raw = _mm256_maskz_loadu_epi16(k, p);
-  const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  return _mm512_mask_blend_ps(k, _mm512_set1_ps(fill), x);
+inline __m512 load16_or(const BFloat16* p, int64_t n, float fill) {
+  return _mm512_mask_blend_ps(head(n), _mm512_set1_ps(fill), load16(p, n));
 }
 
-// Round 16 float32 values to bf16 (to nearest even) and store the first n.
-inline void store16(at::BFloat16* p, __m512 v, int64_t n) {
-  const __mmask16 k = n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
-  const __m256bh b = _mm512_cvtneps_pbh(v);
-  _mm256_mask_storeu_epi16(p, k, reinterpret_cast<const __m256i&>(b));
-}
-
-inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(BFloat16 v) { return static_cast<float>(v); }
 
 struct Stats {
   float lse, ent, logp;
 };
 
 // x = z / t, divided as torch's z.float() / temperature is (t = 1 leaves z exact either way).
-inline __m512 scaled(const at::BFloat16* z, int64_t n, float fill, __m512 vt) {
-  return _mm512_div_ps(load16(z, n, fill), vt);
+inline __m512 scaled(const BFloat16* z, int64_t n, float fill, __m512 vt) {
+  return _mm512_div_ps(load16_or(z, n, fill), vt);
 }
 
-Stats row_stats(const at::BFloat16* z, int64_t V, int64_t y, float t, bool entropy) {
+Stats row_stats(const BFloat16* z, int64_t V, int64_t y, float t, bool entropy) {
   const __m512 vt = _mm512_set1_ps(t);
   __m512 mx = _mm512_set1_ps(kNegInf);
   for (int64_t j = 0; j < V; j += 16) mx = _mm512_max_ps(mx, scaled(z + j, V - j, kNegInf, vt));
@@ -62,7 +51,7 @@ Stats row_stats(const at::BFloat16* z, int64_t V, int64_t y, float t, bool entro
   const __m512 vm = _mm512_set1_ps(m);
   __m512 s = _mm512_setzero_ps(), a = _mm512_setzero_ps();
   for (int64_t j = 0; j < V; j += 16) {
-    const __mmask16 k = V - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (V - j)) - 1);
+    const __mmask16 k = head(V - j);
     const __m512 d = _mm512_sub_ps(scaled(z + j, V - j, 0.f, vt), vm);
     const __m512 e = _mm512_maskz_mov_ps(k, Vec(d).exp());
     s = _mm512_add_ps(s, e);
@@ -83,7 +72,7 @@ inline __m512 grad16(__m512 lp, __m512 vg, __m512 vge, __m512 vh, __m512 vt, boo
   return _mm512_div_ps(d, vt);
 }
 
-void row_grad(at::BFloat16* z, int64_t V, int64_t y, float t, float lse, float ent,
+void row_grad(BFloat16* z, int64_t V, int64_t y, float t, float lse, float ent,
               float g_logp, float g_ent, bool entropy) {
   const float lp_y = to_float(z[y]) / t - lse;  // read before the row is overwritten
   const __m512 vt = _mm512_set1_ps(t), vlse = _mm512_set1_ps(lse), vh = _mm512_set1_ps(ent);
@@ -96,7 +85,7 @@ void row_grad(at::BFloat16* z, int64_t V, int64_t y, float t, float lse, float e
   const float p_y = std::exp(lp_y);
   float d_y = p_y * -g_logp + g_logp;
   if (entropy) d_y -= g_ent * p_y * (lp_y + ent);
-  z[y] = at::BFloat16(d_y / t);
+  z[y] = BFloat16(d_y / t);
 }
 
 void check(const at::Tensor& z, const at::Tensor& labels) {
@@ -115,7 +104,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_stats(const at::Tensor& z
   const int64_t C = z.size(0), V = z.size(1);
   auto opts = z.options().dtype(at::kFloat);
   auto logp = at::empty({C}, opts), ent = at::zeros({C}, opts), lse = at::empty({C}, opts);
-  const auto* zp = z.const_data_ptr<at::BFloat16>();
+  const auto* zp = z.const_data_ptr<BFloat16>();
   const auto* yp = labels.const_data_ptr<int64_t>();
   auto *lp = logp.data_ptr<float>(), *ep = ent.data_ptr<float>(), *sp = lse.data_ptr<float>();
   const float t = static_cast<float>(temperature);
@@ -142,7 +131,7 @@ at::Tensor backward_grad_(at::Tensor z, const at::Tensor& labels, const at::Tens
                 "cpu log-prob head: float32 [C] row statistics and gradients expected");
   TORCH_CHECK(!entropy || (g_ent.scalar_type() == at::kFloat && g_ent.is_contiguous() && g_ent.numel() == C),
               "cpu log-prob head: float32 [C] entropy gradient expected");
-  auto* zp = z.data_ptr<at::BFloat16>();
+  auto* zp = z.data_ptr<BFloat16>();
   const auto* yp = labels.const_data_ptr<int64_t>();
   const float *sp = lse.const_data_ptr<float>(), *ep = ent.const_data_ptr<float>();
   const float *gl = g_logp.const_data_ptr<float>(), *ge = entropy ? g_ent.const_data_ptr<float>() : nullptr;
@@ -156,7 +145,4 @@ at::Tensor backward_grad_(at::Tensor z, const at::Tensor& labels, const at::Tens
   return z;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward_stats", &forward_stats);
-  m.def("backward_grad_", &backward_grad_);
-}
+}  // namespace longctx

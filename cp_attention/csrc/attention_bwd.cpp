@@ -1,5 +1,5 @@
 // Causal attention backward for one document per head on x86 CPUs with AMX or AVX512-BF16 (bf16 in,
-// fp32 accumulate). The file keeps its first target's name.
+// fp32 accumulate).
 //
 // Why: aten's CPU flash backward accumulates dQ/dK/dV into bf16 outputs tile by tile through
 // generic GEMM calls; on a 2048-token document it costs ~5x its forward. This kernel runs every
@@ -15,90 +15,30 @@
 //
 // Entry point: varlen_causal_backward (at the end), over every document of a packed row.
 // Tiles of Bk keys x Bq queries (64 x 64 as amx_backward.py calls it); every (document, KV head)
-// pair is one parallel work item. Every B operand is packed here by hand (pack_b, pack_bt), so
-// nothing depends on cpublas::could_pack, which is False without AMX.
+// pair is one parallel work item. Every B operand is packed by hand (common.h's pack_b, pack_bt),
+// so nothing depends on cpublas::could_pack, which is False without AMX.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "common.h"
+#include "kernels.h"
+
 #include <ATen/cpu/vec/vec.h>
-#include <ATen/native/CPUBlas.h>
 
-#include <immintrin.h>
-
-#include <algorithm>
-#include <atomic>
 #include <limits>
-#include <vector>
 
+namespace longctx {
 namespace {
 
-using at::BFloat16;
 using Vec = at::vec::Vectorized<float>;
 namespace cpublas = at::native::cpublas;
-
-// 16 fp32 values -> 16 bf16 in a 256-bit register, rounded to nearest even.
-inline __m256i bf16x16(const Vec& v) {
-#ifdef __AVX512BF16__
-  const __m256bh b = _mm512_cvtneps_pbh(v);
-  return reinterpret_cast<const __m256i&>(b);
-#else
-  alignas(64) float tmp[Vec::size()];
-  alignas(32) BFloat16 out[Vec::size()];
-  v.store(tmp);
-  for (int64_t i = 0; i < Vec::size(); ++i) out[i] = static_cast<BFloat16>(tmp[i]);
-  return _mm256_load_si256(reinterpret_cast<const __m256i*>(out));
-#endif
-}
 
 inline void store_bf16(const Vec& v, BFloat16* dst) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bf16x16(v));
 }
 
-// fp32 row -> bf16 row, rounded as bf16x16 rounds.
-inline void to_bf16(const float* src, BFloat16* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) store_bf16(Vec::loadu(src + i), dst + i);
-  for (; i < n; ++i) dst[i] = static_cast<BFloat16>(src[i]);
-}
-
-// B operands in brgemm's VNNI layout (pairs of K rows interleaved: element (k, n) at
-// ((k / 2) * w + n) * 2 + k % 2 for a panel w columns wide; K even). A [K, N] block is stored as
-// panels of at most 64 columns (panel p, K x w, at offset p * 64 * K); gemm() runs one brgemm per
-// panel. 64 is the widest panel oneDNN's own packer accepted when tried; pack_b replaces that
-// packer but keeps its layout, so wider panels are untested.
-constexpr int64_t kPanel = 64;
 // Queries per dV / dK product: P^T and dS^T of one key block are kept for this many queries, so the
 // product's A operand (2 x 64 KiB) is still in L2 when it runs. Over a whole 8192-token document
 // (2 MiB of A, streamed back from L3) the kernel measured 5-7% slower; 256 and 1024 measured as 512.
 constexpr int64_t kChunk = 512;
-
-inline void pack_b(const BFloat16* in, BFloat16* out, int64_t K, int64_t N, int64_t ld_in) {
-  // By hand rather than cpublas::pack, which builds a oneDNN transform object on every call.
-  const auto* src = reinterpret_cast<const uint16_t*>(in);
-  auto* dst = reinterpret_cast<uint16_t*>(out);
-  for (int64_t n0 = 0; n0 < N; n0 += kPanel) {
-    const int64_t w = std::min(kPanel, N - n0);
-    uint16_t* panel = dst + n0 * K;
-    for (int64_t k = 0; k < K; k += 2) {
-      const uint16_t* r0 = src + k * ld_in + n0;
-      const uint16_t* r1 = r0 + ld_in;
-      uint16_t* o = panel + k * w;
-      for (int64_t n = 0; n < w; ++n) {
-        o[2 * n] = r0[n];
-        o[2 * n + 1] = r1[n];
-      }
-    }
-  }
-}
-
-// The VNNI B operand [K, N] of the transpose of a row-major [N, K] block (row stride ld_in, N <= 64):
-// pairs (k, k + 1) are adjacent in a source row, so this is a 32-bit transpose with contiguous reads.
-inline void pack_bt(const BFloat16* in, BFloat16* out, int64_t K, int64_t N, int64_t ld_in) {
-  const auto* src = reinterpret_cast<const uint32_t*>(in);
-  auto* dst = reinterpret_cast<uint32_t*>(out);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t p = 0; p < K / 2; ++p) dst[p * N + n] = src[n * (ld_in / 2) + p];
-}
 
 // dst[c, r] = src[r, c] for a [R, C] block, in 64-row strips so that neither side strides by a
 // whole row of the other (rows here are 4 KiB apart: every column would hit one cache set).
@@ -120,13 +60,6 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* A, int64_t lda
   }
 }
 
-// One (document, KV head): the G query heads sharing it, on contiguous copies of the document's
-// rows zero-padded to a multiple of Bk (padded queries get lse = +inf, so P = 0 there, and a
-// padded key is later than every real query, so causality hides it).
-struct Doc {
-  int64_t start, len;
-};
-
 struct Views {  // the packed row in the caller's [T, H, D] layouts
   const BFloat16 *q, *dout, *out, *k, *v;
   const float* lse;  // [Hq, T]
@@ -147,6 +80,9 @@ void scatter_rows(const float* src, int64_t heads, int64_t h, const Doc& doc, in
   for (int64_t i = 0; i < doc.len; ++i) to_bf16(src + i * D, dst + ((doc.start + i) * heads + h) * D, D);
 }
 
+// One (document, KV head): the G query heads sharing it, on contiguous copies of the document's
+// rows zero-padded to a multiple of Bk (padded queries get lse = +inf, so P = 0 there, and a
+// padded key is later than every real query, so causality hides it).
 void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
   // Tiles of Bk keys x Bq queries: Q^T and dO^T are packed per query block, one panel each, so
   // Bq <= 64 (the panel width).
@@ -159,7 +95,6 @@ void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
   transpose(k_h.data(), kT.data(), L, D, D, L);  // K^T [D, L]: the A operand of dQ^T += K_n^T dS^T
   std::vector<float> dk_acc(L * D, 0.f), dv_acc(L * D, 0.f);
   // Per query head: Q^T, dO^T blocks packed as B [D, Bq]; Q, dO packed whole as B [L, D].
-  static_assert(sizeof(BFloat16) == 2, "VNNI packing moves bf16 pairs as 32-bit words");
   std::vector<BFloat16> q_h(L * D), do_h(L * D), o_h(L * D);
   std::vector<BFloat16> qT_pk(D * L), doT_pk(D * L), q_pk(L * D), do_pk(L * D);
   // dQ^T accumulators blocked per query block ([nq][D][Bq]): each tile's 16 KiB accumulator is
@@ -186,11 +121,11 @@ void backward_doc_kv_head(const Views& x, const Doc& doc, int64_t hk) {
       delta[i] = acc;
     }
     for (int64_t m = 0; m < nq; ++m) {
-      pack_bt(q_h.data() + m * Bq * D, qT_pk.data() + m * D * Bq, D, Bq, D);
-      pack_bt(do_h.data() + m * Bq * D, doT_pk.data() + m * D * Bq, D, Bq, D);
+      pack_bt(q_h.data() + m * Bq * D, qT_pk.data() + m * D * Bq, D, Bq, D, Bq);
+      pack_bt(do_h.data() + m * Bq * D, doT_pk.data() + m * D * Bq, D, Bq, D, Bq);
     }
-    pack_b(q_h.data(), q_pk.data(), L, D, D);
-    pack_b(do_h.data(), do_pk.data(), L, D, D);
+    pack_b(q_h.data(), q_pk.data(), L, D, D, L);
+    pack_b(do_h.data(), do_pk.data(), L, D, D, L);
     std::fill(dqT_acc.begin(), dqT_acc.end(), 0.f);
 
     for (int64_t n = 0; n < nk; ++n) {
@@ -275,7 +210,6 @@ std::vector<at::Tensor> varlen_causal_backward(at::Tensor dout, at::Tensor q, at
     TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.dim() == 3,
                 "amx attention backward: contiguous bf16 [T, H, D] tensors expected");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous(), "amx attention backward: fp32 lse");
-  TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong, "amx attention backward: int64 cu_seqlens");
   Views x{q.const_data_ptr<BFloat16>(), dout.const_data_ptr<BFloat16>(), out.const_data_ptr<BFloat16>(),
           k.const_data_ptr<BFloat16>(), v.const_data_ptr<BFloat16>(), lse.const_data_ptr<float>(),
           nullptr, nullptr, nullptr, q.size(0), q.size(1), k.size(1), q.size(2), block_q, block_k,
@@ -288,23 +222,12 @@ std::vector<at::Tensor> varlen_causal_backward(at::Tensor dout, at::Tensor q, at
   x.dq = dq.data_ptr<BFloat16>();
   x.dk = dk.data_ptr<BFloat16>();
   x.dv = dv.data_ptr<BFloat16>();
-  std::vector<Doc> docs;
-  auto cu = cu_seqlens.accessor<int64_t, 1>();
-  for (int64_t i = 0; i + 1 < cu.size(0); ++i)
-    if (cu[i + 1] > cu[i]) docs.push_back({cu[i], cu[i + 1] - cu[i]});
-  // Work items (document, KV head), longest first, taken from a shared counter: a greedy
-  // longest-first schedule, so one long document does not leave the other threads idle at the end
-  // (a static split of sorted items would give one thread all the long ones).
-  std::sort(docs.begin(), docs.end(), [](const Doc& a, const Doc& b) { return a.len > b.len; });
-  const int64_t items = static_cast<int64_t>(docs.size()) * x.hkv;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t w = next++; w < items; w = next++) backward_doc_kv_head(x, docs[w / x.hkv], w % x.hkv);
-    cpublas::brgemm_release();  // frees the AMX tile state; nothing to free on AVX512-BF16
-  });
+  std::vector<Doc> docs = documents(cu_seqlens, x.T, "amx attention backward");
+  // Work items (document, KV head), longest first.
+  longest_first(docs);
+  run_items(static_cast<int64_t>(docs.size()) * x.hkv,
+            [&](int64_t w) { backward_doc_kv_head(x, docs[w / x.hkv], w % x.hkv); });
   return {dq, dk, dv};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("varlen_causal_backward", &varlen_causal_backward);
-}
+}  // namespace longctx

@@ -10,34 +10,13 @@
 // at::parallel_for; each thread sums its rows' share of dw in its own buffer, and the buffers are
 // added in thread order, so a run is deterministic for a given thread count.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
-#include <immintrin.h>
+#include "common.h"
+#include "kernels.h"
 
 #include <cmath>
-#include <tuple>
-#include <vector>
 
+namespace longctx {
 namespace {
-
-using at::BFloat16;
-
-inline __mmask16 head(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
-
-// 16 values (or the first n, the rest zero) as float32.
-inline __m512 load16(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(head(n), p); }
-inline __m512 load16(const BFloat16* p, int64_t n) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(head(n), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// Store the first n of 16 float32 values (bf16: rounded to nearest even).
-inline void store16(float* p, __m512 v, int64_t n) { _mm512_mask_storeu_ps(p, head(n), v); }
-inline void store16(BFloat16* p, __m512 v, int64_t n) {
-  const __m256bh b = _mm512_cvtneps_pbh(v);
-  _mm256_mask_storeu_epi16(p, head(n), reinterpret_cast<const __m256i&>(b));
-}
 
 template <typename TX, typename TY>
 void forward_rows(const TX* x, const float* w, TY* y, float* r, int64_t N, int64_t D, float eps) {
@@ -133,7 +112,4 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(at::Tensor g, at::Tensor x, 
   return {dx, parts.sum(0)};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rmsnorm_forward", &rmsnorm_forward);
-  m.def("rmsnorm_backward", &rmsnorm_backward);
-}
+}  // namespace longctx
