@@ -41,7 +41,7 @@ def assert_close_to_scale(got, ref, rel):
 
 def _run(kernels, h, w, labels, autocast=False, **kw):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        logp, ent = chunked_token_logprobs(h, w, labels, kernels=kernels, **kw)
+        logp, ent = chunked_token_logprobs(h, w, labels, impl=kernels, **kw)
     g = torch.Generator().manual_seed(7)
     loss = (logp * torch.randn(logp.shape, generator=g)).sum()
     if ent is not None:
@@ -116,7 +116,7 @@ def test_kept_logits_give_the_recomputed_results_bitwise(monkeypatch):
     assert len(handed) == 3 and all(z is not None for z in handed)  # 20 target rows, chunks of 7
     for a, b in zip(kept, recomputed, strict=True):
         assert torch.equal(a, b)
-    logp, _ = chunked_token_logprobs(h, w, labels, kernels="triton", logits_cache_mb=1, **kw)
+    logp, _ = chunked_token_logprobs(h, w, labels, impl="triton", logits_cache_mb=1, **kw)
     first = torch.autograd.grad(logp.sum(), (h, w), retain_graph=True)
     second = torch.autograd.grad(logp.sum(), (h, w))
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))

@@ -22,9 +22,9 @@ def _routers(score: str, bias: bool, renormalize: bool, e: int = 12, k: int = 3,
     routers = {}
     for kernels in ("torch", "triton"):
         cfg = ModelConfig(hidden_size=d, num_experts=e, top_k=k, router_score=score,
-                          router_renormalize=renormalize, expert_bias=bias, kernels=kernels)
+                          router_renormalize=renormalize, expert_bias=bias)
         torch.manual_seed(0)
-        r = Router(cfg)
+        r = Router(cfg, kernels)
         torch.nn.init.normal_(r.weight, std=0.5)
         if bias:  # large enough to change which experts win
             r.expert_bias.copy_(torch.linspace(-0.2, 0.2, e))
