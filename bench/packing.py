@@ -33,7 +33,7 @@ from data_packing.loader import StepLoader  # noqa: E402
 from data_packing.packing import plan_rows  # noqa: E402
 from data_packing.pipeline import PackArgs, pack  # noqa: E402
 from data_packing.sources import stdlib_files  # noqa: E402
-from data_packing.tokenizer import set_workers, train_bpe  # noqa: E402
+from data_packing.tokenizer import thread_env, train_bpe  # noqa: E402
 
 
 def stdlib_texts(max_docs: int | None) -> list[str]:
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     p.add_argument("--lognormal-docs", type=int, default=20000)
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args(argv)
-    set_workers(os.cpu_count() or 1)
+    os.environ.update(thread_env(os.cpu_count() or 1))  # this program's own process
     texts = stdlib_texts(a.max_docs)
     t0 = time.perf_counter()
     tok = train_bpe(texts, a.vocab)

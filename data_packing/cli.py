@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from data_packing.packing import ALGORITHMS, OVERFLOW_MODES
@@ -14,6 +15,7 @@ from data_packing.pipeline import (
     report,
     usable_cpus,
 )
+from data_packing.tokenizer import thread_env
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = vars(build_parser().parse_args(argv))
     ray_address = ns.pop("ray")
     args = PackArgs(**ns)
+    # This command owns its process: size the tokenizer's threads before their first use.
+    os.environ.update(thread_env(args.workers))
     try:
         if ray_address is None:
             result = pack(args)

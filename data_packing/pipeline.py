@@ -35,7 +35,6 @@ from data_packing.sources import STDLIB, open_corpus
 from data_packing.stats import format_stats, summarize
 from data_packing.tokenizer import (
     load_tokenizer,
-    set_workers,
     sha256,
     special_ids,
     tokenizer_bytes,
@@ -353,7 +352,6 @@ def prepare(a: PackArgs) -> tuple[Run, dict | None]:
     """Open the inputs, pick the shard count, check the output directory. Returns the run and,
     when an identical finished output is already there, the result to report (nothing to do)."""
     validate(a)
-    set_workers(a.workers)
     t0, cpu0 = time.perf_counter(), _cpu_seconds()
     corpus, prep = _prepare(a)
     a.num_shards = resolve_num_shards(a, len(corpus))

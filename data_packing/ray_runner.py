@@ -15,10 +15,10 @@ from dataclasses import replace
 
 from data_packing import pipeline
 from data_packing.pipeline import PackArgs
+from data_packing.tokenizer import thread_env
 
 
 def _build(run: pipeline.Run, k: int) -> dict:
-    pipeline.set_workers(1)
     return pipeline.build_shard(run, k)
 
 
@@ -50,7 +50,8 @@ def pack_on_ray(a: PackArgs, address: str | None = None) -> dict:
     try:
         # Each task builds its shard in one process: the cluster's CPUs are the parallelism.
         shipped = ray.put(replace(run, args=replace(run.args, workers=1, progress=False)))
-        task = ray.remote(num_cpus=1)(_build)
+        # one tokenizer thread per task, set through Ray for the task's own worker process
+        task = ray.remote(num_cpus=1, runtime_env={"env_vars": thread_env(1)})(_build)
         built = ray.get([task.remote(shipped, k) for k in todo])
     except ray.exceptions.RayTaskError as e:
         cause = getattr(e, "cause", None)

@@ -7,7 +7,6 @@ bytes written) goes into `metadata.json` so a loader or a rerun can detect a dif
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterable
 
 import numpy as np
@@ -19,10 +18,13 @@ _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|eos|>", "[SEP]")
 _PAD_CANDIDATES = (PAD_TOKEN, "<pad>", "[PAD]")
 
 
-def set_workers(workers: int) -> None:
-    """Size the Rust thread pool `tokenizers` uses; must run before its first parallel call."""
-    os.environ["RAYON_NUM_THREADS"] = str(max(1, workers))
-    os.environ["TOKENIZERS_PARALLELISM"] = "true" if workers > 1 else "false"
+def thread_env(workers: int) -> dict[str, str]:
+    """The environment that sizes the Rust thread pool `tokenizers` uses for `workers` (its only
+    control: the pool reads RAYON_NUM_THREADS once, at its first parallel call). Library code
+    returns it; the process's owner applies it (`longctx-pack`'s entry point, a Ray task's
+    runtime_env), never a process someone else made."""
+    return {"RAYON_NUM_THREADS": str(max(1, workers)),
+            "TOKENIZERS_PARALLELISM": "true" if workers > 1 else "false"}
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int):
