@@ -49,6 +49,19 @@ from longctx_moe.parallel.interleave import Turn
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+# Code objects of the functions that issue collectives of host tensors by design (step totals in
+# float64, token plans, flags): on a GPU run they go to gloo beside NCCL (process.py's
+# "cpu:gloo,cuda:nccl"). A host collective anywhere else is an accident: a device-to-host copy
+# and a round trip over the slow path per call.
+HOST_COLLECTIVES: set = set()
+
+
+def host_collective(fn):
+    """Mark `fn` as issuing host collectives by design (see HOST_COLLECTIVES)."""
+    HOST_COLLECTIVES.add(fn.__code__)
+    return fn
+
+
 FP8_MAX = 448.0  # largest finite torch.float8_e4m3fn
 FP8_REL_BOUND = 2.0**-4  # half a unit in the last place of a 3-bit mantissa
 FP8_ABS_BOUND = 2.0**-10  # half the subnormal step 2^-9, times the row scale

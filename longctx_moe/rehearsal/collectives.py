@@ -1,0 +1,234 @@
+"""What NCCL and the GPU would refuse, checked at every op of a rehearsed step, and the bytes
+every process group moves.
+
+torch's `fake` process group returns at once and checks nothing: a host tensor passed to an
+all-reduce, an all-to-all whose input and output dtypes differ, or an op that mixes a host tensor
+into device work all run. On a cluster the first two fail inside NCCL and the third in the CUDA
+dispatcher. `DeviceRules` is a dispatch mode that sees every aten and c10d op of the step and
+refuses them the same way, in one line naming the op, the rank and the program's line:
+
+- a collective's tensors are device tensors (NCCL takes no host memory). A collective of host
+  tensors only is the program's by design when a function marked `host_collective`
+  (longctx_moe.parallel.comm) issues it: it runs on gloo beside NCCL (process.py's
+  "cpu:gloo,cuda:nccl"); anywhere else it is an accidental host round trip;
+- one dtype per collective, input and output alike; contiguous tensors; sizes that agree with
+  the group (all-gather output = input x group size, and so on);
+- no op mixes a host tensor (other than a 0-dim scalar, which CUDA kernels take) with device
+  tensors.
+
+`traffic` sums, per process group and collective, the bytes each rank sends (`payload`, the
+tensor a rank contributes) and the bus bytes NCCL's ring / all-to-all algorithms move per rank
+(`bus`: 2(n-1)/n x payload for an all-reduce, (n-1)/n x the gathered size for all-gather and
+reduce-scatter, (n-1)/n x payload for all-to-all; the convention of nccl-tests' PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_PACKAGES = ("/data_packing/", "/cp_attention/", "/longctx_moe/", "/rl_hooks/")
+
+
+class RehearsalFault(RuntimeError):
+    """What a GPU run would fail on; the message is one line: rank, op, the program's line, why."""
+
+
+@dataclass
+class Traffic:
+    calls: int = 0
+    payload_bytes: int = 0
+    bus_bytes: float = 0.0
+
+
+@dataclass
+class DeviceRules(TorchDispatchMode):
+    """See the module docstring. `rank`: the rehearsed rank (in messages); `device`: the type of
+    the tensors that stand for the GPU's ("meta"); `group_names`: ProcessGroup.group_name -> our
+    name of the group (ParallelDims' axes), for the traffic table."""
+
+    rank: int
+    device: str = "meta"
+    group_names: dict[str, str] = field(default_factory=dict)
+    traffic: dict = field(default_factory=lambda: collections.defaultdict(Traffic))
+    host_collectives: collections.Counter = field(default_factory=collections.Counter)
+    launches: collections.Counter = field(default_factory=collections.Counter)
+    # per group: (collective, dtype, elements) of each call in order, to compare across ranks
+    calls: dict = field(default_factory=lambda: collections.defaultdict(list))
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d":
+            self._collective(func, args)
+        else:
+            self._mixing(func, args, kwargs)
+            if any(isinstance(t, torch.Tensor) and t.device.type == self.device
+                   for t in tree_leaves((args, kwargs))):
+                self.launches[func.namespace] += 1
+        return func(*args, **kwargs)
+
+    # ---- every op
+
+    def _mixing(self, func, args, kwargs) -> None:
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        on_device = any(t.device.type == self.device for t in tensors)
+        host = [t for t in tensors if t.device.type == "cpu" and t.dim() > 0]
+        if on_device and host:
+            self._refuse(func, f"mixes a host tensor {tuple(host[0].shape)} {host[0].dtype} into device "
+                               "work (a CUDA kernel refuses it: move it to the device where it is made)")
+
+    # ---- collectives
+
+    def _collective(self, func, args) -> None:
+        name = func.__name__.split(".")[0]
+        tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+        group = next((dist.ProcessGroup.unbox(a) for a in args if isinstance(a, torch.ScriptObject)), None)
+        if name == "barrier" or not tensors:
+            return
+        kinds = {t.device.type for t in tensors}
+        if kinds == {"cpu"}:
+            where = _host_collective_site()
+            if where is None:
+                self._refuse(func, "sends host tensors (NCCL takes device tensors; on gloo this is a "
+                                   "host round trip per call: make them on the device, or mark the "
+                                   "function longctx_moe.parallel.comm.host_collective if it is by design)")
+            self.host_collectives[where] += 1
+            return
+        if kinds != {self.device}:
+            self._refuse(func, f"mixes {' and '.join(sorted(kinds))} tensors in one collective "
+                               "(NCCL takes device tensors only)")
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) > 1 and name not in ("allreduce_coalesced_",):
+            self._refuse(func, f"has tensors of {len(dtypes)} dtypes ({', '.join(sorted(map(str, dtypes)))}): "
+                               "NCCL moves one dtype per call")
+        if any(not t.is_contiguous() for t in tensors):
+            self._refuse(func, "has a non-contiguous tensor (NCCL needs contiguous buffers)")
+        size = group.size() if group is not None else 1
+        self._check_sizes(func, name, args, size)
+        self._count(name, group, tensors, args, size)
+
+    def _check_sizes(self, func, name: str, args, size: int) -> None:
+        if name in ("_allgather_base_", "_reduce_scatter_base_"):
+            out, inp = args[0], args[1]
+            small, big = (inp, out) if name == "_allgather_base_" else (out, inp)
+            if big.numel() != small.numel() * size:
+                self._refuse(func, f"has {big.numel()} elements for {small.numel()} x {size} ranks")
+        elif name == "alltoall_base_":
+            out, inp, _, out_splits, in_splits = args[:5]
+            for t, splits in ((out, out_splits), (inp, in_splits)):
+                rows = t.shape[0] if t.dim() else 1
+                if splits and (len(splits) != size or sum(splits) != rows):
+                    self._refuse(func, f"splits {list(splits)[:4]}... do not cover {rows} rows over {size} ranks")
+                if not splits and rows % size:
+                    self._refuse(func, f"has {rows} rows, not a multiple of the {size} ranks")
+
+    def _count(self, name: str, group, tensors, args, size: int) -> None:
+        label = self.group_names.get(getattr(group, "group_name", ""), "world" if group is None else
+                                     f"group {group.group_name}")
+        kind = _COLLECTIVE.get(name, name)
+        entry = self.traffic[(label, kind)]
+        entry.calls += 1
+        payload = _payload_bytes(name, args, tensors)
+        self.calls[label].append((kind, str(tensors[0].dtype), payload // tensors[0].element_size()))
+        entry.payload_bytes += payload
+        entry.bus_bytes += payload * _bus_factor(name, size)
+
+    def _refuse(self, func, why: str) -> None:
+        raise RehearsalFault(f"rank {self.rank}: {func} at {_program_line()} {why}")
+
+
+def check_agreement(calls_by_rank: dict[int, dict[str, list]]) -> None:
+    """RehearsalFault where two rehearsed ranks disagree on a collective of a group they share:
+    another collective, dtype or size at the same position of the group's sequence (NCCL then
+    hangs or reads garbage). A group is named by its ranks (`group_names`), so peers match."""
+    seen: dict[str, tuple[int, list]] = {}
+    for rank, calls in sorted(calls_by_rank.items()):
+        for label, seq in calls.items():
+            if label not in seen:
+                seen[label] = (rank, seq)
+                continue
+            other, ref = seen[label]
+            for i, (a, b) in enumerate(zip(ref, seq, strict=False)):
+                if a[:2] != b[:2]:
+                    raise RehearsalFault(f"rank {rank}: call {i + 1} on {label} is {b[0]} of {b[1]} where rank "
+                                         f"{other} runs {a[0]} of {a[1]} (NCCL moves one dtype per collective)")
+            if len(ref) != len(seq):
+                raise RehearsalFault(f"rank {rank}: {len(seq)} collectives on {label} where rank {other} runs "
+                                     f"{len(ref)} (a rank would wait forever)")
+
+
+_COLLECTIVE = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "alltoall_base_": "all_to_all",
+               "alltoall_": "all_to_all", "_allgather_base_": "all_gather", "allgather_": "all_gather",
+               "allgather_into_tensor_coalesced_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
+               "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+               "broadcast_": "broadcast", "send": "send", "recv_": "recv", "recv_any_source_": "recv"}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _payload_bytes(name: str, args, tensors) -> int:
+    """The bytes this rank contributes: the input of gathers and all-to-alls, the reduced
+    tensor of reductions (the whole input of a reduce-scatter)."""
+    if name in ("_allgather_base_", "alltoall_base_", "_reduce_scatter_base_"):
+        return _nbytes(args[1])
+    if name in ("allgather_", "alltoall_", "reduce_scatter_", "allgather_into_tensor_coalesced_",
+                "reduce_scatter_tensor_coalesced_"):
+        return sum(_nbytes(t) for t in tree_leaves(args[1]) if isinstance(t, torch.Tensor))
+    if name == "recv_":
+        return 0
+    return sum(_nbytes(t) for t in tensors)
+
+
+def _bus_factor(name: str, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    kind = _COLLECTIVE.get(name, name)
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind == "all_gather":
+        return n - 1  # (n-1)/n of the gathered size n x payload
+    if kind in ("reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+# ---- where in the program
+
+
+def _host_collective_site() -> str | None:
+    """The program's function marked host_collective that this collective runs under, if any."""
+    from longctx_moe.parallel.comm import HOST_COLLECTIVES
+
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code in HOST_COLLECTIVES:
+            return f"{_short(f.f_code.co_filename)} ({f.f_code.co_name})"
+        f = f.f_back
+    return None
+
+
+def _short(filename: str) -> str:
+    """package/file.py of a path."""
+    return "/".join(filename.split("/")[-2:])
+
+
+def _program_line() -> str:
+    """file:line (function) of the innermost frame of our packages (outside the rehearsal)."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if any(p in name for p in _PACKAGES) and "/rehearsal/" not in name:
+            return f"{_short(name)}:{f.f_lineno} ({f.f_code.co_name})"
+        f = f.f_back
+    return "?"
