@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.bench_io import DTYPE_CHOICES, compute_dtype, write_json  # noqa: E402
+from cp_attention import native  # noqa: E402
 from cp_attention.kernels import amx_backward, brgemm_forward, varlen_attention  # noqa: E402
 from cp_attention.kernels.reference import doc_mask_TS  # noqa: E402
 
@@ -185,8 +186,8 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.backward_only and not amx_backward.available():
-        p.error("--backward-only compares the brgemm backward with aten's, which is off here "
-                "(LONGCTX_AMX_ATTENTION=0, or no AVX512-BF16/AMX CPU, C++ compiler or ninja)")
+        p.error("--backward-only compares the brgemm backward with aten's, which cannot run here: "
+                f"{native.unavailable_reason('attention_bwd')}")
     res = run([int(x) for x in a.lengths.split(",")], a.reps, dtype=compute_dtype(a.dtype).dtype,
               forward_only=a.forward_only, backward_only=a.backward_only)
     print(_table(res))
