@@ -9,6 +9,7 @@ The numerics are layers._RMSNormFn's: normalised in fp32 (float64 for float64), 
 to its dtype (the promoted dtype of x and res, as torch's `x + res`) before it is normalised; the
 backward keeps the input and one scale per row and recomputes x * r. The weight gradient is
 summed per program over its rows (at most 512 programs), then over the programs in torch.
+The kernels run as torch operators, torch.ops.longctx.{rmsnorm_fwd, add_rmsnorm_fwd, rmsnorm_bwd}.
 Legend: N rows (any leading shape flattened), D normalised dim.
 """
 
@@ -81,7 +82,9 @@ def _blocks(d: int) -> dict:
     return dict(ROWS=max(1, _TILE // block_d), BLOCK_D=block_d)
 
 
-def _forward(x_ND, res_ND, weight, eps, out_dtype):
+def _fwd_outputs(x_ND, res_ND, out_dtype):
+    """The forward's (sum_ND or None, y_ND, r_N), unwritten: its shapes and dtypes, which the
+    fake (meta) implementations return as they are."""
     n, d = x_ND.shape
     sum_ND = None
     if res_ND is not None:
@@ -90,68 +93,117 @@ def _forward(x_ND, res_ND, weight, eps, out_dtype):
     normed = x_ND if sum_ND is None else sum_ND
     y_ND = torch.empty(n, d, dtype=out_dtype, device=x_ND.device)
     r_N = torch.empty(n, dtype=_acc_dtype(normed), device=x_ND.device)
+    return sum_ND, y_ND, r_N
+
+
+def _forward(x_ND, res_ND, weight_D, eps, out_dtype):
+    x_ND, weight_D = x_ND.contiguous(), weight_D.contiguous()
+    res_ND = None if res_ND is None else res_ND.contiguous()
+    sum_ND, y_ND, r_N = _fwd_outputs(x_ND, res_ND, out_dtype)
+    n, d = x_ND.shape
     if n:
         blocks = _blocks(d)
         _fwd_kernel[(triton.cdiv(n, blocks["ROWS"]),)](
-            x_ND, x_ND if res_ND is None else res_ND, y_ND if sum_ND is None else sum_ND, weight,
+            x_ND, x_ND if res_ND is None else res_ND, y_ND if sum_ND is None else sum_ND, weight_D,
             y_ND, r_N, n, d, eps, HAS_RES=res_ND is not None, **blocks)
     return sum_ND, y_ND, r_N
 
 
-def _backward(g_ND, gs_ND, x_ND, weight, r_N):
+# The kernels as torch operators (torch.ops.longctx.*), each with a fake implementation: a meta
+# or fake tensor gets its outputs' shapes and dtypes with no launch (the cluster rehearsal), and
+# torch.compile sees one opaque node. The autograd formulas are registered at the end.
+
+@torch.library.custom_op("longctx::rmsnorm_fwd", mutates_args=())
+def rmsnorm_fwd(x_ND: torch.Tensor, weight_D: torch.Tensor, eps: float,
+                out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y_ND in out_dtype, r_N: 1 / rms of each row in the accumulation dtype)."""
+    return _forward(x_ND, None, weight_D, eps, out_dtype)[1:]
+
+
+@rmsnorm_fwd.register_fake
+def _(x_ND, weight_D, eps, out_dtype):
+    return _fwd_outputs(x_ND, None, out_dtype)[1:]
+
+
+@torch.library.custom_op("longctx::add_rmsnorm_fwd", mutates_args=())
+def add_rmsnorm_fwd(x_ND: torch.Tensor, res_ND: torch.Tensor, weight_D: torch.Tensor, eps: float,
+                    out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(s_ND = x + res in their promoted dtype, y_ND = rmsnorm(s) in out_dtype, r_N)."""
+    return _forward(x_ND, res_ND, weight_D, eps, out_dtype)
+
+
+@add_rmsnorm_fwd.register_fake
+def _(x_ND, res_ND, weight_D, eps, out_dtype):
+    return _fwd_outputs(x_ND, res_ND, out_dtype)
+
+
+def _bwd_outputs(x_ND, weight_D):
+    return torch.empty_like(x_ND), torch.empty_like(weight_D)
+
+
+@torch.library.custom_op("longctx::rmsnorm_bwd", mutates_args=())
+def rmsnorm_bwd(g_ND: torch.Tensor, gs_ND: torch.Tensor | None, x_ND: torch.Tensor,
+                weight_D: torch.Tensor, r_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx_ND in x's dtype, dw_D in weight's): the gradient through y = rmsnorm(x) of g_ND, plus
+    gs_ND (the sum output's gradient, of add_rmsnorm) when given."""
+    g_ND, x_ND, weight_D = g_ND.contiguous(), x_ND.contiguous(), weight_D.contiguous()
+    gs_ND = None if gs_ND is None else gs_ND.contiguous()
     n, d = x_ND.shape
     blocks = _blocks(d)
     progs = max(1, min(_MAX_PROGS, triton.cdiv(n, blocks["ROWS"])))
-    dx_ND = torch.empty_like(x_ND)
+    dx_ND, _ = _bwd_outputs(x_ND, weight_D)
     dw_PD = torch.zeros(progs, d, dtype=r_N.dtype, device=x_ND.device)
     if n:
-        _bwd_kernel[(progs,)](g_ND, g_ND if gs_ND is None else gs_ND, x_ND, weight, r_N, dx_ND,
+        _bwd_kernel[(progs,)](g_ND, g_ND if gs_ND is None else gs_ND, x_ND, weight_D, r_N, dx_ND,
                               dw_PD, n, d, HAS_GS=gs_ND is not None, **blocks)
-    return dx_ND, dw_PD.sum(0).to(weight.dtype)
+    return dx_ND, dw_PD.sum(0).to(weight_D.dtype)
+
+
+@rmsnorm_bwd.register_fake
+def _(g_ND, gs_ND, x_ND, weight_D, r_N):
+    return _bwd_outputs(x_ND, weight_D)
+
+
+def _rmsnorm_setup(ctx, inputs, output):
+    x_ND, weight_D, _, _ = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x_ND, weight_D, output[1])
+
+
+def _rmsnorm_backward(ctx, g_y, _g_r):
+    x_ND, weight_D, r_N = ctx.saved_tensors
+    dx_ND, dw_D = rmsnorm_bwd(g_y, None, x_ND, weight_D, r_N)
+    return dx_ND, dw_D, None, None
+
+
+def _add_rmsnorm_setup(ctx, inputs, output):
+    x_ND, res_ND, weight_D, _, _ = inputs
+    s_ND, _, r_N = output
+    ctx.mark_non_differentiable(r_N)
+    ctx.save_for_backward(s_ND, weight_D, r_N)
+    ctx.dtypes = (x_ND.dtype, res_ND.dtype)
+
+
+def _add_rmsnorm_backward(ctx, g_s, g_y, _g_r):
+    s_ND, weight_D, r_N = ctx.saved_tensors
+    if g_y is None:  # only the sum was used
+        g_y = torch.zeros_like(s_ND)
+    d_ND, dw_D = rmsnorm_bwd(g_y, g_s, s_ND, weight_D, r_N)
+    return d_ND.to(ctx.dtypes[0]), d_ND.to(ctx.dtypes[1]), dw_D, None, None
+
+
+rmsnorm_fwd.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup)
+add_rmsnorm_fwd.register_autograd(_add_rmsnorm_backward, setup_context=_add_rmsnorm_setup)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1]).contiguous()
-
-
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps: float, out_dtype: torch.dtype):
-        _, y_ND, r_N = _forward(_rows(x), None, weight.contiguous(), eps, out_dtype)
-        ctx.save_for_backward(x, weight, r_N)
-        return y_ND.view(x.shape)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        x, weight, r_N = ctx.saved_tensors
-        dx_ND, dw_D = _backward(_rows(g), None, _rows(x), weight.contiguous(), r_N)
-        return dx_ND.view(x.shape), dw_D, None, None
-
-
-class _AddRMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, res, weight, eps: float, out_dtype: torch.dtype):
-        s_ND, y_ND, r_N = _forward(_rows(x), _rows(res), weight.contiguous(), eps, out_dtype)
-        ctx.save_for_backward(s_ND, weight, r_N)
-        ctx.dtypes, ctx.shape = (x.dtype, res.dtype), x.shape
-        return s_ND.view(x.shape), y_ND.view(x.shape)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g_s, g_y):
-        s_ND, weight, r_N = ctx.saved_tensors
-        if g_y is None:  # only the sum was used
-            g_y = torch.zeros_like(s_ND)
-        gs = None if g_s is None else _rows(g_s)
-        d_ND, dw_D = _backward(_rows(g_y), gs, s_ND, weight.contiguous(), r_N)
-        shape = ctx.shape
-        return d_ND.view(shape).to(ctx.dtypes[0]), d_ND.view(shape).to(ctx.dtypes[1]), dw_D, None, None
+    return t.reshape(-1, t.shape[-1])
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
     """w * x * rsqrt(mean(x^2) + eps) over the last dim, in out_dtype; differentiable."""
-    return _RMSNorm.apply(x, weight, eps, out_dtype)
+    y_ND, _ = rmsnorm_fwd(_rows(x), weight, eps, out_dtype)
+    return y_ND.view(x.shape)
 
 
 def add_rmsnorm(x: torch.Tensor, res: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -159,4 +211,5 @@ def add_rmsnorm(x: torch.Tensor, res: torch.Tensor, weight: torch.Tensor, eps: f
     """(x + res, rmsnorm(x + res)); the sum in torch's promoted dtype of x and res."""
     if x.shape != res.shape:
         raise ValueError(f"add_rmsnorm: x {tuple(x.shape)} and res {tuple(res.shape)} must match")
-    return _AddRMSNorm.apply(x, res, weight, eps, out_dtype)
+    s_ND, y_ND, _ = add_rmsnorm_fwd(_rows(x), _rows(res), weight, eps, out_dtype)
+    return s_ND.view(x.shape), y_ND.view(x.shape)
