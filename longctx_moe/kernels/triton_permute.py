@@ -10,6 +10,7 @@ occupies are zeros on the way in and are never read on the way out.
 
 Both backwards gather by token (no atomics, so they are deterministic): permute's sums the K
 copies' gradients in fp32; unpermute's writes w * g to each copy's row and dot(g, y) to w.
+The kernels run as torch operators, torch.ops.longctx.{permute,unpermute}_{fwd,bwd}.
 Legend: T tokens, K top-k, D model dim, P permuted (padded) rows.
 """
 
@@ -82,6 +83,8 @@ def _unpermute_bwd_kernel(g_ptr, y_ptr, slot_ptr, w_ptr, gy_ptr, gw_ptr, T, D, K
 
 
 def _gather(src_PD, slot_TK, w_TK, out_dtype) -> torch.Tensor:
+    src_PD, slot_TK = src_PD.contiguous(), slot_TK.contiguous()
+    w_TK = None if w_TK is None else w_TK.contiguous()
     t, k = slot_TK.shape
     d = src_PD.shape[1]
     out_TD = torch.empty(t, d, dtype=out_dtype, device=src_PD.device)
@@ -92,45 +95,100 @@ def _gather(src_PD, slot_TK, w_TK, out_dtype) -> torch.Tensor:
     return out_TD
 
 
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD, slot_TK, total: int, dtype: torch.dtype):
-        x_TD = x_TD.contiguous()
-        t, d = x_TD.shape
-        out_PD = x_TD.new_zeros(total, d, dtype=dtype)
-        if t:
-            grid = (triton.cdiv(t, _BLOCK_T), triton.cdiv(d, _BLOCK_D))
-            _scatter_kernel[grid](x_TD, slot_TK, out_PD, t, d, K=slot_TK.shape[1],
-                                  BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
-        ctx.save_for_backward(slot_TK)
-        ctx.x_dtype = x_TD.dtype
-        return out_PD
-
-    @staticmethod
-    def backward(ctx, g_PD):
-        (slot_TK,) = ctx.saved_tensors
-        return _gather(g_PD.contiguous(), slot_TK, None, ctx.x_dtype), None, None, None
+def _gathered(src_PD, slot_TK, out_dtype) -> torch.Tensor:
+    """_gather's output, unwritten (the fake implementations' result)."""
+    return torch.empty(slot_TK.shape[0], src_PD.shape[1], dtype=out_dtype, device=src_PD.device)
 
 
-class _Unpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_PD, slot_TK, w_TK):
-        y_PD, w_TK = y_PD.contiguous(), w_TK.contiguous()
-        ctx.save_for_backward(y_PD, slot_TK, w_TK)
-        return _gather(y_PD, slot_TK, w_TK, y_PD.dtype)
+# The kernels as torch operators (torch.ops.longctx.*), each with a fake implementation: a meta
+# or fake tensor gets its outputs' shapes and dtypes with no launch (the cluster rehearsal), and
+# torch.compile sees one opaque node. The autograd formulas are registered at the end.
 
-    @staticmethod
-    def backward(ctx, g_TD):
-        y_PD, slot_TK, w_TK = ctx.saved_tensors
-        g_TD = g_TD.contiguous()
-        gy_PD = torch.zeros_like(y_PD)  # padding rows get no gradient
-        gw_TK = torch.empty_like(w_TK)
-        t, k = slot_TK.shape
-        if t:
-            _unpermute_bwd_kernel[(triton.cdiv(t, _BLOCK_T),)](
-                g_TD, y_PD, slot_TK, w_TK, gy_PD, gw_TK, t, y_PD.shape[1], K=k,
-                BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
-        return gy_PD, None, gw_TK
+@torch.library.custom_op("longctx::permute_fwd", mutates_args=())
+def permute_fwd(x_TD: torch.Tensor, slot_TK: torch.Tensor, total: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """x_PD [total, D] in dtype: row slot[t, k] holds x[t], other rows 0."""
+    x_TD, slot_TK = x_TD.contiguous(), slot_TK.contiguous()
+    t, d = x_TD.shape
+    out_PD = x_TD.new_zeros(total, d, dtype=dtype)
+    if t:
+        grid = (triton.cdiv(t, _BLOCK_T), triton.cdiv(d, _BLOCK_D))
+        _scatter_kernel[grid](x_TD, slot_TK, out_PD, t, d, K=slot_TK.shape[1],
+                              BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
+    return out_PD
+
+
+@permute_fwd.register_fake
+def _(x_TD, slot_TK, total, dtype):
+    return x_TD.new_empty(total, x_TD.shape[1], dtype=dtype)
+
+
+@torch.library.custom_op("longctx::permute_bwd", mutates_args=())
+def permute_bwd(g_PD: torch.Tensor, slot_TK: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
+    """g_TD in x_dtype: the sum over k of g[slot[t, k]] (fp32 accumulation)."""
+    return _gather(g_PD, slot_TK, None, x_dtype)
+
+
+@permute_bwd.register_fake
+def _(g_PD, slot_TK, x_dtype):
+    return _gathered(g_PD, slot_TK, x_dtype)
+
+
+@torch.library.custom_op("longctx::unpermute_fwd", mutates_args=())
+def unpermute_fwd(y_PD: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    """y_TD in y's dtype: the sum over k of w[t, k] * y[slot[t, k]] (fp32 accumulation)."""
+    return _gather(y_PD, slot_TK, w_TK, y_PD.dtype)
+
+
+@unpermute_fwd.register_fake
+def _(y_PD, slot_TK, w_TK):
+    return _gathered(y_PD, slot_TK, y_PD.dtype)
+
+
+@torch.library.custom_op("longctx::unpermute_bwd", mutates_args=())
+def unpermute_bwd(g_TD: torch.Tensor, y_PD: torch.Tensor, slot_TK: torch.Tensor,
+                  w_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gy_PD: w[t, k] * g[t] in row slot[t, k], zero on padding rows; gw_TK = dot(g[t],
+    y[slot[t, k]]))."""
+    g_TD, y_PD, slot_TK, w_TK = (a.contiguous() for a in (g_TD, y_PD, slot_TK, w_TK))
+    gy_PD = torch.zeros_like(y_PD)  # padding rows get no gradient
+    gw_TK = torch.empty_like(w_TK)
+    t, k = slot_TK.shape
+    if t:
+        _unpermute_bwd_kernel[(triton.cdiv(t, _BLOCK_T),)](
+            g_TD, y_PD, slot_TK, w_TK, gy_PD, gw_TK, t, y_PD.shape[1], K=k,
+            BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
+    return gy_PD, gw_TK
+
+
+@unpermute_bwd.register_fake
+def _(g_TD, y_PD, slot_TK, w_TK):
+    return torch.empty_like(y_PD), torch.empty_like(w_TK)
+
+
+def _permute_setup(ctx, inputs, output):
+    x_TD, slot_TK, _, _ = inputs
+    ctx.save_for_backward(slot_TK)
+    ctx.x_dtype = x_TD.dtype
+
+
+def _permute_backward(ctx, g_PD):
+    (slot_TK,) = ctx.saved_tensors
+    return permute_bwd(g_PD, slot_TK, ctx.x_dtype), None, None, None
+
+
+def _unpermute_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _unpermute_backward(ctx, g_TD):
+    y_PD, slot_TK, w_TK = ctx.saved_tensors
+    gy_PD, gw_TK = unpermute_bwd(g_TD, y_PD, slot_TK, w_TK)
+    return gy_PD, None, gw_TK
+
+
+permute_fwd.register_autograd(_permute_backward, setup_context=_permute_setup)
+unpermute_fwd.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
 
 
 def _check_slots(slot_TK: torch.Tensor, t: int) -> None:
@@ -144,7 +202,7 @@ def permute(x_TD: torch.Tensor, slot_TK: torch.Tensor, total: int,
     """x_PD [total, D] in `dtype` (x's by default): row slot[t, k] holds x[t], other rows 0.
     Differentiable in x (the gradient of x keeps x's dtype, summed in fp32)."""
     _check_slots(slot_TK, x_TD.shape[0])
-    return _Permute.apply(x_TD, slot_TK.contiguous(), total, dtype or x_TD.dtype)
+    return permute_fwd(x_TD, slot_TK, total, dtype or x_TD.dtype)
 
 
 def unpermute(y_PD: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
@@ -154,4 +212,4 @@ def unpermute(y_PD: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor) -> 
     if w_TK.dtype != y_PD.dtype or w_TK.shape != slot_TK.shape:
         raise ValueError(f"w_TK must be {y_PD.dtype} of shape {tuple(slot_TK.shape)}, got "
                          f"{w_TK.dtype} {tuple(w_TK.shape)}; cast the router weights to y's dtype")
-    return _Unpermute.apply(y_PD, slot_TK.contiguous(), w_TK)
+    return unpermute_fwd(y_PD, slot_TK, w_TK)
