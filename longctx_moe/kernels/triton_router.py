@@ -11,6 +11,7 @@ product); this kernel replaces the ~8 elementwise/reduction passes over [T, E] t
 
 Backward: d weight / d scores through the renormalisation, scattered onto the chosen experts and
 added to the incoming d scores (the aux losses read the scores), then through softmax or sigmoid.
+The kernels run as torch operators, torch.ops.longctx.router_topk_{fwd,bwd}.
 Legend: T tokens, E experts, K top-k. Math in the logits' dtype (fp32, float64 for float64).
 """
 
@@ -106,39 +107,78 @@ def _blocks(e: int, k: int) -> dict:
                 BLOCK_K=triton.next_power_of_2(k))
 
 
-class _RouterTopK(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits_TE, bias_E, top_k: int, sigmoid: bool, renormalize: bool):
-        z_TE = logits_TE.contiguous()
-        t, e = z_TE.shape
-        s_TE = torch.empty_like(z_TE)
-        idx_TK = torch.empty(t, top_k, dtype=torch.int64, device=z_TE.device)
-        w_TK = torch.empty(t, top_k, dtype=z_TE.dtype, device=z_TE.device)
-        sum_T = torch.empty(t, dtype=z_TE.dtype, device=z_TE.device)
-        if t:
-            _router_fwd_kernel[(triton.cdiv(t, _BLOCK_T),)](
-                z_TE, z_TE if bias_E is None else bias_E.contiguous(), s_TE, idx_TK, w_TK, sum_T,
-                t, e, K=top_k, SIGMOID=sigmoid, HAS_BIAS=bias_E is not None,
-                RENORM=renormalize, **_blocks(e, top_k))
-        ctx.save_for_backward(s_TE, idx_TK, w_TK, sum_T)
-        ctx.opts = (top_k, sigmoid, renormalize)
-        ctx.mark_non_differentiable(idx_TK)
-        return s_TE, idx_TK, w_TK
+def _fwd_outputs(z_TE, top_k):
+    """The forward's (s_TE, idx_TK, w_TK, sum_T), unwritten (the fake implementation's result)."""
+    t = z_TE.shape[0]
+    s_TE = torch.empty_like(z_TE)
+    idx_TK = torch.empty(t, top_k, dtype=torch.int64, device=z_TE.device)
+    w_TK = torch.empty(t, top_k, dtype=z_TE.dtype, device=z_TE.device)
+    sum_T = torch.empty(t, dtype=z_TE.dtype, device=z_TE.device)
+    return s_TE, idx_TK, w_TK, sum_T
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g_s_TE, _g_idx, g_w_TK):
-        s_TE, idx_TK, w_TK, sum_T = ctx.saved_tensors
-        top_k, sigmoid, renormalize = ctx.opts
-        t, e = s_TE.shape
-        g_z_TE = torch.empty_like(s_TE)
-        g_w_TK = torch.zeros_like(w_TK) if g_w_TK is None else g_w_TK.contiguous()
-        if t:
-            _router_bwd_kernel[(triton.cdiv(t, _BLOCK_T),)](
-                s_TE if g_s_TE is None else g_s_TE.contiguous(), g_w_TK, s_TE, idx_TK, w_TK, sum_T,
-                g_z_TE, t, e, K=top_k, SIGMOID=sigmoid, RENORM=renormalize,
-                HAS_GS=g_s_TE is not None, **_blocks(e, top_k))
-        return g_z_TE, None, None, None, None
+
+# The kernels as torch operators (torch.ops.longctx.*), each with a fake implementation: a meta
+# or fake tensor gets its outputs' shapes and dtypes with no launch (the cluster rehearsal), and
+# torch.compile sees one opaque node. The autograd formula is registered below them.
+
+@torch.library.custom_op("longctx::router_topk_fwd", mutates_args=())
+def router_topk_fwd(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, top_k: int,
+                    sigmoid: bool, renormalize: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scores_TE, idx_TK int64, weight_TK, sum_T: the chosen scores' sum before renormalising)."""
+    z_TE = logits_TE.contiguous()
+    t, e = z_TE.shape
+    s_TE, idx_TK, w_TK, sum_T = _fwd_outputs(z_TE, top_k)
+    if t:
+        _router_fwd_kernel[(triton.cdiv(t, _BLOCK_T),)](
+            z_TE, z_TE if bias_E is None else bias_E.contiguous(), s_TE, idx_TK, w_TK, sum_T,
+            t, e, K=top_k, SIGMOID=sigmoid, HAS_BIAS=bias_E is not None,
+            RENORM=renormalize, **_blocks(e, top_k))
+    return s_TE, idx_TK, w_TK, sum_T
+
+
+@router_topk_fwd.register_fake
+def _(logits_TE, bias_E, top_k, sigmoid, renormalize):
+    return _fwd_outputs(logits_TE, top_k)
+
+
+@torch.library.custom_op("longctx::router_topk_bwd", mutates_args=())
+def router_topk_bwd(g_s_TE: torch.Tensor | None, g_w_TK: torch.Tensor, s_TE: torch.Tensor,
+                    idx_TK: torch.Tensor, w_TK: torch.Tensor, sum_T: torch.Tensor, sigmoid: bool,
+                    renormalize: bool) -> torch.Tensor:
+    """g_z_TE: the gradient of the logits from those of the scores (none: zero) and weights."""
+    t, e = s_TE.shape
+    g_z_TE = torch.empty_like(s_TE)
+    if t:
+        top_k = idx_TK.shape[1]
+        _router_bwd_kernel[(triton.cdiv(t, _BLOCK_T),)](
+            s_TE if g_s_TE is None else g_s_TE.contiguous(), g_w_TK.contiguous(), s_TE, idx_TK,
+            w_TK, sum_T, g_z_TE, t, e, K=top_k, SIGMOID=sigmoid, RENORM=renormalize,
+            HAS_GS=g_s_TE is not None, **_blocks(e, top_k))
+    return g_z_TE
+
+
+@router_topk_bwd.register_fake
+def _(g_s_TE, g_w_TK, s_TE, idx_TK, w_TK, sum_T, sigmoid, renormalize):
+    return torch.empty_like(s_TE)
+
+
+def _router_setup(ctx, inputs, output):
+    _, _, _, sigmoid, renormalize = inputs
+    _, idx_TK, _, sum_T = output
+    ctx.mark_non_differentiable(idx_TK, sum_T)
+    ctx.save_for_backward(*output)
+    ctx.opts = (sigmoid, renormalize)
+
+
+def _router_backward(ctx, g_s_TE, _g_idx, g_w_TK, _g_sum):
+    s_TE, idx_TK, w_TK, sum_T = ctx.saved_tensors
+    g_w_TK = torch.zeros_like(w_TK) if g_w_TK is None else g_w_TK
+    g_z_TE = router_topk_bwd(g_s_TE, g_w_TK, s_TE, idx_TK, w_TK, sum_T, *ctx.opts)
+    return g_z_TE, None, None, None, None
+
+
+router_topk_fwd.register_autograd(_router_backward, setup_context=_router_setup)
 
 
 def router_topk(logits_TE: torch.Tensor, score: str, top_k: int, renormalize: bool,
@@ -149,4 +189,6 @@ def router_topk(logits_TE: torch.Tensor, score: str, top_k: int, renormalize: bo
         raise ValueError(f"model.router_score={score!r} has no Triton kernel; use softmax or sigmoid")
     if not 1 <= top_k <= logits_TE.shape[-1]:
         raise ValueError(f"top_k={top_k} must lie in [1, E={logits_TE.shape[-1]}]")
-    return _RouterTopK.apply(logits_TE, bias_E, top_k, score == "sigmoid", renormalize)
+    s_TE, idx_TK, w_TK, _ = router_topk_fwd(logits_TE, bias_E, top_k, score == "sigmoid",
+                                            renormalize)
+    return s_TE, idx_TK, w_TK
