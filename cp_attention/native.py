@@ -40,13 +40,15 @@ import warnings
 from pathlib import Path
 
 from cp_attention.hardware import cpu_has_avx512_bf16, native_bf16
+from cp_attention.native_checks import CHECKS
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 # Every kernel uses AVX512 intrinsics (and the attention kernels oneDNN's bf16 brgemm), built for
 # one instruction set; CPU_CAPABILITY selects aten's AVX512 vector types in <ATen/cpu/vec/vec.h>.
-FLAGS = ["-O3", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
-         "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
+# Tuples: torch's load() appends its own link flags to the list it is given.
+FLAGS = ("-O3", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
+         "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 # name: (the kernel in messages, what runs where it cannot)
 KERNELS = {
@@ -193,8 +195,8 @@ class Extension:
             record.write_text(f"{os.getpid()}\n")
             try:
                 sources = sorted(str(p) for p in self.source_dir.glob("*.cpp"))
-                mod = load(name=self.name, sources=sources, extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
-                           build_directory=str(build_dir), verbose=False)
+                mod = load(name=self.name, sources=sources, extra_cflags=list(FLAGS),
+                           extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), verbose=False)
             finally:  # ended, well or not; only a kill leaves the record
                 record.unlink(missing_ok=True)
         if time.perf_counter() - t0 > 5:  # a compile, not a cache hit: say where the pause went
@@ -259,8 +261,6 @@ def extension():
 
 def _decide(kernel: str) -> str | None:
     """Build (once) and self-check `kernel` (once): None, or why it cannot run here."""
-    from cp_attention.native_checks import CHECKS
-
     reason = _platform_reason()
     if reason is not None:
         return reason
