@@ -14,6 +14,7 @@ statistics are merged over the shard's group (max, then rescaled sums) before th
 The backward recomputes each chunk's logits and one kernel pass overwrites them in place with
     d/dz_j = (onehot_y(j) g_logp - p_j g_logp - g_ent p_j (logp_j + H)) / temperature,
 the product of both gradients (the torch path's formula); two GEMMs then give dh and dW.
+The kernels run as torch operators, torch.ops.longctx.logprobs_{stats,grad}.
 Legend: T tokens, D model dim, V (this rank's) vocabulary, N target rows, C rows of a chunk.
 """
 
@@ -110,12 +111,47 @@ def _targets(labels_C, v_local: int, shard):
     return local_C.clamp(0, v_local - 1), own_C.to(torch.int8)
 
 
-def _chunk_stats(z_CV, cols_C, own_C, acc, temp, entropy):
-    c, v = z_CV.shape
-    m_C, s_C, a_C, zy_C = (torch.empty(c, dtype=acc, device=z_CV.device) for _ in range(4))
-    _stats_kernel[(c,)](z_CV, cols_C, own_C, m_C, s_C, a_C, zy_C, v, temp,
-                        ENTROPY=entropy, BLOCK_V=_BLOCK_V)
+def _stats_outputs(z_CV, temp):
+    """The statistics' (m_C, s_C, a_C, zy_C), unwritten: one value per row in temp's dtype (the
+    accumulation dtype)."""
+    return tuple(torch.empty(z_CV.shape[0], dtype=temp.dtype, device=z_CV.device) for _ in range(4))
+
+
+# The kernels as torch operators (torch.ops.longctx.*), each with a fake implementation: a meta
+# or fake tensor gets its outputs' shapes and dtypes with no launch (the cluster rehearsal), and
+# torch.compile sees one opaque node. They are not differentiated themselves: the autograd
+# Function below holds the GEMMs and the shard's collectives around them.
+
+@torch.library.custom_op("longctx::logprobs_stats", mutates_args=())
+def logprobs_stats(z_CV: torch.Tensor, cols_C: torch.Tensor, own_C: torch.Tensor,
+                   temp: torch.Tensor, entropy: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m_C, s_C, a_C, zy_C) of z / temp (contiguous [C, V]): the max, sum exp(z - m),
+    sum exp(z - m) (z - m) (0 without entropy) and the target's logit (0 where own_C is 0)."""
+    m_C, s_C, a_C, zy_C = _stats_outputs(z_CV, temp)
+    _stats_kernel[(z_CV.shape[0],)](z_CV, cols_C, own_C, m_C, s_C, a_C, zy_C, z_CV.shape[1], temp,
+                                    ENTROPY=entropy, BLOCK_V=_BLOCK_V)
     return m_C, s_C, a_C, zy_C
+
+
+@logprobs_stats.register_fake
+def _(z_CV, cols_C, own_C, temp, entropy):
+    return _stats_outputs(z_CV, temp)
+
+
+@torch.library.custom_op("longctx::logprobs_grad", mutates_args=("z_CV",))
+def logprobs_grad(z_CV: torch.Tensor, cols_C: torch.Tensor, own_C: torch.Tensor,
+                  lse_C: torch.Tensor, ent_C: torch.Tensor, g_logp_C: torch.Tensor,
+                  g_ent_C: torch.Tensor, temp: torch.Tensor, entropy: bool) -> None:
+    """Overwrites z_CV (contiguous [C, V] logits) with the gradient of g_logp . logp (+ g_ent . H
+    with entropy) in z's dtype: the logits' memory serves their gradient."""
+    _grad_kernel[(z_CV.shape[0],)](z_CV, cols_C, own_C, lse_C, ent_C, g_logp_C, g_ent_C,
+                                   z_CV.shape[1], temp, ENTROPY=entropy, BLOCK_V=_BLOCK_V)
+
+
+@logprobs_grad.register_fake
+def _(z_CV, cols_C, own_C, lse_C, ent_C, g_logp_C, g_ent_C, temp, entropy):
+    return None
 
 
 class _TritonLinearLogProbs(torch.autograd.Function):
@@ -135,7 +171,7 @@ class _TritonLinearLogProbs(torch.autograd.Function):
             if keep:
                 ctx.kept.append(z_CV)
             cols_C, own_C = _targets(labels_N[s:s + chunk], v, shard)
-            stats = _chunk_stats(z_CV, cols_C, own_C, acc, temp, want_entropy)
+            stats = logprobs_stats(z_CV, cols_C, own_C, temp, want_entropy)
             lse_N[s:s + chunk], ent_N[s:s + chunk], logp_N[s:s + chunk] = _merge(*stats, shard)
         ctx.save_for_backward(h_TD, w_VD, idx_N, labels_N, lse_N, ent_N)
         ctx.meta = (chunk, cdtype, acc, temperature, want_entropy, shard)
@@ -162,9 +198,8 @@ class _TritonLinearLogProbs(torch.autograd.Function):
                 g_CV = (h_c @ w_c.t()).contiguous()
             cols_C, own_C = _targets(labels_N[s:s + chunk], w_VD.shape[0], shard)
             sl = slice(s, s + chunk)
-            _grad_kernel[(rows.numel(),)](g_CV, cols_C, own_C, lse_N[sl], ent_N[sl], g_logp_N[sl],
-                                          g_ent_N[sl], w_VD.shape[0], temp,
-                                          ENTROPY=with_ent, BLOCK_V=_BLOCK_V)
+            logprobs_grad(g_CV, cols_C, own_C, lse_N[sl], ent_N[sl], g_logp_N[sl], g_ent_N[sl],
+                          temp, with_ent)
             if need_h:
                 grad_h.index_add_(0, rows, (g_CV @ w_c).to(h_TD.dtype))
             if need_w:
