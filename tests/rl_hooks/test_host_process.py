@@ -106,15 +106,30 @@ def _build_frameworks(folder: str) -> None:
     LongctxMoePolicyWorker(nemo, init_reference_model=False)
 
 
-def _build_train_context(sets: str) -> str | None:
-    from longctx_moe.config import load_config
-    from longctx_moe.process import make_context
+def _start_train_run(sets: str) -> None:
+    """`longctx-moe train`'s run (train.run) up to where it builds the data and model."""
+    import contextlib
 
-    return make_context(load_config(None, json.loads(sets)), owned=True).host
+    from longctx_moe import train
+    from longctx_moe.config import load_config
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    train.start_up = stop
+    with contextlib.suppress(Stop):
+        train.run(load_config(None, json.loads(sets)))
 
 
 def child(case: str, arg: str) -> None:
-    """Run `case` between two observations; print them as JSON (the last line of stdout)."""
+    """Run `case` between two observations; print them, and the host lines `case` printed, as
+    JSON (the last line of stdout)."""
+    import contextlib
+    import io
+
     from longctx_moe import host
 
     calls = []
@@ -128,9 +143,12 @@ def child(case: str, arg: str) -> None:
     prepare = {"frameworks": _prepare_frameworks}.get(case)
     arg = prepare(arg) if prepare else arg
     before = _state()
-    line = {"policy": _build_policy, "frameworks": _build_frameworks, "train": _build_train_context}[case](arg)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        {"policy": _build_policy, "frameworks": _build_frameworks, "train": _start_train_run}[case](arg)
     after = _state()
-    print(json.dumps({"before": before, "after": after, "mallopt": calls, "line": line,
+    lines = [line for line in printed.getvalue().splitlines() if line.startswith("host:")]
+    print(json.dumps({"before": before, "after": after, "mallopt": calls, "host_lines": lines,
                       "new_thread_arena": _new_thread_opens_an_arena()}))
 
 
@@ -166,7 +184,7 @@ def _assert_untouched(seen: dict) -> None:
     assert not before["flushes_denormals"] and not after["flushes_denormals"]
     assert seen["mallopt"] == []
     assert seen["new_thread_arena"]  # M_ARENA_MAX left at glibc's default (many arenas)
-    assert seen["line"] is None
+    assert seen["host_lines"] == []
 
 
 def test_every_mallopt_goes_through_the_one_watched_function():
@@ -187,6 +205,8 @@ def test_policy_trainer_sets_only_what_the_config_names():
     before, after = seen["before"], seen["after"]
     assert after["threads"] == 1 and after["env"] == before["env"] and not after["flushes_denormals"]
     assert seen["mallopt"] == [] and seen["new_thread_arena"]
+    assert seen["host_lines"] == ["host: 1 intra-op thread (set explicitly by train.num_threads; "
+                                  "train.host_tuning=auto leaves the rest of this process as it was)"]
     seen = _run("policy", json.dumps([*BARE, "train.host_allocator=lean"]))
     assert [p for p, _ in seen["mallopt"]] == [-3, -1, -2, -8]  # mmap, trim, top pad, arena max
     assert seen["mallopt"][0][1] == 1 << 20 and not seen["new_thread_arena"]
@@ -200,19 +220,21 @@ def test_policy_trainer_tunes_the_host_when_asked():
     assert after["threads"] == 1 and after["flushes_denormals"]
     assert {k: after["env"][k] for k in ONEDNN} == {k: "512" for k in ONEDNN}
     assert len(seen["mallopt"]) == 4 and not seen["new_thread_arena"]
+    [line] = seen["host_lines"]
+    assert line.startswith("host: 1 intra-op thread, denormals flushed to zero, glibc malloc tuned")
+    assert line.endswith("(train.host_tuning=full)")
 
 
 def test_train_tunes_its_own_process_and_says_so_in_one_line():
-    """`longctx-moe train`'s context (train.run prints ctx.host on rank 0)."""
     seen = _run("train", json.dumps(["train.num_threads=1"]))
     after = seen["after"]
     assert after["threads"] == 1 and after["flushes_denormals"]
     assert {k: after["env"][k] for k in ONEDNN} == {k: "512" for k in ONEDNN}
     assert len(seen["mallopt"]) == 4 and not seen["new_thread_arena"]
-    assert seen["line"] == ("host: 1 intra-op thread, denormals flushed to zero, glibc malloc tuned (mmap "
-                            "above 32 MiB, trim above 1 GiB, one arena), ONEDNN_PRIMITIVE_CACHE_CAPACITY=512, "
-                            "LRU_CACHE_CAPACITY=512 (train.host_tuning=auto: `longctx-moe train` tunes its own "
-                            "process)")
+    assert seen["host_lines"] == [
+        "host: 1 intra-op thread, denormals flushed to zero, glibc malloc tuned (mmap above 32 MiB, trim "
+        "above 1 GiB, one arena), ONEDNN_PRIMITIVE_CACHE_CAPACITY=512, LRU_CACHE_CAPACITY=512 "
+        "(train.host_tuning=auto: `longctx-moe train` tunes its own process)"]
 
 
 def test_verl_engine_and_nemo_rl_worker_leave_their_process_as_found(tmp_path):
