@@ -51,7 +51,7 @@ SIZES = {
 def make_trainer(sets: list[str]) -> Trainer:
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml", sets)
     torch.manual_seed(0)
-    trainer = Trainer(cfg, parallelize(build_model(cfg.model)))
+    trainer = Trainer(cfg, parallelize(build_model(cfg.model, balance=cfg.balance)))
     for p in trainer.model.parameters():  # one step on random gradients: AdamW's state exists
         p.grad = torch.randn_like(p)
     trainer.optimizer.step()

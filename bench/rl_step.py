@@ -129,8 +129,8 @@ def make_rollouts(args, seed: int = 0) -> Rollouts:
 
 def ours_config(args, extra=()):
     o = OPTIM
-    return model_config([*(f"model.{k}={v}" for k, v in SMALL.items()), "train.device=cpu", f"train.num_threads={args.threads}", "model.aux_loss_coeff=0",
-                         "model.z_loss_coeff=0", f"optim.lr={o['lr']}", f"optim.betas=[{o['betas'][0]}, {o['betas'][1]}]",
+    return model_config([*(f"model.{k}={v}" for k, v in SMALL.items()), "train.device=cpu", f"train.num_threads={args.threads}", "balance.aux_loss_coeff=0",
+                         "balance.z_loss_coeff=0", f"optim.lr={o['lr']}", f"optim.betas=[{o['betas'][0]}, {o['betas'][1]}]",
                          f"optim.eps={o['eps']}", f"optim.weight_decay={o['weight_decay']}",
                          f"optim.grad_clip={o['grad_clip']}", *extra])
 
@@ -292,7 +292,7 @@ def trl_worker(args, ro: Rollouts) -> dict:
     configure_cpu(args.threads, "default")  # flush denormals and threads, as ours; plain malloc
     cfg = ours_config(args)
     torch.manual_seed(cfg.train.seed)  # the init build_runtime gives our side
-    model = hf_model(build_model(cfg.model))
+    model = hf_model(build_model(cfg.model, balance=cfg.balance))
     with tempfile.TemporaryDirectory() as tmp:
         # TRL's bf16=True where the CPU has native bf16 (its CPU default), as our side's auto.
         bf16 = compute_dtype().autocast == torch.bfloat16

@@ -189,7 +189,7 @@ def worker(args) -> None:
     steps = step_batches(args.data, args.rows, args.warmup + args.steps)
     base = resident_mb()
     torch.manual_seed(0)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, balance=cfg.balance)
     run = ours_runner(cfg, model) if args.worker == "ours" else hf_runner(cfg, model, compute_dtype(args.dtype))
     times, cpu_times, losses = [], [], []
     for i, batches in enumerate(steps):

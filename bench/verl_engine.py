@@ -54,7 +54,7 @@ from longctx_moe.host import resident_mb  # noqa: E402
 
 MODEL = ["model.vocab_size=8192", "model.hidden_size=256", "model.num_layers=4", "model.num_heads=4",
          "model.num_kv_heads=2", "model.head_dim=64", "model.num_experts=16", "model.top_k=2",
-         "model.expert_hidden_size=256", "model.aux_loss_coeff=0", "model.z_loss_coeff=0",
+         "model.expert_hidden_size=256", "balance.aux_loss_coeff=0", "balance.z_loss_coeff=0",
          "train.param_dtype=fp32", "train.host_allocator=default"]
 # --dtype: both sides compute in it; float32 master weights and AdamW either way.
 AUTOCAST = {"float32": "none", "bf16": "bf16"}

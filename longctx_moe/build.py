@@ -36,7 +36,7 @@ def check_layout(cfg: Config, world_size: int):
     from longctx_moe.parallel.dims import ParallelDims
 
     try:
-        return ParallelDims.from_config(cfg.parallel, world_size, cfg.model)
+        return ParallelDims.from_config(cfg.parallel, world_size, cfg.model, cfg.balance)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -93,11 +93,11 @@ def build_runtime(cfg: Config, dims: Any, device: torch.device, ops: Any = None)
         from longctx_moe.model import Transformer
 
         with torch.device("meta"):
-            model = Transformer(cfg.model, ops).to(dtype=dtype)
+            model = Transformer(cfg.model, ops, cfg.balance).to(dtype=dtype)
         runtime = _parallelize(cfg, model, dims)
         load_hf_sharded(model, cfg.train.init_from, device)
     else:
-        model = build_model(cfg.model, ops).to(device=device, dtype=dtype)
+        model = build_model(cfg.model, ops, cfg.balance).to(device=device, dtype=dtype)
         runtime = _parallelize(cfg, model, dims)
     if cfg.train.compile:
         from longctx_moe.compile import apply_compile

@@ -1,9 +1,9 @@
 """The run configuration: nested dataclasses, YAML loading, dotted overrides, validation.
 
-`Config` assembles the components' own configs (model, data, parallel, owned by their packages)
-with the trainer's (optim, train, checkpoint, logging, defined here). Every user-facing problem
-raises `ConfigError` with a one-line message naming the key, the cause and the fix; the CLI prints
-it without a traceback.
+`Config` assembles the components' own configs (model, balance, execution, data, parallel, owned
+by their packages) with the trainer's (optim, train, checkpoint, logging, defined here). Every
+user-facing problem raises `ConfigError` with a one-line message naming the key, the cause and the
+fix; the CLI prints it without a traceback.
 
     cfg = load_config("configs/tiny_cpu.yaml", ["model.num_experts=16", "train.steps=10"])
     write_config(cfg, run_dir / "config.yaml")
@@ -25,9 +25,10 @@ import yaml
 
 from data_packing.config import DataConfig
 from longctx_moe.choices import check_choice
-from longctx_moe.execution import MOVED_MODEL_KEYS, ExecutionConfig
+from longctx_moe.execution import MOVED_MODEL_KEYS as EXECUTION_KEYS
+from longctx_moe.execution import ExecutionConfig
 from longctx_moe.host import ALLOCATOR_MODES, HOST_TUNING
-from longctx_moe.model.config import ModelConfig
+from longctx_moe.model.config import BalanceConfig, ModelConfig
 from longctx_moe.model.flops import pair_cost_ratio
 from longctx_moe.model.recompute import MODES as RECOMPUTE_MODES
 from longctx_moe.parallel.config import ParallelConfig
@@ -122,6 +123,7 @@ class LoggingConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -131,8 +133,8 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-# Closed sets of string values of the sections defined here. The model, execution, data and
-# parallel sections check their own (their `validate()`, run when each is made, _build).
+# Closed sets of string values of the sections defined here. The model, balance, execution, data
+# and parallel sections check their own (their `validate()`, run when each is made, _build).
 CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "optim.impl": ("auto", "fused", "foreach", "for_loop"),
@@ -153,10 +155,18 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+# Keys that left model.* (which holds the architecture alone): old key -> the section holding it
+# now; each section with the reason, in words, that the key is not architecture.
+MOVED_MODEL_KEYS = {**dict.fromkeys(EXECUTION_KEYS, "execution"),
+                    **dict.fromkeys((f.name for f in dataclasses.fields(BalanceConfig)), "balance")}
+_MOVED_BECAUSE = {"execution": "a choice of how the model runs, not of what it is",
+                  "balance": "how training balances the experts, not part of the architecture"}
+
+
 def _unknown_key(prefix: str, name: str, options: list[str]) -> ConfigError:
     if prefix == "model." and name in MOVED_MODEL_KEYS:
-        return ConfigError(f"model.{name} is a choice of how the model runs, not of what it is: "
-                           f"write it as execution.{name}")
+        section = MOVED_MODEL_KEYS[name]
+        return ConfigError(f"model.{name} is {_MOVED_BECAUSE[section]}: write it as {section}.{name}")
     close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
     hint = f"did you mean '{prefix}{close[0]}'?" if close else f"known keys: {', '.join(options)}"
     return ConfigError(f"unknown config key '{prefix}{name}'; {hint}")
@@ -461,8 +471,8 @@ def _check_finite(cfg: Config) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Raise ConfigError (one line) for the first invalid value. The model, data and parallel
-    sections checked their own when they were made (_build)."""
+    """Raise ConfigError (one line) for the first invalid value. The model, balance, execution,
+    data and parallel sections checked their own when they were made (_build)."""
     _check_choices(cfg)
     _check_trainer(cfg)
     _check_finite(cfg)

@@ -20,6 +20,7 @@ from longctx_moe.checkpoint.save import (
 )
 from longctx_moe.checkpoint.sharded_state import load_trainer_pieces, trainer_pieces
 from longctx_moe.config import Config
+from longctx_moe.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from longctx_moe.process import RunContext
@@ -27,16 +28,27 @@ if TYPE_CHECKING:
 
 
 
-# model.* keys that do not change the function the weights compute: a checkpoint resumes under
-# other values. The execution section (kernels, FP8, ...) is never compared: an FP8 run continues
-# in bf16, or on a CPU; the parallel layout may change too (sharded_state.py).
-HARMLESS_MODEL_KEYS = ("init_std",)
+def harmless_model_keys(model: ModelConfig) -> set[str]:
+    """model.* keys whose value does not change the function the weights compute, so a checkpoint
+    resumes under other values: init_std (it drew the first weights); max_position_embeddings
+    except where it is YaRN's factor (rope_scaling gives none); dense_hidden_size where no layer
+    is dense. The balance and execution sections are never compared (the losses that train the
+    model and how it runs: an FP8 run continues in bf16, or on a CPU; a checkpoint that still
+    holds model.aux_loss_* from before the balance section resumes alike); the parallel layout
+    may change too (sharded_state.py)."""
+    keys = {"init_std"}
+    scaling = model.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn" or scaling.get("factor"):
+        keys.add("max_position_embeddings")
+    if model.first_k_dense == 0:
+        keys.add("dense_hidden_size")
+    return keys
 
 
 def resume_expectations(cfg: Config) -> dict:
     """The meta entries a checkpoint must match to be resumed under `cfg`: the model's function."""
-    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in HARMLESS_MODEL_KEYS}
-    return {"model": model}
+    harmless = harmless_model_keys(cfg.model)
+    return {"model": {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in harmless}}
 
 
 def save(trainer: Trainer, loader: Any, ctx: RunContext) -> Path:

@@ -205,6 +205,6 @@ def load_hf_model(hf_dir: str | Path, overrides: list[str] | None = None) -> tor
 
     cfg = load_config(None, [f"train.init_from={hf_dir}", *(overrides or [])])
     with torch.device("meta"):
-        model = Transformer(cfg.model)
+        model = Transformer(cfg.model, balance=cfg.balance)
     load_hf_sharded(model, hf_dir)
     return model.eval()

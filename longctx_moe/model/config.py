@@ -1,4 +1,8 @@
-"""ModelConfig: the architecture of the MoE transformer (owned by the model package)."""
+"""The model package's two sections of the training config: `ModelConfig` (model:), the
+architecture of the MoE transformer, exactly what a Hugging Face config.json says of it
+(hf/families.py writes and reads every field); and `BalanceConfig` (balance:), how training keeps
+the experts' loads even (the router losses and the aux-loss-free bias update), which the model
+computes but no config.json holds."""
 
 from __future__ import annotations
 
@@ -9,7 +13,6 @@ from longctx_moe.choices import check_choice
 # Allowed values of the string fields; validate() checks them.
 CHOICES = {
     "router_score": ("softmax", "sigmoid"),
-    "aux_loss_type": ("none", "switch", "seq"),
     "qk_norm_scope": ("head", "full"),
     "attention_type": ("gqa", "mla"),
     "expert_activation": ("swiglu", "clamped_swiglu"),
@@ -28,7 +31,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
-    init_std: float = 0.02
+    init_std: float = 0.02  # the std of the random initial weights (config.json's initializer_range)
 
     # Mixture of experts
     num_experts: int = 8
@@ -39,11 +42,9 @@ class ModelConfig:
     dense_hidden_size: int = 512
     router_score: str = "softmax"  # softmax | sigmoid
     router_renormalize: bool = True  # renormalise the top-k weights to sum to 1
-    aux_loss_type: str = "seq"  # none | switch (per micro-batch) | seq (per document)
-    aux_loss_coeff: float = 1e-2
-    z_loss_coeff: float = 1e-3
-    expert_bias: bool = False  # aux-loss-free balancing: a bias that affects selection only
-    expert_bias_update_rate: float = 1e-3
+    # aux-loss-free balancing (DeepSeek-V3): a bias that affects selection only, moved by
+    # balance.expert_bias_update_rate
+    expert_bias: bool = False
 
     # ---- Pretrained-family features (the HF families of longctx_moe.hf.families) ----
     # The Hugging Face model_type that export-hf and the weight exporter write; train.init_from
@@ -74,7 +75,10 @@ class ModelConfig:
     # transformers' rope_scaling dict; type "yarn" (DeepSeek-V3) with factor,
     # original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim. None: plain.
     rope_scaling: dict | None = None
-    max_position_embeddings: int = 0  # YaRN's factor when rope_scaling has none
+    # The context length config.json declares (HF's Qwen3-MoE default); the model reads it only
+    # as YaRN's factor (max_position_embeddings / original_max_position_embeddings) when
+    # rope_scaling gives none.
+    max_position_embeddings: int = 32768
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in the softmax denominator
     # Sliding-window attention (gpt-oss): a query sees its `sliding_window` latest keys (itself
     # included) in layers whose layer_types entry is "sliding_attention"; 0 = no window.
@@ -105,7 +109,7 @@ class ModelConfig:
         for key, allowed in CHOICES.items():
             check_choice(f"model.{key}", getattr(self, key), allowed)
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                    "head_dim", "num_experts", "top_k", "expert_hidden_size"):
+                    "head_dim", "num_experts", "top_k", "expert_hidden_size", "max_position_embeddings"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
         if self.num_heads % self.num_kv_heads:
@@ -207,3 +211,29 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return self.num_layers - self.first_k_dense
+
+
+@dataclass
+class BalanceConfig:
+    """The `balance:` section: how training balances the experts' loads. Not architecture (a
+    checkpoint resumes under other values, HF export writes none of it); the model takes it as a
+    constructor argument, Transformer(cfg, ops, balance), and adds the losses it computes."""
+
+    # The router's balance loss: none | switch (over each micro-batch, Switch Transformer) |
+    # seq (per document, DeepSeek-V3), times aux_loss_coeff
+    aux_loss_type: str = "seq"
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: float = 1e-3  # the router z-loss (mean squared logsumexp of the logits); 0 = off
+    # Aux-loss-free balancing (model.expert_bias): each optimizer step moves every expert's
+    # selection bias by this much toward the mean load
+    expert_bias_update_rate: float = 1e-3
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the key, its value and the fix."""
+        check_choice("balance.aux_loss_type", self.aux_loss_type, ("none", "switch", "seq"))
+        for key in ("aux_loss_coeff", "z_loss_coeff", "expert_bias_update_rate"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"balance.{key}={getattr(self, key)} must be >= 0 (0 = off)")

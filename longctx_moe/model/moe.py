@@ -26,7 +26,7 @@ from longctx_moe.compile import eager_only
 from longctx_moe.execution import Ops
 from longctx_moe.kernels import cpu_swiglu, fp8, triton_ops
 from longctx_moe.model.attention import DocLayout
-from longctx_moe.model.config import ModelConfig
+from longctx_moe.model.config import BalanceConfig, ModelConfig
 from longctx_moe.model.grouped_gemm import (
     grouped_matmul,
     grouped_weight_grad,
@@ -50,8 +50,8 @@ class RouterAux:
 
 @dataclass
 class MoEStats:
-    aux_loss: torch.Tensor  # scalar, times cfg.aux_loss_coeff
-    z_loss: torch.Tensor  # scalar, times cfg.z_loss_coeff
+    aux_loss: torch.Tensor  # scalar, times balance.aux_loss_coeff
+    z_loss: torch.Tensor  # scalar, times balance.z_loss_coeff
     counts_E: torch.Tensor  # int64 [E]: real tokens routed to each expert (after top-k)
     topk_idx_TK: torch.Tensor  # int64 [T, K]: the experts each token was sent to
     # Router replay: tokens whose experts were given, and those where live routing agrees.
@@ -62,12 +62,14 @@ class MoEStats:
 class Router(nn.Module):
     """Linear scores -> softmax|sigmoid -> top-k (selection may add the aux-free expert bias) ->
     weights from the unbiased scores, optionally renormalised. Math in fp32 regardless of autocast.
-    Under `impl` (Ops.router) triton everything after the logits GEMM is one kernel (triton_router)."""
+    Under `impl` (Ops.router) triton everything after the logits GEMM is one kernel (triton_router).
+    `balance` gives the expert bias's update rate (BalanceConfig() when None)."""
 
-    def __init__(self, cfg: ModelConfig, impl: str = "torch"):
+    def __init__(self, cfg: ModelConfig, impl: str = "torch", balance: BalanceConfig | None = None):
         super().__init__()
+        balance = BalanceConfig() if balance is None else balance
         self.top_k, self.score, self.renormalize = cfg.top_k, cfg.router_score, cfg.router_renormalize
-        self.use_bias, self.bias_rate = cfg.expert_bias, cfg.expert_bias_update_rate
+        self.use_bias, self.bias_rate = cfg.expert_bias, balance.expert_bias_update_rate
         self.impl = impl
         self.groups, self.topk_groups = cfg.router_groups, cfg.router_topk_groups
         self.scale = cfg.routed_scaling_factor
@@ -413,13 +415,15 @@ class SharedExpert(SwiGLU):
 
 
 class MoE(nn.Module):
-    """Routed experts (+ optional shared expert). forward(x_TD, layout) -> (y_TD, MoEStats)."""
+    """Routed experts (+ optional shared expert). forward(x_TD, layout) -> (y_TD, MoEStats).
+    `balance`: the losses `stats` adds and the router bias's rate (BalanceConfig() when None)."""
 
-    def __init__(self, cfg: ModelConfig, ops: Ops | None = None):
+    def __init__(self, cfg: ModelConfig, ops: Ops | None = None, balance: BalanceConfig | None = None):
         super().__init__()
         ops = Ops() if ops is None else ops
-        self.cfg, self.ops = cfg, ops
-        self.router = Router(cfg, ops.router)
+        balance = BalanceConfig() if balance is None else balance
+        self.cfg, self.ops, self.balance = cfg, ops, balance
+        self.router = Router(cfg, ops.router, balance)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_hidden_size,
                                       cfg.expert_proj_bias, cfg.expert_activation, cfg.swiglu_limit, ops)
         hs = cfg.shared_expert_hidden_size
@@ -457,27 +461,27 @@ class MoE(nn.Module):
         `layout.reduce_stats` (None on one device) sums no-grad counts over the ranks that split
         the micro-batch's tokens (CP, or the whole data-parallel batch for the global-batch aux
         loss); each rank's aux/z loss is then its share of the global value."""
-        cfg, scores_TE, logits_TE, red = self.cfg, aux.scores_TE, aux.logits_TE, layout.reduce_stats
+        bal, scores_TE, logits_TE, red = self.balance, aux.scores_TE, aux.logits_TE, layout.reduce_stats
         doc_T, all_idx_TK = layout.doc_id_T, topk_idx_TK
         known, agree = _replay_counts(aux, layout.real_mask_T)
         if layout.real_mask_T is not None:
             keep = layout.real_mask_T
             topk_idx_TK, scores_TE, logits_TE, doc_T = topk_idx_TK[keep], scores_TE[keep], logits_TE[keep], doc_T[keep]
-        counts_E = torch.bincount(topk_idx_TK.flatten(), minlength=cfg.num_experts)
+        counts_E = torch.bincount(topk_idx_TK.flatten(), minlength=self.cfg.num_experts)
         zero = scores_TE.new_zeros(())
         if not layout.balance_losses:  # every rank of the reductions skips them alike
             return MoEStats(aux_loss=zero, z_loss=zero, counts_E=counts_E, topk_idx_TK=all_idx_TK,
                             replay_known=known, replay_agree=agree)
-        if cfg.aux_loss_type == "switch":
-            aux_loss = cfg.aux_loss_coeff * switch_aux_loss(scores_TE, topk_idx_TK, red)
-        elif cfg.aux_loss_type == "seq":
+        if bal.aux_loss_type == "switch":
+            aux_loss = bal.aux_loss_coeff * switch_aux_loss(scores_TE, topk_idx_TK, red)
+        elif bal.aux_loss_type == "seq":
             per_doc_N = sequence_aux_loss(scores_TE, topk_idx_TK, doc_T, layout.num_docs, red)
             # Mean over this micro-batch's documents (DeepSeek-V3 averages over sequences), so the
             # scale does not grow with how many documents a row packs.
-            aux_loss = cfg.aux_loss_coeff * per_doc_N.sum() / max(layout.num_docs, 1)
+            aux_loss = bal.aux_loss_coeff * per_doc_N.sum() / max(layout.num_docs, 1)
         else:
             aux_loss = zero
-        z_loss = cfg.z_loss_coeff * router_z_loss(logits_TE, red) if cfg.z_loss_coeff else zero
+        z_loss = bal.z_loss_coeff * router_z_loss(logits_TE, red) if bal.z_loss_coeff else zero
         return MoEStats(aux_loss=aux_loss, z_loss=z_loss, counts_E=counts_E, topk_idx_TK=all_idx_TK,
                         replay_known=known, replay_agree=agree)
 

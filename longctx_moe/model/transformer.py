@@ -20,7 +20,7 @@ from torch import nn
 from data_packing.batch import PackedBatch
 from longctx_moe.execution import Ops, default_ops
 from longctx_moe.model.attention import Attention, DocLayout, doc_layout
-from longctx_moe.model.config import ModelConfig
+from longctx_moe.model.config import BalanceConfig, ModelConfig
 from longctx_moe.model.fp8 import apply_fp8
 from longctx_moe.model.layers import RMSNorm, SwiGLU, autocast_dtype
 from longctx_moe.model.losses import VocabShard, chunked_cross_entropy, chunked_token_logprobs
@@ -34,8 +34,8 @@ class ForwardOutput:
     # fp32 scalar: sum over target tokens of (loss_weight *) cross-entropy; the count to divide
     # by is the caller's (PackedBatch.num_target_tokens, summed over the step)
     ce_sum: torch.Tensor
-    aux_loss: torch.Tensor  # scalar, already times aux_loss_coeff, summed over MoE layers
-    z_loss: torch.Tensor  # scalar, already times z_loss_coeff, summed over MoE layers
+    aux_loss: torch.Tensor  # scalar, already times balance.aux_loss_coeff, summed over MoE layers
+    z_loss: torch.Tensor  # scalar, already times balance.z_loss_coeff, summed over MoE layers
     expert_counts: torch.Tensor  # int64 [L, E]: real tokens routed per expert after top-k
     routes_TLK: torch.Tensor | None = None  # int64 [T, L, K]: experts of every token and layer
     logprobs_T: torch.Tensor | None = None  # LogProbHead: log p(label_t), 0 where label is -100
@@ -57,13 +57,13 @@ class LogProbHead:
 class Block(nn.Module):
     """Pre-norm block: x + attn(norm(x)); x + ffn(norm(x)) where ffn is MoE or a dense SwiGLU."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Ops):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Ops, balance: BalanceConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ops.norm)
         self.attn = (MLAttention if cfg.attention_type == "mla" else Attention)(cfg, layer_idx, ops)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ops.norm)
         self.is_moe = layer_idx >= cfg.first_k_dense
-        self.ffn = MoE(cfg, ops) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.dense_hidden_size)
+        self.ffn = MoE(cfg, ops, balance) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.dense_hidden_size)
 
     def forward(self, x_TD: torch.Tensor, layout: DocLayout,
                 replay_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats | None]:
@@ -78,14 +78,16 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """`cfg`: what the model is (architecture); `ops`: how it runs (longctx_moe.execution,
-    resolved once at start-up; default: a default run on the CPU)."""
+    resolved once at start-up; default: a default run on the CPU); `balance`: the routers'
+    balance losses and bias rate that training uses (default: BalanceConfig())."""
 
-    def __init__(self, cfg: ModelConfig, ops: Ops | None = None):
+    def __init__(self, cfg: ModelConfig, ops: Ops | None = None, balance: BalanceConfig | None = None):
         super().__init__()
         ops = default_ops() if ops is None else ops
-        self.cfg, self.ops = cfg, ops
+        balance = BalanceConfig() if balance is None else balance
+        self.cfg, self.ops, self.balance = cfg, ops, balance
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([Block(cfg, i, ops) for i in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([Block(cfg, i, ops, balance) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ops.norm)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # activation recompute (longctx_moe.model.recompute): none | selective | full
@@ -193,9 +195,9 @@ class Transformer(nn.Module):
             layer.router.expert_bias.zero_()
 
 
-def build_model(cfg: ModelConfig, ops: Ops | None = None) -> Transformer:
+def build_model(cfg: ModelConfig, ops: Ops | None = None, balance: BalanceConfig | None = None) -> Transformer:
     """A randomly initialised Transformer (deterministic under torch.manual_seed), fp32 on CPU."""
-    model = Transformer(cfg, ops)
+    model = Transformer(cfg, ops, balance)
     model.init_weights()
     return model
 

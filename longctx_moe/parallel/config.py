@@ -83,7 +83,7 @@ class ParallelConfig:
     capacity_factor: float | None = None  # None: dropless
     drop_policy: str = "probs"  # probs | position: which assignments over capacity are dropped
     # Balance statistics of the aux / z losses: over each micro-batch (TP x CP share it), or over
-    # the whole data-parallel batch (Megatron's global-batch aux loss; needs aux_loss_type=switch).
+    # the whole data-parallel batch (Megatron's global-batch aux loss; needs balance.aux_loss_type=switch).
     aux_loss_scope: str = "micro_batch"  # micro_batch | global_batch
 
     @property

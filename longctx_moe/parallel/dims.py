@@ -155,6 +155,13 @@ def _dynamic_outer_sizes(cfg: ParallelConfig, inner: int) -> tuple[int, ...]:
     return tuple(2 ** i for i in range(max_cp.bit_length()) if inner < 2 ** i <= max_cp)
 
 
+def _check_balance(cfg: ParallelConfig, balance: Any) -> None:
+    if cfg.aux_loss_scope == "global_batch" and getattr(balance, "aux_loss_type", None) == "seq":
+        _fail("parallel.aux_loss_scope=global_batch balances the whole batch but "
+              "balance.aux_loss_type=seq balances each document; use balance.aux_loss_type=switch or "
+              "parallel.aux_loss_scope=micro_batch")
+
+
 def _check_model(cfg: ParallelConfig, model_cfg: Any, cp_a2a: int) -> None:
     """Checks against the model; any attribute the model config lacks is skipped."""
     num_experts = getattr(model_cfg, "num_experts", None)
@@ -174,10 +181,6 @@ def _check_model(cfg: ParallelConfig, model_cfg: Any, cp_a2a: int) -> None:
         _fail(f"the all-to-all CP axis ({cfg.cp_backend}, size {cp_a2a}) splits heads: "
               f"num_heads/tp={heads // cfg.tp} is not divisible by {cp_a2a}; use cp_backend=ring "
               "or a smaller all-to-all size")
-    if cfg.aux_loss_scope == "global_batch" and getattr(model_cfg, "aux_loss_type", None) == "seq":
-        _fail("parallel.aux_loss_scope=global_batch balances the whole batch but "
-              "model.aux_loss_type=seq balances each document; use aux_loss_type=switch or "
-              "aux_loss_scope=micro_batch")
     ffn = getattr(model_cfg, "expert_hidden_size", None)
     if ffn is not None and ffn % cfg.etp:
         _fail(f"expert_hidden_size={ffn} is not divisible by etp={cfg.etp}; choose etp dividing it")
@@ -264,14 +267,18 @@ class ParallelDims:
         object.__setattr__(self, name, value)
 
     @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int, model_cfg: Any = None) -> ParallelDims:
-        """Validate `cfg` for `world_size` ranks (and the model, when given); derive dp and edp."""
+    def from_config(cls, cfg: ParallelConfig, world_size: int, model_cfg: Any = None,
+                    balance: Any = None) -> ParallelDims:
+        """Validate `cfg` for `world_size` ranks (and the model and the balance section, when
+        given); derive dp and edp."""
         _check_degrees(cfg, world_size)
         inner, outer = _check_hierarchical(cfg)
         dyn = _check_dynamic_cp(cfg, world_size // cfg.tp)
         cp_a2a = {"ulysses": max(cfg.cp, cfg.max_cp), "hierarchical": inner}.get(cfg.cp_backend, 1)
         if model_cfg is not None:
             _check_model(cfg, model_cfg, cp_a2a)
+        if balance is not None:
+            _check_balance(cfg, balance)
         return cls(world_size=world_size, tp=cfg.tp, cp=cfg.cp, dp=world_size // (cfg.tp * cfg.cp),
                    ep=cfg.ep, etp=cfg.etp, edp=world_size // (cfg.etp * cfg.ep),
                    cp_backend=cfg.cp_backend, cp_inner=inner, cp_outer=outer,

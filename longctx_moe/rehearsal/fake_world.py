@@ -50,7 +50,7 @@ def build_rank(cfg, world_size: int, rank: int, dtype: torch.dtype = torch.float
     dims = check_layout(cfg, world_size)
     dims.build_groups(rank)
     with torch.device("meta"):
-        model = Transformer(cfg.model).to(dtype=dtype)
+        model = Transformer(cfg.model, balance=cfg.balance).to(dtype=dtype)
     return dims, _parallelize(cfg, model, dims)
 
 

@@ -105,8 +105,8 @@ def test_architecture_setting_that_contradicts_config_json_is_refused(tmp_path):
     save_random("mixtral", PARAMS[2][1], tmp_path)
     with pytest.raises(ConfigError, match="config.json gives model.num_experts=4 but the config sets"):
         load_config(None, [f"train.init_from={tmp_path}", "model.num_experts=8"])
-    cfg = load_config(None, [f"train.init_from={tmp_path}", "model.num_experts=4", "model.aux_loss_coeff=0"])
-    assert (cfg.model.num_experts, cfg.model.router_renormalize, cfg.model.aux_loss_coeff) == (4, True, 0)
+    cfg = load_config(None, [f"train.init_from={tmp_path}", "model.num_experts=4", "balance.aux_loss_coeff=0"])
+    assert (cfg.model.num_experts, cfg.model.router_renormalize, cfg.balance.aux_loss_coeff) == (4, True, 0)
 
 
 @pytest.mark.parametrize("family,key,value,named", [
@@ -169,7 +169,7 @@ def test_from_pretrained_config_takes_the_architecture_from_config_json(tmp_path
     cfg = load_config(yaml, [f"train.init_from={tmp_path}"])
     m = cfg.model
     assert (m.hf_family, m.num_experts, m.top_k, m.qk_norm_scope, m.router_renormalize) == ("olmoe", 8, 3, "full", True)
-    assert m.aux_loss_coeff == 1e-3  # not architecture: the YAML's value stands
+    assert cfg.balance.aux_loss_coeff == 1e-3  # not architecture: the YAML's value stands
 
 
 def test_in_memory_state_dicts_round_trip(checkpoint):

@@ -16,8 +16,8 @@ from tests.rl_hooks.helpers import EPS, params, rollout_batch, updates
 
 TOL = 1e-10
 SETS = ["train.param_dtype=fp64", "train.autocast_dtype=none", "train.num_threads=1",
-        "train.host_allocator=default", "execution.loss_chunk_tokens=5", "model.aux_loss_coeff=0",
-        "model.z_loss_coeff=0", "model.expert_bias_update_rate=0", f"optim.eps={EPS}",
+        "train.host_allocator=default", "execution.loss_chunk_tokens=5", "balance.aux_loss_coeff=0",
+        "balance.z_loss_coeff=0", "balance.expert_bias_update_rate=0", f"optim.eps={EPS}",
         "optim.weight_decay=0", "optim.grad_clip=0", "optim.warmup_steps=0", "optim.schedule=constant"]
 LAYOUT = ["parallel.tp=2", "parallel.cp=2", "parallel.ep=2"]
 # gpt-oss's sliding windows run under the ring like every family (test_attention_families_parallel

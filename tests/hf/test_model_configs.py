@@ -79,10 +79,10 @@ def test_a_refused_setting_is_still_refused(tmp_path):
 
 
 def test_fills_a_training_config():
-    data = {"model": {"aux_loss_coeff": 1e-3, "num_experts": 128}}
+    data = {"model": {"num_experts": 128}, "balance": {"aux_loss_coeff": 1e-3}}
     fill_model_from_file(data, str(MODELS / "qwen3-30b-a3b.json"))
     cfg = config_from_dict(data)
-    assert (cfg.model.num_layers, cfg.model.num_experts, cfg.model.aux_loss_coeff) == (48, 128, 1e-3)
+    assert (cfg.model.num_layers, cfg.model.num_experts, cfg.balance.aux_loss_coeff) == (48, 128, 1e-3)
 
 
 def test_the_config_own_keys_win_and_init_from_is_refused():

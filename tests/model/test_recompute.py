@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from longctx_moe.model import build_model
+from longctx_moe.model.config import BalanceConfig
 from tests.model.helpers import packed_batch, tiny_config, tiny_ops
 
 TOL = 1e-12
@@ -18,10 +19,10 @@ TOL = 1e-12
 
 def _model(mode, **overrides):
     torch.manual_seed(0)
-    cfg = tiny_config(first_k_dense=1, num_layers=3, shared_expert_hidden_size=8,
-                      aux_loss_type="seq", aux_loss_coeff=0.1, z_loss_coeff=0.01, expert_bias=True,
+    cfg = tiny_config(first_k_dense=1, num_layers=3, shared_expert_hidden_size=8, expert_bias=True,
                       **overrides)
-    return build_model(cfg, tiny_ops(mode)).double()
+    balance = BalanceConfig(aux_loss_type="seq", aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    return build_model(cfg, tiny_ops(mode), balance).double()
 
 
 def _grads(mode):

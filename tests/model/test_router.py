@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from longctx_moe.model.attention import doc_layout
+from longctx_moe.model.config import BalanceConfig
 from longctx_moe.model.losses import router_z_loss, sequence_aux_loss, switch_aux_loss
 from longctx_moe.model.moe import MoE, Router
 from tests.model.helpers import packed_batch, tiny_config
@@ -80,10 +81,9 @@ def test_group_limited_routing_matches_transformers_deepseek_v3_with_negative_se
 
 
 def test_expert_bias_updates_balance_load_on_skewed_input():
-    cfg = tiny_config(expert_bias=True, expert_bias_update_rate=0.02, aux_loss_type="none",
-                      num_experts=8, top_k=2)
+    cfg = tiny_config(expert_bias=True, num_experts=8, top_k=2)
     torch.manual_seed(0)
-    moe = MoE(cfg).double()
+    moe = MoE(cfg, balance=BalanceConfig(expert_bias_update_rate=0.02, aux_loss_type="none")).double()
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.2)
     batch = packed_batch([256], cfg.vocab_size)

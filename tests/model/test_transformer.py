@@ -5,15 +5,16 @@ import pytest
 import torch
 
 from longctx_moe.model import ModelConfig, build_model, model_flops
+from longctx_moe.model.config import BalanceConfig
 from longctx_moe.model.losses import chunked_cross_entropy
 from tests.model.helpers import packed_batch, tiny_config
 
 TOL64 = 1e-10  # float64 end to end: rounding only
 
 
-def _model64(**overrides):
+def _model64(balance: BalanceConfig | None = None, **overrides):
     torch.manual_seed(0)
-    return build_model(tiny_config(init_std=0.2, **overrides)).double()
+    return build_model(tiny_config(init_std=0.2, **overrides), balance=balance).double()
 
 
 @pytest.mark.parametrize("overrides", [{}, {"first_k_dense": 1, "shared_expert_hidden_size": 8,
@@ -89,7 +90,7 @@ def test_scoring_without_balance_losses_skips_them_and_their_reductions_only(aux
     from longctx_moe.model.attention import doc_layout
     from longctx_moe.model.transformer import LogProbHead
 
-    model = _model64(aux_loss_type=aux, z_loss_coeff=1e-3, first_k_dense=1, num_layers=3)
+    model = _model64(BalanceConfig(aux_loss_type=aux, z_loss_coeff=1e-3), first_k_dense=1, num_layers=3)
     batch = packed_batch([9, 4, 13], 64, pad_multiple=4, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = model(batch, head=LogProbHead(entropy=True))
@@ -106,9 +107,9 @@ def test_scoring_without_balance_losses_skips_them_and_their_reductions_only(aux
 
 
 def test_forward_output_contract_and_bf16_autocast():
-    cfg = tiny_config(first_k_dense=1, num_layers=3, aux_loss_type="switch")
+    cfg = tiny_config(first_k_dense=1, num_layers=3)
     torch.manual_seed(0)
-    model = build_model(cfg)
+    model = build_model(cfg, balance=BalanceConfig(aux_loss_type="switch"))
     batch = packed_batch([9, 4, 13], cfg.vocab_size, pad_multiple=4)
     out = model(batch)
     assert out.ce_sum.dtype == torch.float32 and out.ce_sum.shape == ()
@@ -143,7 +144,7 @@ def test_build_is_deterministic_and_counts_params():
 
 
 def test_update_expert_bias_and_flops():
-    model = _model64(expert_bias=True, expert_bias_update_rate=0.5, first_k_dense=1, num_layers=3)
+    model = _model64(BalanceConfig(expert_bias_update_rate=0.5), expert_bias=True, first_k_dense=1, num_layers=3)
     counts = torch.tensor([[9, 1, 5, 5], [0, 0, 0, 20]])
     model.update_expert_bias(counts)
     biases = [layer.router.expert_bias.tolist() for layer in model.moe_layers()]
@@ -182,16 +183,24 @@ def test_mla_flops_count_the_attention_weights_the_model_has():
 @pytest.mark.parametrize("key,value,match", [("router_score", "relu", "model.router_score"),
                                              ("num_kv_heads", 3, "model.num_kv_heads=3"),
                                              ("top_k", 9, "model.top_k=9"),
-                                             ("aux_loss_type", "global", "model.aux_loss_type")])
+                                             ("max_position_embeddings", 0, "model.max_position_embeddings=0")])
 def test_bad_config_names_the_key(key, value, match):
     with pytest.raises(ValueError, match=match):
         build_model(ModelConfig(**{key: value}))
 
 
+@pytest.mark.parametrize("key,value,match", [("aux_loss_type", "global", "balance.aux_loss_type"),
+                                             ("aux_loss_coeff", -0.1, "balance.aux_loss_coeff=-0.1"),
+                                             ("expert_bias_update_rate", -1.0, "balance.expert_bias_update_rate")])
+def test_bad_balance_names_the_key(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        BalanceConfig(**{key: value})
+
+
 def test_memorises_one_packed_batch():
     torch.manual_seed(0)
-    cfg = tiny_config(aux_loss_type="switch", init_std=0.05)
-    model = build_model(cfg)
+    cfg = tiny_config(init_std=0.05)
+    model = build_model(cfg, balance=BalanceConfig(aux_loss_type="switch"))
     batch = packed_batch([20, 7, 30, 5], cfg.vocab_size, pad_multiple=4,
                          generator=torch.Generator().manual_seed(0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
@@ -211,7 +220,7 @@ def test_all_padding_row_and_empty_documents(aux):
     from data_packing.batch import PackedBatch
 
     torch.manual_seed(0)
-    model = build_model(tiny_config(aux_loss_type=aux))
+    model = build_model(tiny_config(), balance=BalanceConfig(aux_loss_type=aux))
     z = torch.zeros(8, dtype=torch.long)
     pad_only = PackedBatch(tokens=z, labels=torch.full((8,), -100), position_ids=z, max_seqlen=0,
                            cu_seqlens=torch.tensor([0, 0], dtype=torch.int32),

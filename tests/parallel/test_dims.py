@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from longctx_moe.model.config import BalanceConfig
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import Axis, ParallelDims
 from longctx_moe.parallel.plan_groups import main as plan_groups_main
@@ -122,12 +123,19 @@ def test_every_rank_in_exactly_one_group_per_name():
     (4, dict(cp=2, dynamic_cp=True, max_cp=4, cp_backend="ulysses"), dict(num_heads=2),
      "num_heads/tp=2 is not divisible by 4"),
     (4, dict(aux_loss_scope="global"), None, "parallel.aux_loss_scope='global' is not allowed"),
-    (4, dict(aux_loss_scope="global_batch"), dict(aux_loss_type="seq"), "use aux_loss_type=switch"),
 ])
 def test_validation_errors_name_the_numbers(world, kw, model, needle):
     with pytest.raises(ValueError) as e:
         ParallelDims.from_config(ParallelConfig(**kw), world, SimpleNamespace(**(model or {})))
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_global_batch_aux_loss_needs_the_switch_loss():
+    layout = ParallelConfig(aux_loss_scope="global_batch")
+    with pytest.raises(ValueError, match="use balance.aux_loss_type=switch") as e:
+        ParallelDims.from_config(layout, 4, None, BalanceConfig(aux_loss_type="seq"))
+    assert "\n" not in str(e.value)
+    assert ParallelDims.from_config(layout, 4, None, BalanceConfig(aux_loss_type="switch")).dp == 4
 
 
 def test_kv_replication_allowed():

@@ -35,17 +35,17 @@ SETS = ["train.param_dtype=fp64", "train.autocast_dtype=none", "optim.warmup_ste
         "optim.grad_clip=0.5", "optim.weight_decay=0.1", "model.vocab_size=66", "model.hidden_size=32",
         "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
         "model.num_experts=4", "model.expert_hidden_size=16", "model.first_k_dense=1",
-        "model.dense_hidden_size=32", "model.shared_expert_hidden_size=16", "model.aux_loss_type=switch",
-        "model.z_loss_coeff=0.01", "model.expert_bias=true", "parallel.grad_bucket_mb=0.004"]
+        "model.dense_hidden_size=32", "model.shared_expert_hidden_size=16", "balance.aux_loss_type=switch",
+        "balance.z_loss_coeff=0.01", "model.expert_bias=true", "parallel.grad_bucket_mb=0.004"]
 LAYOUTS = [["parallel.cp=2"], ["parallel.ep=2"], ["parallel.ep=2", "optim.impl=fused"]]
 
 
 def _trainer(rank, world, sets):
     cfg = load_config(None, [*SETS, *sets])
-    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model, cfg.balance)
     dims.build_groups(rank)
     torch.manual_seed(0)
-    return Trainer(cfg, parallelize(build_model(cfg.model).to(torch.float64), dims, cfg.parallel))
+    return Trainer(cfg, parallelize(build_model(cfg.model, balance=cfg.balance).to(torch.float64), dims, cfg.parallel))
 
 
 def _batches(trainer, step):

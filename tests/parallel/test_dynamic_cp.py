@@ -42,10 +42,10 @@ BASE = ["train.param_dtype=fp64", "train.autocast_dtype=none", f"train.steps={ST
         "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
         "model.head_dim=8", "model.num_experts=4", "model.top_k=2", "model.expert_hidden_size=16",
         "model.first_k_dense=1", "model.dense_hidden_size=32", "model.shared_expert_hidden_size=16",
-        "model.expert_bias_update_rate=0.01", "execution.loss_chunk_tokens=16"]
-AUX_ON = ["model.aux_loss_type=seq", "model.aux_loss_coeff=0.1", "model.z_loss_coeff=0.01",
+        "balance.expert_bias_update_rate=0.01", "execution.loss_chunk_tokens=16"]
+AUX_ON = ["balance.aux_loss_type=seq", "balance.aux_loss_coeff=0.1", "balance.z_loss_coeff=0.01",
           "model.expert_bias=true"]
-AUX_OFF = ["model.aux_loss_coeff=0", "model.z_loss_coeff=0"]
+AUX_OFF = ["balance.aux_loss_coeff=0", "balance.z_loss_coeff=0"]
 DYNAMIC = ["parallel.dynamic_cp=true", f"parallel.max_tokens_per_rank={CAPACITY}"]
 # (layout, max_cp). world 4: DP2 x CP2 attention, EP2 experts (ring, Ulysses, and hierarchical
 # with an all-to-all of 2: runs of 2 ranks run Ulysses, the whole block 2 x a ring of 2 across
@@ -75,7 +75,7 @@ def _trainer(sets, dims):
     if dims is None:  # one process: the same settings without the layout
         parallel = dataclasses.replace(parallel, cp=1, ep=1, dynamic_cp=False, max_cp=0,
                                        max_tokens_per_rank=0, cp_backend="ring")
-    return Trainer(cfg, parallelize(build_model(cfg.model).double(), dims, parallel))
+    return Trainer(cfg, parallelize(build_model(cfg.model, balance=cfg.balance).double(), dims, parallel))
 
 
 def _grads(trainer):
@@ -121,7 +121,7 @@ def _cost(model_sets=()):
 
     cfg = load_config(None, BASE + list(model_sets))
     fake = dataclasses.replace(cfg.parallel, dynamic_cp=True)
-    return _dynamic_cp(build_model(cfg.model), ParallelDims.from_config(cfg.parallel, 1), fake, 1).cost
+    return _dynamic_cp(build_model(cfg.model, balance=cfg.balance), ParallelDims.from_config(cfg.parallel, 1), fake, 1).cost
 
 
 def _rank(rank, world, layouts):
@@ -131,7 +131,7 @@ def _rank(rank, world, layouts):
         dynamic = DYNAMIC + [f"parallel.max_cp={max_cp}"]
         for extra in (AUX_ON + dynamic, AUX_OFF + dynamic, AUX_OFF):
             cfg = load_config(None, BASE + sets + extra)
-            dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+            dims = ParallelDims.from_config(cfg.parallel, world, cfg.model, cfg.balance)
             dims.build_groups(rank)
             trainer = _trainer(sets + extra, dims)
             mine = [replica[dims.rank_in("dp")] for replica in _steps()]
@@ -215,7 +215,7 @@ def _in_flight_rank(rank, world):
         extra = AUX_ON + DYNAMIC + [f"parallel.max_cp={max_cp}",
                                     f"parallel.micro_batches_in_flight={in_flight}"]
         cfg = load_config(None, BASE + sets + extra)
-        dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+        dims = ParallelDims.from_config(cfg.parallel, world, cfg.model, cfg.balance)
         dims.build_groups(rank)
         trainer = _trainer(sets + extra, dims)
         results = [trainer.train_step(step[dims.rank_in("dp")]) for step in _steps()[:2]]
@@ -252,7 +252,7 @@ def _sp_steps():
 def _sp_rank(rank, world):
     extra = AUX_OFF + DYNAMIC + ["parallel.max_cp=4"]
     cfg = load_config(None, BASE + SP_LAYOUT + extra)
-    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model, cfg.balance)
     dims.build_groups(rank)
     trainer = _trainer(SP_LAYOUT + extra, dims)
     results = [trainer.train_step(step[dims.rank_in("dp")]) for step in _sp_steps()]
@@ -275,7 +275,7 @@ def test_dynamic_cp_with_sequence_parallel_tp_matches_one_process_float64():
             assert abs(loss - ref_loss) < TOL_RUN and abs(norm - ref_norm) < TOL_RUN
 
 
-GLOBAL_AUX = ["model.aux_loss_type=switch", "model.aux_loss_coeff=0.1", "model.z_loss_coeff=0.01",
+GLOBAL_AUX = ["balance.aux_loss_type=switch", "balance.aux_loss_coeff=0.1", "balance.z_loss_coeff=0.01",
               "model.expert_bias=true", "parallel.aux_loss_scope=global_batch"]
 GLOBAL_STEPS = 3
 
@@ -284,7 +284,7 @@ def _global_aux_rank(rank, world):
     sets, max_cp = WORLD4[0]
     extra = GLOBAL_AUX + DYNAMIC + [f"parallel.max_cp={max_cp}"]
     cfg = load_config(None, BASE + sets + extra)
-    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+    dims = ParallelDims.from_config(cfg.parallel, world, cfg.model, cfg.balance)
     dims.build_groups(rank)
     trainer = _trainer(sets + extra, dims)
     grads = _grads(trainer)
@@ -320,7 +320,7 @@ def test_cost_settings_reach_the_runtime_cost_model():
             "parallel.dcp_ring_latency_us=30", "parallel.dcp_attn_half_tokens=1000"]
     cfg = load_config(None, BASE + sets)
     parallel = dataclasses.replace(cfg.parallel, dynamic_cp=True)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, balance=cfg.balance)
     cost = _dynamic_cp(model, ParallelDims.from_config(cfg.parallel, 1), parallel, 1).cost
     m = cfg.model
     want = DynamicCPCost.from_model(

@@ -44,16 +44,16 @@ from tests.parallel.test_train_parallel import DOCS, SETS
 STEPS = 2
 TOL = 1e-10
 WORLD4 = [["parallel.tp=2", "parallel.etp=2", "parallel.ep=2", "parallel.moe_overlap=true",
-           "train.recompute=selective", "model.aux_loss_type=seq"],
+           "train.recompute=selective", "balance.aux_loss_type=seq"],
           ["parallel.etp=2", "parallel.ep=2", "parallel.dispatcher=allgather",
            "parallel.capacity_factor=0.75", "parallel.drop_policy=position",
-           "model.aux_loss_type=switch"],
-          ["parallel.cp=2", "parallel.etp=2", "train.recompute=full", "model.aux_loss_type=seq",
+           "balance.aux_loss_type=switch"],
+          ["parallel.cp=2", "parallel.etp=2", "train.recompute=full", "balance.aux_loss_type=seq",
            "parallel.distributed_optimizer=true"]]
 WORLD8 = [["parallel.tp=2", "parallel.cp=2", "parallel.etp=2", "parallel.ep=2",
-           "parallel.sequence_parallel=true", "model.aux_loss_type=seq"],
+           "parallel.sequence_parallel=true", "balance.aux_loss_type=seq"],
           ["parallel.tp=2", "parallel.cp=2", "parallel.etp=2", "parallel.ep=4",
-           "parallel.moe_overlap=true", "model.aux_loss_type=switch"]]
+           "parallel.moe_overlap=true", "balance.aux_loss_type=switch"]]
 
 
 def _steps(sets):
@@ -68,7 +68,7 @@ def _steps(sets):
 def _trainer(sets, dims) -> Trainer:
     cfg = load_config(None, SETS + [f"train.steps={STEPS}"] + sets)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model).to(torch.float64)
+    model = build_model(cfg.model, balance=cfg.balance).to(torch.float64)
     model.set_recompute(cfg.train.recompute)
     parallel = cfg.parallel
     if dims is None:  # the single-process reference: the same settings on one rank
@@ -133,7 +133,7 @@ def _rank(rank, world, layouts, ckpt_dir):
     out = []
     for i, sets in enumerate(layouts):
         cfg = load_config(None, SETS + sets)
-        dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+        dims = ParallelDims.from_config(cfg.parallel, world, cfg.model, cfg.balance)
         dims.build_groups(rank)
         r, n = dims.rank_in("dp"), dims.size("dp")
         trainer, steps, state, slices = _run(sets, dims, [mbs[r::n] for mbs in _steps(sets)])

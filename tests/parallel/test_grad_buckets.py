@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from longctx_moe.model import build_model
+from longctx_moe.model.config import BalanceConfig
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims, destroy_process_groups
 from longctx_moe.parallel.parallelize import parallelize
@@ -33,9 +34,9 @@ BUCKET_MB = 0.004  # ~1,000 float64 values: the tiny model spreads over many buc
 
 def _model(seed):
     torch.manual_seed(seed)
-    cfg = tiny_config(num_experts=4, top_k=2, first_k_dense=1, shared_expert_hidden_size=16,
-                      aux_loss_type="seq", aux_loss_coeff=0.1, z_loss_coeff=0.01)
-    return build_model(cfg).double()
+    cfg = tiny_config(num_experts=4, top_k=2, first_k_dense=1, shared_expert_hidden_size=16)
+    balance = BalanceConfig(aux_loss_type="seq", aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    return build_model(cfg, balance=balance).double()
 
 
 def _grads(rank, world, kw, bucket_mb, arm, seed):

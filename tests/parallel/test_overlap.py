@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from longctx_moe.model import build_model
+from longctx_moe.model.config import BalanceConfig
 from longctx_moe.parallel import comm
 from longctx_moe.parallel.comm import all_to_all_rows, make_codec, start_all_to_all_rows
 from longctx_moe.parallel.config import ParallelConfig
@@ -40,11 +41,13 @@ LAYOUTS = [dict(ep=4), dict(tp=2, ep=4), dict(ep=4, dispatch_dtype="fp8"),
            dict(ep=4, ep_spare_slots=2, lend_rows=1, recompute="full")]
 
 
+BALANCE = BalanceConfig(aux_loss_type="seq", aux_loss_coeff=0.1, z_loss_coeff=0.01)
+
+
 def _model(seed):
     torch.manual_seed(seed)
-    cfg = tiny_config(num_experts=8, top_k=2, shared_expert_hidden_size=16, aux_loss_type="seq",
-                      aux_loss_coeff=0.1, z_loss_coeff=0.01)
-    return build_model(cfg)
+    cfg = tiny_config(num_experts=8, top_k=2, shared_expert_hidden_size=16)
+    return build_model(cfg, balance=BALANCE)
 
 
 def run_steps(rank, world, kw, overlap, bucket_mb, seed, in_flight=1):
@@ -178,8 +181,8 @@ def _check_trainer_in_flight(rank, world):
     for in_flight in (1, 2):
         cfg = load_config(None, ["train.autocast_dtype=none", "optim.warmup_steps=0", "parallel.ep=4",
                                  f"parallel.micro_batches_in_flight={in_flight}"])
-        cfg.model = _model(0).cfg
-        dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+        cfg.model, cfg.balance = _model(0).cfg, BALANCE
+        dims = ParallelDims.from_config(cfg.parallel, world, cfg.model, cfg.balance)
         dims.build_groups(rank)
         trainer = Trainer(cfg, parallelize(_model(0), dims, cfg.parallel))
         gen = torch.Generator().manual_seed(rank)

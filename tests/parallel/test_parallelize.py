@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from longctx_moe.model import build_model
+from longctx_moe.model.config import BalanceConfig
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.grad_reduce import clip_grad_norm, split_params
@@ -51,9 +52,9 @@ def _loss(out, n, g):
 def _model(seed, aux="seq", skew=False):
     torch.manual_seed(seed)
     # first layer dense and a shared expert: both dense-MLP kinds get TP-sharded.
-    cfg = tiny_config(num_experts=4, top_k=2, first_k_dense=1, shared_expert_hidden_size=16,
-                      aux_loss_type=aux, aux_loss_coeff=0.1, z_loss_coeff=0.01, expert_bias=True)
-    model = build_model(cfg).double()
+    cfg = tiny_config(num_experts=4, top_k=2, first_k_dense=1, shared_expert_hidden_size=16, expert_bias=True)
+    balance = BalanceConfig(aux_loss_type=aux, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    model = build_model(cfg, balance=balance).double()
     for layer in model.moe_layers():  # a non-zero bias changes the selection: exercise it
         layer.router.expert_bias.copy_(0.05 * torch.randn(cfg.num_experts))
         if skew:  # scores are below 1: experts 0 and 1 win every token's selection
@@ -74,7 +75,7 @@ def _expected_grad(name, p, want, dims):
 
 
 def _check_layout(rank, world, kw, seed, aux="seq", skew=False):
-    dims = ParallelDims.from_config(ParallelConfig(**kw), world, tiny_config(aux_loss_type=aux))
+    dims = ParallelDims.from_config(ParallelConfig(**kw), world, tiny_config(), BalanceConfig(aux_loss_type=aux))
     dims.build_groups(rank)
     gen = torch.Generator().manual_seed(seed)
     # slots padded to 2*CP (zigzag halves) and TP, as the trainer's loader does

@@ -36,15 +36,15 @@ CASES = [
     # TP4: replicated KV heads and a tied vocab-parallel embedding under SP
     (dict(tp=4, sequence_parallel=True), dict(tie_embeddings=True), None),
 ]
-# (ParallelConfig, model overrides, head, with per-chunk capacity): router replay in both
+# (ParallelConfig, model overrides, head, with per-chunk capacity, balance.aux_loss_type): router
+# replay in both
 ROUTER_CASES = [
     # TP2 x DP2: switch aux loss, expert bias, capacity on each TP rank's own tokens
-    (dict(tp=2, sequence_parallel=True, **CAPACITY),
-     dict(aux_loss_type="switch", expert_bias=True), None, True),
+    (dict(tp=2, sequence_parallel=True, **CAPACITY), dict(expert_bias=True), None, True, "switch"),
     # TP2 x CP2 / EP2: seq aux loss, the shared expert's SP collectives inside the overlapped
     # all-to-all, RL head
     (dict(tp=2, cp=2, ep=2, sequence_parallel=True, moe_overlap=True),
-     dict(aux_loss_type="seq", expert_bias=True), LogProbHead(entropy=True), False),
+     dict(expert_bias=True), LogProbHead(entropy=True), False, "seq"),
 ]
 
 
@@ -67,7 +67,7 @@ class _PerChunk:
         return torch.cat(out)
 
 
-def _check_router_case(rank, world, kw, overrides, head, capacity):
+def _check_router_case(rank, world, kw, overrides, head, capacity, aux):
     dispatchers = []
 
     def per_chunk_capacity(ref, dims):
@@ -76,7 +76,7 @@ def _check_router_case(rank, world, kw, overrides, head, capacity):
             dispatchers.append(layer.dispatcher)
 
     _check_model(rank, world, kw, overrides, head, replay=True,
-                 adapt_ref=per_chunk_capacity if capacity else None)
+                 adapt_ref=per_chunk_capacity if capacity else None, aux=aux)
     assert not capacity or sum(d.dropped for d in dispatchers) > 0  # the capacity bites
 
 
@@ -142,5 +142,5 @@ def test_padding_lets_every_cp_rank_split_its_tokens_over_tp():
 def test_global_batch_aux_loss_under_sp_tracks_single_process_through_the_trainer_float64():
     # TP2 x DP2: the switch statistics summed over TP (each rank's own tokens) and dp_cp
     sets = ["parallel.tp=2", "parallel.sequence_parallel=true",
-            "parallel.aux_loss_scope=global_batch", "model.aux_loss_type=switch"]
+            "parallel.aux_loss_scope=global_batch", "balance.aux_loss_type=switch"]
     check_training(4, [sets], dps=[2], pad=8)

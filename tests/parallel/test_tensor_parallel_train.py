@@ -26,11 +26,11 @@ TOL = 1e-6
 HIER = ["parallel.tp=2", "parallel.cp=4", "parallel.cp_backend=hierarchical",
         "parallel.hierarchical_sizes=[2, 2]"]
 WORLD8 = [HIER + ["parallel.ep=4", "parallel.sequence_parallel=true", "train.recompute=full",
-                  "model.aux_loss_type=seq"],
+                  "balance.aux_loss_type=seq"],
           ["parallel.cp=8", "parallel.cp_backend=hierarchical", "parallel.hierarchical_sizes=[4, 2]",
-           "parallel.ep=4", "model.aux_loss_type=seq"],
+           "parallel.ep=4", "balance.aux_loss_type=seq"],
           ["parallel.cp=8", "parallel.cp_backend=hierarchical", "parallel.hierarchical_sizes=[2, 4]",
-           "parallel.ep=2", "parallel.distributed_optimizer=true", "model.aux_loss_type=switch"]]
+           "parallel.ep=2", "parallel.distributed_optimizer=true", "balance.aux_loss_type=switch"]]
 
 
 def _steps(sets):
@@ -46,7 +46,7 @@ def _rank(rank, world):
     out = []
     for sets in WORLD8:
         cfg = load_config(None, SETS + sets)
-        dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+        dims = ParallelDims.from_config(cfg.parallel, world, cfg.model, cfg.balance)
         dims.build_groups(rank)
         out.append(_train(sets, dims, _steps(sets)))
     return out

@@ -37,26 +37,26 @@ SETS = ["train.param_dtype=fp64", "train.autocast_dtype=none", f"train.steps={ST
         "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
         "model.head_dim=8", "model.num_experts=4", "model.top_k=2", "model.expert_hidden_size=16",
         "model.first_k_dense=1", "model.dense_hidden_size=32", "model.shared_expert_hidden_size=16",
-        "model.aux_loss_coeff=0.1", "model.z_loss_coeff=0.01", "model.expert_bias=true",
-        "model.expert_bias_update_rate=0.01", "execution.loss_chunk_tokens=16"]
+        "balance.aux_loss_coeff=0.1", "balance.z_loss_coeff=0.01", "model.expert_bias=true",
+        "balance.expert_bias_update_rate=0.01", "execution.loss_chunk_tokens=16"]
 # world 4: CP4 as hierarchical 2x2 / EP2 EDP2, and CP2 DP2 / EP4 with
 # Megatron's global-batch aux loss; world 8: TP2 CP2 DP2 / EP4 EDP2.
 # Recompute re-runs the CP executors and the expert all-to-alls in the backward: full and
 # selective recompute ride along here (the single-process reference recomputes too; the model
 # tests show recompute leaves gradients unchanged).
 WORLD4 = [["parallel.cp=4", "parallel.ep=2", "parallel.cp_backend=hierarchical",
-           "parallel.hierarchical_sizes=[2, 2]", "model.aux_loss_type=seq", "train.recompute=full"],
+           "parallel.hierarchical_sizes=[2, 2]", "balance.aux_loss_type=seq", "train.recompute=full"],
           ["parallel.cp=2", "parallel.ep=4", "parallel.aux_loss_scope=global_batch",
-           "model.aux_loss_type=switch", "train.recompute=selective"]]
+           "balance.aux_loss_type=switch", "train.recompute=selective"]]
 # world 2, pure DP and DP x EP: the capacity factor, the drop policy and the global-batch aux
 # loss act as on one rank (capacity is per source rank and micro-batch, which is what the
 # reference's sequential micro-batches see).
 WORLD2 = [["parallel.capacity_factor=0.5", "parallel.drop_policy=position",
-           "model.aux_loss_type=switch"],
-          ["parallel.ep=2", "parallel.capacity_factor=0.75", "model.aux_loss_type=seq"],
-          ["parallel.aux_loss_scope=global_batch", "model.aux_loss_type=switch"]]
-WORLD8 = [["parallel.tp=2", "parallel.cp=2", "parallel.ep=4", "model.aux_loss_type=seq"],
-          ["parallel.tp=2", "parallel.cp=2", "parallel.ep=4", "model.aux_loss_type=switch"]]
+           "balance.aux_loss_type=switch"],
+          ["parallel.ep=2", "parallel.capacity_factor=0.75", "balance.aux_loss_type=seq"],
+          ["parallel.aux_loss_scope=global_batch", "balance.aux_loss_type=switch"]]
+WORLD8 = [["parallel.tp=2", "parallel.cp=2", "parallel.ep=4", "balance.aux_loss_type=seq"],
+          ["parallel.tp=2", "parallel.cp=2", "parallel.ep=4", "balance.aux_loss_type=switch"]]
 
 
 def _steps(pad: int):
@@ -69,7 +69,7 @@ def _steps(pad: int):
 def _train(sets, dims, steps):
     cfg = load_config(None, SETS + sets)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model).to(torch.float64)
+    model = build_model(cfg.model, balance=cfg.balance).to(torch.float64)
     model.set_recompute(cfg.train.recompute)
     parallel = cfg.parallel
     if dims is None:  # the single-process reference: the same settings on one rank
@@ -98,7 +98,7 @@ def _rank(rank, world, layouts, pad):
     out = []
     for sets in layouts:
         cfg = load_config(None, SETS + sets)
-        dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
+        dims = ParallelDims.from_config(cfg.parallel, world, cfg.model, cfg.balance)
         dims.build_groups(rank)
         r, n = dims.rank_in("dp"), dims.size("dp")
         out.append(_train(sets, dims, [mbs[r::n] for mbs in _steps(pad)]))

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from longctx_moe.checkpoint.sharded_state import global_slices
 from longctx_moe.model import build_model
 from longctx_moe.model.attention import doc_layout
+from longctx_moe.model.config import BalanceConfig
 from longctx_moe.model.losses import VocabShard, chunked_cross_entropy, chunked_token_logprobs
 from longctx_moe.model.transformer import LogProbHead
 from longctx_moe.parallel.config import ParallelConfig
@@ -89,11 +90,12 @@ def test_vocab_sharded_losses_equal_whole_vocabulary_float64():
 DOCS = [[5, 9, 1, 13], [7, 3, 11]]  # one packed micro-batch per DP replica
 
 
-def _model(seed, **overrides):
+def _model(seed, aux="seq", **overrides):
+    """`aux`: balance.aux_loss_type; `overrides`: model.* keys."""
     torch.manual_seed(seed)
-    cfg = tiny_config(num_experts=4, top_k=2, first_k_dense=1, shared_expert_hidden_size=16,
-                      aux_loss_coeff=0.1, z_loss_coeff=0.01, **overrides)
-    model = build_model(cfg).double()
+    cfg = tiny_config(num_experts=4, top_k=2, first_k_dense=1, shared_expert_hidden_size=16, **overrides)
+    balance = BalanceConfig(aux_loss_type=aux, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    model = build_model(cfg, balance=balance).double()
     if cfg.expert_bias:  # a bias that changes the selection (it starts at zero)
         for layer in model.moe_layers():
             layer.router.expert_bias.copy_(0.2 * torch.randn(cfg.num_experts))
@@ -151,18 +153,20 @@ def _check_router_stats(runtime, shard, out, want, batch, kw):
     assert runtime.all_reduce(replay, "cp").tolist() == ref_replay, kw
 
 
-def _check_model(rank, world, kw, overrides, head, replay=False, adapt_ref=None):
+def _check_model(rank, world, kw, overrides, head, replay=False, adapt_ref=None, aux="seq"):
     """The parallelized model of ParallelConfig(**kw) on this rank against one process: loss
     (CE or `head`'s RL loss, plus aux and z), router statistics, logits and every gradient.
     `replay`: force random routes for half the tokens; `adapt_ref(ref, dims)`: make the
-    reference act as the layout does where that differs from one process (per-chunk capacity)."""
-    dims = ParallelDims.from_config(ParallelConfig(**kw), world, tiny_config(**overrides))
+    reference act as the layout does where that differs from one process (per-chunk capacity);
+    `aux`: balance.aux_loss_type."""
+    dims = ParallelDims.from_config(ParallelConfig(**kw), world, tiny_config(**overrides),
+                                    BalanceConfig(aux_loss_type=aux))
     dims.build_groups(rank)
     gen = torch.Generator().manual_seed(7)
     batches = [packed_batch(d, 64, pad_multiple=2 * dims.cp * dims.tp,
                             generator=gen) for d in DOCS[:dims.dp]]
     g_Ts = [torch.randn(b.num_tokens, generator=gen, dtype=torch.float64) for b in batches]
-    ref = _model(3, **overrides)
+    ref = _model(3, aux, **overrides)
     if adapt_ref is not None:
         adapt_ref(ref, dims)
     replays = [_replay_routes(b, ref, gen) if replay else None for b in batches]
@@ -172,7 +176,7 @@ def _check_model(rank, world, kw, overrides, head, replay=False, adapt_ref=None)
     else:
         ref_loss = sum(_rl_loss(o, g) for o, g in zip(ref_outs, g_Ts, strict=True))
     ref_loss.backward()
-    runtime = parallelize(_model(3, **overrides), dims)
+    runtime = parallelize(_model(3, aux, **overrides), dims)
     model, dp = runtime.model, dims.rank_in("dp")
     shard = runtime.shard(batches[dp], replay_TLK=replays[dp])
     out = runtime.forward(shard, head=head)

@@ -22,12 +22,12 @@ SETS = ["train.param_dtype=fp64", "train.autocast_dtype=none", "train.num_thread
         f"model.num_layers={LAYERS}", "model.num_heads=4", "model.num_kv_heads=2",
         "model.head_dim=8", f"model.num_experts={EXPERTS}", f"model.top_k={TOP_K}",
         "model.expert_hidden_size=16", "model.shared_expert_hidden_size=8",
-        "execution.loss_chunk_tokens=5", "model.aux_loss_type=seq",
+        "execution.loss_chunk_tokens=5", "balance.aux_loss_type=seq",
         # The router's balance losses are statistics of each micro-batch (Switch / DeepSeek
         # define them so): they are the one part of the objective that depends on the split,
         # so the split-invariance tests switch them off (aux_loss_scope=global_batch is the
         # split-free alternative).
-        "model.aux_loss_coeff=0", "model.z_loss_coeff=0",
+        "balance.aux_loss_coeff=0", "balance.z_loss_coeff=0",
         f"optim.eps={EPS}", "optim.weight_decay=0", "optim.grad_clip=0", "optim.warmup_steps=0",
         "optim.schedule=constant"]
 

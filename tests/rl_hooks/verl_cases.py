@@ -18,7 +18,7 @@ VOCAB = 64
 SETS = ["train.num_threads=1", "train.host_allocator=default", f"model.vocab_size={VOCAB}",
         "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
         "model.head_dim=8", "model.num_experts=4", "model.top_k=2", "model.expert_hidden_size=16",
-        "model.init_std=0.2", "model.aux_loss_coeff=0", "model.z_loss_coeff=0"]
+        "model.init_std=0.2", "balance.aux_loss_coeff=0", "balance.z_loss_coeff=0"]
 DTYPES = {"float32": ("fp32", torch.float32), "float64": ("fp64", torch.float64)}
 # AdamW with eps far above every gradient entry and no weight decay: the first update is
 # -lr * g / (|g| + eps), so with lr = eps it is g / (1 + |g| / eps), about the gradient itself.

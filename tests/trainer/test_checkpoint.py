@@ -334,6 +334,30 @@ def test_harmless_settings_may_change_on_resume_but_the_models_function_may_not(
         assert "\n" not in str(e.value)
 
 
+def test_a_checkpoint_whose_model_section_still_holds_the_balance_keys_resumes(tmp_path):
+    """Checkpoints written while model.* held the balance losses (now balance.*, a training
+    setting that may change on resume) and max_position_embeddings 0 (then: unset; it acts
+    only as YaRN's missing factor) resume; a difference in the model's function still refuses."""
+    import dataclasses
+
+    from longctx_moe.checkpoint.trainer_state import resume_expectations
+
+    trainer, _, ctx = saved_steps(tmp_path, [1])
+    step_dir = ctx.ckpt_dir / "step_00000001"
+    meta = json.loads((step_dir / "meta.json").read_text())
+    meta["model"].update(aux_loss_type="switch", aux_loss_coeff=0.5, z_loss_coeff=0.0,
+                         expert_bias_update_rate=0.1, max_position_embeddings=0)
+    (step_dir / "meta.json").write_text(json.dumps(meta))
+    assert "aux_loss_coeff" not in resume_expectations(trainer.cfg)["model"]
+    CheckpointReader(step_dir, resume_expectations(trainer.cfg))  # accepted
+    yarn = {"type": "yarn", "original_max_position_embeddings": 1024}  # the factor from the length
+    cfg = dataclasses.replace(trainer.cfg, model=dataclasses.replace(trainer.cfg.model, rope_scaling=yarn))
+    assert resume_expectations(cfg)["model"]["max_position_embeddings"] == 32768
+    cfg = dataclasses.replace(trainer.cfg, model=dataclasses.replace(trainer.cfg.model, top_k=1))
+    with pytest.raises(CheckpointError, match=r"has model\.top_k=2 but the config has 1"):
+        CheckpointReader(step_dir, resume_expectations(cfg))
+
+
 def test_rank_files_are_safetensors_that_safetensors_reads_back_exactly(tmp_path):
     # Our writer streams the format itself (no in-memory copy of the file): check it against the
     # safetensors reader for every dtype and shape kind a trainer can hold.

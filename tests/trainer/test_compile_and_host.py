@@ -13,6 +13,7 @@ from longctx_moe.compile import apply_compile
 from longctx_moe.config import ConfigError, load_config
 from longctx_moe.host import configure_cpu
 from longctx_moe.model import build_model
+from longctx_moe.model.config import BalanceConfig
 from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.trainer import Trainer
 from tests.model.helpers import packed_batch, tiny_config
@@ -21,9 +22,10 @@ from tests.model.helpers import packed_batch, tiny_config
 def _trainer(compiled: bool):
     cfg = load_config(None, ["train.param_dtype=fp64", "train.autocast_dtype=none", "optim.warmup_steps=0",
                              "optim.grad_clip=1.0"])
-    cfg.model = tiny_config(aux_loss_type="seq", expert_bias=True, z_loss_coeff=1e-3)
+    cfg.model = tiny_config(expert_bias=True)
+    cfg.balance = BalanceConfig(aux_loss_type="seq", z_loss_coeff=1e-3)
     torch.manual_seed(0)
-    runtime = parallelize(build_model(cfg.model).double(), None, cfg.parallel)
+    runtime = parallelize(build_model(cfg.model, balance=cfg.balance).double(), None, cfg.parallel)
     if compiled:
         apply_compile(runtime.model)
     return Trainer(cfg, runtime)

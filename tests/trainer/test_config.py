@@ -192,3 +192,14 @@ def test_each_section_is_validated_once_from_load_to_built_components(monkeypatc
     build_model(cfg.model)
     ParallelDims.from_config(cfg.parallel, 1, cfg.model)
     assert sorted(calls) == ["DataConfig", "ModelConfig", "ParallelConfig"]
+
+
+@pytest.mark.parametrize("key,value", [("aux_loss_type", "none"), ("aux_loss_coeff", 0.0), ("z_loss_coeff", 0.0),
+                                       ("expert_bias_update_rate", 0.0)])
+def test_balance_keys_under_model_are_refused_naming_their_section(tmp_path, key, value):
+    want = rf"^model\.{key} is how training balances the experts, not part of the architecture: write it as balance\.{key}$"
+    with pytest.raises(ConfigError, match=want):
+        load_config(None, [f"model.{key}={value}"])
+    with pytest.raises(ConfigError, match=want):
+        load_config(write(tmp_path, f"model:\n  {key}: {value}\n"))
+    assert getattr(load_config(write(tmp_path, f"balance:\n  {key}: {value}\n")).balance, key) == value

@@ -16,7 +16,7 @@ SETS = ["train.param_dtype=fp64", "train.autocast_dtype=none", "optim.warmup_ste
         "optim.grad_clip=0.5", "model.vocab_size=64", "model.hidden_size=32", "model.num_layers=2",
         "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16", "model.num_experts=4",
         "model.expert_hidden_size=16", "model.first_k_dense=1", "model.dense_hidden_size=32",
-        "model.aux_loss_type=switch", "model.expert_bias=true"]
+        "balance.aux_loss_type=switch", "model.expert_bias=true"]
 
 
 def global_steps():
@@ -30,7 +30,7 @@ def global_steps():
 def train(dims, steps_batches):
     cfg = load_config(None, SETS)
     torch.manual_seed(0)
-    model = build_model(cfg.model).to(torch.float64)
+    model = build_model(cfg.model, balance=cfg.balance).to(torch.float64)
     trainer = Trainer(cfg, parallelize(model, dims, cfg.parallel))
     losses = [trainer.train_step(b).loss for b in steps_batches]
     # numpy, not tensors: torch's queue shares tensor storage through a file descriptor that is
@@ -40,7 +40,7 @@ def train(dims, steps_batches):
 
 def _dp_rank(rank, world_size):
     cfg = load_config(None, SETS)
-    dims = ParallelDims.from_config(cfg.parallel, world_size, cfg.model)
+    dims = ParallelDims.from_config(cfg.parallel, world_size, cfg.model, cfg.balance)
     dims.build_groups(rank)
     r, n = dims.rank_in("dp"), dims.size("dp")
     local = [[mb for i, mb in enumerate(step) if i % n == r] for step in global_steps()]

@@ -19,6 +19,7 @@ from longctx_moe.config import load_config
 from longctx_moe.host import ONEDNN_CACHE_CAPACITY, HeapTrim, bound_onednn_caches, configure_cpu
 from longctx_moe.metrics import reset_peak_memory
 from longctx_moe.model import build_model
+from longctx_moe.model.config import BalanceConfig
 from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.trainer import Trainer
 from tests.launcher import run_distributed
@@ -39,9 +40,10 @@ def _live_tensors_across_steps(rank: int, world: int) -> tuple[int, int]:
     spawns a fresh interpreter): in the pytest process, bounded caches that earlier tests filled
     give up entries as these steps add theirs, and the count moves for reasons not this test's."""
     cfg = load_config(None, ["optim.warmup_steps=0", "train.autocast_dtype=bf16"])
-    cfg.model = tiny_config(aux_loss_type="seq", expert_bias=True, z_loss_coeff=1e-3)
+    cfg.model = tiny_config(expert_bias=True)
+    cfg.balance = BalanceConfig(aux_loss_type="seq", z_loss_coeff=1e-3)
     torch.manual_seed(0)
-    trainer = Trainer(cfg, parallelize(build_model(cfg.model), None, cfg.parallel))
+    trainer = Trainer(cfg, parallelize(build_model(cfg.model, balance=cfg.balance), None, cfg.parallel))
     gen = torch.Generator().manual_seed(0)
     vocab = cfg.model.vocab_size
 
