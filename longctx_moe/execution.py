@@ -19,7 +19,6 @@ one line when asked for by name; under `auto` the op falls back to torch and the
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -41,10 +40,9 @@ FP8_RECIPES = ("tensor", "block", "delayed")
 # float64 runs only where the interpreter runs it (tests): on a GPU the Triton kernels serve the
 # dtypes they are tuned for, as the attention registry leaves float64 to its reference backend.
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The adapters (modules with available()) of the C++ kernels behind each op's C++ path.
-_NATIVE = {"norm": ("longctx_moe.kernels.cpu_rmsnorm",), "swiglu": ("longctx_moe.kernels.cpu_swiglu",),
-           "logprobs": ("longctx_moe.kernels.cpu_logprobs",),
-           "attention_kernels": ("cp_attention.kernels.brgemm_forward", "cp_attention.kernels.amx_backward")}
+# The native extension's kernels (cp_attention.native) behind each op's C++ path.
+_NATIVE = {"norm": ("rmsnorm",), "swiglu": ("swiglu",), "logprobs": ("logprobs",),
+           "attention_kernels": ("attention_fwd", "attention_bwd")}
 
 
 @dataclass
@@ -201,13 +199,12 @@ def native_unavailable(op: str, target: Target) -> str | None:
     """None when the C++ kernels of `op` are built and self-checked for `target`, else why not."""
     if target.device != "cpu":
         return f"the C++ kernels run on CPU tensors, not {target.device}"
-    from cp_attention.hardware import cpu_has_avx512_bf16
+    from cp_attention import native
 
-    if not cpu_has_avx512_bf16():
-        return "the C++ kernels need an x86-64 CPU with AVX512-BF16 (this one runs the AVX2 path)"
-    for adapter in _NATIVE[op]:
-        if not importlib.import_module(adapter).available():
-            return f"{adapter.rsplit('.', 1)[1]} did not build or failed its self-check (see the warning)"
+    for kernel in _NATIVE[op]:
+        reason = native.unavailable_reason(kernel)
+        if reason is not None:
+            return reason
     return None
 
 
