@@ -80,8 +80,9 @@ class ExecutionConfig:
     loss_logits_cache_mb: int = 128
     # Each document's attention and expert rows computed as if alone in its micro-batch, so a
     # sequence's log-probs do not depend on its neighbours (cp_attention.kernels._buckets):
-    # auto (on for an RL policy, rl_hooks.PolicyTrainer; off for `longctx-moe train`) | on | off
-    batch_invariant: str = "auto"
+    # null (auto: on for an RL policy, rl_hooks.PolicyTrainer; off for `longctx-moe train`) |
+    # true | false
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,7 +96,6 @@ class ExecutionConfig:
         check_choice("execution.expert_precision", self.expert_precision, EXPERT_PRECISION)
         check_choice("execution.fp8", self.fp8, FP8)
         check_choice("execution.fp8_recipe", self.fp8_recipe, FP8_RECIPES)
-        check_choice("execution.batch_invariant", self.batch_invariant, ("auto", "on", "off"))
         for key in ("loss_chunk_tokens", "fp8_amax_history"):
             if getattr(self, key) < 1:
                 raise ValueError(f"execution.{key}={getattr(self, key)} must be >= 1")
@@ -263,7 +263,7 @@ def _attention(cfg: ExecutionConfig, target: Target, native: str) -> tuple[AttnK
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"execution.attention_backend={cfg.attention_backend!r}: {e}") from None
     cpp = name == "torch_cpu" and native == "cpp"
-    kernel = AttnKernel(name, batch_invariant=cfg.batch_invariant == "on", native_forward=cpp,
+    kernel = AttnKernel(name, batch_invariant=bool(cfg.batch_invariant), native_forward=cpp,
                         native_backward=cpp)
     why = f"execution.attention_backend={cfg.attention_backend} on {target.device} in {target.compute_dtype}"
     return kernel, why
@@ -311,8 +311,8 @@ def resolve(cfg: ExecutionConfig, target: Target, recompute: str = "none", rl: b
     from longctx_moe.model.recompute import MODES
 
     check_choice("train.recompute", recompute, MODES)
-    invariant = cfg.batch_invariant == "on" or (cfg.batch_invariant == "auto" and rl)
-    cfg = dataclasses.replace(cfg, batch_invariant="on" if invariant else "off")
+    invariant = rl if cfg.batch_invariant is None else cfg.batch_invariant
+    cfg = dataclasses.replace(cfg, batch_invariant=invariant)
     paths, reasons = {}, {}
     for op in OP_PATHS:
         paths[op], reasons[op] = _op_path(cfg, op, target)
@@ -344,7 +344,7 @@ def default_ops(device: str = "cpu", batch_invariant: bool = False) -> Ops:
         from longctx_moe.precision import resolve_compute_dtype
 
         compute = resolve_compute_dtype("auto", torch.float32, device).dtype
-        _DEFAULTS[key] = resolve(ExecutionConfig(batch_invariant="on" if batch_invariant else "off"),
+        _DEFAULTS[key] = resolve(ExecutionConfig(batch_invariant=batch_invariant),
                                  Target(device, compute, torch.float32))
     return _DEFAULTS[key]
 

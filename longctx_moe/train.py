@@ -106,10 +106,13 @@ def run(cfg: Config, until: int | None = None) -> dict:
     runtime, loader = start_up(cfg, ctx)
     trainer = Trainer(cfg, runtime, ctx.device)
     announce(trainer.compute, ctx.rank)
+    ops_lines = trainer.model.ops.lines()
+    if ctx.rank == 0:
+        print("\n".join(ops_lines), flush=True)
     resumed = maybe_resume(trainer, loader, ctx)
     metrics_path = ctx.run_dir / cfg.logging.metrics_file
     if ctx.rank == 0:
-        write_config(cfg, ctx.run_dir / "config.yaml")
+        write_config(cfg, ctx.run_dir / "config.yaml", ops_lines)
         # Records after the resumed step (logged before a crash, or by a run that went back)
         # would repeat: drop them; a fresh run (step 0) starts an empty file.
         truncate_metrics(metrics_path, trainer.step)

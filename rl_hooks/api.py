@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from cp_attention.kernels import batch_invariant
 from longctx_moe.config import Config, ConfigError, load_config
 from longctx_moe.model.transformer import LogProbHead
 from longctx_moe.precision import announce
@@ -67,9 +66,9 @@ class PolicyTrainer:
 
     `micro_batch_tokens`: the token budget of one micro-batch per rank (default
     data.micro_batch_tokens); `advantage_estimator`: grpo | drgrpo | rloo | grpo_verl, used when a batch
-    brings rewards instead of advantages; `batch_invariant` (default on): attention runs each
-    sequence in a kernel call of its own, so a sequence's log-probs are bitwise the same whatever
-    it is packed with (cp_attention.kernels.batch_invariant; one call per sequence).
+    brings rewards instead of advantages; `batch_invariant` (None: execution.batch_invariant, whose
+    default is on for a policy): attention runs each sequence in a kernel call of its own, so a
+    sequence's log-probs are bitwise the same whatever it is packed with (one call per sequence).
 
     `sharded` (default off): each data-parallel rank passes its own share of the batch, as verl
     and NeMo-RL dispatch it (every CP and TP rank of a DP replica the same share). The plan and
@@ -82,12 +81,13 @@ class PolicyTrainer:
     sequence indices into the gathered batch (gather its own data with `shares`)."""
 
     def __init__(self, cfg: Config, *, micro_batch_tokens: int | None = None,
-                 advantage_estimator: str = "grpo", batch_invariant: bool = True,
+                 advantage_estimator: str = "grpo", batch_invariant: bool | None = None,
                  sharded: bool = False):
         from data_packing.batch import pad_multiple
-        from longctx_moe.build import build_dims, build_runtime
+        from longctx_moe.build import build_dims, build_runtime, resolve_ops
         from longctx_moe.process import make_context
 
+        cfg = _with_invariance(cfg, batch_invariant)
         self.cfg = cfg
         # An RL framework made this process (a verl engine, a NeMo-RL worker, a Ray actor): it
         # keeps its host settings but for those the config names (train.host_tuning).
@@ -95,7 +95,7 @@ class PolicyTrainer:
         if self.ctx.rank == 0 and self.ctx.host:
             print(self.ctx.host, flush=True)
         self.dims = build_dims(cfg, self.ctx)
-        self.runtime = build_runtime(cfg, self.dims, self.ctx.device)
+        self.runtime = build_runtime(cfg, self.dims, self.ctx.device, resolve_ops(cfg, self.ctx.device, rl=True))
         self.trainer = Trainer(cfg, self.runtime, self.ctx.device)
         announce(self.trainer.compute, self.ctx.rank)
         self.pad_multiple = pad_multiple(cfg.parallel.cp, cfg.parallel.tp,
@@ -111,7 +111,7 @@ class PolicyTrainer:
                                   "under Dynamic-CP; set one of them")
             self.budget = micro_batch_tokens or self.dynamic.capacity
         self.estimator = advantage_estimator
-        self.batch_invariant = batch_invariant
+        self.batch_invariant = self.runtime.model.ops.batch_invariant
         from rl_hooks.export import ExportGate
 
         self.export_gate = ExportGate()  # an export left open is settled before the next call
@@ -162,7 +162,7 @@ class PolicyTrainer:
         self.validate(batch)
         self.export_gate.settle()
         whole, mine = self._whole(batch)
-        with torch.no_grad(), batch_invariant(self.batch_invariant):
+        with torch.no_grad():
             out = self._logprobs(whole, temperature, return_entropy, record_routes, mini_batches)
         # A worker that only scores (a reference policy) never runs train_step, whose trim would
         # hand back the free heap pages its new shapes leave behind.
@@ -298,9 +298,8 @@ class PolicyTrainer:
         objective = PolicyObjective(batch, mine, loss, norm, LogProbHead(temperature, entropy),
                                      self.runtime)
         micro = [mb.packed for mb in mine]
-        with batch_invariant(self.batch_invariant):
-            res = (self.trainer.train_step(micro, objective, lr=lr, cp_groups=groups) if update
-                   else self.trainer.backward(micro, objective, cp_groups=groups))
+        res = (self.trainer.train_step(micro, objective, lr=lr, cp_groups=groups) if update
+               else self.trainer.backward(micro, objective, cp_groups=groups))
         m = dict(res.metrics)
         out = {"loss": res.loss, "policy_loss": res.ce_loss, "aux_loss": res.aux_loss,
                "z_loss": res.z_loss, "loss_tokens": float(norm.num_tokens), "sequences": float(norm.num_seqs)}
@@ -433,6 +432,18 @@ class PolicyTrainer:
         self.export_gate.settle()
         step_dir = find_resume_dir(Path(path), "auto") or Path(path)
         load_trainer(self.trainer, None, step_dir, self.ctx.rank, self.ctx.world_size)
+
+
+def _with_invariance(cfg: Config, batch_invariant: bool | None) -> Config:
+    """cfg with execution.batch_invariant set by the constructor's argument, which may not
+    contradict an explicit true / false of the config."""
+    setting = cfg.execution.batch_invariant
+    if batch_invariant is None or setting == batch_invariant:
+        return cfg
+    if setting is not None:
+        raise ConfigError(f"PolicyTrainer(batch_invariant={batch_invariant}) contradicts "
+                          f"execution.batch_invariant={str(setting).lower()}; drop one of them")
+    return dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution, batch_invariant=batch_invariant))
 
 
 def _split(num_seqs: int, parts: int) -> list[list[int]]:
