@@ -59,6 +59,7 @@ class CPPlan:
     rank_cost: list[float]  # per ring rank, planned cost
     zigzag_docs: list[int]
     _full_step: StepSpec | None = field(default=None, repr=False)
+    _index_on: dict = field(default_factory=dict, repr=False)  # (rank, device) -> rank_index there
 
     @property
     def planned_imbalance(self) -> float:
@@ -72,7 +73,15 @@ class CPPlan:
         """x [T, ...] in physical order -> [L_rank, ...] in rank's local order."""
         if x.shape[0] != self.num_tokens:
             raise ValueError(f"shard: x has {x.shape[0]} tokens but the plan was made for {self.num_tokens}")
-        return x.index_select(0, self.rank_index[rank].to(x.device))
+        return x.index_select(0, self.index_on(rank, x.device))
+
+    def index_on(self, rank: int, device: torch.device) -> torch.Tensor:
+        """rank_index[rank] on `device`, copied there once per plan (every per-token tensor of
+        the micro-batch is sharded with it)."""
+        key = (rank, str(device))
+        if key not in self._index_on:
+            self._index_on[key] = self.rank_index[rank].to(device, non_blocking=True)
+        return self._index_on[key]
 
     def unshard(self, locals_: list[torch.Tensor]) -> torch.Tensor:
         """Inverse of shard: [L_r, ...] for every rank -> [T, ...]; unowned positions are zero."""
@@ -81,7 +90,7 @@ class CPPlan:
         first = locals_[0]
         out = first.new_zeros((self.num_tokens, *first.shape[1:]))
         for r, x in enumerate(locals_):
-            out.index_copy_(0, self.rank_index[r].to(x.device), x)
+            out.index_copy_(0, self.index_on(r, x.device), x)
         return out
 
     def full_sequence_step(self) -> StepSpec:

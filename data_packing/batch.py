@@ -6,6 +6,11 @@ physical length T. Document i occupies physical positions
 the rest of its padded slot, up to cu_seqlens_padded[i+1], is padding (present only when documents
 are padded to the CP/TP multiple). Padding is never counted in `cu_seqlens`.
 
+The document bounds (cu_seqlens, cu_seqlens_padded, max_seqlen) live on the host, where the loader
+made them, for the whole life of the batch: `to(device)` moves the per-token tensors only. Every
+plan made from them (attention segments, CP placement, Dynamic-CP exchange) then reads host values,
+so a GPU step pays no device-to-host sync for them and a rehearsal on `meta` tensors can read them.
+
 Shapes: T physical tokens, N documents.
 """
 
@@ -17,6 +22,7 @@ from dataclasses import dataclass, fields
 import torch
 
 IGNORE_INDEX = -100
+_HOST_FIELDS = ("cu_seqlens", "cu_seqlens_padded")  # PackedBatch.to leaves these on the host
 
 
 def pad_to(n, multiple: int):
@@ -36,12 +42,19 @@ def pad_multiple(cp: int, tp: int, sequence_parallel: bool = False) -> int:
 class PackedBatch:
     tokens: torch.Tensor  # int64 [T]; pad id at padding positions
     labels: torch.Tensor  # int64 [T]; next token of the same document, IGNORE_INDEX where none
-    cu_seqlens: torch.Tensor  # int32 [N+1]; cumulative real document lengths
-    cu_seqlens_padded: torch.Tensor  # int32 [N+1]; physical offsets of the padded slots
+    cu_seqlens: torch.Tensor  # int32 [N+1], host; cumulative real document lengths
+    cu_seqlens_padded: torch.Tensor  # int32 [N+1], host; physical offsets of the padded slots
     position_ids: torch.Tensor  # int64 [T]; 0.. per document (a split piece packed with
     # --split-positions continue starts at its offset in the document); 0 at padding
     max_seqlen: int  # host int: longest real document; never read it from a device tensor
     loss_weight: torch.Tensor | None = None  # float32 [T]; optional per-token weight
+
+    def __post_init__(self) -> None:
+        for name in _HOST_FIELDS:
+            where = getattr(self, name).device
+            if where.type != "cpu":
+                raise ValueError(f"PackedBatch.{name} is on {where}; the document bounds stay on the "
+                                 "host: build them there (PackedBatch.to moves only the token tensors)")
 
     @property
     def num_tokens(self) -> int:
@@ -52,31 +65,43 @@ class PackedBatch:
         return int(self.cu_seqlens.numel()) - 1
 
     def num_target_tokens(self) -> int:
-        """Tokens that carry a loss; the trainer sums this over the whole optimizer step."""
+        """Tokens that carry a loss; the trainer sums this over the whole optimizer step. Count
+        it on the host batch, before `to(device)` (on device labels it is a sync)."""
         return int((self.labels != IGNORE_INDEX).sum())
 
     def doc_lengths(self) -> list[int]:
         return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
 
+    def document_ids(self) -> torch.Tensor:
+        """int64 [T] on the host: each position's document index, -1 at padding (built from the
+        host bounds, whatever device the tokens are on)."""
+        cu, cup = self.cu_seqlens.long(), self.cu_seqlens_padded.long()
+        lens_N, slots_N = cu.diff(), cup.diff()
+        n = lens_N.numel()
+        ids = torch.stack([torch.arange(n), torch.full((n,), -1)], 1).flatten()
+        runs = torch.stack([lens_N, slots_N - lens_N], 1).flatten()
+        ids_T = torch.repeat_interleave(ids, runs, output_size=int(cup[-1]))
+        return torch.cat([ids_T, ids_T.new_full((self.num_tokens - ids_T.numel(),), -1)])
+
     def real_token_mask(self) -> torch.Tensor:
-        """bool [T]: True at real (non-padding) positions."""
-        mask = torch.zeros(self.num_tokens, dtype=torch.bool, device=self.tokens.device)
-        lens = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-        for start, n in zip(self.cu_seqlens_padded[:-1].tolist(), lens.tolist(), strict=True):
-            mask[start:start + n] = True
-        return mask
+        """bool [T] on the host: True at real (non-padding) positions."""
+        return self.document_ids() >= 0
 
     def to(self, device: torch.device | str) -> PackedBatch:
+        """The per-token tensors on `device`; the document bounds stay on the host (see the
+        module docstring)."""
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            moved[f.name] = value.to(device, non_blocking=True) if torch.is_tensor(value) else value
+            if torch.is_tensor(value) and f.name not in _HOST_FIELDS:
+                value = value.to(device, non_blocking=True)
+            moved[f.name] = value
         return PackedBatch(**moved)
 
     def validate(self) -> None:
-        """Raise ValueError naming the broken invariant. Loaders call it on the host tensors they
-        build (18 us for a 4096-token micro-batch of ~4 documents, beside 79 us to build it); on
-        device tensors each check would be a host sync, so call it before `.to(device)`."""
+        """Raise ValueError naming the broken invariant. Loaders call it on the batches they build
+        (18 us for a 4096-token micro-batch of ~4 documents, beside 79 us to build it). It reads
+        the host bounds and the tensors' shapes only, so it costs no device sync anywhere."""
         t = self.num_tokens
         for name in ("labels", "position_ids"):
             if getattr(self, name).shape != (t,):

@@ -12,8 +12,12 @@ the alignment moved O keys on, so query i of a document sits at key position i +
 the causal bound and the window alike; the ring's zigzag blocks, whose query-key distance in the
 document is not their local one, need it; backends without it hand such calls to flex or refuse
 them, see offset_backend) and, on
-varlen_attention, sink=[Hq] (gpt-oss attention sinks, cp_attention.kernels.sinks). cu_q / cu_k: int32 [N+1] cumulative boundaries;
-max_q / max_k: host ints. Causal masks are bottom-right aligned per document (flash-attn >= 2.1):
+varlen_attention, sink=[Hq] (gpt-oss attention sinks, cp_attention.kernels.sinks).
+cu_q / cu_k: int32 [N+1] cumulative boundaries on q's device; max_q / max_k: host ints. Every
+backend takes the boundaries where it runs: the CPU ones plan on their values (there the device
+is the host), the CUDA ones hand them to the kernel as they are and never read them back. A
+caller plans on its own host copy and passes the device copy, made once per micro-batch (the
+model's DocLayout.cu_attn_S / cu_attn_host_S, the ring's RingLayout.step). Causal masks are bottom-right aligned per document (flash-attn >= 2.1):
 query i of a document with lengths (Lq, Lk) sees keys j <= i + Lk - Lq. Rows that see no key, and
 trailing padding past cu_q[-1], return out = 0 and lse = -inf; their gradients are zero.
 lse is float32 (float64 for float64 inputs); out has the input dtype.

@@ -1,9 +1,10 @@
 """Validation and small helpers shared by every varlen attention backend.
 
 Shape legend: T query tokens, S key tokens, Hq query heads, Hkv key/value heads, D head dim of
-q and k, Dv head dim of v and out (MLA: Dv != D), N documents. cu_q / cu_k are int32 [N+1] cumulative boundaries; document i's queries are
-q[cu_q[i]:cu_q[i+1]] and its keys k[cu_k[i]:cu_k[i+1]]. Tokens past cu_q[-1] (cu_k[-1]) are
-trailing padding: output 0, lse -inf, zero gradients.
+q and k, Dv head dim of v and out (MLA: Dv != D), N documents. cu_q / cu_k are int32 [N+1]
+cumulative boundaries on q's device (read on the host only where that is the device); document
+i's queries are q[cu_q[i]:cu_q[i+1]] and its keys k[cu_k[i]:cu_k[i+1]]. Tokens past cu_q[-1]
+(cu_k[-1]) are trailing padding: output 0, lse -inf, zero gradients.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def check_inputs(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q: int, max_k: int) -> Non
         if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64) or cu.numel() < 1:
             raise ValueError(f"{name} must be an int32 tensor [N+1] of cumulative lengths; got "
                              f"{cu.dtype} {tuple(cu.shape)}")
+        if cu.device != q_THD.device:
+            raise ValueError(f"{name} is on {cu.device} but q on {q_THD.device}; pass the boundaries "
+                             "on q's device (copy them there once per micro-batch, keep a host copy "
+                             "for planning)")
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_q has {cu_q.numel() - 1} documents but cu_k has {cu_k.numel() - 1}; "
                          "pass one boundary per document to both")

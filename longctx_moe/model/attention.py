@@ -34,7 +34,10 @@ class DocLayout:
     (doc_layout; a re-layout is a new value, dataclasses.replace). Only the RoPE cache fills in."""
 
     position_ids_T: torch.Tensor  # int64 [T]
-    cu_attn_S: torch.Tensor  # int32 [S+1]: documents and padding runs, each its own segment
+    # int32 [S+1]: documents and padding runs, each its own segment, on the tokens' device: what
+    # the attention kernels take (cp_attention.kernels: cu_q / cu_k live on q's device).
+    cu_attn_S: torch.Tensor
+    cu_attn_host_S: torch.Tensor  # the same bounds on the host, for planning (the same tensor on CPU)
     max_attn: int  # host int: the longest segment
     doc_id_T: torch.Tensor  # int64 [T]: document index, -1 at padding
     num_docs: int
@@ -76,37 +79,44 @@ def doc_layout(batch: PackedBatch, *, doc_id_T: torch.Tensor | None = None, num_
                attend: Callable[..., torch.Tensor] | None = None,
                reduce_stats: Callable[[torch.Tensor], torch.Tensor] | None = None,
                replay_TLK: torch.Tensor | None = None) -> DocLayout:
-    """The DocLayout of a PackedBatch; one host sync for the segment bounds. `doc_id_T` and
-    `num_docs`: a CP shard's documents as numbered in the whole micro-batch (per-document
-    statistics then sum one document's pieces across the group), else this batch's own;
-    `attend`, `reduce_stats`, `replay_TLK`: see DocLayout."""
-    t = batch.num_tokens
-    cu, cup = batch.cu_seqlens.long(), batch.cu_seqlens_padded.long()
-    lens_N = cu[1:] - cu[:-1]
-    slots_N = cup[1:] - cup[:-1]
+    """The DocLayout of a PackedBatch, planned on its host bounds: nothing is read back from the
+    device. The segment bounds and the document ids reach the tokens' device with one copy each;
+    the real-token mask is computed there. `doc_id_T` (int64 [T], host) and `num_docs`: a CP
+    shard's documents as numbered in the whole micro-batch (per-document statistics then sum one
+    document's pieces across the group), else this batch's own; `attend`, `reduce_stats`,
+    `replay_TLK`: see DocLayout."""
     dev = batch.tokens.device
-    tail = torch.tensor([t], device=dev)
-    bounds = torch.unique(torch.cat([cup, cup[:-1] + lens_N, tail]))  # sorted, duplicates gone
-    seg_lens = (bounds[1:] - bounds[:-1]).tolist()
-    n = int(lens_N.numel())
-    has_padding = bool((slots_N != lens_N).any()) or int(cup[-1]) != t
-    doc_ids = torch.stack([torch.arange(n, device=dev), torch.full((n,), -1, device=dev)], 1)
-    repeats = torch.stack([lens_N, slots_N - lens_N], 1)
-    ids_T = torch.repeat_interleave(doc_ids.flatten(), repeats.flatten())
-    own_T = torch.cat([ids_T, ids_T.new_full((t - ids_T.numel(),), -1)])
-    real_mask_T = (own_T >= 0) if has_padding else None
-    if doc_id_T is not None:  # a CP shard: its pieces keep the micro-batch's document ids
-        own_T, n = doc_id_T, num_docs
-        real_mask_T = own_T >= 0
+    bounds_S = _segment_bounds(batch)
+    seg_lens_S = bounds_S.diff()
+    shard = doc_id_T is not None  # a CP shard: its pieces keep the micro-batch's document ids
+    if not shard:
+        doc_id_T, num_docs = batch.document_ids(), batch.num_docs
+    own_T = doc_id_T.to(dev, non_blocking=True)
+    masked = shard or _has_padding(batch)
     return DocLayout(
         position_ids_T=batch.position_ids,
-        cu_attn_S=bounds.to(torch.int32),
-        max_attn=max(seg_lens, default=0),
+        cu_attn_S=bounds_S.to(dev, non_blocking=True),
+        cu_attn_host_S=bounds_S,
+        max_attn=int(seg_lens_S.max()) if seg_lens_S.numel() else 0,
         doc_id_T=own_T,
-        num_docs=n,
-        real_mask_T=real_mask_T,
+        num_docs=num_docs,
+        real_mask_T=(own_T >= 0) if masked else None,
         attend=attend, reduce_stats=reduce_stats, replay_TLK=replay_TLK,
     )
+
+
+def _segment_bounds(batch: PackedBatch) -> torch.Tensor:
+    """int32 [S+1] on the host: every document's start and real end, and the batch's end, sorted
+    and without repeats, so each padding run is a segment of its own."""
+    cu, cup = batch.cu_seqlens.long(), batch.cu_seqlens_padded.long()
+    ends_N = cup[:-1] + cu.diff()
+    return torch.unique(torch.cat([cup, ends_N, torch.tensor([batch.num_tokens])])).to(torch.int32)
+
+
+def _has_padding(batch: PackedBatch) -> bool:
+    """Any padding in the batch: a slot longer than its document, or tokens past the last slot."""
+    cu, cup = batch.cu_seqlens, batch.cu_seqlens_padded
+    return bool((cu.diff() != cup.diff()).any()) or int(cup[-1]) != batch.num_tokens
 
 
 # Kept out of torch.compile: the varlen kernels plan buckets on the host (data-dependent shapes),

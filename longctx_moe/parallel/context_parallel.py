@@ -1,12 +1,13 @@
 """Context parallelism for one micro-batch: plan it, keep this rank's tokens, build their layout.
 
-Every rank of a CP group holds the same (unsharded) PackedBatch. `shard_for_cp` plans it
-(`cp_attention.plan.plan_cp`, pure, identical on every rank) and returns this rank's tokens as a
-local PackedBatch whose "documents" are the plan's local pieces (real tokens are a prefix of each
-piece, so padding stays masked), with a DocLayout whose `attend` runs the group's executor (ring /
-Ulysses / hierarchical) over this plan. The unchanged model runs on it. Position ids come from the
-full batch, so RoPE sees true positions; labels too, so the local CE sum is exact and the sum over
-the CP group is the micro-batch's.
+Every rank of a CP group holds the same (unsharded) PackedBatch. `shard_for_cp` plans it on its
+host bounds (`cp_attention.plan.plan_cp`, pure, identical on every rank; nothing is read back
+from the device) and returns this rank's tokens as a local PackedBatch whose "documents" are the
+plan's local pieces (real tokens are a prefix of each piece, so padding stays masked), with a
+DocLayout whose `attend` runs the group's executor (ring / Ulysses / hierarchical) over this plan.
+The unchanged model runs on it. Position ids come from the full batch, so RoPE sees true
+positions; labels too, so the local CE sum is exact and the sum over the CP group is the
+micro-batch's.
 
 Router statistics stay exact: the layout's document ids are global to the micro-batch (with its
 document count), and its `reduce_stats` sums the no-grad counts over the group, so each rank's
@@ -58,17 +59,17 @@ NO_CP = CPGroup(size=1, rank=0)
 
 
 def shard_batch(batch: PackedBatch, plan, rank: int) -> PackedBatch:
-    """This CP rank's tokens of `batch` as a PackedBatch of the plan's local pieces."""
+    """This CP rank's tokens of `batch` as a PackedBatch of the plan's local pieces: the token
+    tensors stay on their device, the local bounds are computed on the host from the host mask."""
     loc = lambda x: None if x is None else plan.shard(x, rank)
-    real_L = plan.shard(batch.real_token_mask(), rank).cpu()
+    real_L = plan.shard(batch.real_token_mask(), rank)
     bounds = plan.local_cu_seqlens[rank].tolist()
     pairs = zip(bounds[:-1], bounds[1:], strict=True)
     real_per_piece = torch.tensor([int(real_L[a:b].sum()) for a, b in pairs], dtype=torch.int64)
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), real_per_piece.cumsum(0)])
-    cu_pad = torch.tensor(bounds, dtype=torch.int64)
     return PackedBatch(tokens=loc(batch.tokens), labels=loc(batch.labels),
-                       cu_seqlens=cu.to(torch.int32).to(batch.tokens.device),
-                       cu_seqlens_padded=cu_pad.to(torch.int32).to(batch.tokens.device),
+                       cu_seqlens=cu.to(torch.int32),
+                       cu_seqlens_padded=torch.tensor(bounds, dtype=torch.int32),
                        position_ids=loc(batch.position_ids),
                        max_seqlen=int(real_per_piece.max()) if real_per_piece.numel() else 0,
                        loss_weight=loc(batch.loss_weight))
@@ -114,9 +115,9 @@ def shard_for_cp(batch: PackedBatch, cp: CPGroup, reduce_stats=None,
     plan = plan_cp(batch.cu_seqlens, batch.cu_seqlens_padded, cp.size,
                    hierarchical_sizes=list(cp.sizes) if cp.hierarchical else None,
                    num_tokens=batch.num_tokens)
-    full = doc_layout(batch)
     local = shard_batch(batch, plan, cp.rank)
     replay = None if replay_TLK is None else plan.shard(replay_TLK.to(batch.tokens.device), cp.rank)
-    layout = doc_layout(local, doc_id_T=plan.shard(full.doc_id_T, cp.rank), num_docs=full.num_docs,
-                        attend=CPAttend(plan, cp), reduce_stats=reduce_stats, replay_TLK=replay)
+    layout = doc_layout(local, doc_id_T=plan.shard(batch.document_ids(), cp.rank),
+                        num_docs=batch.num_docs, attend=CPAttend(plan, cp),
+                        reduce_stats=reduce_stats, replay_TLK=replay)
     return local, layout, plan

@@ -49,5 +49,7 @@ with fake_world(8, rank=3):
         print(first_failure(lambda: run_micro_batch(rt, meta_batch(batch))))
 """)
     without, with_standins = out.strip().splitlines()[-2:]
-    assert "longctx_moe/model/attention.py" in without and "doc_layout" in without
+    # The document bounds stay on the host (no longer the first failure): the step still fails
+    # further on without the stand-ins.
+    assert without != "None" and "doc_layout" not in without
     assert with_standins == "None"
