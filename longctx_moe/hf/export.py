@@ -113,7 +113,7 @@ def write_safetensors(model: torch.nn.Module, out: Path, dtype: torch.dtype, sha
 
 
 def write_config_json(cfg: ModelConfig, out: Path, dtype: torch.dtype) -> None:
-    hf = to_hf_config(cfg)  # RoPE has no trained length limit: HF's default max_position_embeddings
+    hf = to_hf_config(cfg)
     hf.dtype = dtype
     hf.save_pretrained(out)
 

@@ -5,6 +5,11 @@ the family implies, and settings we refuse, each named by its HF key), and how i
 map to ours. Everything else (hf/load.py, hf/export.py, hf/weights.py, the config fill of
 train.init_from) reads these tables; no other file branches on the family.
 
+model.* is the architecture and nothing else: for every family, export writes every ModelConfig
+field and import (model_values) reads every one back, as a copied key, a value derived from
+several keys, one the family implies, or one computed as transformers does
+(tests/hf/test_config_sets.py compares the sets).
+
 Our names vs. a family's (layer i; `moe` is the family's MoE prefix, `mlp` or `block_sparse_moe`):
     attn.wq|wk|wv|wo            self_attn.q_proj|k_proj|v_proj|o_proj  (.weight, q/k/v .bias)
     attn.q_norm|k_norm          self_attn.q_norm|k_norm
@@ -37,24 +42,33 @@ from longctx_moe.model.config import ModelConfig
 COMMON_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
                "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
                "num_key_value_heads": "num_kv_heads", "num_experts_per_tok": "top_k",
-               "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
+               "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings",
+               "initializer_range": "init_std", "max_position_embeddings": "max_position_embeddings"}
+# model.* keys a config.json may leave out, computed from it as transformers does.
+COMPUTED = {"head_dim": lambda hf: hf["hidden_size"] // hf["num_attention_heads"],
+            "num_kv_heads": lambda hf: hf["num_attention_heads"]}
+# model.* keys every family writes and reads outside the tables: the model_type, and RoPE's base
+# in rope_parameters (_rope, _rope_parameters).
+OWN_KEYS = ("hf_family", "rope_theta")
 
 # Another name transformers 5 writes for a key (Qwen3MoeConfig saves num_local_experts).
 # gpt-oss's own config.json also says experts_per_token.
 ALIASES = {"num_experts": "num_local_experts", "num_experts_per_tok": "experts_per_token"}
 
-# The architecture keys a family may leave unmapped, at the value that means "not there".
+# The architecture keys a family may leave unmapped, at the value that means "not there" (a
+# family without dense layers has no dense width: ModelConfig's default stands for none).
 FEATURE_DEFAULTS = {"qkv_bias": False, "qk_norm_scope": "head", "shared_expert_hidden_size": 0,
                     "shared_expert_gate": False, "first_k_dense": 0, "router_groups": 1,
                     "router_topk_groups": 1, "routed_scaling_factor": 1.0, "expert_bias": False,
                     "partial_rotary_factor": 1.0, "rope_scaling": None, "attention_type": "gqa",
                     "attention_sinks": False, "attention_out_bias": False, "sliding_window": 0,
                     "layer_types": None, "router_bias": False, "expert_proj_bias": False,
-                    "expert_activation": "swiglu", "swiglu_limit": 7.0}
+                    "expert_activation": "swiglu", "swiglu_limit": 7.0, "dense_hidden_size": 512,
+                    "q_lora_rank": 0, "kv_lora_rank": 0, "qk_nope_head_dim": 0, "qk_rope_head_dim": 0,
+                    "v_head_dim": 0, "rope_interleave": False}
 # DeepSeek-V3's MLA: config.json key -> model.* key (q_lora_rank null = no q bottleneck = 0).
 MLA_KEYS = {"kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
-            "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim",
-            "rope_interleave": "rope_interleave"}
+            "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim"}
 # YaRN keys carried into model.rope_scaling (model.rope), as config.json spells them.
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
               "mscale_all_dim", "attention_factor", "truncate")
@@ -98,15 +112,19 @@ def _truthy(v) -> bool:
     return bool(v)
 
 
+def _dense_width(hf: dict) -> dict:
+    """intermediate_size, the dense MLP's width in Qwen, GLM and DeepSeek configs, whether or not
+    a layer is dense (export writes it either way)."""
+    width = hf.get("intermediate_size")
+    return {} if width is None else {"dense_hidden_size": width}
+
+
 def _dense_prefix(hf: dict) -> dict:
     """Qwen's mlp_only_layers as first_k_dense: only a prefix [0, k) of dense layers exists here."""
     layers = sorted(hf.get("mlp_only_layers") or [])
     if layers != list(range(len(layers))):
         raise_family(f"mlp_only_layers={layers}", hf, "only the first k layers may be dense here")
-    out = {"first_k_dense": len(layers)}
-    if layers:
-        out["dense_hidden_size"] = hf["intermediate_size"]
-    return out
+    return {"first_k_dense": len(layers), **_dense_width(hf)}
 
 
 def _qwen_export(cfg: ModelConfig) -> dict:
@@ -120,11 +138,8 @@ def _qwen2_derive(hf: dict) -> dict:
 
 
 def _glm_derive(hf: dict) -> dict:
-    out = {"first_k_dense": hf.get("first_k_dense_replace", 0),
-           "shared_expert_hidden_size": hf.get("n_shared_experts", 0) * hf["moe_intermediate_size"]}
-    if out["first_k_dense"]:
-        out["dense_hidden_size"] = hf["intermediate_size"]
-    return out
+    return {"first_k_dense": hf.get("first_k_dense_replace", 0), **_dense_width(hf),
+            "shared_expert_hidden_size": hf.get("n_shared_experts", 0) * hf["moe_intermediate_size"]}
 
 
 def _glm_export(cfg: ModelConfig) -> dict:
@@ -137,13 +152,17 @@ def _glm_export(cfg: ModelConfig) -> dict:
 
 
 def _deepseek_derive(hf: dict) -> dict:
-    return {**_glm_derive(hf), "q_lora_rank": hf.get("q_lora_rank") or 0}
+    # rope_interleave: transformers' default (the published DeepSeek-V3 config.json leaves it out;
+    # its weights hold the rope dims interleaved)
+    return {**_glm_derive(hf), "q_lora_rank": hf.get("q_lora_rank") or 0,
+            "rope_interleave": bool(hf.get("rope_interleave", True))}
 
 
 def _deepseek_export(cfg: ModelConfig) -> dict:
     out = _glm_export(cfg)
     del out["partial_rotary_factor"]
-    return {**out, "q_lora_rank": cfg.q_lora_rank or None, "head_dim": cfg.qk_rope_head_dim}
+    return {**out, "q_lora_rank": cfg.q_lora_rank or None, "head_dim": cfg.qk_rope_head_dim,
+            "rope_interleave": cfg.rope_interleave}
 
 
 def _gpt_oss_derive(hf: dict) -> dict:
@@ -175,13 +194,13 @@ FAMILIES = {f.model_type: f for f in (
            implied={"qk_norm": True, "qk_norm_scope": "head", "qkv_bias": False, "router_score": "softmax",
                     "shared_expert_hidden_size": 0, "shared_expert_gate": False, "expert_bias": False},
            refusals=(_NO_SLIDING, _QWEN_SPARSE, Refusal("attention_bias", _truthy, "attention biases"),),
-           derive=_dense_prefix, derives=("first_k_dense",), export=_qwen_export),
+           derive=_dense_prefix, derives=("first_k_dense", "dense_hidden_size"), export=_qwen_export),
     Family("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
            keys={"num_experts": "num_experts", "moe_intermediate_size": "expert_hidden_size",
                  "norm_topk_prob": "router_renormalize", "qkv_bias": "qkv_bias"},
            implied={"qk_norm": False, "router_score": "softmax", "expert_bias": False},
            refusals=(_NO_SLIDING, _QWEN_SPARSE), derive=_qwen2_derive,
-           derives=("first_k_dense", "shared_expert_hidden_size", "shared_expert_gate"),
+           derives=("first_k_dense", "dense_hidden_size", "shared_expert_hidden_size", "shared_expert_gate"),
            export=lambda cfg: {**_qwen_export(cfg), "shared_expert_intermediate_size": cfg.shared_expert_hidden_size}),
     Family("mixtral", "MixtralConfig", "MixtralForCausalLM",
            keys={"num_local_experts": "num_experts", "intermediate_size": "expert_hidden_size",
@@ -206,7 +225,7 @@ FAMILIES = {f.model_type: f for f in (
            implied={"qk_norm_scope": "head", "router_score": "sigmoid", "expert_bias": True,
                     "shared_expert_gate": False},
            shared="shared_experts", derive=_glm_derive,
-           derives=("first_k_dense", "shared_expert_hidden_size", "partial_rotary_factor"),
+           derives=("first_k_dense", "dense_hidden_size", "shared_expert_hidden_size", "partial_rotary_factor"),
            export=_glm_export),
     Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
            keys={"n_routed_experts": "num_experts", "moe_intermediate_size": "expert_hidden_size",
@@ -217,7 +236,8 @@ FAMILIES = {f.model_type: f for f in (
                     "router_score": "sigmoid", "expert_bias": True, "shared_expert_gate": False},
            refusals=(Refusal("attention_bias", _truthy, "attention biases"),),
            shared="shared_experts", derive=_deepseek_derive,
-           derives=("first_k_dense", "shared_expert_hidden_size", "q_lora_rank", "rope_scaling"),
+           derives=("first_k_dense", "dense_hidden_size", "shared_expert_hidden_size", "q_lora_rank",
+                    "rope_interleave", "rope_scaling"),
            export=_deepseek_export),
     # transformers' GptOssExperts clamps at 7.0 whatever swiglu_limit says: other limits are refused.
     Family("gpt_oss", "GptOssConfig", "GptOssForCausalLM",
@@ -265,7 +285,6 @@ def _rope(hf: dict) -> dict:
     if kind == "yarn":
         out["rope_scaling"] = {"type": "yarn", **{k: rope[k] for k in _YARN_KEYS
                                                   if rope.get(k) is not None}}
-        out["max_position_embeddings"] = hf.get("max_position_embeddings", 0)
     return out
 
 
@@ -283,8 +302,8 @@ def model_values(hf: dict) -> dict:
         value = hf.get(hf_key, hf.get(ALIASES.get(hf_key, "")))
         if value is not None:
             out[key] = value
-    out.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
-    out.setdefault("num_kv_heads", hf["num_attention_heads"])
+    for key, compute in COMPUTED.items():
+        out.setdefault(key, compute(hf))
     out.update(_rope(hf))
     if fam.derive is not None:
         out.update(fam.derive(hf))
@@ -316,16 +335,14 @@ def _maps(fam: Family, key: str) -> bool:
     return key in fam.keys.values() or key in fam.derives
 
 
-def hf_config(cfg: ModelConfig, max_position_embeddings: int = 32768):
+def hf_config(cfg: ModelConfig):
     """The transformers config object of `cfg`'s family; ValueError naming the model.* key for a
-    feature the family cannot express."""
+    feature the family cannot express, or one that would not read back as it is."""
     import transformers
 
     fam = check_expressible(cfg)
     kwargs = {hf_key: getattr(cfg, key) for hf_key, key in {**COMMON_KEYS, **fam.keys}.items()}
-    kwargs.update(hidden_act="silu", initializer_range=cfg.init_std, use_cache=False,
-                  max_position_embeddings=cfg.max_position_embeddings or max_position_embeddings,
-                  rope_parameters=_rope_parameters(cfg), **fam.fixed_hf)
+    kwargs.update(hidden_act="silu", use_cache=False, rope_parameters=_rope_parameters(cfg), **fam.fixed_hf)
     if fam.export is not None:
         kwargs.update(fam.export(cfg))
     hf = getattr(transformers, fam.config_class)(**kwargs)

@@ -32,9 +32,9 @@ def _check_supported(cfg: ModelConfig) -> None:
     hf_config(cfg)
 
 
-def to_hf_config(cfg: ModelConfig, max_position_embeddings: int = 32768):
+def to_hf_config(cfg: ModelConfig):
     """The transformers config of cfg's family (model.hf_family) for the identical architecture."""
-    return hf_config(cfg, max_position_embeddings)
+    return hf_config(cfg)
 
 
 def _family(cfg: ModelConfig) -> Family:
