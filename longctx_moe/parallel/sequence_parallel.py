@@ -40,6 +40,7 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from longctx_moe.compile import eager_only
 from longctx_moe.model.attention import DocLayout
@@ -130,11 +131,14 @@ class _Regather:
 
     def __init__(self, x_nD: torch.Tensor, x_TD: torch.Tensor, group):
         self.own, self.group = x_nD, group
-        self.storage = x_TD.untyped_storage().data_ptr()
+        # The storage itself, not its address: storages without memory (meta tensors, empty
+        # ones) all sit at address 0. The weak reference also keeps the address from being
+        # reused by another storage while this forward runs.
+        self.storage = StorageWeakRef(x_TD.untyped_storage())
         self.pending, self.full = 0, None
 
     def pack(self, t: torch.Tensor):
-        if t.untyped_storage().data_ptr() != self.storage:
+        if StorageWeakRef(t.untyped_storage()) != self.storage:
             return t
         self.pending += 1
         return self, t.size(), t.stride(), t.storage_offset()
