@@ -128,6 +128,7 @@ def logprobs_stats(z_CV: torch.Tensor, cols_C: torch.Tensor, own_C: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(m_C, s_C, a_C, zy_C) of z / temp (contiguous [C, V]): the max, sum exp(z - m),
     sum exp(z - m) (z - m) (0 without entropy) and the target's logit (0 where own_C is 0)."""
+    z_CV, cols_C, own_C = z_CV.contiguous(), cols_C.contiguous(), own_C.contiguous()
     m_C, s_C, a_C, zy_C = _stats_outputs(z_CV, temp)
     _stats_kernel[(z_CV.shape[0],)](z_CV, cols_C, own_C, m_C, s_C, a_C, zy_C, z_CV.shape[1], temp,
                                     ENTROPY=entropy, BLOCK_V=_BLOCK_V)
@@ -145,6 +146,8 @@ def logprobs_grad(z_CV: torch.Tensor, cols_C: torch.Tensor, own_C: torch.Tensor,
                   g_ent_C: torch.Tensor, temp: torch.Tensor, entropy: bool) -> None:
     """Overwrites z_CV (contiguous [C, V] logits) with the gradient of g_logp . logp (+ g_ent . H
     with entropy) in z's dtype: the logits' memory serves their gradient."""
+    cols_C, own_C, lse_C, ent_C, g_logp_C, g_ent_C = (
+        a.contiguous() for a in (cols_C, own_C, lse_C, ent_C, g_logp_C, g_ent_C))
     _grad_kernel[(z_CV.shape[0],)](z_CV, cols_C, own_C, lse_C, ent_C, g_logp_C, g_ent_C,
                                    z_CV.shape[1], temp, ENTROPY=entropy, BLOCK_V=_BLOCK_V)
 

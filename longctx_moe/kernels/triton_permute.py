@@ -163,7 +163,8 @@ def unpermute_bwd(g_TD: torch.Tensor, y_PD: torch.Tensor, slot_TK: torch.Tensor,
 
 @unpermute_bwd.register_fake
 def _(g_TD, y_PD, slot_TK, w_TK):
-    return torch.empty_like(y_PD), torch.empty_like(w_TK)
+    return (torch.empty(y_PD.shape, dtype=y_PD.dtype, device=y_PD.device),
+            torch.empty(w_TK.shape, dtype=w_TK.dtype, device=w_TK.device))
 
 
 def _permute_setup(ctx, inputs, output):

@@ -138,7 +138,9 @@ def _(x_ND, res_ND, weight_D, eps, out_dtype):
 
 
 def _bwd_outputs(x_ND, weight_D):
-    return torch.empty_like(x_ND), torch.empty_like(weight_D)
+    """The backward's (dx_ND, dw_D), unwritten and contiguous whatever the inputs' strides."""
+    return (torch.empty(x_ND.shape, dtype=x_ND.dtype, device=x_ND.device),
+            torch.empty(weight_D.shape, dtype=weight_D.dtype, device=weight_D.device))
 
 
 @torch.library.custom_op("longctx::rmsnorm_bwd", mutates_args=())

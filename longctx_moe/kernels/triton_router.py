@@ -110,7 +110,7 @@ def _blocks(e: int, k: int) -> dict:
 def _fwd_outputs(z_TE, top_k):
     """The forward's (s_TE, idx_TK, w_TK, sum_T), unwritten (the fake implementation's result)."""
     t = z_TE.shape[0]
-    s_TE = torch.empty_like(z_TE)
+    s_TE = torch.empty(z_TE.shape, dtype=z_TE.dtype, device=z_TE.device)
     idx_TK = torch.empty(t, top_k, dtype=torch.int64, device=z_TE.device)
     w_TK = torch.empty(t, top_k, dtype=z_TE.dtype, device=z_TE.device)
     sum_T = torch.empty(t, dtype=z_TE.dtype, device=z_TE.device)
@@ -147,6 +147,7 @@ def router_topk_bwd(g_s_TE: torch.Tensor | None, g_w_TK: torch.Tensor, s_TE: tor
                     idx_TK: torch.Tensor, w_TK: torch.Tensor, sum_T: torch.Tensor, sigmoid: bool,
                     renormalize: bool) -> torch.Tensor:
     """g_z_TE: the gradient of the logits from those of the scores (none: zero) and weights."""
+    s_TE, idx_TK, w_TK, sum_T = (a.contiguous() for a in (s_TE, idx_TK, w_TK, sum_T))
     t, e = s_TE.shape
     g_z_TE = torch.empty_like(s_TE)
     if t:
@@ -160,7 +161,7 @@ def router_topk_bwd(g_s_TE: torch.Tensor | None, g_w_TK: torch.Tensor, s_TE: tor
 
 @router_topk_bwd.register_fake
 def _(g_s_TE, g_w_TK, s_TE, idx_TK, w_TK, sum_T, sigmoid, renormalize):
-    return torch.empty_like(s_TE)
+    return torch.empty(s_TE.shape, dtype=s_TE.dtype, device=s_TE.device)
 
 
 def _router_setup(ctx, inputs, output):

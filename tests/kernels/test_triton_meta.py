@@ -139,6 +139,8 @@ def _opcheck_cases():
         (L.rmsnorm_bwd, (_randn(9, 32, grad=False), None, x.detach(), w.detach(), r_N.detach())),
         (L.rmsnorm_bwd, (_randn(9, 32, grad=False), _randn(9, 32, grad=False, seed=3),
                          x.detach(), w.detach(), r_N.detach())),
+        (L.rmsnorm_bwd, (_randn(9, 32, grad=False), None, _randn(32, 9, grad=False).t(),
+                         w.detach(), r_N.detach())),  # strided x: the outputs are contiguous
         (L.permute_fwd, (_randn(19, 64), slot_TK, total, torch.bfloat16)),
         (L.permute_bwd, (_randn(total, 64, grad=False), slot_TK, torch.float32)),
         (L.unpermute_fwd, (y, slot_TK, wk)),
@@ -146,6 +148,7 @@ def _opcheck_cases():
                             wk.detach())),
         (L.router_topk_fwd, (z, bias, 3, True, True)),
         (L.router_topk_fwd, (z, None, 3, False, False)),
+        (L.router_topk_fwd, (_randn(12, 37).t(), None, 3, False, True)),  # strided logits
         (L.router_topk_bwd, (_randn(37, 12, grad=False), _randn(37, 3, grad=False), s, idx, wr,
                              sums, True, True)),
         (L.logprobs_stats, (z_CV, cols, own, temp, True)),
