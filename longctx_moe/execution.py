@@ -282,9 +282,7 @@ def _expert_precision(cfg: ExecutionConfig, target: Target) -> tuple[str, str]:
 
 
 def _grouped_gemm(cfg: ExecutionConfig, target: Target) -> tuple[str, str]:
-    from longctx_moe.model.grouped_gemm import grouped_mm_works
-
-    works = grouped_mm_works(target.device, target.compute_dtype) if target.device in ("cpu", "cuda") else True
+    works = _grouped_mm_runs(target)
     if cfg.grouped_gemm == "grouped_mm" and not works:
         raise ValueError(f"execution.grouped_gemm=grouped_mm cannot run {target.compute_dtype} on "
                          f"{target.device} (torch._grouped_mm runs fp32/bf16); use grouped_gemm=auto")
@@ -293,6 +291,16 @@ def _grouped_gemm(cfg: ExecutionConfig, target: Target) -> tuple[str, str]:
     if works:
         return "auto", "auto: torch._grouped_mm, one loop over experts where rows are not 16-byte aligned"
     return "loop", f"auto: torch._grouped_mm does not run {target.compute_dtype} on {target.device}"
+
+
+def _grouped_mm_runs(target: Target) -> bool:
+    """Whether torch._grouped_mm runs the run's GEMMs: probed on a device this process has; for a
+    CUDA device it has not (a rehearsed GPU), torch's rule for Hopper and later: bf16."""
+    from longctx_moe.model.grouped_gemm import grouped_mm_works
+
+    if target.device == "cpu" or (target.device == "cuda" and torch.cuda.is_available()):
+        return grouped_mm_works(target.device, target.compute_dtype)
+    return hasattr(torch, "_grouped_mm") and target.compute_dtype == torch.bfloat16
 
 
 def _fp8(cfg: ExecutionConfig, target: Target) -> str:

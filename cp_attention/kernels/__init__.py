@@ -77,9 +77,12 @@ def _validate(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal=True, window
 
 
 def _resolve(backend: str | AttnKernel, q_THD, window, offset=0) -> AttnKernel:
-    """The kernel with its backend resolved for this call's device, dtype, window and offset."""
+    """The kernel with its backend resolved for this call's dtype, window and offset. A backend
+    name is checked against the call's device; an AttnKernel naming one was resolved for the run's
+    device at start-up (longctx_moe.execution) and is taken as it is."""
     kernel = as_kernel(backend)
-    name = resolve_backend(kernel.backend, q_THD.device, q_THD.dtype)
+    resolved = isinstance(backend, AttnKernel) and kernel.backend != "auto"
+    name = kernel.backend if resolved else resolve_backend(kernel.backend, q_THD.device, q_THD.dtype)
     if offset:
         name = offset_backend(name, q_THD.device)
     if window is not None:

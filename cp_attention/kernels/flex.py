@@ -35,7 +35,7 @@ def _flex():
 def unavailable_reason(device: torch.device) -> str | None:
     if _flex() is None:
         return f"torch {torch.__version__} has no flex_attention; upgrade torch to >= 2.5"
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if device.type != "cuda":
         return f"flex_attention is only fast on CUDA, not {device.type}; use backend='auto'"
     return None
 

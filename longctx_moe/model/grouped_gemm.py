@@ -61,9 +61,13 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 
 
 def resolve_impl(impl: str, x_MD: torch.Tensor, w_EDF: torch.Tensor) -> str:
-    """The implementation `grouped_matmul` will use for these operands (raises for a bad request)."""
+    """The implementation `grouped_matmul` will use for these operands (raises for a bad request).
+    Whether the device runs torch._grouped_mm for the run's dtype is the start-up resolution's
+    question (longctx_moe.execution, which resolves "loop" where it does not); here only what the
+    operands themselves rule out: a dtype it has no kernel for, rows that are not 16-byte aligned."""
     check_choice("execution.grouped_gemm", impl, IMPLS)
-    usable = grouped_mm_works(x_MD.device.type, x_MD.dtype) and _aligned(x_MD, w_EDF)
+    usable = (hasattr(torch, "_grouped_mm") and x_MD.dtype in (torch.float32, torch.bfloat16)
+              and _aligned(x_MD, w_EDF))
     if impl == "grouped_mm" and not usable:
         raise ValueError(f"execution.grouped_gemm='grouped_mm' cannot run {x_MD.dtype} on {x_MD.device.type} "
                          f"with D={x_MD.shape[-1]}, F={w_EDF.shape[-1]} (needs torch._grouped_mm, "

@@ -41,16 +41,25 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         destroy_process_groups()
 
 
+def cuda_ops(cfg, dtype: torch.dtype = torch.bfloat16):
+    """The Ops `cfg` resolves to on a CUDA device computing in `dtype` (the rehearsed GPU's)."""
+    from longctx_moe.execution import Target, resolve
+
+    return resolve(cfg.execution, Target("cuda", dtype, dtype, cfg.train.compile, cfg.parallel.tp),
+                   cfg.train.recompute)
+
+
 def build_rank(cfg, world_size: int, rank: int, dtype: torch.dtype = torch.float32):
     """(dims, runtime): the layout of `cfg` (longctx_moe.config.Config) for `rank`, and the
-    model built on meta in `dtype` and parallelized as `longctx-moe train` does it."""
+    model built on meta in `dtype` with the ops of a CUDA device, parallelized as
+    `longctx-moe train` does it."""
     from longctx_moe.build import _parallelize, check_layout
     from longctx_moe.model import Transformer
 
     dims = check_layout(cfg, world_size)
     dims.build_groups(rank)
     with torch.device("meta"):
-        model = Transformer(cfg.model, balance=cfg.balance).to(dtype=dtype)
+        model = Transformer(cfg.model, cuda_ops(cfg, dtype), balance=cfg.balance).to(dtype=dtype)
     return dims, _parallelize(cfg, model, dims)
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longctx_moe.build import ConfigError, check_backends
+from longctx_moe.build import ConfigError, resolve_ops
 from longctx_moe.config import load_config
+from longctx_moe.execution import default_ops
 from longctx_moe.kernels import fp8
 from longctx_moe.model import ModelConfig, build_model
 from longctx_moe.model.fp8 import Fp8Linear
@@ -97,7 +98,7 @@ def test_linear_forward_and_both_gradients_match_the_float64_recipe(m, bias, sca
 
 def test_linear_keeps_leading_dims_and_computes_in_the_autocast_dtype():
     torch.manual_seed(0)
-    lin = Fp8Linear.adopt(torch.nn.Linear(32, 16, bias=False))
+    lin = Fp8Linear(32, 16, bias=False)
     x = torch.randn(2, 5, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = lin(x)
@@ -153,7 +154,7 @@ def _model_pair(**kw):
     torch.manual_seed(0)
     ref = build_model(cfg)
     torch.manual_seed(0)
-    ours = build_model(ModelConfig(**{**cfg.__dict__, "fp8": "torch"}))
+    ours = build_model(cfg, default_ops().replace(fp8="torch"))
     return ref, ours
 
 
@@ -215,11 +216,11 @@ def test_fp8_is_refused_in_one_line_where_it_cannot_run():
     assert fp8.unavailable_reason("none", "cpu", 4) is None
     cfg = load_config(None, ["execution.fp8=torch", "train.device=cpu"])
     with pytest.raises(ConfigError, match="needs a CUDA GPU with FP8 tensor cores, not cpu"):
-        check_backends(cfg, torch.device("cpu"))
+        resolve_ops(cfg, torch.device("cpu"))
     with pytest.raises(Exception, match="execution.fp8"):
         load_config(None, ["execution.fp8=e4m3"])
     with pytest.raises(ValueError, match="Transformer Engine"):
-        build_model(ModelConfig(fp8="te"))
+        build_model(ModelConfig(), default_ops().replace(fp8="te"))
 
 
 def test_widths_fp8_gemms_cannot_take_are_refused_at_start_up(monkeypatch):
@@ -229,9 +230,9 @@ def test_widths_fp8_gemms_cannot_take_are_refused_at_start_up(monkeypatch):
         cfg = load_config(None, ["execution.fp8=torch", *sets])
         monkeypatch.setattr(fp8, "unavailable_reason", lambda *a: None)  # as on an FP8 GPU
         with pytest.raises(ConfigError, match=where) as e:
-            check_backends(cfg, torch.device("cpu"))
+            resolve_ops(cfg, torch.device("cpu"))
         assert "\n" not in str(e.value) and "execution.fp8=none" in str(e.value)
-    check_backends(load_config(None, ["execution.fp8=torch"]), torch.device("cpu"))  # 128 / 32 wide: fine
+    resolve_ops(load_config(None, ["execution.fp8=torch"]), torch.device("cpu"))  # 128 / 32 wide: fine
 
 
 def test_recompute_reruns_the_fp8_products_exactly():
@@ -244,12 +245,20 @@ def _assert_recompute_exact(model, batch):
     """Gradients under selective and full recompute equal those without, bit for bit."""
     grads = {}
     for mode in ("none", "selective", "full"):
-        model.set_recompute(mode)
+        _set_recompute(model, mode)
         model.zero_grad()
         _loss(model, batch).backward()
         grads[mode] = [p.grad.clone() for p in model.parameters()]
     for mode in ("selective", "full"):
         assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads[mode], strict=True)), mode
+
+
+def _set_recompute(model, mode: str) -> None:
+    """The recompute mode a model built with Ops(recompute=mode) has, set on this one (the same
+    weights and FP8 scale state under each mode)."""
+    model.recompute = mode
+    for layer in model.moe_layers():
+        layer.experts.recompute = mode == "selective"
 
 
 # ---- execution.fp8_recipe=block: 1 x 128 activation / gradient runs, 128 x 128 weight blocks ----
@@ -360,7 +369,7 @@ def test_block_recipe_model_trains_its_every_block_gemm_in_fp8():
     torch.manual_seed(0)
     ref = build_model(cfg)
     torch.manual_seed(0)
-    ours = build_model(ModelConfig(**{**cfg.__dict__, "fp8": "torch", "fp8_recipe": "block"}))
+    ours = build_model(cfg, default_ops().replace(fp8="torch", fp8_recipe="block"))
     assert {m.fp8_recipe for m in ours.modules() if isinstance(m, Fp8Linear)} == {"block"}
     batch = packed_batch([40, 100, 116], 256, generator=torch.Generator().manual_seed(0))
     calls = []
@@ -380,7 +389,7 @@ def test_block_recipe_refusals_name_the_width_and_the_fix(monkeypatch):
     monkeypatch.setattr(fp8, "unavailable_reason", lambda *a: None)  # as on a Hopper GPU
     cfg = load_config(None, ["execution.fp8=torch", "execution.fp8_recipe=block", "model.expert_hidden_size=192"])
     with pytest.raises(ConfigError, match="layers.0.attn.wk has width 64.*multiples of 128") as e:
-        check_backends(cfg, torch.device("cpu"))  # kv heads x head dim = 64
+        resolve_ops(cfg, torch.device("cpu"))  # kv heads x head dim = 64
     assert "\n" not in str(e.value) and "execution.fp8_recipe=tensor" in str(e.value)
     with pytest.raises(Exception, match="execution.fp8_recipe"):
         load_config(None, ["execution.fp8_recipe=mxfp8"])
@@ -420,10 +429,9 @@ def test_amax_history_scales_from_earlier_steps_and_forgets_skipped_ones():
 
 def _delayed_model():
     cfg = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=16, num_experts=4, top_k=2, expert_hidden_size=32, fp8="torch",
-                      fp8_recipe="delayed", fp8_amax_history=4)
+                      head_dim=16, num_experts=4, top_k=2, expert_hidden_size=32)
     torch.manual_seed(0)
-    return build_model(cfg)
+    return build_model(cfg, default_ops().replace(fp8="torch", fp8_recipe="delayed", fp8_amax_history=4))
 
 
 def test_delayed_recipe_quantises_with_frozen_scales_and_recompute_matches():

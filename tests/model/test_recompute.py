@@ -73,20 +73,22 @@ def _first_forward_of_the_process(rank, world):
 
     # The launcher's ranks fork from a server that only imported modules: nothing probed yet.
     assert grouped_mm_works.cache_info().currsize == 0
+    ops = tiny_ops("selective", torch.bfloat16)  # the start-up resolution probes torch._grouped_mm
+    probed = grouped_mm_works.cache_info().currsize
     torch.manual_seed(0)
-    m = build_model(tiny_config(hidden_size=64, head_dim=16, expert_hidden_size=64),
-                    tiny_ops("selective", torch.bfloat16))
+    m = build_model(tiny_config(hidden_size=64, head_dim=16, expert_hidden_size=64), ops)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = m(packed_batch([200], 64))
     out.ce_sum.backward()
-    return grouped_mm_works.cache_info().currsize  # the probe ran inside this forward
+    return probed, grouped_mm_works.cache_info().currsize
 
 
 @pytest.mark.slow
 def test_selective_recompute_in_bf16_autocast_from_a_fresh_process():
-    """The first forward of a process probes torch._grouped_mm (forward and backward) inside the
-    experts' recompute region; the probe's saved tensors must stay out of that region, or the
-    recomputation (which has the cached answer) saves fewer tensors and the backward fails."""
+    """torch._grouped_mm is probed (forward and backward) when the run's ops are resolved, before
+    any model exists, never inside the experts' recompute region (whose recomputation would then
+    save other tensors than its forward did, and the backward fail): the first forward of a fresh
+    process probes nothing more and its selective recompute runs."""
     from tests.launcher import run_distributed
 
-    assert run_distributed(_first_forward_of_the_process, 1, timeout=300) == [1]
+    assert run_distributed(_first_forward_of_the_process, 1, timeout=300) == [(1, 1)]
