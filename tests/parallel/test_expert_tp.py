@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from data_packing.batch import pad_multiple
+from longctx_moe.build import resolve_ops
 from longctx_moe.checkpoint.sharded_state import global_slices
 from longctx_moe.checkpoint.trainer_state import load_trainer, save_trainer
 from longctx_moe.config import load_config
@@ -68,8 +69,7 @@ def _steps(sets):
 def _trainer(sets, dims) -> Trainer:
     cfg = load_config(None, SETS + [f"train.steps={STEPS}"] + sets)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, balance=cfg.balance).to(torch.float64)
-    model.set_recompute(cfg.train.recompute)
+    model = build_model(cfg.model, resolve_ops(cfg, torch.device("cpu")), balance=cfg.balance).to(torch.float64)
     parallel = cfg.parallel
     if dims is None:  # the single-process reference: the same settings on one rank
         parallel = dataclasses.replace(parallel, tp=1, cp=1, ep=1, etp=1, cp_backend="ring",

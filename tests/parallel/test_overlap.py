@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from longctx_moe.execution import default_ops
 from longctx_moe.model import build_model
 from longctx_moe.model.config import BalanceConfig
 from longctx_moe.parallel import comm
@@ -44,10 +45,10 @@ LAYOUTS = [dict(ep=4), dict(tp=2, ep=4), dict(ep=4, dispatch_dtype="fp8"),
 BALANCE = BalanceConfig(aux_loss_type="seq", aux_loss_coeff=0.1, z_loss_coeff=0.01)
 
 
-def _model(seed):
+def _model(seed, recompute="none"):
     torch.manual_seed(seed)
     cfg = tiny_config(num_experts=8, top_k=2, shared_expert_hidden_size=16)
-    return build_model(cfg, balance=BALANCE)
+    return build_model(cfg, default_ops().replace(recompute=recompute), balance=BALANCE)
 
 
 def run_steps(rank, world, kw, overlap, bucket_mb, seed, in_flight=1):
@@ -60,8 +61,7 @@ def run_steps(rank, world, kw, overlap, bucket_mb, seed, in_flight=1):
     cfg = ParallelConfig(moe_overlap=overlap, grad_bucket_mb=bucket_mb, micro_batches_in_flight=in_flight, **kw)
     dims = ParallelDims.from_config(cfg, world, tiny_config())
     dims.build_groups(rank)
-    runtime = parallelize(_model(seed), dims, cfg)
-    runtime.model.set_recompute(recompute)
+    runtime = parallelize(_model(seed, recompute), dims, cfg)
     for layer in runtime.model.moe_layers() if lend_rows else ():
         layer.dispatcher.min_lend_rows = lend_rows
     assert all(m.dispatcher.overlaps_shared == overlap for m in runtime.model.moe_layers())

@@ -16,6 +16,7 @@ import weakref
 import pytest
 import torch
 
+from longctx_moe.execution import default_ops
 from longctx_moe.model import build_model
 from longctx_moe.parallel import sequence_parallel as sp
 from longctx_moe.parallel.config import ParallelConfig
@@ -34,8 +35,7 @@ def _run(rank, world, recompute="none"):
     pcfg = ParallelConfig(tp=2, sequence_parallel=True)
     dims = ParallelDims.from_config(pcfg, world, cfg)
     dims.build_groups(rank)
-    runtime = parallelize(build_model(cfg), dims, pcfg)
-    runtime.model.set_recompute(recompute)
+    runtime = parallelize(build_model(cfg, default_ops().replace(recompute=recompute)), dims, pcfg)
     batch = packed_batch(DOCS, 64, pad_multiple=2, generator=torch.Generator().manual_seed(1))
     gathered, gather = [], sp.gather_tokens
 

@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 import torch
 
+from longctx_moe.build import resolve_ops
 from longctx_moe.config import load_config
 from longctx_moe.model import build_model
 from longctx_moe.parallel.dims import ParallelDims
@@ -69,8 +70,7 @@ def _steps(pad: int):
 def _train(sets, dims, steps):
     cfg = load_config(None, SETS + sets)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, balance=cfg.balance).to(torch.float64)
-    model.set_recompute(cfg.train.recompute)
+    model = build_model(cfg.model, resolve_ops(cfg, torch.device("cpu")), balance=cfg.balance).to(torch.float64)
     parallel = cfg.parallel
     if dims is None:  # the single-process reference: the same settings on one rank
         parallel = dataclasses.replace(parallel, tp=1, cp=1, ep=1, cp_backend="ring",
