@@ -211,7 +211,7 @@ class Trainer:
         else:
             self.optimizer.step()
             if self.cfg.model.expert_bias and pending.counts is not None:
-                self.model.update_expert_bias(pending.counts.to(self.device))
+                self.model.update_expert_bias(pending.counts.to(self.device, non_blocking=True))
         self.optimizer.zero_grad(set_to_none=True)
         advance_fp8(self.model, skipped)  # delayed FP8 scaling: freeze this step's scales
         self.schedule.advance()
@@ -274,8 +274,11 @@ class Trainer:
 
     def _accumulate(self, work: list, targets: list[int], g: int, objective: Objective):
         """Backward every (micro-batch, CP group); return sums [loss, main, aux, z] (fp64), the
-        summed expert counts [L_moe, E] (fp64) of this rank, and the objective's metrics."""
-        sums = torch.zeros(4, dtype=torch.float64)
+        summed expert counts [L_moe, E] (fp64) of this rank, and the objective's metrics, all on
+        the host. They add up where the model computed them (float64, the same sums as on the
+        host) and are read back once, after the last backward: one sync per step, not several
+        per micro-batch."""
+        sums = [torch.zeros((), dtype=torch.float64)] * 4  # a host zero plus a device value moves there
         counts, metrics = None, {}
         def shard_of(item):
             i, (mb, cp) = item
@@ -289,16 +292,15 @@ class Trainer:
             if i == len(work) - 1:  # gradient buckets all-reduce while this backward runs
                 self.runtime.start_gradient_reduction()
             (main.loss + aux).backward()
-            parts = torch.stack([torch.as_tensor(v, dtype=torch.float64).detach().cpu().reshape(())
-                                 for v in (main.reported + aux, main.reported,
-                                           out.aux_loss * (n / g), out.z_loss * (n / g))])
-            sums += parts
+            parts = (main.reported + aux, main.reported, out.aux_loss * (n / g), out.z_loss * (n / g))
+            sums = [_add(acc, _f64(v)) for acc, v in zip(sums, parts, strict=True)]
             c = getattr(out, "expert_counts", None)
             if c is not None:
-                c = c.detach().to(torch.float64).cpu()
-                counts = c if counts is None else counts + c
+                counts = _add(counts, _f64(c, keep_shape=True))
             _merge_metrics(metrics, {**main.metrics, **_replay_metrics(out)})
-        return sums, counts, metrics
+        keys = sorted(metrics)
+        host = _to_host([*sums, counts, *(metrics[k] for k in keys)])
+        return torch.stack(host[:4]), host[4], dict(zip(keys, host[5:], strict=True))
 
     def _reduce_metrics(self, metrics: dict[str, torch.Tensor]) -> dict[str, float]:
         """Sums over dp_cp ("_max" / "_min" keys by max / min); the same keys on every rank."""
@@ -346,9 +348,35 @@ def _add_gradients(stash: list | None) -> None:
             p.grad.add_(g)
 
 
+def _f64(value, keep_shape: bool = False) -> torch.Tensor:
+    """A detached float64 copy of `value` where it lives (a host number on the host): no
+    device-to-host read. A scalar unless `keep_shape`."""
+    if not torch.is_tensor(value):
+        return torch.tensor(float(value), dtype=torch.float64)
+    value = value.detach().to(torch.float64)
+    return value if keep_shape else value.reshape(())
+
+
+def _add(acc: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    return value if acc is None else acc + value
+
+
+def _to_host(values: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """`values` on the host, those on a device read back with one copy for all (one sync)."""
+    away = [i for i, v in enumerate(values) if v is not None and v.device.type != "cpu"]
+    if not away:
+        return values
+    flat = torch.cat([values[i].reshape(-1).to(values[away[0]].device) for i in away]).cpu()
+    out = list(values)
+    for i, part in zip(away, flat.split([values[i].numel() for i in away]), strict=True):
+        out[i] = part.view(values[i].shape)
+    return out
+
+
 def _merge_metrics(acc: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+    """Fold one micro-batch's metrics into `acc`, where they live (read once, see _to_host)."""
     for key, value in new.items():
-        value = torch.as_tensor(value, dtype=torch.float64).detach().cpu().reshape(())
+        value = _f64(value)
         if key not in acc:
             acc[key] = value
         elif key.endswith("_max"):
