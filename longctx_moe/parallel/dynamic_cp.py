@@ -73,7 +73,8 @@ def documents(micro_batches: list[PackedBatch]) -> list[Document]:
 
 def step_lengths(docs: list[Document], group, device="cpu") -> tuple[list[int], list[int], bool]:
     """(lengths [N], owner replica [N], any document weighted) of the step's documents, every
-    replica's in DP rank order (collective over the DP `group`; None: this replica alone)."""
+    replica's in DP rank order (collective over the DP `group`; None: this replica alone). On
+    the host by default: a few bytes, and the scheduler reads them there (no device sync)."""
     weighted = any(d.weight is not None for d in docs)
     mine = [int(weighted)] + [d.tokens.numel() for d in docs]
     if group is None:
@@ -177,9 +178,11 @@ class DynamicCP:
     def reschedule(self, micro_batches: list[PackedBatch],
                    device="cpu") -> tuple[list[Slot], dict[int, int]]:
         """This rank's slots for the step and the histogram {CP size: documents} (collective
-        over dp_cp; `device`: where the collectives run, the GPU under NCCL)."""
+        over dp_cp). The micro-batches' bounds and the lengths stay on the host (gloo carries
+        the lengths); the documents travel on `device` (NCCL bandwidth on a GPU) and are read
+        back once, to pack the slots on the host like the loader's batches."""
         mine = documents(micro_batches)
-        lengths, owner, weighted = step_lengths(mine, self.dims.group_or_none(Axis.DP), device)
+        lengths, owner, weighted = step_lengths(mine, self.dims.group_or_none(Axis.DP))
         plan = self.plan(lengths)
         docs = exchange_documents(
             mine, lengths, owner, weighted, needed_documents(plan, self.block),
