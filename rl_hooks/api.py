@@ -394,6 +394,15 @@ class PolicyTrainer:
 
         return export_weights(self.runtime.model, self.dims, bucket_bytes, dtype, self.export_gate)
 
+    def export_weight_shards(self, dtype: torch.dtype = torch.bfloat16):
+        """This rank's own pieces of the HF tensors (ShardRecord: name, whole shape, dtype, slices,
+        tensor), each element of the model yielded by one rank only, about model bytes / world
+        per rank; no communication (longctx_moe/hf/shards.py). Read it to the end before the next
+        update. `longctx_moe.hf.shards.reassemble` rebuilds whole tensors from every rank's."""
+        from rl_hooks.export import export_weight_shards
+
+        return export_weight_shards(self.runtime.model, self.dims, dtype, self.export_gate)
+
     def push_weights(self, sink, bucket_bytes: int = 512 << 20,
                      dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
         """Stream the export to `sink(bucket)`, e.g. a rollout engine's weight loader."""

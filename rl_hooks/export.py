@@ -5,6 +5,10 @@ Every rank of the trainer takes part (the buckets are assembled with collectives
 etp) and every rank yields every bucket, so an engine colocated with any rank can load from it; a
 sink that feeds one engine should push from one rank.
 
+`export_weight_shards` is the per-shard export (longctx_moe.hf.shards): each rank yields only its
+own pieces of the HF tensors, each element once over all ranks, about model bytes / world per
+rank, with no communication, so the engines' ranks take their pieces directly.
+
 An export may be left early (a driver that stops reading): after each bucket the ranks vote
 (one all-reduce of a flag) on going on, so a rank whose iterator is closed, or dropped and then
 settled at its policy's next call (`ExportGate`), stops its peers at the same bucket; their next
@@ -21,6 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from longctx_moe.hf.shards import ShardRecord, export_shards
 from longctx_moe.hf.weights import Bucket
 from longctx_moe.hf.weights import export_weights as weight_buckets
 
@@ -34,6 +39,16 @@ def export_weights(model, dims, bucket_bytes: int, dtype: torch.dtype = torch.bf
     gate = gate or ExportGate()
     gate.settle()
     return gate.track(WeightExport(weight_buckets(model, dims, bucket_bytes, dtype), gate))
+
+
+def export_weight_shards(model, dims, dtype: torch.dtype = torch.bfloat16,
+                         gate: ExportGate | None = None) -> Iterator[ShardRecord]:
+    """This rank's ShardRecords (longctx_moe.hf.shards), in export order. No collective: a rank
+    may stop reading whenever it likes. `gate`: the policy's, whose open whole-tensor export is
+    settled first (that is collective, like the policy's other calls)."""
+    if gate is not None:
+        gate.settle()
+    return export_shards(model, dims, dtype)
 
 
 class ExportAbandoned(RuntimeError):

@@ -1,0 +1,101 @@
+"""Weight sync by shard (longctx_moe/hf/shards.py): every rank's pieces reassemble bitwise into the
+whole-tensor export, each element exactly once, and the bytes a rank yields stay within 1.1 x model
+bytes / world, on 4 and 8 gloo ranks under EP, TP and ETP layouts of configs/tiny_cpu.yaml, and
+for the families whose experts or attention have their own layouts (gpt-oss's fused, interleaved
+experts with biases; DeepSeek-V3's MLA, dense first layer and shared expert)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from longctx_moe.config import load_config
+from longctx_moe.hf.shards import ShardRecord, reassemble
+from rl_hooks import PolicyTrainer
+from tests.launcher import run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY, GPT_OSS, DEEPSEEK = (str(ROOT / "configs" / f) for f in (
+    "tiny_cpu.yaml", "families/gpt_oss_tiny.yaml", "families/deepseek_v3_tiny.yaml"))
+# (config, parallel layout) per world size: experts over EP with DP, TP x DP (experts replicated on
+# every rank), TP with EP (EDP replicas), and ETP (experts' hidden units split) at 8.
+LAYOUTS = {
+    4: [(TINY, ["parallel.ep=4"]), (TINY, ["parallel.tp=2"]), (TINY, ["parallel.tp=2", "parallel.ep=2"]),
+        (GPT_OSS, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"]),
+        (DEEPSEEK, ["parallel.tp=2", "parallel.ep=2"])],
+    8: [(TINY, ["parallel.ep=8"]), (TINY, ["parallel.tp=2"]),
+        (TINY, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"])],
+}
+BOUND = 1.1  # the acceptance bound on a rank's bytes over model bytes / world
+
+
+def _detached(records) -> list[ShardRecord]:
+    # records may view the parameters: copies travel back to the parent
+    return [dataclasses.replace(r, tensor=r.tensor.clone()) for r in records]
+
+
+def _rank(rank: int, world: int) -> list[dict]:
+    out = []
+    for path, sets in LAYOUTS[world]:
+        policy = PolicyTrainer(load_config(path, sets))
+        whole = {n: t.clone() for bucket in policy.export_weights() for n, t in bucket}  # collective
+        out.append({"records": _detached(policy.export_weight_shards()),
+                    "whole": whole if rank == 0 else None, "specs": policy.weights_spec()})
+    return out
+
+
+def _check(runs: list[list[dict]], world: int) -> None:
+    for case, (path, sets) in enumerate(LAYOUTS[world]):
+        what = f"{path.rsplit('/', 1)[1]} {sets} on {world} ranks"
+        per_rank = [run[case]["records"] for run in runs]
+        whole = runs[0][case]["whole"]
+        got = reassemble([r for records in per_rank for r in records], runs[0][case]["specs"])
+        assert list(got) == list(whole), what
+        for name, want in whole.items():
+            assert torch.equal(got[name], want), f"{what}: {name}"
+        total = sum(t.numel() * t.element_size() for t in whole.values())
+        sent = [sum(r.nbytes for r in records) for records in per_rank]
+        assert max(sent) <= BOUND * total / world, f"{what}: per-rank bytes {sent}, model {total}"
+        for records in per_rank:  # one piece of a tensor per rank, in export order
+            names = [r.hf_name for r in records]
+            assert names == [n for n in whole if n in set(names)], what
+
+
+@pytest.mark.slow  # 4 gloo ranks, five layouts
+def test_shards_reassemble_to_the_whole_export_within_the_byte_bound_on_4_ranks():
+    _check(run_distributed(_rank, world_size=4, timeout=600), 4)
+
+
+@pytest.mark.slow  # 8 gloo ranks, three layouts
+def test_shards_reassemble_to_the_whole_export_within_the_byte_bound_on_8_ranks():
+    _check(run_distributed(_rank, world_size=8, timeout=600), 8)
+
+
+def test_one_process_yields_every_tensor_whole_as_the_export():
+    policy = PolicyTrainer(load_config(TINY, []))
+    whole = [(n, t.clone()) for bucket in policy.export_weights() for n, t in bucket]
+    records = list(policy.export_weight_shards())
+    assert [r.hf_name for r in records] == [n for n, _ in whole]
+    for r, (name, t) in zip(records, whole, strict=True):
+        assert r.slices == tuple((0, n) for n in t.shape) and r.full_shape == tuple(t.shape)
+        assert r.dtype == torch.bfloat16 and torch.equal(r.tensor, t), name
+
+
+def _record(name, slices, value=1.0):
+    shape = tuple(b - a for a, b in slices)
+    return ShardRecord(name, (4, 2), torch.float32, slices, torch.full(shape, value))
+
+
+def test_reassemble_checks_every_element_comes_once():
+    halves = [_record("w", ((0, 2), (0, 2)), 1.0), _record("w", ((2, 4), (0, 2)), 2.0)]
+    got = reassemble(halves)["w"]
+    assert torch.equal(got, torch.tensor([[1.0, 1.0]] * 2 + [[2.0, 2.0]] * 2))
+    with pytest.raises(ValueError, match="overlap"):
+        reassemble([*halves, _record("w", ((1, 2), (0, 1)))])
+    with pytest.raises(ValueError, match="2 of 8 elements are in no record"):
+        reassemble([halves[0], _record("w", ((2, 4), (1, 2)))])
+    with pytest.raises(ValueError, match="does not fill"):
+        reassemble([ShardRecord("w", (4, 2), torch.float32, ((0, 4), (0, 2)), torch.zeros(2, 2))])
