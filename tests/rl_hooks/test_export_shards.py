@@ -99,3 +99,57 @@ def test_reassemble_checks_every_element_comes_once():
         reassemble([halves[0], _record("w", ((2, 4), (1, 2)))])
     with pytest.raises(ValueError, match="does not fill"):
         reassemble([ShardRecord("w", (4, 2), torch.float32, ((0, 4), (0, 2)), torch.zeros(2, 2))])
+
+
+def _verl_rank(rank: int, world: int, folder: str) -> dict:
+    from verl.checkpoint_engine.delta_sync.sparse_gather import gather_slot_entries_to_rank0
+    from verl.workers.engine_workers import TrainingWorker
+
+    from tests.rl_hooks import verl_cases as vc
+
+    worker = TrainingWorker(vc.worker_config(folder, "float32", ["parallel.tp=2", "parallel.ep=2"]))
+    worker.reset()
+    engine = worker.engine
+    seed = {n: t.clone() for n, t in engine.get_per_tensor_param()[0]}  # collective
+    gen, peft = engine.get_per_tensor_param_shard()
+    shards = [(n, flat.clone(), spec.place, spec.contributes) for n, flat, spec in gen]
+    # verl's delta sync: snapshots of the pieces, weights changed alike on every replica, the
+    # changed elements gathered to rank 0 by verl's own gather over each entry's group
+    engine.prime_delta_snapshots()
+    with torch.no_grad():
+        for p in engine.policy.runtime.model.parameters():
+            p.view(-1)[::5] += 1.0
+    after = {n: t.clone() for n, t in engine.get_per_tensor_param()[0]}
+    updated = {n: t.clone().view(-1) for n, t in seed.items()}
+    for slots, _, counts, idx, val, group in engine.get_per_tensor_param_delta_shard()[0]:
+        gathered = gather_slot_entries_to_rank0(idx, val, counts, group=group)  # None off rank 0
+        for (name, _), (aidx, aval) in zip(slots, gathered if rank == 0 else [], strict=rank == 0):
+            updated[name][aidx.long()] = aval
+    return {"shards": shards, "seed": seed, "after": after, "updated": updated, "peft": peft}
+
+
+@pytest.mark.slow  # verl's TrainingWorker on 2 gloo ranks
+def test_verl_shard_export_and_delta_sync_give_the_whole_tensors(tmp_path):
+    pytest.importorskip("verl")
+    from tests.rl_hooks import verl_cases as vc
+
+    folder = vc.save_hf_model(tmp_path / "hf", "float32")
+    runs = run_distributed(_verl_rank, world_size=2, args=(str(folder),), timeout=600)
+    seed, names = runs[0]["seed"], list(runs[0]["seed"])
+    records = []
+    for run in runs:
+        assert [n for n, *_ in run["shards"]] == names and run["peft"] is None  # lockstep
+        for name, flat, place, contributes in run["shards"]:
+            if not contributes:
+                assert flat.numel() == 0
+                continue
+            slices = tuple((o, o + n) for o, n in zip(place.global_offset, place.local_shape, strict=True))
+            records.append(ShardRecord(name, place.full_shape, flat.dtype, slices, flat.view(place.local_shape)))
+    got = reassemble(records)
+    assert set(got) == set(names) and all(torch.equal(got[n], seed[n]) for n in names)
+    # every element once: the pieces of a tensor reached rank 0 and nothing else changed
+    after = runs[0]["after"]
+    changed = sum(int((after[n] != seed[n]).sum()) for n in names)
+    assert changed > 0
+    for name in names:
+        assert torch.equal(runs[0]["updated"][name].view(seed[name].shape), after[name]), name

@@ -264,6 +264,46 @@ class LongctxMoeEngine(BaseEngine):
         buckets = self.policy.export_weights(dtype=dtype)
         return (pair for bucket in buckets for pair in bucket), None
 
+    def get_per_tensor_param_shard(self, **kwargs):
+        """This rank's pieces of the HF tensors (PolicyTrainer.export_weight_shards, each element
+        once over all ranks) in verl's shard contract: (HF name, flat piece, ShardSpec) for every
+        HF tensor, in the same order on every rank (verl's delta engine gathers in lockstep). A
+        piece's spec places it in its HF tensor (BlockPlacement) and gathers over the world group,
+        whose first rank sends; for a tensor of which this rank has no piece, an empty one that
+        does not contribute. No communication here, in engine_config.export_dtype."""
+        from verl.workers.engine.spec import BlockPlacement, ShardSpec
+
+        dtype = getattr(torch, self.engine_config.export_dtype)
+        group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+        specs = self.policy.weights_spec(dtype)
+        records = self.policy.export_weight_shards(dtype)
+        empty = torch.empty(0, dtype=dtype, device=self.policy.ctx.device)
+
+        def lockstep():
+            record = next(records, None)
+            for spec in specs:
+                if record is None or record.hf_name != spec.name:
+                    yield spec.name, empty, ShardSpec(spec.shape, place=0, gather_group=group, contributes=False)
+                    continue
+                place = BlockPlacement(tuple(record.tensor.shape), record.offsets, spec.shape)
+                yield spec.name, record.tensor.reshape(-1), ShardSpec(spec.shape, place=place, gather_group=group)
+                record = next(records, None)
+            if record is not None:
+                raise RuntimeError(f"shard {record.hf_name} is out of the export's order; the shard "
+                                   "export and weights_spec disagree")
+
+        return lockstep(), None
+
+    def get_per_tensor_param_delta_shard(self, **kwargs):
+        """verl's delta sync (checkpoint engine `delta_sharded`): the changed elements of this
+        rank's pieces since prime_delta_snapshots, in HF coordinates. Our pieces are HF tensors'
+        blocks already, so verl's identity entry builder converts them."""
+        from verl.workers.engine.utils import _hf_entry_identity, hf_delta_export
+
+        self._delta_shard_snap = getattr(self, "_delta_shard_snap", {})
+        gen, _ = self.get_per_tensor_param_shard()
+        return hf_delta_export(gen, self._delta_shard_snap, _hf_entry_identity), None
+
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None,
                         **kwargs):
         _refuse_remote(hdfs_path, max_ckpt_to_keep)
