@@ -6,7 +6,8 @@ VERL_USE_EXTERNAL_MODULES). Modelled on verl's torchtitan engine
 (verl/workers/engine/torchtitan/transformer_impl.py, verl 0.9.1): verl's `TrainingWorker` calls
 `initialize`, `train_mode` / `eval_mode`, `train_batch` / `infer_batch` with its no-padding
 TensorDict and its loss function, `lr_scheduler_step`, `get_per_tensor_param` (the weight sync to
-vLLM / SGLang), the data-parallel size / rank / group and `save_checkpoint` / `load_checkpoint`.
+vLLM / SGLang; `get_per_tensor_param_shard` and its delta for verl's sharded delta sync), the
+data-parallel size / rank / group and `save_checkpoint` / `load_checkpoint`.
 
 The batch a rank receives is its data-parallel share (verl dispatches each DP rank its own chunk),
 so the engine drives `PolicyTrainer(sharded=True)`: our micro-batching by tokens, the parallel

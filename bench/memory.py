@@ -1,0 +1,186 @@
+"""Benchmark: what a trainer rank holds and moves for RL on gloo ranks (CPU), by section.
+
+Each section runs its layouts on every world size of `--world` and returns its table and its JSON
+keys; `--sections` picks them (default: all). Sections:
+
+  weight_sync   the bytes a rank sends per weight sync. Before: the whole-tensor export
+                (rl_hooks.export.export_weights), where every rank yields every HF tensor
+                (the model's bytes) after the all-gathers over TP / ETP / EP that assemble them
+                (what the rank sends into those, in the parameters' dtype, counted from the
+                declared splits: (group size - 1) x its piece per gather). After: the per-shard
+                export (export_weight_shards), each rank's own pieces, no gathers.
+                `shard_sync_bytes_ratio`: the worst rank's shard bytes over model bytes / world,
+                the worst over every run (acceptance: <= 1.1).
+
+Layouts (of --config, configs/tiny_cpu.yaml by default): ep (experts over every rank, DP for the
+rest), tp2 (TP 2 x DP, experts replicated), tp2-ep2 (with EDP replicas), tp2-ep2-etp2 (experts'
+hidden units split too); a layout the world or the model cannot take is skipped with a line.
+
+    python bench/memory.py --world 4 8 --out runs/bench/memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.bench_io import write_json  # noqa: E402
+from tests.launcher import run_distributed  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LAYOUTS = {
+    "ep": lambda world: [f"parallel.ep={world}"],
+    "tp2": lambda world: ["parallel.tp=2"],
+    "tp2-ep2": lambda world: ["parallel.tp=2", "parallel.ep=2"],
+    "tp2-ep2-etp2": lambda world: ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"],
+}
+
+
+# ---------------------------------------------------------------------- weight_sync
+
+
+def gather_bytes_sent(model, dims) -> int:
+    """Bytes this rank sends into the whole-tensor export's all-gathers (longctx_moe.hf.weights:
+    a TP-split tensor over tp; an expert tensor over etp, then the etp-whole one over ep), each
+    in the parameter's dtype: (group size - 1) x the rank's piece per gather."""
+    from longctx_moe.hf.families import family_of
+    from longctx_moe.hf.interop import fused_pairs, name_pairs
+    from longctx_moe.parallel.sharding import splits_of
+
+    cfg = model.cfg
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    names = [ours for ours, _ in name_pairs(cfg)]
+    for layer in range(cfg.first_k_dense, cfg.num_layers):
+        if family_of(cfg.hf_family).fused_experts:
+            names += [ours for ours, _ in fused_pairs(cfg, layer)]
+        else:
+            names += [f"layers.{layer}.ffn.experts.{w}" for w in ("w_gate_up", "w_down")]
+    sent = 0
+    for name in names:
+        p = tensors[name]
+        size = p.numel() * p.element_size()
+        parts = {s.axis: s.parts for s in splits_of(p)}
+        for axis in ("tp", "etp", "ep"):  # hf.weights' order of the gathers
+            n = dims.size(axis) if axis in parts else 1
+            sent += size * (n - 1)
+            size *= n
+    return sent
+
+
+def _sync_rank(rank: int, world: int, config: str, layouts: list[tuple[str, list[str]]], dtype_name: str) -> list[dict]:
+    from longctx_moe.config import load_config
+    from rl_hooks import PolicyTrainer
+
+    dtype = DTYPES[dtype_name]
+    out = []
+    for _, sets in layouts:
+        policy = PolicyTrainer(load_config(config, sets))
+        whole = sum(t.numel() * t.element_size() for bucket in policy.export_weights(dtype=dtype) for _, t in bucket)
+        shard = sum(r.nbytes for r in policy.export_weight_shards(dtype))
+        spec = policy.weights_spec(dtype)
+        out.append({"before_yield_bytes": whole, "before_gather_sent_bytes": gather_bytes_sent(policy.runtime.model, policy.dims),
+                    "after_bytes": shard,
+                    "model_bytes": sum(s.dtype.itemsize * _numel(s.shape) for s in spec)})
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def _layouts_for(world: int, names: list[str], config: str) -> tuple[list[tuple[str, list[str]]], list[str]]:
+    """(name, settings) of the layouts `world` ranks and the model can take; lines for the others."""
+    from longctx_moe.config import ConfigError, load_config
+    from longctx_moe.parallel.dims import ParallelDims
+
+    keep, skipped = [], []
+    for name in names:
+        sets = LAYOUTS[name](world)
+        try:
+            cfg = load_config(config, sets)
+            ParallelDims.from_config(cfg.parallel, world, cfg.model, cfg.balance)
+        except (ConfigError, ValueError) as e:
+            skipped.append(f"skipped {name} on {world} ranks: {e}")
+            continue
+        keep.append((name, sets))
+    return keep, skipped
+
+
+def weight_sync(args) -> tuple[list[str], dict]:
+    runs, lines = [], []
+    for world in args.world:
+        layouts, skipped = _layouts_for(world, args.layouts, args.config)
+        lines += skipped
+        if not layouts:
+            continue
+        per_rank = run_distributed(_sync_rank, world, args=(args.config, layouts, args.dtype), timeout=1800)
+        for i, (name, sets) in enumerate(layouts):
+            ranks = [r[i] for r in per_rank]
+            model = ranks[0]["model_bytes"]
+            fair = model / world
+            runs.append({"world": world, "layout": name, "settings": sets, "model_bytes": model,
+                         "ranks": [{k: v for k, v in r.items() if k != "model_bytes"} for r in ranks],
+                         "before_max_bytes": max(r["before_yield_bytes"] + r["before_gather_sent_bytes"] for r in ranks),
+                         "after_max_bytes": max(r["after_bytes"] for r in ranks),
+                         "after_min_bytes": min(r["after_bytes"] for r in ranks),
+                         "shard_sync_bytes_ratio": max(r["after_bytes"] for r in ranks) / fair})
+    ratio = max((r["shard_sync_bytes_ratio"] for r in runs), default=None)
+    return lines + _sync_table(runs, args.dtype), {"shard_sync_bytes_ratio": ratio,
+                                                   "weight_sync": {"config": args.config, "dtype": args.dtype, "runs": runs}}
+
+
+def _sync_table(runs: list[dict], dtype: str) -> list[str]:
+    kib = 1024
+    lines = [f"weight sync, bytes a rank sends per sync ({dtype} export; KiB; fair = model / world)",
+             f"{'world':>5} {'layout':<13} {'rank':>4} {'before: yield':>13} {'+ gathers':>10} "
+             f"{'after':>9} {'after/fair':>10}"]
+    for run in runs:
+        fair = run["model_bytes"] / run["world"]
+        for rank, r in enumerate(run["ranks"]):
+            lines.append(f"{run['world']:>5} {run['layout']:<13} {rank:>4} {r['before_yield_bytes'] / kib:>13.1f} "
+                         f"{r['before_gather_sent_bytes'] / kib:>10.1f} {r['after_bytes'] / kib:>9.1f} "
+                         f"{r['after_bytes'] / fair:>10.3f}")
+    lines.append(f"{'world':>5} {'layout':<13} {'model':>9} {'fair':>9} {'before max':>10} {'after max':>9} "
+                 f"{'after min':>9} {'ratio':>6} {'before/after':>12}")
+    for run in runs:
+        lines.append(f"{run['world']:>5} {run['layout']:<13} {run['model_bytes'] / kib:>9.1f} "
+                     f"{run['model_bytes'] / run['world'] / kib:>9.1f} {run['before_max_bytes'] / kib:>10.1f} "
+                     f"{run['after_max_bytes'] / kib:>9.1f} {run['after_min_bytes'] / kib:>9.1f} "
+                     f"{run['shard_sync_bytes_ratio']:>6.3f} {run['before_max_bytes'] / run['after_max_bytes']:>12.1f}")
+    return lines
+
+
+# ---------------------------------------------------------------------- driver
+
+SECTIONS = {"weight_sync": weight_sync}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, nargs="+", default=[4, 8], help="gloo world sizes")
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny_cpu.yaml"))
+    p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="the export's dtype")
+    p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    result = {"world": args.world, "config": args.config}
+    for name in args.sections:
+        lines, keys = SECTIONS[name](args)
+        print("\n".join(lines), flush=True)
+        result.update(keys)
+    write_json(args.out, result, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
