@@ -214,16 +214,21 @@ class OwnRowsLayout:
 
 
 @eager_only  # collectives, and host ints in the statistics
-def complete_stats(stats: MoEStats, group) -> MoEStats:
+def complete_stats(stats: MoEStats, group, replayed: bool = True) -> MoEStats:
     """The statistics of all T tokens of the TP group from this rank's own-rows ones: the aux
-    and z shares summed (differentiable), expert and replay counts summed, routes gathered."""
+    and z shares summed (differentiable), expert and replay counts summed, routes gathered.
+    Nothing is read back from the device: the replay counts are host ints and are summed on the
+    host (gloo beside NCCL), and only where routes were replayed (`replayed`, the same on every
+    TP rank: they run one micro-batch; without replay every rank's counts are 0)."""
     losses = sum_over_group(torch.stack([stats.aux_loss, stats.z_loss]), group)  # shares of own rows
-    replay = torch.tensor([stats.replay_known, stats.replay_agree], dtype=stats.counts_E.dtype,
-                          device=stats.counts_E.device)
-    counts = torch.cat([stats.counts_E, replay])
-    dist.all_reduce(counts, group=group)
-    known, agree = counts[-2:].tolist()
-    return dataclasses.replace(stats, aux_loss=losses[0], z_loss=losses[1], counts_E=counts[:-2],
+    counts_E = stats.counts_E.clone()
+    dist.all_reduce(counts_E, group=group)
+    known, agree = stats.replay_known, stats.replay_agree
+    if replayed:
+        replay = torch.tensor([known, agree], dtype=torch.int64)
+        dist.all_reduce(replay, group=group)
+        known, agree = replay.tolist()
+    return dataclasses.replace(stats, aux_loss=losses[0], z_loss=losses[1], counts_E=counts_E,
                                topk_idx_TK=_all_gather(stats.topk_idx_TK, group),
                                replay_known=known, replay_agree=agree)
 
@@ -240,8 +245,12 @@ def add_moe_hooks(moe: nn.Module, group, own_layout: OwnRowsLayout) -> None:
         replay_nK = None if replay_TK is None else _own_rows(replay_TK, group)
         return x_nD, own_layout(layout), replay_nK
 
+    def leave(m, args, out):
+        replayed = len(args) > 2 and args[2] is not None  # the own-rows args that enter() gave
+        return out[0], complete_stats(out[1], group, replayed)
+
     moe.register_forward_pre_hook(enter)
-    moe.register_forward_hook(lambda m, args, out: (out[0], complete_stats(out[1], group)))
+    moe.register_forward_hook(leave)
 
 
 def apply_sequence_parallel(model: nn.Module, group) -> None:
