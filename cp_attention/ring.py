@@ -128,7 +128,7 @@ class _Halves:
 
 def _own_halves(k, v, layout: RingLayout, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[Z/2, Hkv, D + Dv] each: K | V of this rank's first chunks (A) and second chunks (B)."""
-    rows_a, rows_b = (x.to(k.device) for x in layout.chunk_rows(rank))
+    rows_a, rows_b = (x.to(k.device, non_blocking=True) for x in layout.chunk_rows(rank))
     kv = torch.cat([k, v], dim=-1)
     return kv.index_select(0, rows_a), kv.index_select(0, rows_b)
 
@@ -269,7 +269,7 @@ def ring_backward(dout, q, k, v, out, lse, layout: RingLayout, rank: int, group,
 
 
 def _add_home(dk, dv, layout: RingLayout, rank: int, home_a, home_b) -> None:
-    rows_a, rows_b = (x.to(dk.device) for x in layout.chunk_rows(rank))
+    rows_a, rows_b = (x.to(dk.device, non_blocking=True) for x in layout.chunk_rows(rank))
     for rows, home in ((rows_a, home_a), (rows_b, home_b)):
         if home is not None:
             g_k, g_v = _split_kv(home, dk.shape[-1])

@@ -54,7 +54,10 @@ class StepSpec:
     offset: int = 0
 
     def to(self, device: torch.device) -> StepSpec:
-        return replace(self, cu_q=self.cu_q.to(device), cu_k=self.cu_k.to(device))
+        """The boundaries on `device` for the kernels (from the host plan: an asynchronous copy,
+        never a stream sync); max_q / max_k stay host ints."""
+        return replace(self, cu_q=self.cu_q.to(device, non_blocking=True),
+                       cu_k=self.cu_k.to(device, non_blocking=True))
 
 
 def _spec(segments: list[tuple[int, int]], causal: bool) -> StepSpec:

@@ -87,7 +87,8 @@ def ulysses_attention(q_LHD, k_LHD, v_LHD, plan: CPPlan, group, causal: bool = T
     check_sink(sink, q_LHD.shape[1])
     counts = [plan.local_tokens(j) for j in range(size)]
     k_LHD, v_LHD = replicate_kv(k_LHD, v_LHD, size)
-    order = torch.cat(plan.rank_index).to(q_LHD.device)  # physical position of each gathered row
+    # physical position of each gathered row (host plan, copied without a stream sync)
+    order = torch.cat(plan.rank_index).to(q_LHD.device, non_blocking=True)
     to_phys = torch.argsort(order)  # gathered row that lands at each physical position
     to_group = torch.argsort(to_phys)
     q_S, k_S, v_S = (scatter_heads(x, counts, group, stats).index_select(0, to_phys)

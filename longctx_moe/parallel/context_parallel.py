@@ -116,7 +116,8 @@ def shard_for_cp(batch: PackedBatch, cp: CPGroup, reduce_stats=None,
                    hierarchical_sizes=list(cp.sizes) if cp.hierarchical else None,
                    num_tokens=batch.num_tokens)
     local = shard_batch(batch, plan, cp.rank)
-    replay = None if replay_TLK is None else plan.shard(replay_TLK.to(batch.tokens.device), cp.rank)
+    replay = None if replay_TLK is None else plan.shard(
+        replay_TLK.to(batch.tokens.device, non_blocking=True), cp.rank)
     layout = doc_layout(local, doc_id_T=plan.shard(batch.document_ids(), cp.rank),
                         num_docs=batch.num_docs, attend=CPAttend(plan, cp),
                         reduce_stats=reduce_stats, replay_TLK=replay)

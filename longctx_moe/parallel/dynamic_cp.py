@@ -146,7 +146,7 @@ def exchange_documents(mine: list[Document], lengths: list[int], owner: list[int
     buf = torch.cat(out_rows) if out_rows else torch.zeros(0, cols, dtype=torch.int64)
     recv_splits = [sum(lengths[i] for i in src) for src in recv]
     got = buf.new_empty(sum(recv_splits), cols, device=device)
-    dist.all_to_all_single(got, buf.to(device), recv_splits,
+    dist.all_to_all_single(got, buf.to(device, non_blocking=True), recv_splits,
                            [sum(lengths[i] for i in dest) for dest in send], group=group)
     got, offset = got.cpu(), 0
     for src in recv:
