@@ -184,8 +184,8 @@ def add_sequence_parallel_hooks(module: nn.Module, group, regather=None) -> None
 def own_rows_layout(layout: DocLayout, group) -> DocLayout:
     """The layout of this rank's own rows for an MoE layer: per-token fields sliced, document ids
     and count kept global to the micro-batch, statistics summed over TP and then over what
-    `layout` summed them. Its attention fields (cu_attn_S, max_attn) still describe all T tokens:
-    only the MoE layer reads it."""
+    `layout` summed them. Its attention fields (cu_attn_S, cu_attn_host_S, max_attn) still
+    describe all T tokens: only the MoE layer reads it."""
     def own(t):
         return None if t is None else _own_rows(t, group)
 
