@@ -20,14 +20,15 @@ from tests.launcher import run_distributed
 ROOT = Path(__file__).resolve().parents[2]
 TINY, GPT_OSS, DEEPSEEK = (str(ROOT / "configs" / f) for f in (
     "tiny_cpu.yaml", "families/gpt_oss_tiny.yaml", "families/deepseek_v3_tiny.yaml"))
-# (config, parallel layout) per world size: experts over EP with DP, TP x DP (experts replicated on
-# every rank), TP with EP (EDP replicas), and ETP (experts' hidden units split) at 8.
+# (config, parallel layout) per case: experts over EP with DP, TP x DP (experts replicated on every
+# rank), TP with EP (EDP replicas), ETP (experts' hidden units split); gpt-oss's fused experts under
+# ETP and DeepSeek-V3's MLA under TP, on 4 ranks.
 LAYOUTS = {
-    4: [(TINY, ["parallel.ep=4"]), (TINY, ["parallel.tp=2"]), (TINY, ["parallel.tp=2", "parallel.ep=2"]),
-        (GPT_OSS, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"]),
-        (DEEPSEEK, ["parallel.tp=2", "parallel.ep=2"])],
-    8: [(TINY, ["parallel.ep=8"]), (TINY, ["parallel.tp=2"]),
-        (TINY, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"])],
+    "tiny4": [(TINY, ["parallel.ep=4"]), (TINY, ["parallel.tp=2"]), (TINY, ["parallel.tp=2", "parallel.ep=2"])],
+    "tiny8": [(TINY, ["parallel.ep=8"]), (TINY, ["parallel.tp=2"]),
+              (TINY, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"])],
+    "families4": [(GPT_OSS, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2"]),
+                  (DEEPSEEK, ["parallel.tp=2", "parallel.ep=2"])],
 }
 BOUND = 1.1  # the acceptance bound on a rank's bytes over model bytes / world
 
@@ -37,9 +38,9 @@ def _detached(records) -> list[ShardRecord]:
     return [dataclasses.replace(r, tensor=r.tensor.clone()) for r in records]
 
 
-def _rank(rank: int, world: int) -> list[dict]:
+def _rank(rank: int, world: int, case: str) -> list[dict]:
     out = []
-    for path, sets in LAYOUTS[world]:
+    for path, sets in LAYOUTS[case]:
         policy = PolicyTrainer(load_config(path, sets))
         whole = {n: t.clone() for bucket in policy.export_weights() for n, t in bucket}  # collective
         out.append({"records": _detached(policy.export_weight_shards()),
@@ -47,12 +48,13 @@ def _rank(rank: int, world: int) -> list[dict]:
     return out
 
 
-def _check(runs: list[list[dict]], world: int) -> None:
-    for case, (path, sets) in enumerate(LAYOUTS[world]):
+def _check(case: str, world: int) -> None:
+    runs = run_distributed(_rank, world_size=world, args=(case,), timeout=600)
+    for i, (path, sets) in enumerate(LAYOUTS[case]):
         what = f"{path.rsplit('/', 1)[1]} {sets} on {world} ranks"
-        per_rank = [run[case]["records"] for run in runs]
-        whole = runs[0][case]["whole"]
-        got = reassemble([r for records in per_rank for r in records], runs[0][case]["specs"])
+        per_rank = [run[i]["records"] for run in runs]
+        whole = runs[0][i]["whole"]
+        got = reassemble([r for records in per_rank for r in records], runs[0][i]["specs"])
         assert list(got) == list(whole), what
         for name, want in whole.items():
             assert torch.equal(got[name], want), f"{what}: {name}"
@@ -64,14 +66,19 @@ def _check(runs: list[list[dict]], world: int) -> None:
             assert names == [n for n in whole if n in set(names)], what
 
 
-@pytest.mark.slow  # 4 gloo ranks, five layouts
+@pytest.mark.multirank  # the feature's one fast multi-rank test
 def test_shards_reassemble_to_the_whole_export_within_the_byte_bound_on_4_ranks():
-    _check(run_distributed(_rank, world_size=4, timeout=600), 4)
+    _check("tiny4", 4)
 
 
-@pytest.mark.slow  # 8 gloo ranks, three layouts
+@pytest.mark.slow  # 8 gloo ranks
 def test_shards_reassemble_to_the_whole_export_within_the_byte_bound_on_8_ranks():
-    _check(run_distributed(_rank, world_size=8, timeout=600), 8)
+    _check("tiny8", 8)
+
+
+@pytest.mark.slow  # 4 gloo ranks, two more families
+def test_fused_experts_and_mla_shards_reassemble_to_the_whole_export():
+    _check("families4", 4)
 
 
 def test_one_process_yields_every_tensor_whole_as_the_export():
