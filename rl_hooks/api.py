@@ -40,9 +40,11 @@ from typing import Any
 import torch
 
 from longctx_moe.config import Config, ConfigError, load_config
+from longctx_moe.hf.weights import weights_spec
 from longctx_moe.model.transformer import LogProbHead
 from longctx_moe.precision import announce
 from longctx_moe.trainer import Trainer
+from rl_hooks import export as weights_out
 from rl_hooks.advantages import compute_advantages, token_advantages
 from rl_hooks.batch import RolloutBatch
 from rl_hooks.losses import LossFn
@@ -382,33 +384,23 @@ class PolicyTrainer:
 
     def weights_spec(self, dtype: torch.dtype = torch.bfloat16):
         """Names (the model's Hugging Face family, per expert), global shapes and dtypes of the export."""
-        from longctx_moe.hf.weights import weights_spec
-
         return weights_spec(self.runtime.model, dtype)
 
     def export_weights(self, bucket_bytes: int = 512 << 20, dtype: torch.dtype = torch.bfloat16):
         """Buckets of (HF name, tensor) of at most `bucket_bytes`, gathered over TP, ETP and EP;
         collective: every rank iterates it to the end, or leaves it early on every rank (a rank
         that leaves stops the others at the same bucket; see rl_hooks/export.py)."""
-        from rl_hooks.export import export_weights
-
-        return export_weights(self.runtime.model, self.dims, bucket_bytes, dtype, self.export_gate)
+        return weights_out.export_weights(self.runtime.model, self.dims, bucket_bytes, dtype, self.export_gate)
 
     def export_weight_shards(self, dtype: torch.dtype = torch.bfloat16):
-        """This rank's own pieces of the HF tensors (ShardRecord: name, whole shape, dtype, slices,
-        tensor), each element of the model yielded by one rank only, about model bytes / world
-        per rank; no communication (longctx_moe/hf/shards.py). Read it to the end before the next
-        update. `longctx_moe.hf.shards.reassemble` rebuilds whole tensors from every rank's."""
-        from rl_hooks.export import export_weight_shards
-
-        return export_weight_shards(self.runtime.model, self.dims, dtype, self.export_gate)
+        """This rank's own pieces of the HF tensors, each element once over all ranks, no
+        communication (ShardRecords, longctx_moe/hf/shards.py); read it before the next update."""
+        return weights_out.export_weight_shards(self.runtime.model, self.dims, dtype, self.export_gate)
 
     def push_weights(self, sink, bucket_bytes: int = 512 << 20,
                      dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
         """Stream the export to `sink(bucket)`, e.g. a rollout engine's weight loader."""
-        from rl_hooks.export import push_weights
-
-        return push_weights(self.runtime.model, self.dims, sink, bucket_bytes, dtype, self.export_gate)
+        return weights_out.push_weights(self.runtime.model, self.dims, sink, bucket_bytes, dtype, self.export_gate)
 
     # ------------------------------------------------------------------ state
 
