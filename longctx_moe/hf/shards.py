@@ -107,6 +107,8 @@ class Piece:
 
 @dataclass(frozen=True)
 class ShardPlan:
+    """Every rank's pieces (`pieces[rank]`), computed alike on every rank."""
+
     sources: list[Source]  # in export order
     pieces: list[list[Piece]]  # per rank, in export order
     total: int  # elements of the whole model
