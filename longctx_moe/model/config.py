@@ -39,6 +39,8 @@ class ModelConfig:
     expert_hidden_size: int = 128
     shared_expert_hidden_size: int = 0  # 0 = no shared expert
     first_k_dense: int = 0  # the first k layers use a dense MLP instead of MoE
+    # the dense MLP's width (config.json's intermediate_size in Qwen, GLM and DeepSeek; families
+    # without dense layers keep this default)
     dense_hidden_size: int = 512
     router_score: str = "softmax"  # softmax | sigmoid
     router_renormalize: bool = True  # renormalise the top-k weights to sum to 1
