@@ -34,9 +34,9 @@ import torch  # noqa: E402
 
 from bench.bench_io import write_json  # noqa: E402
 from longctx_moe import host  # noqa: E402
+from longctx_moe.build import model_of
 from longctx_moe.checkpoint.trainer_state import load_trainer, save_trainer  # noqa: E402
 from longctx_moe.config import load_config  # noqa: E402
-from longctx_moe.model import build_model  # noqa: E402
 from longctx_moe.parallel.parallelize import parallelize  # noqa: E402
 from longctx_moe.trainer import Trainer  # noqa: E402
 
@@ -51,7 +51,7 @@ SIZES = {
 def make_trainer(sets: list[str]) -> Trainer:
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml", sets)
     torch.manual_seed(0)
-    trainer = Trainer(cfg, parallelize(build_model(cfg.model, balance=cfg.balance)))
+    trainer = Trainer(cfg, parallelize(model_of(cfg)))
     for p in trainer.model.parameters():  # one step on random gradients: AdamW's state exists
         p.grad = torch.randn_like(p)
     trainer.optimizer.step()

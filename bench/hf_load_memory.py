@@ -39,9 +39,9 @@ def _reset_peak() -> None:
 
 
 def _load(rank: int, world: int, hf_dir: str, port: int, queue) -> None:
+    from longctx_moe.build import model_of
     from longctx_moe.config import load_config
     from longctx_moe.hf.load import load_hf_sharded
-    from longctx_moe.model import Transformer
     from longctx_moe.parallel.dims import ParallelDims, destroy_process_groups
     from longctx_moe.parallel.parallelize import parallelize
 
@@ -51,7 +51,7 @@ def _load(rank: int, world: int, hf_dir: str, port: int, queue) -> None:
     dims = ParallelDims.from_config(cfg.parallel, world)
     dims.build_groups(rank)
     with torch.device("meta"):
-        model = Transformer(cfg.model)
+        model = model_of(cfg, meta=True)
     parallelize(model, dims, cfg.parallel)
     _reset_peak()
     before = _status_mb("VmRSS")

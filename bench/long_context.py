@@ -189,14 +189,13 @@ def build_side(side: str, cfg, dims=None, routes: str = "live"):
     HF runner (same architecture, same weights)."""
     from train_throughput import hf_runner
 
-    from longctx_moe.build import build_runtime
+    from longctx_moe.build import build_runtime, model_of
     from longctx_moe.trainer import Trainer
 
     if side == "hf":
-        from longctx_moe.model import build_model
 
         torch.manual_seed(cfg.train.seed)
-        return hf_runner(cfg, build_model(cfg.model), compute_dtype(cfg.train.autocast_dtype))
+        return hf_runner(cfg, model_of(cfg), compute_dtype(cfg.train.autocast_dtype))
     trainer = Trainer(cfg, build_runtime(cfg, dims, CPU))
     return step_fn(trainer, routes)
 

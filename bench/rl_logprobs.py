@@ -61,6 +61,7 @@ import torch  # noqa: E402
 
 from bench.bench_io import compute_dtype, write_json  # noqa: E402
 from bench.train_throughput import MODEL, model_config  # noqa: E402
+from longctx_moe.build import model_of  # noqa: E402
 from longctx_moe.host import resident_mb  # noqa: E402
 
 ROOT = _HERE.parent
@@ -170,7 +171,6 @@ def peak_mb() -> float:
 def worker(args) -> dict:
     """One side in this process: warm-up, timed calls, memory, optional breakdown."""
     from longctx_moe.host import configure_cpu
-    from longctx_moe.model import build_model
 
     batch, ids_BL = make_batch(args.batch, args.prompt_len, args.response_len)
     cfg = ours_config(args)
@@ -180,7 +180,7 @@ def worker(args) -> dict:
         configure_cpu(args.threads, "default")  # flush denormals and threads, as ours; plain malloc
         torch.manual_seed(cfg.train.seed)  # the init build_runtime gives our side
         # HF's inference dtype: the weights cast to the dtype our side computes in.
-        model = build_hf(build_model(cfg.model), compute_dtype().dtype)
+        model = build_hf(model_of(cfg), compute_dtype().dtype)
         call = lambda: hf_logprobs(model, ids_BL, args.response_len)  # noqa: E731
     base = trim_and_reset_peak()
     for _ in range(args.warmup):

@@ -286,13 +286,13 @@ def ours_worker(args, ro: Rollouts) -> dict:
 
 
 def trl_worker(args, ro: Rollouts) -> dict:
+    from longctx_moe.build import model_of
     from longctx_moe.host import configure_cpu
-    from longctx_moe.model import build_model
 
     configure_cpu(args.threads, "default")  # flush denormals and threads, as ours; plain malloc
     cfg = ours_config(args)
     torch.manual_seed(cfg.train.seed)  # the init build_runtime gives our side
-    model = hf_model(build_model(cfg.model, balance=cfg.balance))
+    model = hf_model(model_of(cfg))
     with tempfile.TemporaryDirectory() as tmp:
         # TRL's bf16=True where the CPU has native bf16 (its CPU default), as our side's auto.
         bf16 = compute_dtype().autocast == torch.bfloat16

@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_io import DTYPE_CHOICES, compute_dtype, write_json  # noqa: E402
+from longctx_moe.build import model_of  # noqa: E402
 from longctx_moe.host import resident_mb  # noqa: E402
 
 MODEL = dict(vocab_size=16384, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64,
@@ -179,7 +180,6 @@ def hf_runner(cfg, ours_model, compute):
 def worker(args) -> None:
     """One side in this process: print a JSON line with step times, losses and memory."""
     from longctx_moe.host import configure_cpu
-    from longctx_moe.model import build_model
 
     # Both sides flush denormals (they make AdamW crawl on x86). The malloc tuning is part of our
     # trainer (longctx_moe.host, applied by `longctx-moe train`); HF gets it with --hf-allocator tuned.
@@ -189,7 +189,7 @@ def worker(args) -> None:
     steps = step_batches(args.data, args.rows, args.warmup + args.steps)
     base = resident_mb()
     torch.manual_seed(0)
-    model = build_model(cfg.model, balance=cfg.balance)
+    model = model_of(cfg)
     run = ours_runner(cfg, model) if args.worker == "ours" else hf_runner(cfg, model, compute_dtype(args.dtype))
     times, cpu_times, losses = [], [], []
     for i, batches in enumerate(steps):

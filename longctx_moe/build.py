@@ -79,6 +79,20 @@ def resolve_ops(cfg: Config, device: torch.device, rl: bool = False):
     return ops
 
 
+def model_of(cfg: Config, device: torch.device | str = "cpu", meta: bool = False):
+    """`cfg`'s single-device model with the ops resolved for `device` and its balance settings:
+    randomly initialised (deterministic under torch.manual_seed), or on `meta` without weights for
+    a loader to fill. Library callers that build from a Config go through here, so that no
+    execution.* or train.recompute setting is accepted and then ignored."""
+    from longctx_moe.model import Transformer, build_model
+
+    ops = resolve_ops(cfg, torch.device(device))
+    if meta:
+        with torch.device("meta"):
+            return Transformer(cfg.model, ops, cfg.balance)
+    return build_model(cfg.model, ops, cfg.balance)
+
+
 def build_runtime(cfg: Config, dims: Any, device: torch.device, ops: Any = None):
     """Build the single-device model with the run's Ops (resolved here unless given), apply the
     parallel layout (also on one rank: the capacity and drop policy of the dispatcher, the

@@ -72,9 +72,9 @@ def consolidated_state(cfg: Config, step_dir: Path) -> dict[str, torch.Tensor]:
 
 def load_consolidated_model(cfg: Config, step_dir: Path) -> torch.nn.Module:
     """Our single-device model (fp32, eval) holding the weights of checkpoint `step_dir`."""
-    from longctx_moe.model import build_model
+    from longctx_moe.build import model_of
 
-    model = build_model(cfg.model).float().eval()
+    model = model_of(cfg).float().eval()
     load_model_state(model, consolidated_state(cfg, step_dir), str(step_dir))
     return model
 

@@ -200,11 +200,10 @@ def materialize(model: torch.nn.Module, device: torch.device | str = "cpu") -> N
 def load_hf_model(hf_dir: str | Path, overrides: list[str] | None = None) -> torch.nn.Module:
     """Our single-device model (fp32, eval) holding `hf_dir`'s weights; model.* from its
     config.json plus `overrides` (non-architecture keys, e.g. execution.attention_backend)."""
+    from longctx_moe.build import model_of
     from longctx_moe.config import load_config
-    from longctx_moe.model import Transformer
 
     cfg = load_config(None, [f"train.init_from={hf_dir}", *(overrides or [])])
-    with torch.device("meta"):
-        model = Transformer(cfg.model, balance=cfg.balance)
+    model = model_of(cfg, meta=True)
     load_hf_sharded(model, hf_dir)
     return model.eval()

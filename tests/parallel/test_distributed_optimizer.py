@@ -20,8 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from longctx_moe.build import model_of
 from longctx_moe.config import load_config
-from longctx_moe.model import build_model
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.distributed_optimizer import DistributedOptimizer, make_slab, slab_dim
 from longctx_moe.parallel.parallelize import parallelize
@@ -45,7 +45,7 @@ def _trainer(rank, world, sets):
     dims = ParallelDims.from_config(cfg.parallel, world, cfg.model, cfg.balance)
     dims.build_groups(rank)
     torch.manual_seed(0)
-    return Trainer(cfg, parallelize(build_model(cfg.model, balance=cfg.balance).to(torch.float64), dims, cfg.parallel))
+    return Trainer(cfg, parallelize(model_of(cfg).to(torch.float64), dims, cfg.parallel))
 
 
 def _batches(trainer, step):

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from cp_attention.dynamic import schedule
+from longctx_moe.build import model_of
 from longctx_moe.config import load_config
-from longctx_moe.model import build_model
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.dynamic_cp import documents, pack_slot
 from longctx_moe.parallel.parallelize import parallelize
@@ -75,7 +75,7 @@ def _trainer(sets, dims):
     if dims is None:  # one process: the same settings without the layout
         parallel = dataclasses.replace(parallel, cp=1, ep=1, dynamic_cp=False, max_cp=0,
                                        max_tokens_per_rank=0, cp_backend="ring")
-    return Trainer(cfg, parallelize(build_model(cfg.model, balance=cfg.balance).double(), dims, parallel))
+    return Trainer(cfg, parallelize(model_of(cfg).double(), dims, parallel))
 
 
 def _grads(trainer):
@@ -121,7 +121,7 @@ def _cost(model_sets=()):
 
     cfg = load_config(None, BASE + list(model_sets))
     fake = dataclasses.replace(cfg.parallel, dynamic_cp=True)
-    return _dynamic_cp(build_model(cfg.model, balance=cfg.balance), ParallelDims.from_config(cfg.parallel, 1), fake, 1).cost
+    return _dynamic_cp(model_of(cfg), ParallelDims.from_config(cfg.parallel, 1), fake, 1).cost
 
 
 def _rank(rank, world, layouts):
@@ -320,7 +320,7 @@ def test_cost_settings_reach_the_runtime_cost_model():
             "parallel.dcp_ring_latency_us=30", "parallel.dcp_attn_half_tokens=1000"]
     cfg = load_config(None, BASE + sets)
     parallel = dataclasses.replace(cfg.parallel, dynamic_cp=True)
-    model = build_model(cfg.model, balance=cfg.balance)
+    model = model_of(cfg)
     cost = _dynamic_cp(model, ParallelDims.from_config(cfg.parallel, 1), parallel, 1).cost
     m = cfg.model
     want = DynamicCPCost.from_model(

@@ -12,9 +12,9 @@ from tests.launcher import run_distributed
 
 
 def _train(rank, world, recipe):
+    from longctx_moe.build import model_of
     from longctx_moe.config import load_config
     from longctx_moe.kernels import fp8
-    from longctx_moe.model import build_model
     from longctx_moe.parallel.dims import ParallelDims
     from longctx_moe.parallel.parallelize import parallelize
     from longctx_moe.trainer import Trainer
@@ -29,7 +29,7 @@ def _train(rank, world, recipe):
     dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
     dims.build_groups(rank)
     torch.manual_seed(0)
-    trainer = Trainer(cfg, parallelize(build_model(cfg.model), dims, cfg.parallel))
+    trainer = Trainer(cfg, parallelize(model_of(cfg), dims, cfg.parallel))
     losses, scales = [], []
     for step in range(4):
         gen = torch.Generator().manual_seed(10 * step + dims.rank_in("dp"))

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from longctx_moe.build import model_of
 from longctx_moe.compile import apply_compile
 from longctx_moe.config import ConfigError, load_config
 from longctx_moe.host import configure_cpu
-from longctx_moe.model import build_model
 from longctx_moe.model.config import BalanceConfig
 from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.trainer import Trainer
@@ -25,7 +25,7 @@ def _trainer(compiled: bool):
     cfg.model = tiny_config(expert_bias=True)
     cfg.balance = BalanceConfig(aux_loss_type="seq", z_loss_coeff=1e-3)
     torch.manual_seed(0)
-    runtime = parallelize(build_model(cfg.model, balance=cfg.balance).double(), None, cfg.parallel)
+    runtime = parallelize(model_of(cfg).double(), None, cfg.parallel)
     if compiled:
         apply_compile(runtime.model)
     return Trainer(cfg, runtime)

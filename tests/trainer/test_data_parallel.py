@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from longctx_moe.build import model_of
 from longctx_moe.config import load_config
-from longctx_moe.model import build_model
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.trainer import Trainer
@@ -30,7 +30,7 @@ def global_steps():
 def train(dims, steps_batches):
     cfg = load_config(None, SETS)
     torch.manual_seed(0)
-    model = build_model(cfg.model, balance=cfg.balance).to(torch.float64)
+    model = model_of(cfg).to(torch.float64)
     trainer = Trainer(cfg, parallelize(model, dims, cfg.parallel))
     losses = [trainer.train_step(b).loss for b in steps_batches]
     # numpy, not tensors: torch's queue shares tensor storage through a file descriptor that is

@@ -15,10 +15,10 @@ import torch
 
 from cp_attention.kernels._buckets import plan_buckets
 from longctx_moe import host
+from longctx_moe.build import model_of
 from longctx_moe.config import load_config
 from longctx_moe.host import ONEDNN_CACHE_CAPACITY, HeapTrim, bound_onednn_caches, configure_cpu
 from longctx_moe.metrics import reset_peak_memory
-from longctx_moe.model import build_model
 from longctx_moe.model.config import BalanceConfig
 from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.trainer import Trainer
@@ -43,7 +43,7 @@ def _live_tensors_across_steps(rank: int, world: int) -> tuple[int, int]:
     cfg.model = tiny_config(expert_bias=True)
     cfg.balance = BalanceConfig(aux_loss_type="seq", z_loss_coeff=1e-3)
     torch.manual_seed(0)
-    trainer = Trainer(cfg, parallelize(build_model(cfg.model, balance=cfg.balance), None, cfg.parallel))
+    trainer = Trainer(cfg, parallelize(model_of(cfg), None, cfg.parallel))
     gen = torch.Generator().manual_seed(0)
     vocab = cfg.model.vocab_size
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from longctx_moe.build import model_of
 from longctx_moe.checkpoint.trainer_state import load_trainer, save_trainer
 from longctx_moe.config import load_config
-from longctx_moe.model import build_model
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.train import main as train_main
@@ -41,7 +41,7 @@ def _trainer(world: int, rank: int, sets: list[str], seed: int) -> Trainer:
     dims = ParallelDims.from_config(cfg.parallel, world, cfg.model)
     dims.build_groups(rank)
     torch.manual_seed(seed)  # another init than the reference: loading must overwrite all of it
-    return Trainer(cfg, parallelize(build_model(cfg.model), dims, cfg.parallel))
+    return Trainer(cfg, parallelize(model_of(cfg), dims, cfg.parallel))
 
 
 def reference_state() -> dict[str, torch.Tensor]:

@@ -5,8 +5,8 @@ their reduced gradients before the update; the order of calls is enforced."""
 import pytest
 import torch
 
+from longctx_moe.build import model_of
 from longctx_moe.config import load_config
-from longctx_moe.model import build_model
 from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.trainer import Trainer
 from tests.model.helpers import packed_batch, tiny_config
@@ -17,7 +17,7 @@ def _trainer() -> Trainer:
                              "train.autocast_dtype=none"])
     cfg.model = tiny_config(expert_bias=True)
     torch.manual_seed(0)
-    return Trainer(cfg, parallelize(build_model(cfg.model).double(), None, cfg.parallel))
+    return Trainer(cfg, parallelize(model_of(cfg).double(), None, cfg.parallel))
 
 
 def _batches(seed: int) -> list:
