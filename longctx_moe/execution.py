@@ -149,6 +149,7 @@ class Ops:
     loss_logits_cache_mb: int = 128
     batch_invariant: bool = False
     recompute: str = "none"  # train.recompute: none | selective | full (longctx_moe.model.recompute)
+    device: str = "cpu"  # the device type the choices were made for
     reasons: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def lines(self) -> list[str]:
@@ -158,7 +159,7 @@ class Ops:
                 for name, value in self.as_dict().items()]
 
     def as_dict(self) -> dict:
-        """The resolved values, as written to the run's config (resolved_ops)."""
+        """The resolved values (what the start-up lines print)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                if f.name not in ("attention", "reasons")}
         a = self.attention
@@ -337,7 +338,8 @@ def resolve(cfg: ExecutionConfig, target: Target, recompute: str = "none", rl: b
     return Ops(attention=attention, grouped_gemm=gemm, expert_precision=precision, fp8=cfg.fp8,
                fp8_recipe=cfg.fp8_recipe, fp8_amax_history=cfg.fp8_amax_history,
                loss_chunk_tokens=cfg.loss_chunk_tokens, loss_logits_cache_mb=cfg.loss_logits_cache_mb,
-               batch_invariant=invariant, recompute=recompute, reasons=tuple(reasons.items()),
+               batch_invariant=invariant, recompute=recompute, device=target.device,
+               reasons=tuple(reasons.items()),
                **paths)
 
 

@@ -22,6 +22,7 @@ nothing here: the runtime reduces gradients over the groups the parameters belon
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from longctx_moe.parallel.config import ParallelConfig
@@ -93,7 +94,9 @@ def check_attention_features(model: nn.Module, dims, cfg: ParallelConfig) -> Non
         return
     from cp_attention.kernels import check_window_support, offset_backend, resolve_backend
 
-    backend, device = model.ops.attention.backend, next(model.parameters()).device
+    # the run's device, for which the ops were resolved (the model may still be on meta, to be
+    # filled by a sharded loader)
+    backend, device = model.ops.attention.backend, torch.device(model.ops.device)
     if backend != "auto":
         check_window_support(backend, device)
     if (dims.cp > 1 or cfg.dynamic_cp) and cfg.cp_backend != "ulysses":
