@@ -86,7 +86,11 @@ def test_export_loads_in_transformers_with_the_same_logits(checkpoint, tmp_path)
     with torch.no_grad():
         mine = ours.logits(batch)
         theirs = back(input_ids=batch.tokens[None]).logits[0]
-    torch.testing.assert_close(mine, theirs, atol=2e-5, rtol=0)
+    # float32 logits of size ~3.5: ~1e-6 apart for most families (as the log-probs above); gpt-oss
+    # with its sinks and windows reaches 2.3e-5 (transformers 5.10's eager sink attention
+    # normalises in another order, and our fused RMSNorm sums each row in another order: 9e-6
+    # with the torch norm)
+    torch.testing.assert_close(mine, theirs, atol=5e-5, rtol=0)
     again = load_hf_model(out)  # and our reader takes the export back exactly
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values(), strict=True))
 

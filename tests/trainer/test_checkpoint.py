@@ -318,8 +318,10 @@ def test_harmless_settings_may_change_on_resume_but_the_models_function_may_not(
 
     trainer, _, ctx = saved_steps(tmp_path, [1])
     step_dir = ctx.ckpt_dir / "step_00000001"
-    harmless = {"model": {"attention_backend": "reference", "expert_precision": "param", "grouped_gemm": "loop",
-                          "loss_chunk_tokens": 77, "kernels": "torch", "fp8": "torch"},
+    harmless = {"model": {"init_std": 0.5},
+                "execution": {"attention_backend": "reference", "expert_precision": "param", "grouped_gemm": "loop",
+                              "loss_chunk_tokens": 77, "kernels": "torch", "fp8": "torch"},
+                "balance": {"aux_loss_coeff": 0.5, "z_loss_coeff": 0.0},
                 "parallel": {"dispatch_dtype": "bf16", "capacity_factor": 1.5, "dp": 1, "tp": 2, "ep": 4}}
     cfg = copy.deepcopy(trainer.cfg)
     for section, values in harmless.items():
