@@ -451,6 +451,17 @@ def _check_trainer(cfg: Config) -> None:
              "(or set logging.tensorboard=false)")
 
 
+def _check_balance(cfg: Config) -> None:
+    """A balance setting with nothing to act on is refused, not ignored."""
+    b, default = cfg.balance, type(cfg.balance)()
+    _require(cfg.model.expert_bias or b.expert_bias_update_rate == default.expert_bias_update_rate,
+             f"balance.expert_bias_update_rate={b.expert_bias_update_rate} moves the aux-loss-free expert bias, "
+             "and model.expert_bias=false has none; set model.expert_bias=true or drop the rate")
+    _require(b.aux_loss_type != "none" or b.aux_loss_coeff == default.aux_loss_coeff,
+             f"balance.aux_loss_coeff={b.aux_loss_coeff} scales the aux loss, and balance.aux_loss_type=none "
+             "computes none; set aux_loss_type=seq or switch, or drop the coefficient")
+
+
 def _float_fields(node: Any, prefix: str = ""):
     """(dotted key, value) of every float setting, lists included, in declaration order."""
     for f in dataclasses.fields(node):
@@ -475,4 +486,5 @@ def validate(cfg: Config) -> None:
     data and parallel sections checked their own when they were made (_build)."""
     _check_choices(cfg)
     _check_trainer(cfg)
+    _check_balance(cfg)
     _check_finite(cfg)

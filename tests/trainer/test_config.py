@@ -202,4 +202,13 @@ def test_balance_keys_under_model_are_refused_naming_their_section(tmp_path, key
         load_config(None, [f"model.{key}={value}"])
     with pytest.raises(ConfigError, match=want):
         load_config(write(tmp_path, f"model:\n  {key}: {value}\n"))
-    assert getattr(load_config(write(tmp_path, f"balance:\n  {key}: {value}\n")).balance, key) == value
+    bias = "model:\n  expert_bias: true\n" if key == "expert_bias_update_rate" else ""
+    assert getattr(load_config(write(tmp_path, f"{bias}balance:\n  {key}: {value}\n")).balance, key) == value
+
+
+def test_a_balance_setting_with_nothing_to_act_on_is_refused():
+    with pytest.raises(ConfigError, match=r"^balance.expert_bias_update_rate=0.01 .* model.expert_bias=false"):
+        load_config(None, ["balance.expert_bias_update_rate=0.01"])
+    with pytest.raises(ConfigError, match=r"^balance.aux_loss_coeff=0.1 .* balance.aux_loss_type=none computes none"):
+        load_config(None, ["balance.aux_loss_type=none", "balance.aux_loss_coeff=0.1"])
+    load_config(None, ["model.expert_bias=true", "balance.expert_bias_update_rate=0.01"])  # acts: accepted
