@@ -42,9 +42,9 @@ BASE = ["train.param_dtype=fp64", "train.autocast_dtype=none", f"train.steps={ST
         "model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
         "model.head_dim=8", "model.num_experts=4", "model.top_k=2", "model.expert_hidden_size=16",
         "model.first_k_dense=1", "model.dense_hidden_size=32", "model.shared_expert_hidden_size=16",
-        "balance.expert_bias_update_rate=0.01", "execution.loss_chunk_tokens=16"]
+        "execution.loss_chunk_tokens=16"]
 AUX_ON = ["balance.aux_loss_type=seq", "balance.aux_loss_coeff=0.1", "balance.z_loss_coeff=0.01",
-          "model.expert_bias=true"]
+          "model.expert_bias=true", "balance.expert_bias_update_rate=0.01"]
 AUX_OFF = ["balance.aux_loss_coeff=0", "balance.z_loss_coeff=0"]
 DYNAMIC = ["parallel.dynamic_cp=true", f"parallel.max_tokens_per_rank={CAPACITY}"]
 # (layout, max_cp). world 4: DP2 x CP2 attention, EP2 experts (ring, Ulysses, and hierarchical
