@@ -389,12 +389,12 @@ def _merge_metrics(acc: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -
 
 def _replay_metrics(out: Any) -> dict[str, torch.Tensor]:
     """Router replay's token counts (real tokens of this rank whose routes were given, and of
-    those the ones live routing agreed with); empty without replay."""
+    those the ones live routing agreed with), device scalars where routes were replayed (read
+    with the step's other sums); empty without replay (the model's counts are then host 0s)."""
     replay = getattr(out, "replay", None) or {}
-    if not replay.get("known"):
+    if not torch.is_tensor(replay.get("known")):
         return {}
-    return {"route_known": torch.tensor(float(replay["known"])),
-            "route_agree": torch.tensor(float(replay["agree"]))}
+    return {"route_known": replay["known"], "route_agree": replay["agree"]}
 
 
 def iterate_steps(loader: Iterable[list[PackedBatch]], start_step: int, total_steps: int) -> Iterator[list[PackedBatch]]:

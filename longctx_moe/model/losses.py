@@ -40,20 +40,49 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def id_counts(ids: torch.Tensor, n: int, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [n]: occurrences of each id in [0, n) among `ids` (any shape), each counted
+    `weight` times (int or bool, ids' shape) when given. The shape is n whatever the values:
+    torch.bincount's is one past the largest id, which a GPU reads back (a sync for the max and
+    one for the min) and a meta tensor cannot give. An id outside [0, n) fails here (an index
+    error on the host, a device-side assert on a GPU)."""
+    flat = ids.reshape(-1).long()
+    ones = torch.ones_like(flat) if weight is None else weight.reshape(-1).long()
+    return flat.new_zeros(n).scatter_add_(0, flat, ones)
+
+
+def _real_rows(x: torch.Tensor, real_T: torch.Tensor | None) -> torch.Tensor:
+    """x (rows along dim 0) with the rows of padding tokens zeroed (where, so that no value of a
+    padding row reaches a sum or a gradient); x itself without a mask."""
+    if real_T is None:
+        return x
+    return torch.where(real_T.view(-1, *[1] * (x.dim() - 1)), x, 0)
+
+
+def _token_count(real_T: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """int64 scalar on like's device: the real tokens (every row of `like` without a mask).
+    Filled on the device: a host int copied there would wait for the queued kernels."""
+    if real_T is None:
+        return like.new_full((), like.shape[0], dtype=torch.int64)
+    return real_T.sum()
+
+
 def switch_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor,
-                    reduce: Reduce | None = None) -> torch.Tensor:
+                    reduce: Reduce | None = None, real_T: torch.Tensor | None = None) -> torch.Tensor:
     """Switch-Transformer balance loss E * sum_e f_e * P_e over one micro-batch (1.0 when balanced).
 
-    f_e = fraction of the T*K assignments that went to e; P_e = mean normalised score of e.
+    f_e = fraction of the T*K assignments that went to e; P_e = mean normalised score of e;
+    both over the real tokens (`real_T`, bool [T]; every token when None).
     With `reduce` (sums no-grad statistics over the ranks that split this micro-batch's tokens,
     e.g. CP), the value is this shard's share: the shares sum to the loss of the whole batch."""
     reduce = reduce or _identity
     t, e = scores_TE.shape
     k = topk_idx_TK.shape[1]
-    counts_E = reduce(torch.bincount(topk_idx_TK.flatten(), minlength=e))
-    t_all = reduce(torch.tensor(t, device=scores_TE.device)).clamp_min(1).to(scores_TE.dtype)
+    w_TK = None if real_T is None else real_T[:, None].expand(t, k)
+    counts_E = reduce(id_counts(topk_idx_TK, e, w_TK))
+    t_all = reduce(_token_count(real_T, scores_TE)).clamp_min(1).to(scores_TE.dtype)
     f_E = counts_E.to(scores_TE.dtype) / (t_all * k)
-    p_E = _normalised(scores_TE).sum(0) / t_all
+    p_E = _real_rows(_normalised(scores_TE), real_T).sum(0) / t_all
     return e * torch.dot(f_E, p_E)
 
 
@@ -62,36 +91,51 @@ def sequence_aux_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, doc_id
     """DeepSeek-V3 sequence-wise balance loss of each document: [N], 0 for empty documents.
 
     For document s with T_s tokens: E/(K T_s^2) * sum_e count_se * sum_t p_te. Padding (doc_id -1)
-    is skipped. A packed row's per-document values equal those of each document on its own.
-    Without `reduce` the kept doc ids must be non-decreasing (true for packed rows): the
+    counts for nothing. A packed row's per-document values equal those of each document on its own.
+    Without `reduce` the real tokens' doc ids must be non-decreasing (true for packed rows): the
     per-document score sums are a segment reduction, ~100x faster on CPU than index_add_.
-    `reduce` as in switch_aux_loss (doc ids must then be global to the micro-batch, any order)."""
+    `reduce` as in switch_aux_loss (doc ids must then be global to the micro-batch, any order).
+    Every shape follows from T, E, K and num_docs: nothing is read back from the device."""
     e = scores_TE.shape[1]
     k = topk_idx_TK.shape[1]
-    keep_T = doc_id_T >= 0
-    doc_T, scores_TE, idx_TK = doc_id_T[keep_T], scores_TE[keep_T], topk_idx_TK[keep_T]
     if reduce is None:
         reduce = _identity
     else:
         # A CP shard lists its zigzag pieces before its whole documents: global ids may go down.
-        order_T = torch.argsort(doc_T, stable=True)
-        doc_T, scores_TE, idx_TK = doc_T[order_T], scores_TE[order_T], idx_TK[order_T]
-    flat = (doc_T[:, None] * e + idx_TK).flatten()
-    counts_NE = torch.bincount(flat, minlength=num_docs * e).view(num_docs, e)
-    len_N = torch.bincount(doc_T, minlength=num_docs)
-    # An idle rank's stand-in batch has no document (and segment_reduce no empty input).
-    psum_NE = (torch.segment_reduce(_normalised(scores_TE), "sum", lengths=len_N) if num_docs
-               else scores_TE.new_zeros(0, e))
+        order_T = torch.argsort(doc_id_T, stable=True)
+        doc_id_T, scores_TE, topk_idx_TK = doc_id_T[order_T], scores_TE[order_T], topk_idx_TK[order_T]
+    counts_NE, len_N, psum_NE = _per_document(_normalised(scores_TE), topk_idx_TK, doc_id_T, num_docs)
     counts_NE, len_all_N = reduce(counts_NE).to(scores_TE.dtype), reduce(len_N).to(scores_TE.dtype)
     return (counts_NE * psum_NE).sum(-1) * e / (k * len_all_N.square().clamp_min(1))
 
 
-def router_z_loss(logits_TE: torch.Tensor, reduce: Reduce | None = None) -> torch.Tensor:
-    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2 (0 for no tokens);
-    `reduce` as in switch_aux_loss."""
-    t_all = (reduce or _identity)(torch.tensor(logits_TE.shape[0], device=logits_TE.device))
-    lse_T = torch.logsumexp(logits_TE, dim=-1)
-    return lse_T.square().sum() / t_all.clamp_min(1).to(lse_T.dtype)
+def _per_document(p_TE: torch.Tensor, idx_TK: torch.Tensor, doc_id_T: torch.Tensor, num_docs: int):
+    """(assignments per document and expert int64 [N, E], real tokens per document int64 [N],
+    summed p of each document's real tokens [N, E]) for doc ids non-decreasing over the real
+    tokens (-1 at padding). Each padding token joins the segment of the document before it (the
+    first document for leading ones) with weight 0: every segment is then contiguous and the
+    sums add exact zeros to the real tokens' values, in their order."""
+    t, e = p_TE.shape
+    if num_docs == 0:  # an idle rank's stand-in batch has no document
+        zeros = idx_TK.new_zeros(0, dtype=torch.int64)
+        return zeros.view(0, e), zeros, p_TE.new_zeros(0, e)
+    real_T = doc_id_T >= 0
+    seg_T = doc_id_T.cummax(0).values.clamp_min(0)
+    flat_TK = seg_T[:, None] * e + idx_TK
+    counts_NE = id_counts(flat_TK, num_docs * e, real_T[:, None].expand_as(flat_TK)).view(num_docs, e)
+    # unsafe: the lengths sum to T by construction; the check would read them back.
+    psum_NE = torch.segment_reduce(_real_rows(p_TE, real_T), "sum", lengths=id_counts(seg_T, num_docs),
+                                   unsafe=True)
+    return counts_NE, id_counts(seg_T, num_docs, real_T), psum_NE
+
+
+def router_z_loss(logits_TE: torch.Tensor, reduce: Reduce | None = None,
+                  real_T: torch.Tensor | None = None) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over the real tokens (`real_T`, bool [T]; all when None) of
+    logsumexp(logits)^2 (0 for no tokens); `reduce` as in switch_aux_loss."""
+    t_all = (reduce or _identity)(_token_count(real_T, logits_TE))
+    sq_T = _real_rows(torch.logsumexp(logits_TE, dim=-1).square(), real_T)
+    return sq_T.sum() / t_all.clamp_min(1).to(sq_T.dtype)
 
 
 @dataclass(frozen=True)

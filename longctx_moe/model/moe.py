@@ -36,7 +36,7 @@ from longctx_moe.model.grouped_gemm import (
     with_padded_groups,
 )
 from longctx_moe.model.layers import SwiGLU, autocast_dtype
-from longctx_moe.model.losses import router_z_loss, sequence_aux_loss, switch_aux_loss
+from longctx_moe.model.losses import id_counts, router_z_loss, sequence_aux_loss, switch_aux_loss
 from longctx_moe.model.recompute import recompute_call
 
 
@@ -54,9 +54,11 @@ class MoEStats:
     z_loss: torch.Tensor  # scalar, times balance.z_loss_coeff
     counts_E: torch.Tensor  # int64 [E]: real tokens routed to each expert (after top-k)
     topk_idx_TK: torch.Tensor  # int64 [T, K]: the experts each token was sent to
-    # Router replay: tokens whose experts were given, and those where live routing agrees.
-    replay_known: int = 0
-    replay_agree: int = 0
+    # Router replay: real tokens whose experts were given, and those where live routing agrees:
+    # int64 scalars on the device where routes were replayed (read back with the step's other
+    # sums, once per step), else 0.
+    replay_known: torch.Tensor | int = 0
+    replay_agree: torch.Tensor | int = 0
 
 
 class Router(nn.Module):
@@ -345,8 +347,9 @@ class _Permute(torch.autograd.Function):
 
 
 class LocalDispatcher:
-    """Single-device dispatch: stable sort of the T*K assignments by expert (argsort + bincount, no
-    one-hot), grouped GEMM, un-sort, and the weighted sum over K as one batched matmul.
+    """Single-device dispatch: stable sort of the T*K assignments by expert (argsort + id_counts, no
+    one-hot), grouped GEMM, un-sort, and the weighted sum over K as one batched matmul. Nothing is
+    read back from the device: the counts stay there for the grouped GEMM's offsets.
     `impl` (Ops.permute) triton runs the permute and the un-sort + weighted sum in Triton."""
 
     def __init__(self, impl: str = "torch"):
@@ -360,7 +363,7 @@ class LocalDispatcher:
         order_M = torch.argsort(flat_M, stable=True)
         inv_order_M = torch.empty_like(order_M)
         inv_order_M[order_M] = torch.arange(order_M.numel(), device=order_M.device)
-        counts_E = torch.bincount(flat_M, minlength=experts.num_local_experts)
+        counts_E = id_counts(flat_M, experts.num_local_experts)
         x_MD = _GatherRows.apply(x_TD, order_M // k, inv_order_M, k)
         y_MD = experts(x_MD, counts_E)
         y_TKD = _Permute.apply(y_MD, inv_order_M, order_M).view(t, k, y_MD.shape[-1])
@@ -379,8 +382,8 @@ def permute_layout(topk_idx_TK: torch.Tensor, num_experts: int, pad: bool):
     `pad`), the rows per expert the GEMM runs (padded counts when `pad`) and the total rows."""
     flat_M = topk_idx_TK.flatten()
     order_M = torch.argsort(flat_M, stable=True)
-    counts_E = torch.bincount(flat_M, minlength=num_experts)
-    if pad:
+    counts_E = id_counts(flat_M, num_experts)
+    if pad:  # on CPU only (wants_padding), where the counts are host values
         slot_M, counts_E, total = pad_layout(counts_E)
     else:
         slot_M, total = torch.arange(flat_M.numel(), device=flat_M.device), flat_M.numel()
@@ -453,44 +456,45 @@ class MoE(nn.Module):
             return self.dispatcher(x_TD, topk_idx_TK, topk_weight_TK, self.experts, **extra)
         return self.dispatcher(x_TD, topk_idx_TK, topk_weight_TK, self.experts, shared, **extra)
 
-    # Kept out of torch.compile: padding rows are dropped by a boolean mask (data-dependent shapes).
+    # Kept out of torch.compile: the reductions over ranks (layout.reduce_stats) are collectives.
     @eager_only
     def stats(self, topk_idx_TK, aux: RouterAux, layout: DocLayout) -> MoEStats:
-        """Balance statistics over the real tokens of this micro-batch (padding skipped).
+        """Balance statistics over the real tokens of this micro-batch (padding weighs 0: every
+        shape follows from T, E and num_docs, and nothing is read back from the device).
 
         `layout.reduce_stats` (None on one device) sums no-grad counts over the ranks that split
         the micro-batch's tokens (CP, or the whole data-parallel batch for the global-batch aux
         loss); each rank's aux/z loss is then its share of the global value."""
-        bal, scores_TE, logits_TE, red = self.balance, aux.scores_TE, aux.logits_TE, layout.reduce_stats
-        doc_T, all_idx_TK = layout.doc_id_T, topk_idx_TK
-        known, agree = _replay_counts(aux, layout.real_mask_T)
-        if layout.real_mask_T is not None:
-            keep = layout.real_mask_T
-            topk_idx_TK, scores_TE, logits_TE, doc_T = topk_idx_TK[keep], scores_TE[keep], logits_TE[keep], doc_T[keep]
-        counts_E = torch.bincount(topk_idx_TK.flatten(), minlength=self.cfg.num_experts)
+        bal, scores_TE, red, real_T = self.balance, aux.scores_TE, layout.reduce_stats, layout.real_mask_T
+        known, agree = _replay_counts(aux, real_T)
+        counts_E = id_counts(topk_idx_TK, self.cfg.num_experts,
+                             None if real_T is None else real_T[:, None].expand_as(topk_idx_TK))
         zero = scores_TE.new_zeros(())
         if not layout.balance_losses:  # every rank of the reductions skips them alike
-            return MoEStats(aux_loss=zero, z_loss=zero, counts_E=counts_E, topk_idx_TK=all_idx_TK,
+            return MoEStats(aux_loss=zero, z_loss=zero, counts_E=counts_E, topk_idx_TK=topk_idx_TK,
                             replay_known=known, replay_agree=agree)
         if bal.aux_loss_type == "switch":
-            aux_loss = bal.aux_loss_coeff * switch_aux_loss(scores_TE, topk_idx_TK, red)
+            aux_loss = bal.aux_loss_coeff * switch_aux_loss(scores_TE, topk_idx_TK, red, real_T)
         elif bal.aux_loss_type == "seq":
-            per_doc_N = sequence_aux_loss(scores_TE, topk_idx_TK, doc_T, layout.num_docs, red)
+            # Padding has doc id -1 (real_mask_T is doc_id_T >= 0): the loss skips it by itself.
+            per_doc_N = sequence_aux_loss(scores_TE, topk_idx_TK, layout.doc_id_T, layout.num_docs, red)
             # Mean over this micro-batch's documents (DeepSeek-V3 averages over sequences), so the
             # scale does not grow with how many documents a row packs.
             aux_loss = bal.aux_loss_coeff * per_doc_N.sum() / max(layout.num_docs, 1)
         else:
             aux_loss = zero
-        z_loss = bal.z_loss_coeff * router_z_loss(logits_TE, red) if bal.z_loss_coeff else zero
-        return MoEStats(aux_loss=aux_loss, z_loss=z_loss, counts_E=counts_E, topk_idx_TK=all_idx_TK,
+        z_loss = bal.z_loss_coeff * router_z_loss(aux.logits_TE, red, real_T) if bal.z_loss_coeff else zero
+        return MoEStats(aux_loss=aux_loss, z_loss=z_loss, counts_E=counts_E, topk_idx_TK=topk_idx_TK,
                         replay_known=known, replay_agree=agree)
 
 
-def _replay_counts(aux: RouterAux, real_T: torch.Tensor | None) -> tuple[int, int]:
-    """(real tokens with replayed routes, of which live routing agreed); (0, 0) without replay."""
+def _replay_counts(aux: RouterAux, real_T: torch.Tensor | None):
+    """(real tokens with replayed routes, of which live routing agreed): int64 scalars on the
+    device, summed over the step where it sums its other statistics and read back with them
+    (trainer.py); (0, 0) without replay."""
     if aux.replay_known_T is None:
         return 0, 0
     known_T, agree_T = aux.replay_known_T, aux.replay_agree_T
     if real_T is not None:
         known_T, agree_T = known_T & real_T, agree_T & real_T
-    return int(known_T.sum()), int(agree_T.sum())
+    return known_T.sum(), agree_T.sum()

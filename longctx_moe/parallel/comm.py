@@ -32,9 +32,19 @@ compute, which it overlapped.
 
 Quantisation is treated as the identity in backward (straight-through); gradients travel in the
 codec's `grad` codec (bf16 for the fp8 codec: e4m3 is for activations, as in DeepEP / MegaScale).
+
+Routing counts on the host (`RoutingCounts`, `gather_route_table`): the all-to-all splits, the rows
+each expert runs, the capacity's kept assignments and expert lending's plan are host ints that
+depend on where the router sent the tokens. They all come from one table per MoE layer,
+gathered on the device and read back with one copy (a GPU sync) by `RoutingCounts.read`, the only
+place where routing's device values become host values. A rehearsal (tensors without values)
+gives `parallelize` another object with the same `read`, which fills the table from an
+assumption; `RouteTable` tells it what the table holds.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -368,19 +378,59 @@ def gather_replicated(x_ND: torch.Tensor, total: int, group) -> torch.Tensor:
     return _GatherReplicatedRows.apply(x_ND, sizes, dist.get_rank(group), group)
 
 
-def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
-    """All-to-all of an int64 [R, C] table: row r goes to rank r; returns [R, C] from each rank,
-    on the host (split sizes are host ints). The collective runs on the table's device (NCCL
-    needs GPU tensors)."""
-    recv = torch.empty_like(send_counts)
+@dataclass(frozen=True)
+class RouteTable:
+    """What a routing table holds, all known on the host before its values are.
+
+    The table, int64 [P, R, E + 1]: for each ETP peer p (P = 1 without ETP) and each rank r of
+    that peer's EP group (R = 1 without EP), the (token, expert) assignments r kept for each of
+    the E experts, then r's token count. Each rank has T tokens and T * K assignments, of which
+    at most `capacity` per expert are kept (all of them when it is None)."""
+
+    num_experts: int  # E
+    tokens: int  # T of the rank that reads the table
+    top_k: int  # K
+    capacity: int | None = None  # kept assignments per expert from one rank (None: dropless)
+
+
+class RoutingCounts:
+    """Turns routing's device counts into host values: the one place in the program that does.
+
+    The dispatchers size everything that depends on routing (all-to-all splits, rows per
+    expert, capacity drops, lending plans) from what `read` returns, at most once per MoE layer
+    and forward. To run the dispatchers without device values (a rehearsal on meta tensors),
+    pass `parallelize(..., counts=...)` an object whose `read` returns a table of the same shape
+    from an assumption; `spec` says what the table holds."""
+
+    def read(self, table: torch.Tensor, spec: RouteTable) -> torch.Tensor:
+        """`table` (int64 [P, R, E + 1], on the device) on the host: one device-to-host copy,
+        which on a GPU waits for every kernel queued before it (a sync)."""
+        with record_function("comm.counts"):
+            return table.cpu()
+
+
+def gather_route_table(row_E1: torch.Tensor, ep_group=None, etp_group=None) -> torch.Tensor:
+    """Every rank's row (int64 [E + 1]: kept assignments per expert, then tokens) as the
+    RouteTable [P, R, E + 1], on the row's device: gathered over the EP group, then the EP
+    tables over the ETP group (a missing group gives a dimension of 1). Collectives on the
+    device (NCCL needs GPU tensors); nothing is read back here."""
     with record_function("comm.counts"):
-        dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
-    return recv.cpu()
+        return _stacked_over(_stacked_over(row_E1, ep_group), etp_group)
+
+
+def _stacked_over(t: torch.Tensor, group) -> torch.Tensor:
+    """[G, *t.shape]: every rank of `group`'s t in rank order ([1, ...] for no group)."""
+    if group is None:
+        return t[None]
+    out = t.new_empty((dist.get_world_size(group), *t.shape))
+    all_gather_flat(out.view(-1), t.reshape(-1), group=group)  # flat: gloo takes no stacked form
+    return out
 
 
 def gather_to_host(t: torch.Tensor, group) -> torch.Tensor:
     """Every rank's `t` (same shape on all), stacked in rank order [P, ...] on the host; the
-    collective runs on t's device (NCCL needs GPU tensors)."""
+    collective runs on t's device (NCCL needs GPU tensors). Not for routing counts (those go
+    through RoutingCounts)."""
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
     return torch.stack(parts).cpu()

@@ -13,7 +13,8 @@ by local expert (`tokens_per_local_expert_L`: int64 [L] on x's device, sums to M
 Dropless by default. With `capacity_factor`, each expert keeps at most
 ceil(capacity_factor * T * K / E) assignments *from each source rank* (decided on the owner of the
 tokens, before any communication, as Megatron-Core does); `drop_policy` "probs" keeps the highest
-weights, "position" the earliest tokens. Both dispatchers give identical results.
+weights, "position" the earliest tokens. Both dispatchers give identical results. The routing on
+one rank (assignments, drops, the sort by expert, the combine) is routing.py's.
 
 Communication hidden behind compute (`overlap`, parallel.moe_overlap): the all-to-all dispatcher
 runs in three stages, dispatch (tokens out, asynchronously) / experts / combine (outputs back).
@@ -41,12 +42,17 @@ received it (Megatron-Core: all-gather, experts, reduce-scatter over ETP; `exper
 So every expert slice sees each token once and the forward sum is complete. Any etp works with
 any tp: ETP peers hold distinct tokens (their dispatched chunks, or different CP / DP shares).
 Capacity and drops are decided before any communication, as without ETP.
+
+Host values: the only data-dependent ones are routing counts, and they reach the host once per
+MoE layer and forward, through the dispatcher's `counts` (comm.RoutingCounts): every rank's kept
+assignments per expert (and token count) gathered over the EP and ETP groups into one table and
+read back with one copy. The splits, the rows per expert, the capacity's kept count, lending's
+plan and the all-gather's sizes are all computed on the host from it, and the host tables sent
+back to the device go without a stream sync (non_blocking). Nothing is read where nothing needs
+it: one rank, dropless, without ETP reads no count (the grouped GEMM takes them on the device).
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -54,12 +60,12 @@ import torch.distributed as dist
 from longctx_moe.choices import check_choice
 from longctx_moe.kernels.fp8 import BLOCK
 from longctx_moe.parallel.comm import (
+    RouteTable,
+    RoutingCounts,
     all_gather_rows,
     all_to_all_rows,
-    exchange_counts,
     gather_replicated,
-    gather_sizes,
-    gather_to_host,
+    gather_route_table,
     make_codec,
     split_replicated,
     start_all_to_all_rows,
@@ -68,104 +74,51 @@ from longctx_moe.parallel.config import DROP_POLICIES, check_capacity_factor
 from longctx_moe.parallel.dims import Axis
 from longctx_moe.parallel.expert_lending import lend_weights, make_plan, source_tables
 from longctx_moe.parallel.interleave import Turn
-
-
-@dataclass
-class Routing:
-    """Kept assignments sorted by expert (ties in token order)."""
-
-    token_N: torch.Tensor  # int64 local token index
-    expert_N: torch.Tensor  # int64 global expert id
-    weight_N: torch.Tensor  # combine weight, differentiable
-    counts_E: torch.Tensor  # int64 kept assignments per expert
-
-
-def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """Assignments one expert accepts from one rank's `num_tokens` tokens."""
-    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
-
-
-def _check_inputs(x_TD, topk_idx_TK, topk_weight_TK, num_experts):
-    if x_TD.dim() != 2:
-        raise ValueError(f"x must be [T, D], got shape {tuple(x_TD.shape)}; flatten the batch first")
-    if topk_idx_TK.shape != topk_weight_TK.shape or topk_idx_TK.shape[0] != x_TD.shape[0]:
-        raise ValueError(f"topk_idx {tuple(topk_idx_TK.shape)} and topk_weight "
-                         f"{tuple(topk_weight_TK.shape)} must both be [T={x_TD.shape[0]}, K]")
-    if topk_idx_TK.dtype.is_floating_point:
-        raise ValueError(f"topk_idx must be an integer tensor, got {topk_idx_TK.dtype}")
-    if topk_idx_TK.numel() and (topk_idx_TK.min() < 0 or topk_idx_TK.max() >= num_experts):
-        raise ValueError(f"topk_idx holds ids outside [0, {num_experts}); the router and the "
-                         "dispatcher disagree on num_experts")
-
-
-def _capacity_keep(expert_N, weight_N, num_tokens, top_k, num_experts, factor, policy):
-    """Bool mask [N]: the first `capacity` assignments of each expert in policy order."""
-    cap = expert_capacity(num_tokens, top_k, num_experts, factor)
-    n = expert_N.numel()
-    # Policy order first (stable, so ties keep token order), then group by expert (stable).
-    pre = torch.argsort(-weight_N.detach(), stable=True) if policy == "probs" else torch.arange(n)
-    order = pre[torch.argsort(expert_N[pre], stable=True)]
-    counts = torch.bincount(expert_N, minlength=num_experts)
-    starts = torch.cumsum(counts, 0) - counts
-    rank_in_expert = torch.arange(n) - starts[expert_N[order]]
-    keep = torch.zeros(n, dtype=torch.bool)
-    keep[order] = rank_in_expert < cap
-    return keep
+from longctx_moe.parallel.routing import (
+    Assignments,
+    Routing,
+    assign,
+    check_inputs,
+    combine,
+    expert_capacity,
+    inverse_permutation,
+    sort_kept,
+)
 
 
 def route(topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor, num_experts: int,
-          capacity_factor: float | None = None, drop_policy: str = "probs") -> Routing:
-    """Flatten top-k choices into assignments sorted by expert, applying the capacity if any."""
+          capacity_factor: float | None = None, drop_policy: str = "probs",
+          counts: RoutingCounts | None = None) -> Routing:
+    """Flatten top-k choices into assignments sorted by expert, applying the capacity if any;
+    the kept count is then read through `counts` (RoutingCounts() by default)."""
     T, K = topk_idx_TK.shape
-    dev = topk_idx_TK.device
-    expert_N = topk_idx_TK.reshape(-1).long()
-    token_N = torch.arange(T, device=dev).repeat_interleave(K)
-    weight_N = topk_weight_TK.reshape(-1)
-    if capacity_factor is not None:
-        keep = _capacity_keep(expert_N.cpu(), weight_N.cpu(), T, K, num_experts, capacity_factor,
-                              drop_policy).to(dev)
-        expert_N, token_N, weight_N = expert_N[keep], token_N[keep], weight_N[keep]
-    order = torch.argsort(expert_N, stable=True)
-    return Routing(token_N[order], expert_N[order], weight_N[order],
-                   torch.bincount(expert_N, minlength=num_experts))
+    cap = None if capacity_factor is None else expert_capacity(T, K, num_experts, capacity_factor)
+    a = assign(topk_idx_TK, topk_weight_TK, num_experts, cap, drop_policy)
+    if cap is None:
+        return sort_kept(a, T * K)
+    table = (counts or RoutingCounts()).read(gather_route_table(_table_row(a, T)),
+                                             RouteTable(num_experts, T, K, cap))
+    return sort_kept(a, int(table[0, 0, :num_experts].sum()))
 
 
-class _AddRows(torch.autograd.Function):
-    """[T, D] zeros with src_ND[i] added to row token_N[i]. Backward: the rows gathered back.
-    Autograd's own index_add keeps the whole source ([N, D], for its shape) until the backward;
-    this keeps the index only."""
-
-    @staticmethod
-    def forward(ctx, src_ND, token_N, num_tokens: int):
-        ctx.save_for_backward(token_N)
-        return src_ND.new_zeros((num_tokens, src_ND.shape[1])).index_add_(0, token_N, src_ND)
-
-    @staticmethod
-    def backward(ctx, g_TD):
-        (token_N,) = ctx.saved_tensors
-        return g_TD.index_select(0, token_N), None, None
-
-
-def combine(y_ND: torch.Tensor, routing: Routing, num_tokens: int) -> torch.Tensor:
-    """y_TD[t] = sum of weight * y over the assignments of token t (zeros for unrouted tokens)."""
-    w_N1 = routing.weight_N.unsqueeze(1).to(y_ND.dtype)
-    return _AddRows.apply(y_ND * w_N1, routing.token_N, num_tokens)
-
-
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
+def _table_row(a: Assignments, num_tokens: int) -> torch.Tensor:
+    """This rank's row of the RouteTable (int64 [E + 1]), on the device: no host value copied."""
+    return torch.cat([a.counts_E, a.counts_E.new_full((1,), num_tokens)])
 
 
 class _EPDispatcher:
-    """Shared set-up: the EP group, expert ownership, capacity and the checks on `experts`."""
+    """Shared set-up: the EP group, expert ownership, capacity, the checks on `experts`, and
+    `counts` (comm.RoutingCounts, the default: read from the device), through which the routing
+    counts reach the host."""
 
     def __init__(self, num_experts: int, group=None, capacity_factor: float | None = None,
-                 drop_policy: str = "probs", tp_group=None, etp_group=None):
+                 drop_policy: str = "probs", tp_group=None, etp_group=None,
+                 counts: RoutingCounts | None = None):
         self.group, self.tp_group, self.etp_group = group, tp_group, etp_group
+        self.counts = RoutingCounts() if counts is None else counts
         self.ep_size = 1 if group is None else dist.get_world_size(group)
         self.ep_rank = 0 if group is None else dist.get_rank(group)
+        self.etp_rank = 0 if etp_group is None else dist.get_rank(etp_group)
         if num_experts % self.ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size "
                              f"{self.ep_size}; choose ep dividing the number of experts")
@@ -200,47 +153,64 @@ class _EPDispatcher:
         # The same sum, in the same order, as MoE's `routed + shared` without overlap.
         return y_TD if side_TD is None else y_TD + side_TD
 
-    def _route(self, x_TD, topk_idx_TK, topk_weight_TK, experts) -> Routing:
-        _check_inputs(x_TD, topk_idx_TK, topk_weight_TK, self.num_experts)
+    def _route(self, x_TD, topk_idx_TK, topk_weight_TK, experts) -> tuple[Routing, torch.Tensor | None]:
+        """(routing, the RouteTable [P, R, E + 1] on the host, or None where nothing needs host
+        counts: one rank, dropless, without ETP)."""
+        check_inputs(x_TD, topk_idx_TK, topk_weight_TK)
         held = getattr(experts, "num_local_experts", self.local_experts)
         if held != self.local_experts:
             raise ValueError(f"experts holds {held} experts but EP={self.ep_size} over "
                              f"{self.num_experts} experts gives {self.local_experts} per rank; "
                              "shard the experts with the same EP size")
-        return route(topk_idx_TK, topk_weight_TK, self.num_experts, self.capacity_factor,
-                     self.drop_policy)
+        (T, K), E = topk_idx_TK.shape, self.num_experts
+        cap = None if self.capacity_factor is None else expert_capacity(T, K, E, self.capacity_factor)
+        a = assign(topk_idx_TK, topk_weight_TK, E, cap, self.drop_policy)
+        if self.ep_size == 1 and self.etp_group is None and cap is None:
+            return sort_kept(a, T * K), None
+        table = self.counts.read(gather_route_table(_table_row(a, T), self.group, self.etp_group),
+                                 RouteTable(E, T, K, cap))
+        return sort_kept(a, int(table[self.etp_rank, self.ep_rank, :E].sum())), table
+
+    def _own_columns(self, table: torch.Tensor) -> torch.Tensor:
+        """[P, R, L]: the table's columns of this rank's experts (the same on every ETP peer)."""
+        lo = self.ep_rank * self.local_experts
+        return table[:, :, lo:lo + self.local_experts]
 
     def _remote_rows(self, splits: list[int]) -> int:
         return sum(n for r, n in enumerate(splits) if r != self.ep_rank)
 
-    def _experts(self, experts, x_MD, counts_L, **kw):
-        """experts(x_MD, counts_L), over the ETP peers when the experts' hidden units are split.
-        `kw`: x_fp8, the rows' FP8 form (never over ETP: see AllToAllDispatcher._token_codec)."""
+    def _experts(self, experts, x_MD, counts_L, table, **kw):
+        """experts(x_MD, counts_L), over the ETP peers when the experts' hidden units are split
+        (every peer's rows per local expert from the host `table`). `kw`: x_fp8, the rows' FP8
+        form (never over ETP: see AllToAllDispatcher._token_codec)."""
         if self.etp_group is None:
             return experts(x_MD, counts_L, **kw)
-        return experts_over_etp(experts, x_MD, counts_L, self.etp_group)
+        return experts_over_etp(experts, x_MD, self._own_columns(table).sum(1), self.etp_group)
 
 
 def _call(side):
     return None if side is None else side()
 
 
-def experts_over_etp(experts, x_MD, counts_L, group):
-    """experts(x_MD, counts_L) for experts whose hidden units are split over the ETP `group`:
-    every peer's rows (each peer's sorted by local expert) are gathered, this peer's units run on
-    all of them, and each row's partial outputs are summed back on the peer that holds the row.
+def experts_over_etp(experts, x_MD, counts_PL, group):
+    """experts(x_MD, counts_PL[me]) for experts whose hidden units are split over the ETP
+    `group`: every peer's rows (each peer's sorted by local expert) are gathered, this peer's
+    units run on all of them, and each row's partial outputs are summed back on the peer that
+    holds the row. `counts_PL` (int64 [P, L], host): every peer's rows per local expert.
 
     P peers, G rows gathered (peer-major, then local expert), M = this peer's rows."""
-    counts_PL = gather_to_host(counts_L, group)  # int64 [P, L]: every peer's rows per local expert
     sizes = counts_PL.sum(1).tolist()
+    dev = x_MD.device
     if max(sizes) == 0:  # every peer knows: no row collective follows, the experts still run
-        return experts(x_MD, counts_L)  # (their weight layout is a collective over the peers)
-    P, L, M, dev = len(sizes), counts_L.numel(), x_MD.shape[0], x_MD.device
+        # (their weight layout is a collective over the peers)
+        return experts(x_MD, counts_PL[dist.get_rank(group)].to(dev, non_blocking=True))
+    P, L, M = len(sizes), counts_PL.shape[1], x_MD.shape[0]
     x_GD = all_gather_rows(x_MD, sizes, group)  # backward: the partial gradients summed
     expert_G = torch.arange(L).repeat(P).repeat_interleave(counts_PL.flatten())
-    order_G = torch.argsort(expert_G, stable=True).to(dev)
-    y_GD = experts(x_GD.index_select(0, order_G), counts_PL.sum(0).to(dev))
-    y_GD = y_GD.index_select(0, _inverse(order_G))
+    # Host tables to the device without a stream sync (a blocking copy waits for the queue).
+    order_G = torch.argsort(expert_G, stable=True).to(dev, non_blocking=True)
+    y_GD = experts(x_GD.index_select(0, order_G), counts_PL.sum(0).to(dev, non_blocking=True))
+    y_GD = y_GD.index_select(0, inverse_permutation(order_G))
     # Reduce-scatter with uneven sizes: peer p's rows go to p, which sums the P partials.
     y_PMD = all_to_all_rows(y_GD, sizes, [M] * P, group)
     return y_PMD.view(P, M, y_GD.shape[1]).sum(0)
@@ -262,8 +232,8 @@ class AllToAllDispatcher(_EPDispatcher):
     def __init__(self, num_experts: int, group=None, capacity_factor: float | None = None,
                  drop_policy: str = "probs", dispatch_dtype: str = "none", tp_group=None,
                  overlap: bool = False, etp_group=None, spare_slots: int = 0,
-                 min_lend_rows: int | None = None):
-        super().__init__(num_experts, group, capacity_factor, drop_policy, tp_group, etp_group)
+                 min_lend_rows: int | None = None, counts: RoutingCounts | None = None):
+        super().__init__(num_experts, group, capacity_factor, drop_policy, tp_group, etp_group, counts)
         self.codec = make_codec(dispatch_dtype)
         self.block_codec = make_codec(dispatch_dtype, run=BLOCK) if dispatch_dtype == "fp8" else None
         self.combine_codec = self.codec.grad()
@@ -279,23 +249,23 @@ class AllToAllDispatcher(_EPDispatcher):
 
     def _dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, experts, side=None, turn: Turn | None = None):
         """(routed y_TD, side() or None): dispatch / experts / combine."""
-        routing = self._route(x_TD, topk_idx_TK, topk_weight_TK, experts)
+        routing, table = self._route(x_TD, topk_idx_TK, topk_weight_TK, experts)
         if self.ep_size == 1:
             self.wire_bytes = 0
             x_ND = x_TD.index_select(0, routing.token_N)
-            y_ND = self._experts(experts, x_ND, routing.counts_E)
+            y_ND = self._experts(experts, x_ND, routing.counts_E, table)
             return combine(y_ND, routing, x_TD.shape[0]), _call(side)
         borrowed, lent_bytes = None, 0
         if self.spare_slots:
-            routing, send, recv_RS, borrowed, lent_bytes = self._lend(routing, experts)
+            routing, send, recv_RS, borrowed, lent_bytes = self._lend(routing, table, experts)
         else:
-            send_RS, recv_RS = self._split_table(routing)
+            send_RS, recv_RS = self._split_table(table)
             send = send_RS.sum(1).tolist()
         recv = recv_RS.sum(1).tolist()
         x_ND = x_TD.index_select(0, routing.token_N)
         codec = self._token_codec(experts)
         x_MD, side_TD, payload = self._send_tokens(x_ND, send, recv, side, turn, codec)
-        y_MD = self._run_experts(x_MD, recv_RS, experts, borrowed, payload)
+        y_MD = self._run_experts(x_MD, recv_RS, experts, table, borrowed, payload)
         y_ND = self._send_back(y_MD, recv, send, turn)
         D, dtype = x_TD.shape[1], x_TD.dtype
         self.wire_bytes = (self._remote_rows(send) * codec.wire_bytes_per_row(D, dtype)
@@ -305,10 +275,11 @@ class AllToAllDispatcher(_EPDispatcher):
             side_TD = _call(side)
         return combine(y_ND, routing, x_TD.shape[0]), side_TD
 
-    def _lend(self, routing: Routing, experts):
+    def _lend(self, routing: Routing, table: torch.Tensor, experts):
         """(routing in send order, send splits, recv table [R, L + B], borrowed weights or None,
-        weight bytes sent): the lending plan of expert_lending.py for this layer's counts."""
-        counts_RE = gather_to_host(routing.counts_E, self.group)
+        weight bytes sent): the lending plan of expert_lending.py for this layer's counts (the
+        host `table`; etp = 1 under lending)."""
+        counts_RE = table[0, :, :self.num_experts]
         min_rows = 3 * experts.w_down.shape[1] if self.min_lend_rows is None else self.min_lend_rows
         plan = make_plan(counts_RE, self.spare_slots, min_rows)
         order_N, send, recv_RS = source_tables(plan, counts_RE, self.ep_rank, self.ep_size)
@@ -317,7 +288,7 @@ class AllToAllDispatcher(_EPDispatcher):
                                                 strict=True)]
         if not plan.lends:  # every rank knows: no weight moves, rows go to their owners
             return routing, send, recv_RS, None, 0
-        order_N = order_N.to(routing.token_N.device)
+        order_N = order_N.to(routing.token_N.device, non_blocking=True)
         routing = Routing(routing.token_N[order_N], routing.expert_N[order_N],
                           routing.weight_N[order_N], routing.counts_E)
         borrowed, sent_bytes = lend_weights(experts, plan, self.ep_rank, self.group)
@@ -328,10 +299,11 @@ class AllToAllDispatcher(_EPDispatcher):
         rows, self.step_rows = self.step_rows, None
         return rows
 
-    def _split_table(self, routing: Routing):
-        """(send_RL, recv_RL) int64 host tables: row s of recv is what rank s sends my experts."""
-        send_RL = routing.counts_E.view(self.ep_size, self.local_experts)
-        return send_RL, exchange_counts(send_RL, self.group)
+    def _split_table(self, table: torch.Tensor):
+        """(send_RL, recv_RL) int64 host tables from the RouteTable: row r of send is what I send
+        rank r's experts, row s of recv what rank s sends mine."""
+        send_RL = table[self.etp_rank, self.ep_rank, :self.num_experts].view(self.ep_size, self.local_experts)
+        return send_RL, self._own_columns(table)[self.etp_rank]
 
     def _token_codec(self, experts):
         """The tokens' codec for this call. Under execution.fp8_recipe=block the fp8 codec scales
@@ -363,22 +335,23 @@ class AllToAllDispatcher(_EPDispatcher):
             return start_all_to_all_rows(y_MD, recv, send, self.group, self.combine_codec, turn).wait()
         return all_to_all_rows(y_MD, recv, send, self.group, self.combine_codec)
 
-    def _run_experts(self, x_MD, recv_RS, experts, borrowed=None, payload=None):
+    def _run_experts(self, x_MD, recv_RS, experts, table, borrowed=None, payload=None):
         """Experts stage: rows arrive grouped by source rank, then local slot (owned experts, then
         borrowed ones); experts() wants them slot-major, and the combine all-to-all wants them
         back in arrival order. `payload`: the rows' FP8 wire form, handed to the experts too."""
         R, S = recv_RS.shape
         slot_M = torch.arange(S).repeat(R).repeat_interleave(recv_RS.flatten())
-        order_M = torch.argsort(slot_M, stable=True).to(x_MD.device)
-        counts_S = recv_RS.sum(0).to(x_MD.device)
+        # Host tables to the device without a stream sync (a blocking copy waits for the queue).
+        order_M = torch.argsort(slot_M, stable=True).to(x_MD.device, non_blocking=True)
+        counts_S = recv_RS.sum(0).to(x_MD.device, non_blocking=True)
         x_MD = x_MD.index_select(0, order_M)
         kw = {} if payload is None else {
             "x_fp8": self.block_codec.tiles(payload.index_select(0, order_M), x_MD.shape[1])}
         if borrowed is None:
-            y_MD = self._experts(experts, x_MD, counts_S, **kw)
+            y_MD = self._experts(experts, x_MD, counts_S, table, **kw)
         else:  # etp = 1 here (the constructor refuses lending over ETP)
             y_MD = experts(x_MD, counts_S, borrowed, **kw)
-        return y_MD.index_select(0, _inverse(order_M))
+        return y_MD.index_select(0, inverse_permutation(order_M))
 
 
 class AllGatherDispatcher(_EPDispatcher):
@@ -394,22 +367,23 @@ class AllGatherDispatcher(_EPDispatcher):
         return self._gather_dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts), _call(side)
 
     def _gather_dispatch(self, x_TD, topk_idx_TK, topk_weight_TK, experts):
-        routing = self._route(x_TD, topk_idx_TK, topk_weight_TK, experts)
+        routing, table = self._route(x_TD, topk_idx_TK, topk_weight_TK, experts)
         if self.ep_size == 1:
             self.wire_bytes = 0
             x_ND = x_TD.index_select(0, routing.token_N)
-            return combine(self._experts(experts, x_ND, routing.counts_E), routing, x_TD.shape[0])
+            return combine(self._experts(experts, x_ND, routing.counts_E, table), routing, x_TD.shape[0])
         T, R = x_TD.shape[0], self.ep_size
-        sizes = gather_sizes(T, self.group, x_TD.device)
+        group_RE1 = table[self.etp_rank]  # this EP group's rows: kept per expert, then tokens
+        sizes = group_RE1[:, -1].tolist()
         if max(sizes) == 0:  # the whole group is empty (every rank knows: no collective follows)
             self.wire_bytes = 0
             if self.etp_group is not None:  # ETP peers outside this EP group may hold rows
                 empty = torch.zeros(self.local_experts, dtype=torch.int64, device=x_TD.device)
-                return x_TD * 0 + self._experts(experts, x_TD[:0], empty).sum() * 0
+                return x_TD * 0 + self._experts(experts, x_TD[:0], empty, table).sum() * 0
             return x_TD * 0
         x_GD = all_gather_rows(x_TD, sizes, self.group)
-        mine = self._local_assignments(routing, sizes)
-        y_ND = self._experts(experts, x_GD.index_select(0, mine.token_N), mine.counts_E)
+        mine = self._local_assignments(routing, sizes, group_RE1)
+        y_ND = self._experts(experts, x_GD.index_select(0, mine.token_N), mine.counts_E, table)
         part_GD = combine(y_ND, mine, x_GD.shape[0])
         # Reduce-scatter with uneven sizes: slice r goes to rank r, which sums R partials.
         y_RTD = all_to_all_rows(part_GD, sizes, [T] * R, self.group)
@@ -417,26 +391,32 @@ class AllGatherDispatcher(_EPDispatcher):
         self.wire_bytes = (R - 1) * max(sizes) * row + (sum(sizes) - T) * row
         return y_RTD.view(R, T, x_TD.shape[1]).sum(0)
 
-    def _local_assignments(self, routing: Routing, sizes: list[int]) -> Routing:
-        """Every rank's kept assignments to this rank's experts, sorted by local expert."""
+    def _local_assignments(self, routing: Routing, sizes: list[int], group_RE1: torch.Tensor) -> Routing:
+        """Every rank's kept assignments to this rank's experts, sorted by local expert; how many
+        each rank sends and how many are this rank's come from the host table `group_RE1`."""
+        E, L = self.num_experts, self.local_experts
         offset = sum(sizes[: self.ep_rank])
         ids_N2 = torch.stack([routing.token_N + offset, routing.expert_N], dim=1)
-        n_sizes = gather_sizes(ids_N2.shape[0], self.group, ids_N2.device)
+        n_sizes = group_RE1[:, :E].sum(1).tolist()  # kept assignments of each rank
         ids_A2 = all_gather_rows(ids_N2, n_sizes, self.group)
         w_A = all_gather_rows(routing.weight_N.unsqueeze(1), n_sizes, self.group).squeeze(1)
-        local_A = ids_A2[:, 1] - self.ep_rank * self.local_experts
-        sel = torch.nonzero((local_A >= 0) & (local_A < self.local_experts)).squeeze(1)
-        order = sel[torch.argsort(local_A[sel], stable=True)]
+        local_A = ids_A2[:, 1] - self.ep_rank * L
+        # Mine first, sorted by local expert (ties in gathered order), the others after them.
+        key_A = torch.where((local_A >= 0) & (local_A < L), local_A, L)
+        rows_L = group_RE1[:, self.ep_rank * L:(self.ep_rank + 1) * L].sum(0)
+        order = torch.argsort(key_A, stable=True)[: int(rows_L.sum())]
         return Routing(ids_A2[order, 0], local_A[order], w_A[order],
-                       torch.bincount(local_A[sel], minlength=self.local_experts))
+                       rows_L.to(local_A.device, non_blocking=True))
 
 
-def build_dispatcher(dims, cfg, num_experts: int, permute: str = "torch"):
-    """The dispatcher `cfg` (ParallelConfig) asks for, over `dims`' EP group.
+def build_dispatcher(dims, cfg, num_experts: int, permute: str = "torch",
+                     counts: RoutingCounts | None = None):
+    """The dispatcher `cfg` (ParallelConfig) asks for, over `dims`' EP group, reading its routing
+    counts through `counts` (comm.RoutingCounts by default).
 
     Dropless on one rank without TP or ETP there is nothing to route across ranks: the model's own
     LocalDispatcher (sort by expert, one batched combine) computes the same sum faster, with the
-    model's `permute` path (Ops.permute: it may run in Triton)."""
+    model's `permute` path (Ops.permute: it may run in Triton); it reads no count."""
     group = dims.group_or_none(Axis.EP)
     # TP peers split their shared tokens; under SP each already holds only its own.
     tp_group = None if cfg.sequence_parallel else dims.group_or_none(Axis.TP)
@@ -450,7 +430,7 @@ def build_dispatcher(dims, cfg, num_experts: int, permute: str = "torch"):
         return LocalDispatcher(permute)
     if cfg.dispatcher == "allgather":
         return AllGatherDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,
-                                   tp_group, etp_group)
+                                   tp_group, etp_group, counts)
     return AllToAllDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,
                               cfg.dispatch_dtype, tp_group, cfg.moe_overlap, etp_group,
-                              cfg.ep_spare_slots)
+                              cfg.ep_spare_slots, counts=counts)

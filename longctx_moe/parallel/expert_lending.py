@@ -6,8 +6,8 @@ backward transients set the step's peak memory, and its compute sets the step's 
 `parallel.ep_spare_slots = S > 0` every EP rank can host, per MoE layer and micro-batch, up to S
 borrowed copies of other ranks' experts:
 
-1. Every rank all-gathers the EP group's per-expert row counts ([R, E]; this replaces the split-size
-   exchange of the plain all-to-all) and computes the same plan from them (`plan_lends`): while the
+1. Every rank has the EP group's per-expert row counts ([R, E], host: the dispatcher's routing
+   table, comm.RoutingCounts) and computes the same plan from them (`plan_lends`): while the
    busiest rank is above the balanced load ceil(total / R), its expert with the most rows still on
    it lends rows to the least-loaded rank with a free slot, as many as both sides allow.
 2. Each expert's rows, numbered globally (source rank, then the source's own expert-sorted order),
@@ -173,7 +173,8 @@ def lend_weights(experts, plan: LendingPlan, me: int, group):
         lent += mine
         send.append(len(mine))
     recv = [sum(1 for e in plan.borrowed[me] if e // L == s) for s in range(R)]
-    idx = torch.tensor(lent, dtype=torch.int64, device=params[0].device)
+    # A host list to the device without a stream sync (a blocking copy waits for the queue).
+    idx = torch.tensor(lent, dtype=torch.int64).to(params[0].device, non_blocking=True)
     rows = torch.cat([p.index_select(0, idx).flatten(1) for p in params], 1)
     got = all_to_all_rows(rows, send, recv, group)
     pieces = got.split([p[0].numel() for p in params], 1)

@@ -10,7 +10,8 @@ runs CP per micro-batch. What is fixed for the whole run is applied here, once:
   dispatchers split the TP peers' shared tokens. Either way experts see each token once.
 - EP: every MoE layer keeps its slice of the experts (shard_experts) and gets the configured
   dispatcher (capacity factor, drop policy, payload dtype): also on one rank, where it is the
-  local path with the same capacity rules.
+  local path with the same capacity rules. The dispatchers read their routing counts through
+  `counts` (comm.RoutingCounts: from the device), the one place that reads them.
 - ETP: with parallel.etp > 1 every expert's hidden units are also split over the etp group
   (shard_expert_hidden: gate/up column-parallel, down row-parallel) and the dispatcher sums the
   partial outputs over it.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from longctx_moe.parallel.comm import RoutingCounts
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import Axis, ParallelDims
 from longctx_moe.parallel.dispatch import build_dispatcher
@@ -34,11 +36,12 @@ from longctx_moe.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def parallelize(model: nn.Module, dims=None, cfg: ParallelConfig | None = None,
-                capacity_tokens: int = 0) -> ParallelRuntime:
+                capacity_tokens: int = 0, counts: RoutingCounts | None = None) -> ParallelRuntime:
     """Apply TP and EP of `dims` (a ParallelDims with built groups; None: one process) to `model`
     in place and return the runtime that trains it. `capacity_tokens`: Dynamic-CP's per-rank
-    token capacity when parallel.max_tokens_per_rank is 0. Raises ValueError (one line) for a
-    layout this code cannot run."""
+    token capacity when parallel.max_tokens_per_rank is 0. `counts`: where the dispatchers' routing
+    counts come from (RoutingCounts(), the device, by default; a rehearsal passes an assumption).
+    Raises ValueError (one line) for a layout this code cannot run."""
     if dims is None:
         dims = ParallelDims.from_config(cfg or ParallelConfig(), 1)
         dims.build_groups(0)
@@ -48,7 +51,7 @@ def parallelize(model: nn.Module, dims=None, cfg: ParallelConfig | None = None,
     if dims.tp > 1:
         apply_tensor_parallel(model, dims, cfg.sequence_parallel)
     if hasattr(model, "moe_layers"):
-        apply_expert_parallel(model, dims, cfg)
+        apply_expert_parallel(model, dims, cfg, counts)
     return ParallelRuntime(model, dims, cfg, _dynamic_cp(model, dims, cfg, capacity_tokens))
 
 
@@ -118,9 +121,10 @@ def check_supported(dims, cfg: ParallelConfig) -> None:
                          "ep > 1, etp = 1 and dispatcher=alltoall, or ep_spare_slots=0")
 
 
-def apply_expert_parallel(model: nn.Module, dims, cfg: ParallelConfig) -> None:
+def apply_expert_parallel(model: nn.Module, dims, cfg: ParallelConfig,
+                          counts: RoutingCounts | None = None) -> None:
     """Shard every MoE layer's experts over the EP group (and their hidden units over the ETP
-    group) and give it the configured dispatcher."""
+    group) and give it the configured dispatcher, reading its routing counts through `counts`."""
     ep_rank = dims.rank_in(Axis.EP) if dims.ep > 1 else 0
     for layer in model.moe_layers():
         num_experts = layer.experts.num_local_experts
@@ -128,4 +132,4 @@ def apply_expert_parallel(model: nn.Module, dims, cfg: ParallelConfig) -> None:
             shard_experts(layer.experts, ep_rank, dims.ep)
         if dims.etp > 1:
             shard_expert_hidden(layer.experts, dims.rank_in(Axis.ETP), dims.etp)
-        layer.dispatcher = build_dispatcher(dims, cfg, num_experts, layer.ops.permute)
+        layer.dispatcher = build_dispatcher(dims, cfg, num_experts, layer.ops.permute, counts)

@@ -213,21 +213,21 @@ class OwnRowsLayout:
         return self._own
 
 
-@eager_only  # collectives, and host ints in the statistics
+@eager_only  # collectives
 def complete_stats(stats: MoEStats, group, replayed: bool = True) -> MoEStats:
     """The statistics of all T tokens of the TP group from this rank's own-rows ones: the aux
     and z shares summed (differentiable), expert and replay counts summed, routes gathered.
-    Nothing is read back from the device: the replay counts are host ints and are summed on the
-    host (gloo beside NCCL), and only where routes were replayed (`replayed`, the same on every
-    TP rank: they run one micro-batch; without replay every rank's counts are 0)."""
+    Nothing is read back from the device: the replay counts are device scalars summed there,
+    and only where routes were replayed (`replayed`, the same on every TP rank: they run one
+    micro-batch; without replay every rank's counts are host 0s)."""
     losses = sum_over_group(torch.stack([stats.aux_loss, stats.z_loss]), group)  # shares of own rows
     counts_E = stats.counts_E.clone()
     dist.all_reduce(counts_E, group=group)
     known, agree = stats.replay_known, stats.replay_agree
     if replayed:
-        replay = torch.tensor([known, agree], dtype=torch.int64)
+        replay = torch.stack([known, agree])
         dist.all_reduce(replay, group=group)
-        known, agree = replay.tolist()
+        known, agree = replay[0], replay[1]
     return dataclasses.replace(stats, aux_loss=losses[0], z_loss=losses[1], counts_E=counts_E,
                                topk_idx_TK=_all_gather(stats.topk_idx_TK, group),
                                replay_known=known, replay_agree=agree)

@@ -60,7 +60,7 @@ def _check_over_etp(rank, size, group, counts_by_rank, kind):
     xs = [torch.randn(sum(c), D, generator=gen, dtype=torch.float64) for c in counts_by_rank]
     gs = [torch.randn(sum(c), D, generator=gen, dtype=torch.float64) for c in counts_by_rank]
     x = xs[rank].clone().requires_grad_()
-    y = experts_over_etp(ex, x, torch.tensor(counts_by_rank[rank]), group)
+    y = experts_over_etp(ex, x, torch.tensor(counts_by_rank), group)  # every peer's rows, host
     (y * gs[rank]).sum().backward()
     ref_out, ref_dx = [], []
     for xr, gr, c in zip(xs, gs, counts_by_rank, strict=True):
