@@ -25,9 +25,9 @@ mantissa bits; its smallest subnormal step is 2^-9 in scaled units):
 
 Communication a rank waits for is labelled for the profiler (torch.profiler.record_function):
 `comm.a2a` a synchronous all-to-all, `comm.a2a_launch` / `comm.a2a_wait` the two halves of an
-asynchronous one, `comm.counts` the split-size exchange; bench/moe_overlap.py sums them. Before
-blocking on an asynchronous one started with a `turn` (a micro-batch in flight with another,
-interleave.py), the forward hands over to the other: the wait then starts after the other's
+asynchronous one, `comm.counts` the routing table's gather and read; bench/moe_overlap.py sums
+them. Before blocking on an asynchronous one started with a `turn` (a micro-batch in flight with
+another, interleave.py), the forward hands over to the other: the wait then starts after the other's
 compute, which it overlapped.
 
 Quantisation is treated as the identity in backward (straight-through); gradients travel in the
