@@ -11,6 +11,11 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# The Triton kernels' tests run under Triton's interpreter (numpy on CPU tensors; tests/kernels).
+# Triton reads the switch when `@triton.jit` runs, in its own modules too: set before any test
+# module is collected, since some (transformers, verl) import triton at their import.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # torch.compile's on-disk cache does not key its entries by the ISA caps of the AVX2 emulation
 # (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA): a float64 block compiled under `make test-avx2` and
 # reused natively (or the other way) gave NaN losses. Each ISA setting gets its own cache.
