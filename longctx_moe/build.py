@@ -120,11 +120,12 @@ def build_runtime(cfg: Config, dims: Any, device: torch.device, ops: Any = None)
     return runtime
 
 
-def _parallelize(cfg: Config, model: Any, dims: Any):
+def _parallelize(cfg: Config, model: Any, dims: Any, counts: Any = None):
+    """`counts`: where routing counts come from (the device by default; parallelize)."""
     from longctx_moe.parallel.parallelize import parallelize
 
     try:
-        return parallelize(model, dims, cfg.parallel, cfg.data.micro_batch_tokens)
+        return parallelize(model, dims, cfg.parallel, cfg.data.micro_batch_tokens, counts)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

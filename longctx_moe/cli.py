@@ -199,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "plan-groups":  # its own parser owns every flag after the name
         return cmd_plan_groups(argv[1:])
+    if argv and argv[0] == "rehearse":
+        from longctx_moe.rehearsal.cli import main as rehearse_main
+
+        return rehearse_main(argv[1:])
     plugins = plugin_commands()
     if argv and argv[0] in plugins:  # each plugin's own parser owns every flag after its name
         return int(plugins[argv[0]].load()(argv[1:]) or 0)
@@ -208,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     _export_parser(sub)
     _report_parser(sub)
     sub.add_parser("plan-groups", help="print the process groups of a parallel layout", add_help=False)
+    sub.add_parser("rehearse", help="one step of chosen ranks of an N-GPU job, on this CPU: memory, "
+                   "traffic, launches, modeled time", add_help=False)
     for name, ep in sorted(plugins.items()):
         sub.add_parser(name, help=_describe(ep), add_help=False)
     args = parser.parse_args(argv)

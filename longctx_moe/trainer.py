@@ -142,7 +142,7 @@ class Trainer:
         lengths = [n for mb in mine for n in mb.doc_lengths()]
         flops = step_flops(self.cfg.model, lengths)
         local = [sum(n for n, first in zip(targets, firsts, strict=True) if first), sum(lengths), flops or 0.0]
-        t = self.runtime.all_reduce(torch.tensor(local, dtype=torch.float64), Axis.DP_CP)
+        t = self.runtime.all_reduce_host(torch.tensor(local, dtype=torch.float64), Axis.DP_CP)
         return int(t[0]), int(t[1]), (float(t[2]) if flops is not None else None)
 
     def train_step(self, micro_batches: list[PackedBatch], objective: Objective | None = None,
@@ -184,9 +184,9 @@ class Trainer:
         sums, counts, metrics = self._accumulate(work, targets, g, objective or CrossEntropy())
         self.runtime.reduce_gradients()
         _add_gradients(earlier)
-        self.runtime.all_reduce(sums, Axis.DP_CP)
+        self.runtime.all_reduce_host(sums, Axis.DP_CP)
         if counts is not None:
-            self.runtime.all_reduce(counts, Axis.DP_CP)
+            self.runtime.all_reduce_host(counts, Axis.DP_CP)
         self._pending = _Pending.add(self._pending, float(sums[0]), counts)
         return StepResult(loss=float(sums[0]), ce_loss=float(sums[1]), aux_loss=float(sums[2]),
                           z_loss=float(sums[3]), grad_norm=math.nan, lr=self.optimizer.param_groups[0]["lr"],
@@ -308,13 +308,13 @@ class Trainer:
         for key in sorted(metrics):
             t = metrics[key].detach().to(torch.float64).cpu().reshape(1)
             op = {"_max": dist.ReduceOp.MAX, "_min": dist.ReduceOp.MIN}.get(key[-4:], dist.ReduceOp.SUM)
-            out[key] = float(self.runtime.all_reduce(t, Axis.DP_CP, op))
+            out[key] = float(self.runtime.all_reduce_host(t, Axis.DP_CP, op))
         return out
 
     def _peak_memory(self) -> float:
         # The rank that runs out of memory first sets the limit: report the maximum over ranks.
         t = torch.tensor([peak_memory_mb(self.device)], dtype=torch.float64)
-        return float(self.runtime.all_reduce(t, Axis.WORLD, dist.ReduceOp.MAX))
+        return float(self.runtime.all_reduce_host(t, Axis.WORLD, dist.ReduceOp.MAX))
 
     def _on_non_finite(self, loss: float, grad_norm: float) -> None:
         what = f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} " \

@@ -48,7 +48,7 @@ from torch import nn
 
 from data_packing.batch import PackedBatch
 from longctx_moe.model.attention import DocLayout, doc_layout
-from longctx_moe.parallel.comm import all_gather_rows
+from longctx_moe.parallel.comm import all_gather_rows, host_collective
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.context_parallel import NO_CP, CPGroup, shard_for_cp
 from longctx_moe.parallel.dims import Axis
@@ -238,6 +238,15 @@ class ParallelRuntime:
     def all_reduce(self, t: torch.Tensor, axis: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Reduce `t` in place (sum, or `op`) over this rank's `axis` group; a no-op when that
         group has one rank."""
+        group = self.dims.group_or_none(axis)
+        if group is not None:
+            dist.all_reduce(t, op=op, group=group)
+        return t
+
+    @host_collective
+    def all_reduce_host(self, t: torch.Tensor, axis: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """`all_reduce` of a host tensor, by design: float64 step totals the host reads anyway
+        (on a GPU run they go to gloo beside NCCL, process.py)."""
         group = self.dims.group_or_none(axis)
         if group is not None:
             dist.all_reduce(t, op=op, group=group)

@@ -61,6 +61,8 @@ class DeviceRules(TorchDispatchMode):
     launches: collections.Counter = field(default_factory=collections.Counter)
     # per group: (collective, dtype, elements) of each call in order, to compare across ranks
     calls: dict = field(default_factory=lambda: collections.defaultdict(list))
+    # per device op: (FLOPs, bytes read and written), for the roofline of cost.py
+    work: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -69,12 +71,15 @@ class DeviceRules(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "c10d":
             self._collective(func, args)
-        else:
-            self._mixing(func, args, kwargs)
-            if any(isinstance(t, torch.Tensor) and t.device.type == self.device
-                   for t in tree_leaves((args, kwargs))):
-                self.launches[func.namespace] += 1
-        return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        self._mixing(func, args, kwargs)
+        out = func(*args, **kwargs)
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == self.device]
+        if ins and not _VIEWS.get(func, False):
+            self.launches[func.namespace] += 1
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            self.work.append((_flops(func, args, kwargs, out), sum(_nbytes(t) for t in ins + outs)))
+        return out
 
     # ---- every op
 
@@ -166,6 +171,35 @@ def check_agreement(calls_by_rank: dict[int, dict[str, list]]) -> None:
                                      f"{len(ref)} (a rank would wait forever)")
 
 
+def _flops(func, args, kwargs, out) -> float:
+    """The op's FLOPs by torch's own flop counter rules (matmuls, attention, convolutions), 0 for
+    the rest (elementwise work is counted by its bytes)."""
+    from torch.utils.flop_counter import flop_registry
+
+    rule = flop_registry.get(func._overloadpacket)
+    if rule is None:
+        return 0.0
+    try:
+        return float(rule(*args, **kwargs, out_val=out))
+    except TypeError:  # a rule whose signature this overload does not match
+        return 0.0
+
+
+class _ViewTable(dict):
+    """Ops that launch no kernel (views, metadata): not counted as launches or traffic."""
+
+    def __missing__(self, func) -> bool:
+        value = bool(getattr(func, "is_view", False)) or func.__name__.split(".")[0] in ("view", "_unsafe_view", "as_strided", "detach",
+                                                            "alias", "t", "transpose", "permute", "expand",
+                                                            "unsqueeze", "squeeze", "slice", "select",
+                                                            "split", "split_with_sizes", "unbind", "chunk",
+                                                            "narrow", "reshape", "_reshape_alias",
+                                                            "empty", "empty_strided", "empty_like")
+        self[func] = value
+        return value
+
+
+_VIEWS = _ViewTable()
 _COLLECTIVE = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "alltoall_base_": "all_to_all",
                "alltoall_": "all_to_all", "_allgather_base_": "all_gather", "allgather_": "all_gather",
                "allgather_into_tensor_coalesced_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
@@ -207,15 +241,20 @@ def _bus_factor(name: str, n: int) -> float:
 
 
 def _host_collective_site() -> str | None:
-    """The program's function marked host_collective that this collective runs under, if any."""
+    """The program's function that issued this collective, when it is marked host_collective
+    (only the innermost program frame counts: a marked function does not license the
+    collectives of what it calls)."""
     from longctx_moe.parallel.comm import HOST_COLLECTIVES
 
     f = sys._getframe(1)
     while f is not None:
-        if f.f_code in HOST_COLLECTIVES:
-            return f"{_short(f.f_code.co_filename)} ({f.f_code.co_name})"
+        name = f.f_code.co_filename
+        if (any(p in name for p in _PACKAGES) and "/rehearsal/" not in name) or f.f_code in HOST_COLLECTIVES:
+            break
         f = f.f_back
-    return None
+    if f is None or f.f_code not in HOST_COLLECTIVES:
+        return None
+    return f"{_short(f.f_code.co_filename)} ({f.f_code.co_name})"
 
 
 def _short(filename: str) -> str:

@@ -41,15 +41,20 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         destroy_process_groups()
 
 
-def cuda_ops(cfg, dtype: torch.dtype = torch.bfloat16):
-    """The Ops `cfg` resolves to on a CUDA device computing in `dtype` (the rehearsed GPU's)."""
+def cuda_ops(cfg, param_dtype: torch.dtype = torch.float32):
+    """The Ops `cfg` resolves to on a CUDA GPU with native bf16 (Hopper and later, the rehearsed
+    one): train.autocast_dtype auto computes in bf16 there."""
     from longctx_moe.execution import Target, resolve
 
-    return resolve(cfg.execution, Target("cuda", dtype, dtype, cfg.train.compile, cfg.parallel.tp),
-                   cfg.train.recompute)
+    compute = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16,
+               "none": param_dtype}[cfg.train.autocast_dtype]
+    if param_dtype == torch.float64:
+        compute = param_dtype
+    target = Target("cuda", compute, param_dtype, cfg.train.compile, cfg.parallel.tp)
+    return resolve(cfg.execution, target, cfg.train.recompute)
 
 
-def build_rank(cfg, world_size: int, rank: int, dtype: torch.dtype = torch.float32):
+def build_rank(cfg, world_size: int, rank: int, dtype: torch.dtype = torch.float32, routing: str = "balanced"):
     """(dims, runtime): the layout of `cfg` (longctx_moe.config.Config) for `rank`, and the
     model built on meta in `dtype` with the ops of a CUDA device, parallelized as
     `longctx-moe train` does it."""
@@ -60,7 +65,9 @@ def build_rank(cfg, world_size: int, rank: int, dtype: torch.dtype = torch.float
     dims.build_groups(rank)
     with torch.device("meta"):
         model = Transformer(cfg.model, cuda_ops(cfg, dtype), balance=cfg.balance).to(dtype=dtype)
-    return dims, _parallelize(cfg, model, dims)
+    from longctx_moe.rehearsal.routing import AssumedRouting
+
+    return dims, _parallelize(cfg, model, dims, AssumedRouting(routing))
 
 
 def host_batch(lengths: list[int], multiple: int = 1) -> PackedBatch:

@@ -1,0 +1,126 @@
+"""`longctx-moe rehearse`: one optimizer step of chosen ranks of an N-GPU job, run on this
+machine's CPU on storage-less tensors (step.py), with what each rank would hold and move.
+
+    longctx-moe rehearse --config configs/tiny_cpu.yaml \\
+        --set train.model_config=configs/models/qwen3-30b-a3b.json --set parallel.ep=8 \\
+        --world 8 --gpu h100 --lengths lognormal:1500,1.2,32768 --tokens 32768 --out r.json
+
+Each rank runs in a process of its own (torch allows one default process group per process).
+Exit status 0 when every rehearsed rank fits its GPU, 1 when one does not, 2 for a fault the
+GPUs would refuse (one line naming the rank and the op) or a bad command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import traceback
+
+from longctx_moe.rehearsal.gpus import GIB, GPUS
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="longctx-moe rehearse", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="training config (YAML)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--world", type=int, required=True, help="the job's number of GPUs")
+    p.add_argument("--rank", type=int, action="append", default=None,
+                   help="a rank to rehearse (repeatable); default: the first and the last rank")
+    p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
+    p.add_argument("--lengths", default="lognormal:1500,1.2,32768",
+                   help="document lengths of a rank's micro-batch: lognormal:MEDIAN,SIGMA,MAX")
+    p.add_argument("--tokens", type=int, default=0, help="tokens of a rank's micro-batch (default "
+                   "data.micro_batch_tokens)")
+    p.add_argument("--out", help="write the reports as JSON here")
+    return p
+
+
+def _lengths(spec: str, tokens: int, seed: int) -> list[int]:
+    from longctx_moe.rehearsal.step import lognormal_lengths
+
+    kind, _, values = spec.partition(":")
+    try:
+        median, sigma, longest = (float(v) for v in values.split(","))
+    except ValueError:
+        kind = ""
+    if kind != "lognormal" or median <= 0 or sigma < 0 or longest < 1:
+        raise ValueError(f"--lengths {spec!r}: give lognormal:MEDIAN,SIGMA,MAX, e.g. lognormal:1500,1.2,32768")
+    return lognormal_lengths(tokens, median, sigma, int(longest), seed)
+
+
+def _run_rank(conn, argv: list[str], rank: int) -> None:
+    """In a process of its own: rehearse `rank`, send back ("ok", report) or (kind, message)."""
+    from longctx_moe.config import ConfigError, load_config
+    from longctx_moe.rehearsal.collectives import RehearsalFault
+    from longctx_moe.rehearsal.step import rehearse_rank
+
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        tokens = args.tokens or cfg.data.micro_batch_tokens
+        report = rehearse_rank(cfg, args.world, rank, GPUS[args.gpu], _lengths(args.lengths, tokens, rank))
+        conn.send(("ok", report.as_dict()))
+    except (ConfigError, ValueError, RehearsalFault) as e:
+        conn.send(("fault" if isinstance(e, RehearsalFault) else "error", str(e)))
+    except Exception:  # noqa: BLE001 - the program failed on the rehearsed device: where, in full
+        conn.send(("crash", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def _rehearse(argv: list[str], rank: int) -> tuple[str, object]:
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_run_rank, args=(child, argv, rank))
+    proc.start()
+    child.close()
+    try:
+        kind, payload = parent.recv()
+    except EOFError:
+        kind, payload = "crash", f"the rank's process died (exit code {proc.exitcode})"
+    proc.join()
+    return kind, payload
+
+
+def _table(reports: list[dict], gpu: str) -> str:
+    lines = [f"{'rank':>5} {'peak GiB':>9} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'rest':>6} "
+             f"{'fits ' + gpu:>9}  peak at / step s (compute, comm) / launches"]
+    for r in reports:
+        s, t = r["peak_split"], r["step_seconds"]
+        lines.append(f"{r['rank']:>5} {r['peak_bytes'] / GIB:>9.2f} {s['parameters'] / GIB:>7.2f} "
+                     f"{s['gradients'] / GIB:>7.2f} {s['optimizer state'] / GIB:>7.2f} "
+                     f"{s['activations'] / GIB:>7.2f} {s['rest'] / GIB:>6.2f} {'yes' if r['fits'] else 'NO':>9}  "
+                     f"{r['peak_moment']} / {t['total_s']:.3f} ({t['compute_s']:.3f}, {t['comm_s']:.3f}) / "
+                     f"{r['launches']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    if args.world < 1:
+        print(f"error: --world {args.world} must be >= 1", file=sys.stderr)
+        return 2
+    ranks = sorted(set(args.rank or [0, args.world - 1]))
+    if any(not 0 <= r < args.world for r in ranks):
+        print(f"error: --rank {ranks} must lie in [0, {args.world})", file=sys.stderr)
+        return 2
+    reports = []
+    for rank in ranks:
+        kind, payload = _rehearse(argv, rank)
+        if kind != "ok":
+            print(f"error: {payload}" if kind != "crash" else f"error: rank {rank} failed:\n{payload}",
+                  file=sys.stderr)
+            return 2
+        reports.append(payload)
+    print(_table(reports, args.gpu))
+    for r in reports:
+        for group, t in r["traffic"].items():
+            print(f"rank {r['rank']}: {group}: {t['calls']} calls, {t['payload_bytes'] / 2**20:.1f} MiB sent")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"world": args.world, "gpu": args.gpu, "ranks": reports}, f, indent=1)
+    return 0 if all(r["fits"] for r in reports) else 1

@@ -1,0 +1,42 @@
+"""The GPUs a rehearsal models: memory, peak dense bf16 FLOP/s, HBM bandwidth, and the links a
+collective crosses, with their sources.
+
+Figures are the vendors' datasheet numbers for the SXM parts of HGX / DGX systems (8 GPUs per node
+on NVLink/NVSwitch, one 400 Gb/s InfiniBand NDR port per GPU across nodes):
+- H100 SXM5: 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s dense BF16 (1,979 with sparsity), NVLink 4
+  900 GB/s per GPU (both directions together). NVIDIA H100 Tensor Core GPU datasheet.
+- H200 SXM: 141 GB HBM3e, 4.8 TB/s, compute as H100 (989 TFLOP/s dense BF16), NVLink 900 GB/s.
+  NVIDIA H200 Tensor Core GPU datasheet.
+- B200 (HGX B200): 180 GB HBM3e per GPU, 7.7 TB/s, 2.25 PFLOP/s dense BF16 (4.5 with
+  sparsity), NVLink 5 1.8 TB/s per GPU. NVIDIA HGX B200 / DGX B200 datasheets.
+- InfiniBand NDR: 400 Gb/s = 50 GB/s per direction per GPU (ConnectX-7).
+A collective's bandwidth is per direction: half the NVLink figure inside a node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int  # HBM capacity (what torch's allocator can reach is a little less)
+    bf16_flops: float  # dense peak, FLOP/s
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float  # per direction, per GPU, inside a node
+    network_bytes_per_s: float = 50e9  # per direction, per GPU, across nodes (IB NDR 400 Gb/s)
+    gpus_per_node: int = 8
+    # one collective call's fixed cost (NCCL's launch and protocol latency inside a node, of the
+    # order of nccl-tests' small-message times) and a kernel launch's host cost
+    collective_latency_s: float = 20e-6
+    launch_s: float = 5e-6
+
+
+GPUS = {
+    "h100": GPU("H100 SXM5 80GB", 80 * 10**9, 989e12, 3.35e12, 450e9),
+    "h200": GPU("H200 SXM 141GB", 141 * 10**9, 989e12, 4.8e12, 450e9),
+    "b200": GPU("B200 180GB", 180 * 10**9, 2.25e15, 7.7e12, 900e9),
+}

@@ -1,0 +1,172 @@
+"""One optimizer step of one rank of an N-rank job, run on `meta` tensors under torch's fake
+process group: the program's own trainer, runtime, dispatchers, loss and optimizer, with the
+ops a CUDA device resolves to, measured as it runs.
+
+    report = rehearse_rank(cfg, world=64, rank=5, gpu=GPUS["h100"], lengths=[...])
+
+What it measures, per rank (`RankReport`):
+- device memory at the step's peak, by category (MemTracker's: parameters, gradients, optimizer
+  state, activations and temporaries, buffers and the rest), and where in the step it peaks;
+- the bytes each process group moves, by collective (DeviceRules), which also refuses what NCCL
+  or a CUDA kernel would;
+- the ops the device would launch, and the values the host read from device tensors;
+- a modeled step time (see `cost.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import torch
+
+from longctx_moe.rehearsal.gpus import GIB, GPU
+
+
+@dataclasses.dataclass
+class RankReport:
+    rank: int
+    roles: dict  # axis -> this rank's coordinate
+    peak_bytes: int
+    peak_split: dict  # category -> bytes at the peak
+    peak_moment: str
+    params: int  # this rank's parameter elements
+    traffic: dict  # "group collective" -> {"calls", "payload_bytes", "bus_bytes"}
+    launches: int
+    host_reads: dict  # "file:line (what)" -> count
+    host_collectives: dict
+    flops: float
+    step_seconds: dict  # compute / memory / communication / total (modeled)
+    fits: bool
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def lognormal_lengths(total: int, median: float, sigma: float, longest: int, seed: int = 0) -> list[int]:
+    """Document lengths drawn from a lognormal (RL-like: a median of hundreds to thousands of
+    tokens, a long tail) until they fill `total` tokens, each at most `longest`."""
+    rng, out, left = random.Random(seed), [], total
+    while left > 0:
+        n = min(left, longest, max(1, int(rng.lognormvariate(math.log(median), sigma))))
+        out.append(n)
+        left -= n
+    return out
+
+
+_CATEGORIES = {"PARAM": "parameters", "GRAD": "gradients", "OPT": "optimizer state", "ACT": "activations",
+               "TEMP": "activations", "BUFFER": "rest", "OTH": "rest"}
+
+
+def _split(snapshot: dict) -> dict:
+    out = {"parameters": 0, "gradients": 0, "optimizer state": 0, "activations": 0, "rest": 0}
+    for key, value in snapshot.items():
+        name = str(key).rsplit(".", 1)[-1]
+        if name in _CATEGORIES:
+            out[_CATEGORIES[name]] += int(value)
+    return out
+
+
+def _peak_moment(tracker, peak: int) -> str:
+    """The module and phase whose snapshot reached the step's peak (the optimizer's step when no
+    module's did)."""
+    best, where = -1, "optimizer step"
+    for stats in tracker.memory_tracking.values():
+        for state, snaps in stats.snapshots.items():
+            for snap in snaps:
+                total = sum(v.get("Total", 0) for dev, v in snap.items() if torch.device(dev).type == "meta")
+                if total > best:
+                    best, where = total, f"{stats.mod_fqn} ({str(state).rsplit('.', 1)[-1].lower()})"
+    return where if best >= peak else "optimizer step"
+
+
+def rehearse_rank(cfg, world: int, rank: int, gpu: GPU, lengths: list[int]) -> RankReport:
+    """Build rank `rank`'s part of `cfg` on meta and run one optimizer step of `lengths` (one
+    micro-batch of this rank's documents) through the trainer; measure it. Call in a process of
+    its own (one default process group per process)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from longctx_moe.rehearsal import standins
+    from longctx_moe.rehearsal.collectives import DeviceRules
+    from longctx_moe.rehearsal.cost import model_step_time
+    from longctx_moe.rehearsal.fake_world import build_rank, fake_world, host_batch
+    from longctx_moe.rehearsal.meta_autocast import meta_autocast
+    from longctx_moe.trainer import Trainer
+
+    with fake_world(world, rank):
+        dims, runtime = build_rank(cfg, world, rank, torch.float32)
+        trainer = Trainer(cfg, runtime, "meta")
+        # the compute dtype the rehearsed GPU resolves (meta has no bf16 rule of its own)
+        trainer.compute = _gpu_compute(cfg)
+        from data_packing.batch import pad_multiple
+
+        batch = host_batch(lengths, pad_multiple(cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel))
+        names, group_ranks = _groups(dims)
+        rules = DeviceRules(rank=rank, group_names=names)
+        with meta_autocast(torch.bfloat16), standins.standins(), DeviceRules(rank=rank, group_names=names):
+            trainer.train_step([batch])  # the first step creates the optimizer's state
+        tracker = MemTracker()
+        # the torch optimizer itself (the distributed optimizer holds one over its slabs)
+        tracker.track_external(runtime.model, getattr(trainer.optimizer, "optimizer", trainer.optimizer))
+        flops = FlopCounterMode(display=False)
+        standins.host_reads.clear()
+        with meta_autocast(torch.bfloat16), standins.standins(), tracker, rules, flops:
+            trainer.train_step([batch])  # a step of the steady state: what is measured
+        snap = tracker.get_tracker_snapshot("peak")
+        meta = next((v for dev, v in snap.items() if torch.device(dev).type == "meta"), {})
+        peak = int(meta.get("Total", 0))
+        params = sum(p.numel() for p in runtime.model.parameters())
+        seconds = model_step_time(flops.get_total_flops(), tracker, rules, gpu, group_ranks)
+        return RankReport(
+            rank=rank, roles=_roles(dims), peak_bytes=peak, peak_split=_split(meta),
+            peak_moment=_peak_moment(tracker, peak), params=params,
+            traffic={f"{g} {c}": dataclasses.asdict(t) for (g, c), t in sorted(rules.traffic.items())},
+            launches=sum(rules.launches.values()),
+            host_reads={f"{where} ({what})": n for (where, what), n in standins.host_reads.items()},
+            host_collectives=dict(rules.host_collectives), flops=float(flops.get_total_flops()),
+            step_seconds=seconds, fits=peak <= gpu.memory_bytes)
+
+
+def _gpu_compute(cfg):
+    from longctx_moe.precision import ComputeDtype
+    from longctx_moe.rehearsal.fake_world import cuda_ops  # noqa: F401 - the same rule
+
+    setting = cfg.train.autocast_dtype
+    if setting == "none":
+        return ComputeDtype(None, torch.float32, setting, "no autocast")
+    dtype = torch.float16 if setting == "fp16" else torch.bfloat16
+    return ComputeDtype(dtype, torch.float32, setting, "the rehearsed GPU computes bf16 natively")
+
+
+def _groups(dims) -> tuple[dict, dict]:
+    """(ProcessGroup.group_name -> our label: the axis and its ranks, label -> ranks) for every
+    group this rank holds; the world's own group is "world"."""
+    import torch.distributed as dist
+
+    names, ranks_of = {dist.group.WORLD.group_name: "world"}, {"world": list(range(dist.get_world_size()))}
+    for axis in ("tp", "cp", "dp", "dp_cp", "tp_cp", "ep", "etp", "edp"):
+        try:
+            group = dims.group_or_none(axis)
+        except (KeyError, ValueError, AttributeError):
+            continue
+        if group is not None:
+            ranks = dist.get_process_group_ranks(group)
+            label = f"{axis}[{ranks[0]}..{ranks[-1]}]"
+            names[group.group_name], ranks_of[label] = label, ranks
+    return names, ranks_of
+
+
+def _roles(dims) -> dict:
+    out = {}
+    for axis in ("tp", "cp", "dp", "ep", "etp", "edp"):
+        try:
+            out[axis] = dims.rank_in(axis)
+        except (KeyError, ValueError, AttributeError):
+            continue
+    return out
+
+
+def gib(n: float) -> float:
+    return n / GIB
