@@ -24,8 +24,10 @@ class AssumedRouting(RoutingCounts):
         if kind not in KINDS:
             raise ValueError(f"--routing {kind!r}: choose one of {', '.join(KINDS)}")
         self.kind = kind
+        self.reads = 0  # each one a device-to-host copy (a sync) on a GPU
 
     def read(self, table: torch.Tensor, spec: RouteTable) -> torch.Tensor:
+        self.reads += 1
         n, e = spec.tokens * spec.top_k, spec.num_experts
         if self.kind == "balanced":
             share = torch.full((e,), 1.0 / e, dtype=torch.float64)

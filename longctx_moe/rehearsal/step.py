@@ -112,6 +112,7 @@ def rehearse_rank(cfg, world: int, rank: int, gpu: GPU, lengths: list[int]) -> R
         tracker.track_external(runtime.model, getattr(trainer.optimizer, "optimizer", trainer.optimizer))
         flops = FlopCounterMode(display=False)
         standins.host_reads.clear()
+        _routing_reads(runtime, reset=True)
         with meta_autocast(torch.bfloat16), standins.standins(), tracker, rules, flops:
             trainer.train_step([batch])  # a step of the steady state: what is measured
         snap = tracker.get_tracker_snapshot("peak")
@@ -124,9 +125,21 @@ def rehearse_rank(cfg, world: int, rank: int, gpu: GPU, lengths: list[int]) -> R
             peak_moment=_peak_moment(tracker, peak), params=params,
             traffic={f"{g} {c}": dataclasses.asdict(t) for (g, c), t in sorted(rules.traffic.items())},
             launches=sum(rules.launches.values()),
-            host_reads={f"{where} ({what})": n for (where, what), n in standins.host_reads.items()},
+            host_reads={**{f"{where} ({what})": n for (where, what), n in standins.host_reads.items()},
+                        "routing counts (parallel/comm.py RoutingCounts.read)": _routing_reads(runtime)},
             host_collectives=dict(rules.host_collectives), flops=float(flops.get_total_flops()),
             step_seconds=seconds, fits=peak <= gpu.memory_bytes)
+
+
+def _routing_reads(runtime, reset: bool = False) -> int:
+    """Reads of the routing seam since the last reset (one per MoE layer forward with EP)."""
+    seams = {id(layer.dispatcher.counts): layer.dispatcher.counts for layer in runtime.model.moe_layers()
+             if hasattr(getattr(layer, "dispatcher", None), "counts")}
+    total = sum(getattr(s, "reads", 0) for s in seams.values())
+    for s in seams.values():
+        if reset and hasattr(s, "reads"):
+            s.reads = 0
+    return total
 
 
 def _gpu_compute(cfg):
