@@ -148,7 +148,7 @@ class DeviceRules(TorchDispatchMode):
         entry.bus_bytes += payload * _bus_factor(name, size)
 
     def _refuse(self, func, why: str) -> None:
-        raise RehearsalFault(f"rank {self.rank}: {func} at {_program_line()} {why}")
+        raise RehearsalFault(f"rank {self.rank}: {func} at {program_line()} {why}")
 
 
 def check_agreement(calls_by_rank: dict[int, dict[str, list]]) -> None:
@@ -262,7 +262,7 @@ def _short(filename: str) -> str:
     return "/".join(filename.split("/")[-2:])
 
 
-def _program_line() -> str:
+def program_line() -> str:
     """file:line (function) of the innermost frame of our packages (outside the rehearsal)."""
     f = sys._getframe(1)
     while f is not None:

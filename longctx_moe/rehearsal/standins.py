@@ -16,24 +16,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import sys
 from collections.abc import Iterator
 from unittest import mock
 
 import torch
 
+from longctx_moe.rehearsal.collectives import program_line
+
 host_reads: collections.Counter = collections.Counter()
-_PACKAGES = ("/data_packing/", "/cp_attention/", "/longctx_moe/", "/rl_hooks/")
-
-
-def _caller() -> str:
-    f = sys._getframe(2)
-    while f is not None:
-        name = f.f_code.co_filename
-        if any(p in name for p in _PACKAGES) and "/rehearsal/" not in name:
-            return f"{'/'.join(name.split('/')[-2:])}:{f.f_lineno} ({f.f_code.co_name})"
-        f = f.f_back
-    return "?"
 
 
 @contextlib.contextmanager
@@ -56,6 +46,6 @@ def _host_read(orig, name):
     def read(self, *args, **kwargs):
         if not self.is_meta:
             return orig(self, *args, **kwargs)
-        host_reads[(_caller(), name)] += 1
+        host_reads[(program_line(), name)] += 1
         return make(self, *args, **kwargs)
     return read
