@@ -147,10 +147,15 @@ class Ops:
     fp8_amax_history: int = 16
     loss_chunk_tokens: int = 1024
     loss_logits_cache_mb: int = 128
-    batch_invariant: bool = False
     recompute: str = "none"  # train.recompute: none | selective | full (longctx_moe.model.recompute)
     device: str = "cpu"  # the device type the choices were made for
     reasons: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Each document computed as if alone: the attention kernel's choice, which the expert
+        GEMMs' row padding follows."""
+        return self.attention.batch_invariant
 
     def lines(self) -> list[str]:
         """One line per choice: `ops: <name> = <value> (<reason>)`."""
@@ -164,16 +169,13 @@ class Ops:
                if f.name not in ("attention", "reasons")}
         a = self.attention
         return {"attention_backend": a.backend, "attention_kernels": "cpp" if a.native_forward else "torch",
-                **out}
+                **out, "batch_invariant": a.batch_invariant}
 
     def replace(self, **changes) -> Ops:
         """A copy with some choices changed (tests and benchmarks compare paths in one process)."""
-        attention = {k: changes.pop(k) for k in ("backend", "native_forward", "native_backward") if k in changes}
-        ops = dataclasses.replace(self, **changes)
-        if attention or "batch_invariant" in changes:
-            ops = dataclasses.replace(ops, attention=dataclasses.replace(
-                ops.attention, batch_invariant=ops.batch_invariant, **attention))
-        return ops
+        attention = {k: changes.pop(k) for k in ("backend", "batch_invariant", "native_forward",
+                                                 "native_backward") if k in changes}
+        return dataclasses.replace(self, **changes, attention=dataclasses.replace(self.attention, **attention))
 
 
 # ---------------------------------------------------------------- what the device can do
@@ -338,7 +340,7 @@ def resolve(cfg: ExecutionConfig, target: Target, recompute: str = "none", rl: b
     return Ops(attention=attention, grouped_gemm=gemm, expert_precision=precision, fp8=cfg.fp8,
                fp8_recipe=cfg.fp8_recipe, fp8_amax_history=cfg.fp8_amax_history,
                loss_chunk_tokens=cfg.loss_chunk_tokens, loss_logits_cache_mb=cfg.loss_logits_cache_mb,
-               batch_invariant=invariant, recompute=recompute, device=target.device,
+               recompute=recompute, device=target.device,
                reasons=tuple(reasons.items()),
                **paths)
 

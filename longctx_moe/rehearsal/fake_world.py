@@ -41,15 +41,23 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         destroy_process_groups()
 
 
+def gpu_compute(cfg, param_dtype: torch.dtype = torch.float32):
+    """The ComputeDtype `cfg` resolves to on a CUDA GPU with native bf16 (Hopper and later, the
+    rehearsed one): train.autocast_dtype auto computes in bf16 there (meta has no rule of its own)."""
+    from longctx_moe.precision import ComputeDtype
+
+    setting = cfg.train.autocast_dtype
+    if setting == "none" or param_dtype == torch.float64:
+        return ComputeDtype(None, param_dtype, setting, "no autocast")
+    dtype = torch.float16 if setting == "fp16" else torch.bfloat16
+    return ComputeDtype(dtype, param_dtype, setting, "the rehearsed GPU computes bf16 natively")
+
+
 def cuda_ops(cfg, param_dtype: torch.dtype = torch.float32):
-    """The Ops `cfg` resolves to on a CUDA GPU with native bf16 (Hopper and later, the rehearsed
-    one): train.autocast_dtype auto computes in bf16 there."""
+    """The Ops `cfg` resolves to on the rehearsed CUDA GPU (gpu_compute's dtype)."""
     from longctx_moe.execution import Target, resolve
 
-    compute = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16,
-               "none": param_dtype}[cfg.train.autocast_dtype]
-    if param_dtype == torch.float64:
-        compute = param_dtype
+    compute = gpu_compute(cfg, param_dtype).dtype
     target = Target("cuda", compute, param_dtype, cfg.train.compile, cfg.parallel.tp)
     return resolve(cfg.execution, target, cfg.train.recompute)
 

@@ -91,21 +91,21 @@ def rehearse_rank(cfg, world: int, rank: int, gpu: GPU, lengths: list[int]) -> R
     from longctx_moe.rehearsal import standins
     from longctx_moe.rehearsal.collectives import DeviceRules
     from longctx_moe.rehearsal.cost import model_step_time
-    from longctx_moe.rehearsal.fake_world import build_rank, fake_world, host_batch
+    from longctx_moe.rehearsal.fake_world import build_rank, fake_world, gpu_compute, host_batch
     from longctx_moe.rehearsal.meta_autocast import meta_autocast
     from longctx_moe.trainer import Trainer
 
     with fake_world(world, rank):
         dims, runtime = build_rank(cfg, world, rank, torch.float32)
         trainer = Trainer(cfg, runtime, "meta")
-        # the compute dtype the rehearsed GPU resolves (meta has no bf16 rule of its own)
-        trainer.compute = _gpu_compute(cfg)
+        trainer.compute = gpu_compute(cfg)  # the rehearsed GPU's, which meta cannot answer
+        dtype = trainer.compute.dtype
         from data_packing.batch import pad_multiple
 
         batch = host_batch(lengths, pad_multiple(cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel))
         names, group_ranks = _groups(dims)
         rules = DeviceRules(rank=rank, group_names=names)
-        with meta_autocast(torch.bfloat16), standins.standins(), DeviceRules(rank=rank, group_names=names):
+        with meta_autocast(dtype), standins.standins(), DeviceRules(rank=rank, group_names=names):
             trainer.train_step([batch])  # the first step creates the optimizer's state
         tracker = MemTracker()
         # the torch optimizer itself (the distributed optimizer holds one over its slabs)
@@ -113,7 +113,7 @@ def rehearse_rank(cfg, world: int, rank: int, gpu: GPU, lengths: list[int]) -> R
         flops = FlopCounterMode(display=False)
         standins.host_reads.clear()
         _routing_reads(runtime, reset=True)
-        with meta_autocast(torch.bfloat16), standins.standins(), tracker, rules, flops:
+        with meta_autocast(dtype), standins.standins(), tracker, rules, flops:
             trainer.train_step([batch])  # a step of the steady state: what is measured
         snap = tracker.get_tracker_snapshot("peak")
         meta = next((v for dev, v in snap.items() if torch.device(dev).type == "meta"), {})
@@ -140,17 +140,6 @@ def _routing_reads(runtime, reset: bool = False) -> int:
         if reset and hasattr(s, "reads"):
             s.reads = 0
     return total
-
-
-def _gpu_compute(cfg):
-    from longctx_moe.precision import ComputeDtype
-    from longctx_moe.rehearsal.fake_world import cuda_ops  # noqa: F401 - the same rule
-
-    setting = cfg.train.autocast_dtype
-    if setting == "none":
-        return ComputeDtype(None, torch.float32, setting, "no autocast")
-    dtype = torch.float16 if setting == "fp16" else torch.bfloat16
-    return ComputeDtype(dtype, torch.float32, setting, "the rehearsed GPU computes bf16 natively")
 
 
 def _groups(dims) -> tuple[dict, dict]:
