@@ -17,7 +17,9 @@ PYTEST_ARGS ?=
 # waits (a fresh clone's make test: 650 s with 2 workers, 556 s with 3). TEST_WORKERS=0 runs in
 # one process.
 TEST_WORKERS ?= 3
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+# --no-loadscope-reorder: files go out in collection order (tests/conftest.py puts the longest
+# first), not most-tests-first, which started the minutes-long files last.
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # The AVX2 path on an AVX512 machine (cp_attention/hardware.py): oneDNN and aten's kernels capped at
 # AVX2 and our CPU probes switched, as on a CPU without native bf16.

@@ -176,9 +176,14 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 def pytest_collection_modifyitems(items):
-    """Files with multi-process (`slow`) tests first: `make test`'s workers take whole files in
-    collection order, and the heaviest files (tests/trainer/, last alphabetically) would
-    otherwise start at the end and leave the other workers idle while they finish. Within each
-    group the order is unchanged."""
+    """Longest first: files with a `long` test (by the seconds the mark gives, most first), then
+    files with multi-process (`slow`) tests, then the rest. `make test`'s workers take whole files
+    in collection order; a file that runs for minutes started at the end would leave the other
+    workers idle while it finishes. Otherwise the order is unchanged."""
+    long_s: dict = {}
+    for item in items:
+        mark = item.get_closest_marker("long")
+        if mark:
+            long_s[item.path] = max(long_s.get(item.path, 0), mark.kwargs.get("seconds", 20))
     heavy = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in heavy)
+    items.sort(key=lambda item: (-long_s.get(item.path, 0), item.path not in heavy))

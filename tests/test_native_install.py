@@ -66,6 +66,7 @@ def _fresh_venv(path: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="no AVX512-BF16 here: the native kernels are not built")
 def test_a_non_editable_install_builds_and_self_checks_every_kernel(tmp_path):
     project = _copy_project(tmp_path / "project")

@@ -214,5 +214,6 @@ def test_world8_tp2_cp2_dp2_etp2_tracks_single_process_float64():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_cli_trains_tp2_etp2_ep2_on_four_ranks(tmp_path, corpus):
     train_cli_on_four_ranks(tmp_path, corpus, ["parallel.tp=2", "parallel.etp=2", "parallel.ep=2"])

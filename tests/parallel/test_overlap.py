@@ -217,5 +217,6 @@ def _check_start_wait(rank, world):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_overlapped_dispatch_is_bitwise_equal_to_synchronous_ep4_shared_expert():
     assert run_distributed(_check_bitwise, world_size=4, timeout=600) == [True] * 4

@@ -37,6 +37,7 @@ def train_cli_on_four_ranks(tmp_path: Path, corpus: Path, layout: list[str]) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_cli_trains_cp2_ep4_on_four_ranks(tmp_path, corpus):
     run_dir = train_cli_on_four_ranks(
         tmp_path, corpus, ["parallel.cp=2", "parallel.ep=4", "parallel.distributed_optimizer=true"])

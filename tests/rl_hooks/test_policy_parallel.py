@@ -145,6 +145,7 @@ def test_policy_calls_match_single_process_under_cp2_ep2_ring_float64():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_policy_calls_match_single_process_under_other_cp_tp_ep_layouts_float64():
     _check_layouts(1)
 

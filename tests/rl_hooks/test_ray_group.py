@@ -206,6 +206,7 @@ def test_rl_hooks_imports_without_ray_and_the_group_names_the_extra():
 
 
 @pytest.mark.slow
+@pytest.mark.long(seconds=80)
 def test_cp2_group_matches_the_in_process_policy_float64(cluster):
     from rl_hooks.ray_group import RayGroupError, RayPolicyGroup
 

@@ -85,6 +85,7 @@ def _assert_intact(ckpt_dir):
 # the restart resumes from step 2. That attempt's rank 0 dies as step 7 starts (its peer waits
 # inside the step's first collective): the second restart resumes from step 6.
 @pytest.mark.slow
+@pytest.mark.long
 def test_killed_ranks_restart_and_end_like_the_uninterrupted_run(tmp_path, corpus, uninterrupted):
     run_dir = tmp_path / "run"
     out = _train(run_dir, corpus, "save:4:1,step:7:0")

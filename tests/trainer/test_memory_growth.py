@@ -88,6 +88,7 @@ def _peaks_by_step(run_dir: Path) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.long(seconds=180)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU peak is VmHWM, Linux only")
 def test_peak_memory_levels_off_over_300_steps(tmp_path):
     """make train's model and corpus, one 4,096-token micro-batch of packed documents per step

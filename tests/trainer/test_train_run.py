@@ -109,6 +109,7 @@ def test_unavailable_attention_backend_fails_at_start_up_in_one_line(tmp_path, c
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_cli_launches_two_local_ranks(tmp_path, corpus):
     run_dir = tmp_path / "run2"
     launch = [sys.executable, "-m", "longctx_moe.cli", "train", "--nproc", "2"]
