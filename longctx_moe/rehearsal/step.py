@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -81,54 +82,64 @@ def _peak_moment(tracker, peak: int) -> str:
     return where if best >= peak else "optimizer step"
 
 
-def rehearse_rank(cfg, world: int, rank: int, gpu: GPU, lengths: list[int]) -> RankReport:
+def rehearse_rank(cfg, world: int, rank: int, gpu: GPU, lengths: list[int], ops=None,
+                  compute=None) -> RankReport:
     """Build rank `rank`'s part of `cfg` on meta and run one optimizer step of `lengths` (one
     micro-batch of this rank's documents) through the trainer; measure it. Call in a process of
-    its own (one default process group per process)."""
+    its own (one default process group per process). `ops` / `compute`: the Ops and ComputeDtype
+    rehearsed (default the GPU's: fake_world.cuda_ops / gpu_compute); truth.py passes a real run's."""
+    from data_packing.batch import pad_multiple
+    from longctx_moe.rehearsal.fake_world import build_rank, fake_world, gpu_compute, host_batch
+    from longctx_moe.trainer import Trainer
+
+    with fake_world(world, rank):
+        dims, runtime = build_rank(cfg, world, rank, torch.float32, ops=ops)
+        trainer = Trainer(cfg, runtime, "meta")
+        trainer.compute = compute or gpu_compute(cfg)  # the rehearsed device's, which meta cannot answer
+        batch = host_batch(lengths, pad_multiple(cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel))
+        return measure_step(lambda: trainer.train_step([batch]), trainer, dims, rank, gpu)
+
+
+def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU) -> RankReport:
+    """Run `step()` twice on the rank `dims` and `trainer` were built for, inside its fake world:
+    a warm-up (the first optimizer step creates the optimizer's state), then the measured call, a
+    step of the steady state. `trainer`: the Trainer whose runtime, optimizer and compute dtype
+    the step uses."""
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils.flop_counter import FlopCounterMode
 
     from longctx_moe.rehearsal import standins
     from longctx_moe.rehearsal.collectives import DeviceRules
     from longctx_moe.rehearsal.cost import model_step_time
-    from longctx_moe.rehearsal.fake_world import build_rank, fake_world, gpu_compute, host_batch
     from longctx_moe.rehearsal.meta_autocast import meta_autocast
-    from longctx_moe.trainer import Trainer
 
-    with fake_world(world, rank):
-        dims, runtime = build_rank(cfg, world, rank, torch.float32)
-        trainer = Trainer(cfg, runtime, "meta")
-        trainer.compute = gpu_compute(cfg)  # the rehearsed GPU's, which meta cannot answer
-        dtype = trainer.compute.dtype
-        from data_packing.batch import pad_multiple
-
-        batch = host_batch(lengths, pad_multiple(cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel))
-        names, group_ranks = _groups(dims)
-        rules = DeviceRules(rank=rank, group_names=names)
-        with meta_autocast(dtype), standins.standins(), DeviceRules(rank=rank, group_names=names):
-            trainer.train_step([batch])  # the first step creates the optimizer's state
-        tracker = MemTracker()
-        # the torch optimizer itself (the distributed optimizer holds one over its slabs)
-        tracker.track_external(runtime.model, getattr(trainer.optimizer, "optimizer", trainer.optimizer))
-        flops = FlopCounterMode(display=False)
-        standins.host_reads.clear()
-        _routing_reads(runtime, reset=True)
-        with meta_autocast(dtype), standins.standins(), tracker, rules, flops:
-            trainer.train_step([batch])  # a step of the steady state: what is measured
-        snap = tracker.get_tracker_snapshot("peak")
-        meta = next((v for dev, v in snap.items() if torch.device(dev).type == "meta"), {})
-        peak = int(meta.get("Total", 0))
-        params = sum(p.numel() for p in runtime.model.parameters())
-        seconds = model_step_time(flops.get_total_flops(), tracker, rules, gpu, group_ranks)
-        return RankReport(
-            rank=rank, roles=_roles(dims), peak_bytes=peak, peak_split=_split(meta),
-            peak_moment=_peak_moment(tracker, peak), params=params,
-            traffic={f"{g} {c}": dataclasses.asdict(t) for (g, c), t in sorted(rules.traffic.items())},
-            launches=sum(rules.launches.values()),
-            host_reads={**{f"{where} ({what})": n for (where, what), n in standins.host_reads.items()},
-                        "routing counts (parallel/comm.py RoutingCounts.read)": _routing_reads(runtime)},
-            host_collectives=dict(rules.host_collectives), flops=float(flops.get_total_flops()),
-            step_seconds=seconds, fits=peak <= gpu.memory_bytes)
+    runtime, dtype = trainer.runtime, trainer.compute.dtype
+    names, group_ranks = _groups(dims)
+    rules = DeviceRules(rank=rank, group_names=names)
+    with meta_autocast(dtype), standins.standins(), DeviceRules(rank=rank, group_names=names):
+        step()
+    tracker = MemTracker()
+    # the torch optimizer itself (the distributed optimizer holds one over its slabs)
+    tracker.track_external(runtime.model, getattr(trainer.optimizer, "optimizer", trainer.optimizer))
+    flops = FlopCounterMode(display=False)
+    standins.host_reads.clear()
+    _routing_reads(runtime, reset=True)
+    with meta_autocast(dtype), standins.standins(), tracker, rules, flops:
+        step()
+    snap = tracker.get_tracker_snapshot("peak")
+    meta = next((v for dev, v in snap.items() if torch.device(dev).type == "meta"), {})
+    peak = int(meta.get("Total", 0))
+    params = sum(p.numel() for p in runtime.model.parameters())
+    seconds = model_step_time(flops.get_total_flops(), tracker, rules, gpu, group_ranks)
+    return RankReport(
+        rank=rank, roles=_roles(dims), peak_bytes=peak, peak_split=_split(meta),
+        peak_moment=_peak_moment(tracker, peak), params=params,
+        traffic={f"{g} {c}": dataclasses.asdict(t) for (g, c), t in sorted(rules.traffic.items())},
+        launches=sum(rules.launches.values()),
+        host_reads={**{f"{where} ({what})": n for (where, what), n in standins.host_reads.items()},
+                    "routing counts (parallel/comm.py RoutingCounts.read)": _routing_reads(runtime)},
+        host_collectives=dict(rules.host_collectives), flops=float(flops.get_total_flops()),
+        step_seconds=seconds, fits=peak <= gpu.memory_bytes)
 
 
 def _routing_reads(runtime, reset: bool = False) -> int:
