@@ -1,9 +1,9 @@
 """A modeled step time for a rehearsed rank, from what the rank's step ran.
 
 - Device work: each op at its roofline, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), summed
-  (DeviceRules.work: FLOPs by torch's flop counter rules for matmuls and attention, bytes as the
-  op's inputs and outputs). Peaks are the datasheet's (gpus.py): real kernels reach 50-80% of them
-  on large GEMMs, so this is a lower bound of the compute time.
+  (DeviceRules.work: FLOPs by `op_flops`, bytes as the op's inputs and outputs). Peaks are the
+  datasheet's (gpus.py): real kernels reach 50-80% of them on large GEMMs, so this is a lower
+  bound of the compute time.
 - Host: each launch costs `launch_s` of the host's time; the device waits where the launches
   take longer than the work they issue (a host-bound step).
 - Communication: each collective call costs the link latency plus its bus bytes (nccl-tests'
@@ -14,7 +14,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from longctx_moe.rehearsal.gpus import GPU
+
+aten = torch.ops.aten
 
 
 def _spans_nodes(ranks: list[int], per_node: int) -> bool:
@@ -32,3 +36,86 @@ def model_step_time(flops: float, tracker, rules, gpu: GPU, group_ranks: dict[st
         comm += t.calls * gpu.collective_latency_s + t.bus_bytes / bandwidth
     return {"compute_s": compute, "host_s": host, "comm_s": comm, "total_s": max(compute, host) + comm,
             "flops": flops}
+
+
+# ---- FLOPs per op
+#
+# torch's flop counter (torch.utils.flop_counter) has the rules for dense matmuls. Three of the
+# step's big ops it gets wrong on meta, where the rehearsal runs: varlen attention (without the
+# values of cu_seqlens it counts every document at the longest length, and never halves for the
+# causal mask: 4-5x the real work on RL-like lengths), and the grouped GEMMs of the experts (no
+# rule: 0). Their rules are here. Document boundaries reach the device as copies of host tensors;
+# DeviceRules keeps those copies' host values (`host_values`) so the attention rule can read them.
+
+# A FlashAttention backward recomputes the scores and runs four more matmuls (dQ, dK, dV, dP)
+# against the forward's two: 2.5x the forward's FLOPs (FlashAttention-2 paper, section 3.2).
+_ATTN_BACKWARD_OVER_FORWARD = 2.5
+
+
+def _named(func, args, kwargs) -> dict:
+    names = [a.name for a in func._schema.arguments]
+    return {**dict(zip(names, args, strict=False)), **kwargs}  # the rest are keywords
+
+
+def _lengths(cu, host_values) -> list[int] | None:
+    host = host_values.get(cu) if cu is not None and host_values is not None else None
+    if host is None:
+        return None
+    return torch.diff(host.long()).tolist()
+
+
+def _pairs(lq: int, lk: int, causal: bool, left: int | None) -> int:
+    """(query, key) pairs a masked attention of one document visits: queries aligned to the end
+    of the keys (FlashAttention's causal convention when lq < lk), each seeing at most `left` + 1
+    keys when a window is set."""
+    if not causal:
+        return lq * lk
+    cap = left + 1 if left is not None and left >= 0 else lk
+
+    def seen(m: int) -> int:  # sum of min(y, cap) for y = 1..m
+        return m * (m + 1) // 2 if m <= cap else cap * (cap + 1) // 2 + (m - cap) * cap
+
+    return seen(lk) - seen(max(lk - lq, 0))
+
+
+def _attention_flops(kw: dict, backward: bool, host_values) -> float | None:
+    q, v = kw["query"], kw["value"]
+    lq, lk = _lengths(kw.get("cum_seq_q"), host_values), _lengths(kw.get("cum_seq_k"), host_values)
+    if lq is None or lk is None or len(lq) != len(lk):
+        return None
+    causal, left = bool(kw.get("is_causal")), kw.get("window_size_left")
+    pairs = sum(_pairs(a, b, causal, left) for a, b in zip(lq, lk, strict=True))
+    heads, d_qk, d_v = q.shape[-2], q.shape[-1], v.shape[-1]
+    forward = 2.0 * pairs * heads * (d_qk + d_v)
+    return forward * (_ATTN_BACKWARD_OVER_FORWARD if backward else 1.0)
+
+
+def _grouped_mm_flops(kw: dict, out) -> float:
+    """2 x output elements x the reduced dimension; for a 2-D x 2-D call (the weights' gradient,
+    output [groups, M, N]) each group reduces over its own slice of K, together all of K."""
+    a, b = kw["self"], kw["mat2"]
+    if a.dim() == 2 and b.dim() == 2:
+        return 2.0 * out.shape[-2] * out.shape[-1] * a.shape[-1]
+    return 2.0 * out.numel() * a.shape[-1]
+
+
+def op_flops(func, args, kwargs, out, host_values=None) -> float:
+    """The FLOPs of one device op: the rules above, torch's flop counter for the other matmuls,
+    0 for the rest (their cost is their bytes)."""
+    packet = func._overloadpacket
+    if packet in (aten._flash_attention_forward, aten._flash_attention_backward):
+        got = _attention_flops(_named(func, args, kwargs), packet is aten._flash_attention_backward,
+                               host_values)
+        if got is not None:
+            return got
+    if packet in (aten._grouped_mm, aten._scaled_grouped_mm):
+        return _grouped_mm_flops(_named(func, args, kwargs), out)
+    from torch.utils.flop_counter import flop_registry
+
+    rule = flop_registry.get(packet)
+    if rule is None:
+        return 0.0
+    try:
+        return float(rule(*args, **kwargs, out_val=out))
+    except TypeError:  # a rule whose signature this overload does not match
+        return 0.0

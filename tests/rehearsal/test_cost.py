@@ -1,0 +1,53 @@
+"""The rehearsal's FLOP count per device op (cost.op_flops), which its modeled step time divides by
+the GPU's peak: varlen attention counted from the documents' real lengths with the causal mask and
+the sliding window, the experts' grouped GEMMs (torch's flop counter has no rule for them), and
+the other matmuls by torch's rules. Checked against counts made by hand."""
+
+import torch
+
+from longctx_moe.rehearsal.collectives import DeviceRules
+from longctx_moe.rehearsal.cost import _pairs
+
+aten = torch.ops.aten
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+def _brute_pairs(lq, lk, causal, left):
+    n = 0
+    for i in range(lq):
+        last = lk - lq + i
+        n += sum(1 for j in range(lk) if not causal or (j <= last and (left is None or j >= last - left)))
+    return n
+
+
+def test_pairs_match_a_count_of_every_query_and_key():
+    for lq, lk in ((1, 1), (3, 7), (7, 7), (10, 12), (12, 10)):
+        for causal, left in ((False, None), (True, None), (True, 0), (True, 2), (True, 50)):
+            assert _pairs(lq, lk, causal, left) == _brute_pairs(lq, lk, causal, left), (lq, lk, causal, left)
+
+
+def test_attention_is_counted_from_the_documents_on_the_host():
+    """Two documents of 100 and 200 tokens, causal, 4 heads of 64: the pairs under the mask, not
+    two documents of the longest length without it (torch's rule on meta: 2.7x more here)."""
+    rules = DeviceRules(rank=0)
+    with rules:
+        cu = torch.tensor([0, 100, 300], dtype=torch.int32).to("meta")
+        q, k, v = _meta(300, 4, 64), _meta(300, 4, 64), _meta(300, 4, 64)
+        aten._flash_attention_forward(q, k, v, cu, cu, 200, 200, 0.0, True, False)
+        aten._flash_attention_forward(q, k, v, cu, cu, 200, 200, 0.0, True, False, window_size_left=9)
+    pairs = 100 * 101 // 2 + 200 * 201 // 2
+    window = (10 * 11 // 2 + 90 * 10) + (10 * 11 // 2 + 190 * 10)
+    assert [f for f, _ in rules.work[-2:]] == [2.0 * pairs * 4 * 128, 2.0 * window * 4 * 128]
+
+
+def test_grouped_gemms_count_every_row_once():
+    rules = DeviceRules(rank=0)
+    offs = torch.tensor([4, 4, 10], dtype=torch.int32).to("meta")
+    with rules:
+        torch._grouped_mm(_meta(10, 8), _meta(3, 8, 16), offs=offs)  # rows x experts' weights
+        torch._grouped_mm(_meta(8, 10).t().contiguous().t(), _meta(10, 16), offs=offs)  # weights' grad
+        _meta(10, 8) @ _meta(8, 16)
+    assert [f for f, _ in rules.work if f] == [2.0 * 10 * 8 * 16, 2.0 * 8 * 16 * 10, 2.0 * 10 * 8 * 16]
