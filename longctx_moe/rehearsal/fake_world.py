@@ -62,9 +62,10 @@ def cuda_ops(cfg, param_dtype: torch.dtype = torch.float32):
     return resolve(cfg.execution, target, cfg.train.recompute)
 
 
-def build_rank(cfg, world_size: int, rank: int, dtype: torch.dtype = torch.float32, routing: str = "balanced"):
+def build_rank(cfg, world_size: int, rank: int, dtype: torch.dtype = torch.float32, routing: str = "balanced",
+               ops=None):
     """(dims, runtime): the layout of `cfg` (longctx_moe.config.Config) for `rank`, and the
-    model built on meta in `dtype` with the ops of a CUDA device, parallelized as
+    model built on meta in `dtype` with `ops` (default: a CUDA device's), parallelized as
     `longctx-moe train` does it."""
     from longctx_moe.build import _parallelize, check_layout
     from longctx_moe.model import Transformer
@@ -72,7 +73,7 @@ def build_rank(cfg, world_size: int, rank: int, dtype: torch.dtype = torch.float
     dims = check_layout(cfg, world_size)
     dims.build_groups(rank)
     with torch.device("meta"):
-        model = Transformer(cfg.model, cuda_ops(cfg, dtype), balance=cfg.balance).to(dtype=dtype)
+        model = Transformer(cfg.model, ops or cuda_ops(cfg, dtype), balance=cfg.balance).to(dtype=dtype)
     from longctx_moe.rehearsal.routing import AssumedRouting
 
     return dims, _parallelize(cfg, model, dims, AssumedRouting(routing))
