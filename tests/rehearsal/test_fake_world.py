@@ -43,7 +43,8 @@ def test_a_shrunk_qwen3_30b_a3b_on_8_ranks(tmp_path):
 @pytest.mark.slow
 def test_a_shrunk_deepseek_v3_with_mla_on_16_ranks(tmp_path):
     r = _rehearse(tmp_path, "configs/rehearsal/deepseek-v3.yaml", 16, 5, "model.first_k_dense=1",
-                  "parallel.ep=16")
+                  "parallel.ep=16", "parallel.tp=1", "parallel.sequence_parallel=false", "execution.fp8=none",
+                  "execution.fp8_recipe=tensor", "train.recompute=selective")
     assert r["roles"]["ep"] == 5 and r["fits"]
     assert r["traffic"]["ep[0..15] all_to_all"]["calls"] >= 2
     assert r["peak_split"]["parameters"] == 4 * r["params"]
