@@ -327,6 +327,13 @@ def resolve(cfg: ExecutionConfig, target: Target, recompute: str = "none", rl: b
     paths, reasons = {}, {}
     for op in OP_PATHS:
         paths[op], reasons[op] = _op_path(cfg, op, target)
+    if recompute == "full" and paths["router"] == "triton":
+        # The recomputation replays the forward's routes; the Triton router's replay path saves
+        # other tensors than its forward, which checkpointing's recomputation must match.
+        if cfg.router == "triton":
+            raise ValueError("execution.router=triton cannot run train.recompute=full (its replay of the "
+                             "forward's routes takes another path); use execution.router=auto or torch")
+        paths["router"], reasons["router"] = "torch", "train.recompute=full replays the routes on the torch path"
     attention, reasons["attention_backend"] = _attention(cfg, target, paths.pop("attention_kernels"))
     reasons["attention_kernels"] = reasons.pop("attention_kernels")
     if attention.backend != "torch_cpu":

@@ -92,3 +92,22 @@ def test_selective_recompute_in_bf16_autocast_from_a_fresh_process():
     from tests.launcher import run_distributed
 
     assert run_distributed(_first_forward_of_the_process, 1, timeout=300) == [(1, 1)]
+
+
+def test_full_recompute_runs_the_router_on_a_path_that_replays_as_it_forwarded():
+    """Full recompute replays the forward's routes in the recomputation; the Triton router's
+    forward saves other tensors than its replay path (the kernel's outputs against a gather of the
+    given experts' weights), so checkpointing's recomputation would not match and the backward
+    fail: the router resolves to torch, and naming the Triton router is refused in one line."""
+    from longctx_moe.execution import ExecutionConfig, Target, resolve
+
+    ops = tiny_ops("full", kernels="triton")
+    assert ops.router == "torch" and "recompute=full" in dict(ops.reasons)["router"]
+    assert tiny_ops("none", kernels="triton").router == "triton"  # the path a plain run takes
+    torch.manual_seed(0)
+    model = build_model(tiny_config(num_layers=2), ops)
+    batch = packed_batch([7, 20], 64, generator=torch.Generator().manual_seed(1))
+    model(batch).ce_sum.backward()  # CheckpointError with the Triton router
+    assert model.moe_layers()[0].router.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="execution.router=triton .* train.recompute=full"):
+        resolve(ExecutionConfig(router="triton"), Target("cpu"), "full")
