@@ -6,11 +6,15 @@ masters and bf16 autocast would compute, and keep for the backward, float32 acti
 the memory of the GPU run. `meta_autocast(dtype)` gives the meta device the same rules for the
 block: the program's own `torch.autocast(device_type, ...)`, `torch.is_autocast_enabled` and
 `torch.get_autocast_dtype` calls (and activation checkpointing's, which restores the state in its
-recomputation) answer for "meta" as CUDA's do, and a function mode casts the
-floating inputs of the ops on CUDA autocast's lower-precision list to `dtype` above autograd, as
-autocast does, so the casts and the bf16 copies the backward keeps are real ops on real (meta)
-tensors. Regions the program runs with autocast disabled (the router's float32 maths) are left
-alone. Every other device keeps torch's own autocast.
+recomputation) answer for "meta" as CUDA's do, and within each of the program's meta autocast
+regions a function mode casts the floating inputs of the ops on CUDA autocast's lower-precision
+list to `dtype` above autograd, as autocast does, so the casts and the bf16 copies the backward
+keeps are real ops on real (meta) tensors. The mode is entered by the region, not once around the
+block: `loss.backward()` is itself a torch function, which a function mode handles with itself
+switched off, so a mode entered outside the backward is off where activation checkpointing
+recomputes a block; the region checkpointing opens for its recomputation brings its own. Regions
+the program runs with autocast disabled (the router's float32 maths) are left alone. Every other
+device keeps torch's own autocast.
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ class _CastMode(TorchFunctionMode):
 def _region(state: _State, enabled: bool) -> Iterator[None]:
     state.stack.append(enabled)
     try:
-        yield
+        with _CastMode(state):
+            yield
     finally:
         state.stack.pop()
 
@@ -95,5 +100,5 @@ def meta_autocast(dtype: torch.dtype = torch.bfloat16) -> Iterator[None]:
     with (mock.patch.object(torch, "autocast", autocast), mock.patch.object(torch.amp, "autocast", autocast),
           mock.patch.object(torch.amp, "is_autocast_available", available),
           mock.patch.object(torch, "is_autocast_enabled", is_enabled),
-          mock.patch.object(torch, "get_autocast_dtype", get_dtype), _CastMode(state)):
+          mock.patch.object(torch, "get_autocast_dtype", get_dtype)):
         yield
