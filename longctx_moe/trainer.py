@@ -136,14 +136,15 @@ class Trainer:
         micro-batch's target tokens (PackedBatch.num_target_tokens, counted once by the caller).
 
         Every rank of a CP group (the static one, or a Dynamic-CP run's) holds the same
-        (unsharded) micro-batch: only the group's first rank counts it (one collective)."""
-        firsts = [(cp or self.runtime.static_cp).rank == 0 for cp in cp_groups]
-        mine = [mb for mb, first in zip(micro_batches, firsts, strict=True) if first]
-        lengths = [n for mb in mine for n in mb.doc_lengths()]
-        flops = step_flops(self.cfg.model, lengths)
-        local = [sum(n for n, first in zip(targets, firsts, strict=True) if first), sum(lengths), flops or 0.0]
+        (unsharded) micro-batch: each counts a 1/size share of it, so the block's sum counts it
+        once and no rank's part depends on its position in the group (one collective)."""
+        shares = [1.0 / (cp or self.runtime.static_cp).size for cp in cp_groups]
+        flops = [step_flops(self.cfg.model, mb.doc_lengths()) for mb in micro_batches]
+        local = [sum(n * s for n, s in zip(targets, shares, strict=True)),
+                 sum(sum(mb.doc_lengths()) * s for mb, s in zip(micro_batches, shares, strict=True)),
+                 sum((f or 0.0) * s for f, s in zip(flops, shares, strict=True))]
         t = self.runtime.all_reduce_host(torch.tensor(local, dtype=torch.float64), Axis.DP_CP)
-        return int(t[0]), int(t[1]), (float(t[2]) if flops is not None else None)
+        return round(float(t[0])), round(float(t[1])), (None if None in flops else float(t[2]))
 
     def train_step(self, micro_batches: list[PackedBatch], objective: Objective | None = None,
                    lr: float | None = None, cp_groups: list | None = None) -> StepResult:

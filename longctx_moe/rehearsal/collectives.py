@@ -16,6 +16,13 @@ refuses them the same way, in one line naming the op, the rank and the program's
 - no op mixes a host tensor (other than a 0-dim scalar, which CUDA kernels take) with device
   tensors.
 
+The fake group hands each rank its own input back. For the host collectives (values the
+program reads: step totals, loss sums, flags) that is not what a job would return, so
+`DeviceRules` answers them as a job whose ranks are alike: every peer contributes what this rank
+contributes (a sum over n ranks is n times this rank's value; max, min and mean are its value;
+an all-gather holds n copies). The rehearsal's job is that: each DP replica runs a micro-batch
+like this rank's, and the program shares host totals evenly over the ranks that hold one.
+
 `traffic` sums, per process group and collective, the bytes each rank sends (`payload`, the
 tensor a rank contributes) and the bus bytes NCCL's ring / all-to-all algorithms move per rank
 (`bus`: 2(n-1)/n x payload for an all-reduce, (n-1)/n x the gathered size for all-gather and
@@ -70,8 +77,11 @@ class DeviceRules(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace == "c10d":
-            self._collective(func, args)
-            return func(*args, **kwargs)
+            host = self._collective(func, args)
+            out = func(*args, **kwargs)
+            if host:
+                _as_alike_peers(func, args)
+            return out
         self._mixing(func, args, kwargs)
         out = func(*args, **kwargs)
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == self.device]
@@ -93,12 +103,13 @@ class DeviceRules(TorchDispatchMode):
 
     # ---- collectives
 
-    def _collective(self, func, args) -> None:
+    def _collective(self, func, args) -> bool:
+        """Check and count a collective; True for a host collective (by design, on gloo)."""
         name = func.__name__.split(".")[0]
         tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
         group = next((dist.ProcessGroup.unbox(a) for a in args if isinstance(a, torch.ScriptObject)), None)
         if name == "barrier" or not tensors:
-            return
+            return False
         kinds = {t.device.type for t in tensors}
         if kinds == {"cpu"}:
             where = _host_collective_site()
@@ -107,7 +118,7 @@ class DeviceRules(TorchDispatchMode):
                                    "host round trip per call: make them on the device, or mark the "
                                    "function longctx_moe.parallel.comm.host_collective if it is by design)")
             self.host_collectives[where] += 1
-            return
+            return True
         if kinds != {self.device}:
             self._refuse(func, f"mixes {' and '.join(sorted(kinds))} tensors in one collective "
                                "(NCCL takes device tensors only)")
@@ -120,6 +131,7 @@ class DeviceRules(TorchDispatchMode):
         size = group.size() if group is not None else 1
         self._check_sizes(func, name, args, size)
         self._count(name, group, tensors, args, size)
+        return False
 
     def _check_sizes(self, func, name: str, args, size: int) -> None:
         if name in ("_allgather_base_", "_reduce_scatter_base_"):
@@ -143,7 +155,8 @@ class DeviceRules(TorchDispatchMode):
         entry = self.traffic[(label, kind)]
         entry.calls += 1
         payload = _payload_bytes(name, args, tensors)
-        self.calls[label].append((kind, str(tensors[0].dtype), payload // tensors[0].element_size()))
+        elements = sum(t.numel() for t in tensors) if kind in ("send", "recv") else payload // tensors[0].element_size()
+        self.calls[_sequence(label, kind, group, args)].append((_P2P.get(kind, kind), str(tensors[0].dtype), elements))
         entry.payload_bytes += payload
         entry.bus_bytes += payload * _bus_factor(name, size)
 
@@ -151,10 +164,40 @@ class DeviceRules(TorchDispatchMode):
         raise RehearsalFault(f"rank {self.rank}: {func} at {program_line()} {why}")
 
 
+# NCCL pairs point-to-point messages by order per (sender, receiver): a send and the peer's
+# receive are entries of one sequence, compared across ranks like a group's collectives
+_P2P = {"send": "p2p", "recv": "p2p"}
+
+
+def _sequence(label: str, kind: str, group, args) -> str:
+    """The sequence of calls a call belongs to: its group's, or for a send / receive the
+    sender -> receiver pair's (group ranks)."""
+    if kind not in _P2P or len(args) < 4:  # recv_any_source_ names no peer
+        return label
+    me, peer = group.rank(), int(args[2])
+    src, dst = (me, peer) if kind == "send" else (peer, me)
+    return f"{label} p2p {src}->{dst}"
+
+
+def _as_alike_peers(func, args) -> None:
+    """Set a host collective's result to what it gives when every peer contributes this rank's
+    input (the fake group left this rank's own input, or copies of it, in place)."""
+    name = func.__name__.split(".")[0]
+    if name not in ("allreduce_", "allreduce_coalesced_"):
+        return  # gathers: the fake group already fills every slot with this rank's input
+    size, op = dist.ProcessGroup.unbox(args[1]).size(), args[2].op()
+    for t in args[0]:
+        if op == int(dist.ReduceOp.RedOpType.SUM):
+            t.mul_(size)
+        elif op == int(dist.ReduceOp.RedOpType.PRODUCT):
+            t.pow_(size)
+
+
 def check_agreement(calls_by_rank: dict[int, dict[str, list]]) -> None:
     """RehearsalFault where two rehearsed ranks disagree on a collective of a group they share:
     another collective, dtype or size at the same position of the group's sequence (NCCL then
-    hangs or reads garbage). A group is named by its ranks (`group_names`), so peers match."""
+    hangs or reads garbage). A group is named by its ranks (`group_names`), so peers match; a
+    send and its receive meet in the sequence of their (sender, receiver) pair."""
     seen: dict[str, tuple[int, list]] = {}
     for rank, calls in sorted(calls_by_rank.items()):
         for label, seq in calls.items():

@@ -34,7 +34,9 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError("fake_world: a process group already exists in this process; "
                            "rehearse in a process of its own")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    # fake on meta too: a device tensor's collective (batch_isend_irecv's p2p above all) looks
+    # its backend up by the tensor's device type, which is meta here
+    dist.init_process_group("meta:fake,cpu:fake,cuda:fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
