@@ -16,14 +16,17 @@ rehearsal assumes balanced routing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 import os
 import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from unittest import mock
 
 import torch
 
@@ -95,6 +98,40 @@ def meta_runnable(cfg):
     return dataclasses.replace(cfg, execution=execution), swapped
 
 
+# The program's choices made from a tensor's device type rather than from the resolved Ops: on
+# meta they take the GPU's branch, which a rehearsal of a GPU wants; standing for this CPU, meta
+# must take the CPU's. (module, function name) of each.
+CPU_RULES = (("longctx_moe.model.losses", "_block_rows"),)  # the CE's cache-sized row blocks
+
+
+@contextlib.contextmanager
+def cpu_rules_on_meta() -> Iterator[None]:
+    """For the block: the program's device-type rules (CPU_RULES) answer for a meta tensor or
+    device as for a CPU one."""
+    import importlib
+
+    with contextlib.ExitStack() as stack:
+        for module, name in CPU_RULES:
+            mod = importlib.import_module(module)
+            stack.enter_context(mock.patch.object(mod, name, _as_cpu(getattr(mod, name))))
+        yield
+
+
+def _as_cpu(rule: Callable) -> Callable:
+    def cpu_stand_in(x):
+        if isinstance(x, torch.device) and x.type == "meta":
+            return torch.device("cpu")
+        if isinstance(x, torch.Tensor) and x.is_meta:  # the shape and dtype, on the CPU, one element stored
+            return torch.empty((1,) * x.dim(), dtype=x.dtype).expand(x.shape)
+        return x
+
+    @functools.wraps(rule)
+    def on_cpu(*args, **kwargs):
+        args, kwargs = torch.utils._pytree.tree_map(cpu_stand_in, (args, kwargs))
+        return rule(*args, **kwargs)
+    return on_cpu
+
+
 # ---------------------------------------------------------------- one rank, in its gloo process
 
 
@@ -108,7 +145,8 @@ def _measure_rank(rank: int, world: int, cfg, lengths: list[int]) -> dict:
     real, roles, ops, compute = _real_step(cfg, world, rank, lengths)
     destroy_process_groups()
     # the GPU only sets the report's fit and modeled time, which this comparison does not read
-    report = rehearse_rank(cfg, world, rank, GPUS["h100"], lengths, ops=ops, compute=compute)
+    with cpu_rules_on_meta():
+        report = rehearse_rank(cfg, world, rank, GPUS["h100"], lengths, ops=ops, compute=compute)
     return {"rank": rank, "roles": roles, "real": real,
             "rehearsed": {**report.peak_split, TOTAL: report.peak_bytes},
             "ops": ops.as_dict(), "compute_dtype": compute.name}
