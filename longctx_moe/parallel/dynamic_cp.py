@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from cp_attention.dynamic_cost import padded_length
 from data_packing.batch import PackedBatch, pack_documents, pad_multiple
-from longctx_moe.parallel.comm import all_gather_rows, gather_sizes
+from longctx_moe.parallel.comm import host_collective
 from longctx_moe.parallel.context_parallel import NO_CP, CPGroup
 from longctx_moe.parallel.dims import Axis
 
@@ -71,15 +71,15 @@ def documents(micro_batches: list[PackedBatch]) -> list[Document]:
     return docs
 
 
-def step_lengths(docs: list[Document], group, device="cpu") -> tuple[list[int], list[int], bool]:
+def step_lengths(docs: list[Document], group) -> tuple[list[int], list[int], bool]:
     """(lengths [N], owner replica [N], any document weighted) of the step's documents, every
     replica's in DP rank order (collective over the DP `group`; None: this replica alone). On
-    the host by default: a few bytes, and the scheduler reads them there (no device sync)."""
+    the host: a few bytes, and the scheduler reads them there (no device sync)."""
     weighted = any(d.weight is not None for d in docs)
     mine = [int(weighted)] + [d.tokens.numel() for d in docs]
     if group is None:
         return mine[1:], [0] * len(docs), weighted
-    parts = _gather_var(torch.tensor(mine, dtype=torch.int64, device=device), group)
+    parts = _gather_host(torch.tensor(mine, dtype=torch.int64), group)
     lengths, owner = [], []
     for replica, part in enumerate(parts):
         values = part.tolist()
@@ -89,10 +89,18 @@ def step_lengths(docs: list[Document], group, device="cpu") -> tuple[list[int], 
     return lengths, owner, weighted
 
 
-def _gather_var(x: torch.Tensor, group) -> list[torch.Tensor]:
-    """all_gather of tensors whose first dimension differs per rank; one host tensor per rank."""
-    sizes = gather_sizes(x.shape[0], group, x.device)
-    return list(all_gather_rows(x, sizes, group).cpu().split(sizes))
+@host_collective
+def _gather_host(x: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's host vector `x` (its length differs per rank), in rank order: two host
+    all-gathers, by design (gloo beside NCCL on a GPU run: a few bytes, read on the host)."""
+    size = dist.get_world_size(group)
+    n = torch.tensor([x.numel()], dtype=torch.int64)
+    counts = [torch.empty_like(n) for _ in range(size)]
+    dist.all_gather(counts, n, group=group)
+    sizes = [int(c) for c in counts]
+    parts = [x.new_empty(max(sizes)) for _ in range(size)]
+    dist.all_gather(parts, torch.cat([x, x.new_zeros(max(sizes) - x.numel())]), group=group)
+    return [part[:n] for part, n in zip(parts, sizes, strict=True)]
 
 
 def needed_documents(plan, block: int) -> list[list[int]]:

@@ -159,12 +159,14 @@ def _groups(dims) -> tuple[dict, dict]:
     import torch.distributed as dist
 
     names, ranks_of = {dist.group.WORLD.group_name: "world"}, {"world": list(range(dist.get_world_size()))}
-    for axis in ("tp", "cp", "dp", "dp_cp", "tp_cp", "ep", "etp", "edp"):
+    axes = ("tp", "cp", "dp", "dp_cp", "tp_cp", "ep", "etp", "edp")
+    # then the rest (hierarchical CP's inner and outer groups, Dynamic-CP's runs) where unnamed
+    for axis in (*axes, *(n for n in dims.names() if n not in axes)):
         try:
             group = dims.group_or_none(axis)
         except (KeyError, ValueError, AttributeError):
             continue
-        if group is not None:
+        if group is not None and (axis in axes or group.group_name not in names):
             ranks = dist.get_process_group_ranks(group)
             label = f"{axis}[{ranks[0]}..{ranks[-1]}]"
             names[group.group_name], ranks_of[label] = label, ranks
