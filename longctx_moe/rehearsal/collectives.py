@@ -39,7 +39,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
 
+from longctx_moe.rehearsal.cost import op_flops
+
+# the largest host tensor whose values a copy to the device keeps (document boundaries of a
+# micro-batch: one entry per document)
+_HOST_VALUES_MAX = 1 << 20
 _PACKAGES = ("/data_packing/", "/cp_attention/", "/longctx_moe/", "/rl_hooks/")
 
 
@@ -70,6 +76,9 @@ class DeviceRules(TorchDispatchMode):
     calls: dict = field(default_factory=lambda: collections.defaultdict(list))
     # per device op: (FLOPs, bytes read and written), for the roofline of cost.py
     work: list = field(default_factory=list)
+    # device tensor -> the host tensor it was copied from (small integer tensors: document
+    # boundaries), so that cost.op_flops can read the lengths an attention kernel works on
+    host_values: WeakTensorKeyDictionary = field(default_factory=WeakTensorKeyDictionary)
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -84,12 +93,26 @@ class DeviceRules(TorchDispatchMode):
             return out
         self._mixing(func, args, kwargs)
         out = func(*args, **kwargs)
+        self._keep_host_value(func, args, out)
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == self.device]
         if ins and not _VIEWS.get(func, False):
             self.launches[func.namespace] += 1
             outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            self.work.append((_flops(func, args, kwargs, out), sum(_nbytes(t) for t in ins + outs)))
+            self.work.append((op_flops(func, args, kwargs, out, self.host_values), sum(_nbytes(t) for t in ins + outs)))
         return out
+
+    def _keep_host_value(self, func, args, out) -> None:
+        """Remember the values of a small integer host tensor copied to the device (or of such a
+        copy converted to another integer dtype on the device)."""
+        if func not in (torch.ops.aten._to_copy.default, torch.ops.aten.clone.default) or not args:
+            return
+        src = args[0]
+        if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and out.device.type == self.device
+                and not src.is_floating_point() and src.numel() <= _HOST_VALUES_MAX):
+            return
+        host = src if src.device.type == "cpu" else self.host_values.get(src)
+        if host is not None:
+            self.host_values[out] = host
 
     # ---- every op
 
@@ -212,20 +235,6 @@ def check_agreement(calls_by_rank: dict[int, dict[str, list]]) -> None:
             if len(ref) != len(seq):
                 raise RehearsalFault(f"rank {rank}: {len(seq)} collectives on {label} where rank {other} runs "
                                      f"{len(ref)} (a rank would wait forever)")
-
-
-def _flops(func, args, kwargs, out) -> float:
-    """The op's FLOPs by torch's own flop counter rules (matmuls, attention, convolutions), 0 for
-    the rest (elementwise work is counted by its bytes)."""
-    from torch.utils.flop_counter import flop_registry
-
-    rule = flop_registry.get(func._overloadpacket)
-    if rule is None:
-        return 0.0
-    try:
-        return float(rule(*args, **kwargs, out_val=out))
-    except TypeError:  # a rule whose signature this overload does not match
-        return 0.0
 
 
 class _ViewTable(dict):

@@ -34,6 +34,7 @@ class RankReport:
     peak_moment: str
     params: int  # this rank's parameter elements
     traffic: dict  # "group collective" -> {"calls", "payload_bytes", "bus_bytes"}
+    calls: dict  # group label -> [(collective, dtype, elements), ...] in order, to compare ranks
     launches: int
     host_reads: dict  # "file:line (what)" -> count
     host_collectives: dict
@@ -106,7 +107,6 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
     step of the steady state. `trainer`: the Trainer whose runtime, optimizer and compute dtype
     the step uses."""
     from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils.flop_counter import FlopCounterMode
 
     from longctx_moe.rehearsal import standins
     from longctx_moe.rehearsal.collectives import DeviceRules
@@ -121,24 +121,25 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
     tracker = MemTracker()
     # the torch optimizer itself (the distributed optimizer holds one over its slabs)
     tracker.track_external(runtime.model, getattr(trainer.optimizer, "optimizer", trainer.optimizer))
-    flops = FlopCounterMode(display=False)
     standins.host_reads.clear()
     _routing_reads(runtime, reset=True)
-    with meta_autocast(dtype), standins.standins(), tracker, rules, flops:
+    with meta_autocast(dtype), standins.standins(), tracker, rules:
         step()
     snap = tracker.get_tracker_snapshot("peak")
     meta = next((v for dev, v in snap.items() if torch.device(dev).type == "meta"), {})
     peak = int(meta.get("Total", 0))
     params = sum(p.numel() for p in runtime.model.parameters())
-    seconds = model_step_time(flops.get_total_flops(), tracker, rules, gpu, group_ranks)
+    flops = sum(f for f, _ in rules.work)  # cost.op_flops per device op
+    seconds = model_step_time(flops, tracker, rules, gpu, group_ranks)
     return RankReport(
         rank=rank, roles=_roles(dims), peak_bytes=peak, peak_split=_split(meta),
         peak_moment=_peak_moment(tracker, peak), params=params,
         traffic={f"{g} {c}": dataclasses.asdict(t) for (g, c), t in sorted(rules.traffic.items())},
+        calls={label: [list(c) for c in seq] for label, seq in rules.calls.items()},
         launches=sum(rules.launches.values()),
         host_reads={**{f"{where} ({what})": n for (where, what), n in standins.host_reads.items()},
                     "routing counts (parallel/comm.py RoutingCounts.read)": _routing_reads(runtime)},
-        host_collectives=dict(rules.host_collectives), flops=float(flops.get_total_flops()),
+        host_collectives=dict(rules.host_collectives), flops=float(flops),
         step_seconds=seconds, fits=peak <= gpu.memory_bytes)
 
 
