@@ -11,11 +11,21 @@ on NVLink/NVSwitch, one 400 Gb/s InfiniBand NDR port per GPU across nodes):
   sparsity), NVLink 5 1.8 TB/s per GPU. NVIDIA HGX B200 / DGX B200 datasheets.
 - InfiniBand NDR: 400 Gb/s = 50 GB/s per direction per GPU (ConnectX-7).
 A collective's bandwidth is per direction: half the NVLink figure inside a node.
+Compute capability: 9.0 for Hopper (H100, H200), 10.0 for Blackwell (B200); CUDA's list of GPUs.
+
+`as_cuda_device(gpu)`: for the block, torch.cuda's questions about a device's kind (compute
+capability, name), which the program asks to refuse what a GPU cannot run (FP8 tensor cores, the
+blockwise FP8 GEMM of Hopper), are answered for the rehearsed GPU: this process has none.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from unittest import mock
+
+import torch
 
 GIB = 2**30
 
@@ -33,10 +43,19 @@ class GPU:
     # order of nccl-tests' small-message times) and a kernel launch's host cost
     collective_latency_s: float = 20e-6
     launch_s: float = 5e-6
+    capability: tuple[int, int] = (9, 0)
 
 
 GPUS = {
     "h100": GPU("H100 SXM5 80GB", 80 * 10**9, 989e12, 3.35e12, 450e9),
     "h200": GPU("H200 SXM 141GB", 141 * 10**9, 989e12, 4.8e12, 450e9),
-    "b200": GPU("B200 180GB", 180 * 10**9, 2.25e15, 7.7e12, 900e9),
+    "b200": GPU("B200 180GB", 180 * 10**9, 2.25e15, 7.7e12, 900e9, capability=(10, 0)),
 }
+
+
+@contextlib.contextmanager
+def as_cuda_device(gpu: GPU) -> Iterator[None]:
+    """torch.cuda.get_device_capability / get_device_name answer `gpu`'s, for the block."""
+    with (mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: gpu.capability),
+          mock.patch.object(torch.cuda, "get_device_name", lambda device=None: gpu.name)):
+        yield

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from longctx_moe.rehearsal.gpus import GIB, GPU
+from longctx_moe.rehearsal.gpus import GIB, GPU, as_cuda_device
 
 
 @dataclasses.dataclass
@@ -93,7 +93,7 @@ def rehearse_rank(cfg, world: int, rank: int, gpu: GPU, lengths: list[int], ops=
     from longctx_moe.rehearsal.fake_world import build_rank, fake_world, gpu_compute, host_batch
     from longctx_moe.trainer import Trainer
 
-    with fake_world(world, rank):
+    with fake_world(world, rank), as_cuda_device(gpu):
         dims, runtime = build_rank(cfg, world, rank, torch.float32, ops=ops)
         trainer = Trainer(cfg, runtime, "meta")
         trainer.compute = compute or gpu_compute(cfg)  # the rehearsed device's, which meta cannot answer
