@@ -112,18 +112,19 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
     from longctx_moe.rehearsal.collectives import DeviceRules
     from longctx_moe.rehearsal.cost import model_step_time
     from longctx_moe.rehearsal.meta_autocast import meta_autocast
+    from longctx_moe.rehearsal.meta_device import cuda_kernels
 
     runtime, dtype = trainer.runtime, trainer.compute.dtype
     names, group_ranks = _groups(dims)
     rules = DeviceRules(rank=rank, group_names=names)
-    with meta_autocast(dtype), standins.standins(), DeviceRules(rank=rank, group_names=names):
+    with meta_autocast(dtype), standins.standins(), cuda_kernels(), DeviceRules(rank=rank, group_names=names):
         step()
     tracker = MemTracker()
     # the torch optimizer itself (the distributed optimizer holds one over its slabs)
     tracker.track_external(runtime.model, getattr(trainer.optimizer, "optimizer", trainer.optimizer))
     standins.host_reads.clear()
     _routing_reads(runtime, reset=True)
-    with meta_autocast(dtype), standins.standins(), tracker, rules:
+    with meta_autocast(dtype), standins.standins(), cuda_kernels(), tracker, rules:
         step()
     snap = tracker.get_tracker_snapshot("peak")
     meta = next((v for dev, v in snap.items() if torch.device(dev).type == "meta"), {})
