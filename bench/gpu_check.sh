@@ -5,9 +5,10 @@
 # peak measured in the same run, and rl_hooks' compute_logprobs on ~64K tokens of rollouts. Then
 # the Triton kernels compiled for real, `longctx-moe train` of the tiny config on the GPU, and the
 # verl engine test where verl is installed. Writes under $OUT: env.txt, sections.log (every
-# section's output), gpu_check.json, fp8.json, triton_kernels.json and the profile tables of one
-# ~1B step and one compute_logprobs call (7 files: a device call brings back at most 8). Run it
-# in ONE device call, then give the machine back. The timeouts add up to 8 minutes;
+# section's output), gpu_check.json, fp8.json, memory_truth.json, triton_kernels.json and the
+# profile tables of one ~1B step and one compute_logprobs call (8 files: a device call brings back
+# at most 8). Run it in ONE device call, then give the machine back. The timeouts add up to 9
+# minutes;
 # gpu_check.json is rewritten after each section, so a timeout keeps the sections done.
 #
 #   OUT=/tmp/gpu bash bench/gpu_check.sh        # PYTHON=... picks the interpreter (python3)
@@ -41,6 +42,10 @@ section() {  # section NAME SECONDS COMMAND...: its output goes to $OUT/sections
 # On one H200 (2026-12-04) the whole script took 137 s, this section most of it.
 section gpu_check 210 $PY bench/gpu_check.py --out "$OUT/gpu_check.json" --profile-dir "$OUT"
 rc=$?
+# The rehearsal's memory against this GPU's: the ~1B step's torch.cuda.max_memory_allocated and
+# the same config rehearsed on meta (world 1, this GPU's kind), and their ratio (mem_ratio_gpu).
+section memory_truth 75 $PY bench/memory_truth_gpu.py --out "$OUT/memory_truth.json"
+rc_mem=$?
 # The ~1B step again with execution.fp8=torch (FP8 GEMMs; its MFU is still against the bf16 peak),
 # per-tensor scaling, then execution.fp8_recipe=block (its JSON is folded into fp8.json as "block_run").
 section fp8_trainer_step 70 $PY bench/gpu_check.py --sections check.fp8,time.trainer_step \
@@ -75,5 +80,5 @@ else
   echo "verl is not installed in this image: the verl engine test was not run"
   verl_rc=0
 fi
-for r in $rc_fp8 $rc_fp8_block $rc_triton $rc_cli $verl_rc; do [ "$rc" -eq 0 ] && rc=$r; done
+for r in $rc_mem $rc_fp8 $rc_fp8_block $rc_triton $rc_cli $verl_rc; do [ "$rc" -eq 0 ] && rc=$r; done
 exit "$rc"

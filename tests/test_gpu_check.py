@@ -45,3 +45,55 @@ def test_a_section_name_that_matches_nothing_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "'time.trainr' names no section" in err and "time.trainer_step" in err
     assert not (tmp_path / "x.json").exists()
+
+
+# ---------------------------------------------------------------- the memory-truth section
+
+
+def test_gpu_check_sh_parses_and_its_memory_section_calls_the_helper_with_arguments_it_takes():
+    import re
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    from bench import memory_truth_gpu
+
+    script = Path(gpu_check.__file__).with_suffix(".sh")
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    (line,) = re.findall(r"^section memory_truth (\d+) \$PY (bench/\S+) (.*)$", script.read_text(), re.M)
+    limit, path, rest = line
+    assert path == "bench/memory_truth_gpu.py" and 0 < int(limit) <= 120
+    args = memory_truth_gpu._parser().parse_args(shlex.split(rest.replace('"$OUT', '"/tmp/out')))
+    assert args.out == "/tmp/out/memory_truth.json" and not args.rehearse_only and args.device == "cuda"
+    assert "$rc_mem" in script.read_text().split("for r in", 1)[1]  # its failure fails the script
+
+
+def test_memory_truth_rehearsal_half_runs_without_a_gpu(tmp_path):
+    from bench import memory_truth_gpu
+
+    out = tmp_path / "m.json"
+    assert memory_truth_gpu.main(["--rehearse-only", "--quick", "--gpu", "h200", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["gpu"] == "h200" and res["tokens"] >= 2048 and "real_peak_bytes" not in res
+    split = res["rehearsed_split_gib"]
+    assert res["rehearsed_peak_bytes"] > 0 and split["parameters"] > 0 and split["activations"] > 0
+    assert "mem_ratio_gpu" not in res  # no real half, no ratio
+    assert memory_truth_gpu.gpu_kind("NVIDIA H200") == "h200" and memory_truth_gpu.gpu_kind("Tesla T4") is None
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--rehearse-only", "--quick"], "--rehearse-only has no device to name it"),
+    (["--device", "cpu"], "the real step measures CUDA memory"),
+    (["--quick"], "sees no CUDA device"),
+])
+def test_memory_truth_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys, argv, says):
+    import torch
+
+    from bench import memory_truth_gpu
+
+    if says == "sees no CUDA device" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(SystemExit):
+        memory_truth_gpu.main([*argv, "--out", str(tmp_path / "m.json")])
+    assert says in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "m.json").exists()
