@@ -28,7 +28,7 @@ def _rehearse(tmp_path, config: str, world: int, rank: int, *sets: str) -> dict:
 @pytest.mark.slow
 def test_recompute_keeps_less_for_the_backward_and_the_same_state(tmp_path):
     """Full recompute keeps far fewer activations at the step's peak; parameters, gradients and
-    optimizer state do not move (selective lies between: bench numbers in the rehearsal docs)."""
+    optimizer state do not move."""
     r = {m: _rehearse(tmp_path, QWEN, 8, 3, f"train.recompute={m}") for m in ("none", "full")}
     act = {m: r[m]["peak_split"]["activations"] for m in r}
     # Two blocks of 4096 tokens keep about 0.7 GiB each without recompute and only their 32 MiB
@@ -49,3 +49,19 @@ def test_full_recompute_of_a_shrunk_deepseek_v3_on_16_ranks(tmp_path):
                   "execution.fp8_recipe=tensor", "train.recompute=full")
     assert r["roles"]["ep"] == 5 and r["fits"]
     assert r["peak_split"]["parameters"] == 4 * r["params"]
+
+
+def test_fp8_is_resolved_for_the_rehearsed_gpu():
+    """execution.fp8's start-up checks ask torch.cuda for the device's compute capability, which a
+    CUDA-less torch cannot answer: the rehearsal answers the rehearsed GPU's. Hopper runs the block
+    recipe; Blackwell is refused it in the program's own words."""
+    from longctx_moe.config import load_config
+    from longctx_moe.rehearsal.fake_world import cuda_ops
+    from longctx_moe.rehearsal.gpus import GPUS, as_cuda_device
+
+    cfg = load_config(QWEN, ["execution.fp8=torch", "execution.fp8_recipe=block"])
+    with as_cuda_device(GPUS["h100"]):
+        ops = cuda_ops(cfg)
+    assert (ops.fp8, ops.fp8_recipe) == ("torch", "block")
+    with as_cuda_device(GPUS["b200"]), pytest.raises(ValueError, match="runs on Hopper"):
+        cuda_ops(cfg)
