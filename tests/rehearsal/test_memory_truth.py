@@ -34,7 +34,7 @@ def _check(truth, world: int) -> None:
 
 
 @pytest.mark.slow
-def test_the_rehearsed_peak_is_the_real_one_under_ep2_on_2_ranks_and_tp2_x_dp2_on_4():
+def test_the_rehearsed_peak_is_the_real_one_under_ep2_on_2_ranks_tp2_x_dp2_and_ep2_x_cp2_on_4():
     ep = _truth(2, "parallel.ep=2")
     _check(ep, 2)
     assert ep.layout["ep"] == 2 and ep.ranks[1].roles["ep"] == 1
@@ -44,3 +44,9 @@ def test_the_rehearsed_peak_is_the_real_one_under_ep2_on_2_ranks_and_tp2_x_dp2_o
     # a TP rank holds half the dense weights: fewer parameter bytes than an EP rank's
     assert tp.ranks[0].real["parameters"] < ep.ranks[0].real["parameters"]
     assert all(r.real[TOTAL] > 0 for r in ep.ranks + tp.ranks)
+    # context parallelism: the ring's sends and receives rehearsed under the fake group
+    cp = _truth(4, "parallel.ep=2", "parallel.cp=2")
+    _check(cp, 4)
+    assert {(r.roles["cp"], r.roles["ep"]) for r in cp.ranks} == {(0, 0), (1, 1)}
+    # each CP rank holds half the tokens: less activation memory than the EP2 run's ranks
+    assert max(r.real["activations"] for r in cp.ranks) < min(r.real["activations"] for r in ep.ranks)
