@@ -193,15 +193,14 @@ class ParallelRuntime:
 
     def _global_batch_scale(self, shard: Shard) -> float:
         """The global value of micro-batch (or Dynamic-CP slot) i weighs N_i / G (N_i: the targets
-        of every micro-batch run i-th over dp_cp, each counted once: by the first rank of its CP
-        group, static or a slot's run), while the trainer weighs this rank's share by n / G:
-        scale by N_i / n. A micro-batch without targets (n = 0) gets weight 0 there, so its share
-        of the statistic is lost (documented approximation)."""
+        of every micro-batch run i-th over dp_cp, each counted once: every rank of its CP group,
+        static or a slot's run, adds a 1/size share), while the trainer weighs this rank's share
+        by n / G: scale by N_i / n. Summed on the host, where n is (a device sum read back would
+        be a sync per micro-batch). A micro-batch without targets (n = 0) gets weight 0 there,
+        so its share of the statistic is lost (documented approximation)."""
         n = shard.num_targets
-        mine = n if shard.cp.rank == 0 else 0
-        total = torch.tensor(mine, dtype=torch.int64, device=shard.batch.tokens.device)
-        self.all_reduce(total, Axis.DP_CP)
-        return int(total) / n if n else 1.0
+        total = self.all_reduce_host(torch.tensor([n / shard.cp.size], dtype=torch.float64), Axis.DP_CP)
+        return round(float(total[0])) / n if n else 1.0
 
     # ------------------------------------------------------------------ per optimizer step
 

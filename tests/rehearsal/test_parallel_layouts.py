@@ -58,8 +58,11 @@ def test_ring_cp_with_tp_sequence_parallel_and_expert_tp(tmp_path):
 
 
 @pytest.mark.slow
-def test_ulysses_cp(tmp_path):
-    r = _rehearse(tmp_path, 5, "parallel.cp=2", "parallel.cp_backend=ulysses")
+def test_ulysses_cp_with_the_global_batch_aux_loss(tmp_path):
+    """The global-batch aux loss weighs each micro-batch by the targets of every one run i-th
+    over dp_cp: a host sum (read back from the device, it was a sync per micro-batch)."""
+    r = _rehearse(tmp_path, 5, "parallel.cp=2", "parallel.cp_backend=ulysses",
+                  "parallel.aux_loss_scope=global_batch", "balance.aux_loss_type=switch")
     assert r["roles"]["cp"] == 1
     a2a = r["traffic"]["cp[4..5] all_to_all"]
     # per layer: q, k, v scattered and the output gathered; backward the reverse, with the
