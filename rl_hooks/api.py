@@ -215,7 +215,7 @@ class PolicyTrainer:
         for x in (logp, ent, routes):
             if x is not None:
                 # each token was kept by one rank (of its CP group, when each DP rank has its own)
-                self.runtime.all_reduce(x, "cp" if self.plans_own_share else "dp_cp")
+                self.runtime.all_reduce_host(x, "cp" if self.plans_own_share else "dp_cp")
         return LogProbs(logp.to(dtype), None if ent is None else ent.to(dtype),
                         None if routes is None else (routes - 1).to(torch.int16))
 
@@ -375,7 +375,7 @@ class PolicyTrainer:
         dp, me = self.dims.dp, self.dims.rank_in("dp")
         counts = torch.zeros(2 * dp, dtype=torch.float64)
         counts[me], counts[dp + me] = len(local), sum(lengths[i] for i in seqs)
-        self.runtime.all_reduce(counts, "dp")
+        self.runtime.all_reduce_host(counts, "dp")
         local = _split_to(local, int(counts[:dp].max()))
         mine = [build_micro_batch(batch, s, self.pad_multiple) for s in local]
         return counts[dp:].tolist(), mine, [None] * len(mine), None

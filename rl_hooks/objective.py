@@ -87,7 +87,7 @@ def normalizers(batch: RolloutBatch, seqs: list[int], runtime=None) -> Normalize
     longest = max((cu[s + 1] - cu[s] for s in seqs), default=1)
     counts = [sum(per_seq), sum(1 for n in per_seq if n)]
     if runtime is not None:
-        sums = runtime.all_reduce(torch.tensor(counts, dtype=torch.float64), "dp")
-        top = runtime.all_reduce(torch.tensor([longest], dtype=torch.float64), "dp", dist.ReduceOp.MAX)
+        sums = runtime.all_reduce_host(torch.tensor(counts, dtype=torch.float64), "dp")
+        top = runtime.all_reduce_host(torch.tensor([longest], dtype=torch.float64), "dp", dist.ReduceOp.MAX)
         counts, longest = [int(x) for x in sums.tolist()], int(top[0])
     return Normalizers(num_tokens=counts[0], num_seqs=counts[1], constant=float(longest))

@@ -34,8 +34,27 @@ def _parser() -> argparse.ArgumentParser:
                    help="document lengths of a rank's micro-batch: lognormal:MEDIAN,SIGMA,MAX")
     p.add_argument("--tokens", type=int, default=0, help="tokens of a rank's micro-batch (default "
                    "data.micro_batch_tokens)")
+    p.add_argument("--rl", nargs="?", const="shards", choices=("shards", "buckets"),
+                   help="rehearse an RL policy's step instead of a train step: compute_logprobs, a GRPO "
+                   "update and the weight export (shards: each rank's own pieces, the default; buckets: "
+                   "whole tensors gathered); provided by the package registered under the "
+                   f"{REHEARSALS!r} entry points")
     p.add_argument("--out", help="write the reports as JSON here")
     return p
+
+
+REHEARSALS = "longctx_moe.rehearsals"
+
+
+def _policy_step():
+    """The RL step's rehearsal: a package above this one (rl_hooks) registers it."""
+    from importlib.metadata import entry_points
+
+    found = [ep for ep in entry_points(group=REHEARSALS) if ep.name == "rl"]
+    if not found:
+        raise ValueError(f"--rl: no package registers an 'rl' rehearsal under the {REHEARSALS!r} entry "
+                         "points; install this project with its rl_hooks package (pip install -e .)")
+    return found[0].load()
 
 
 def _lengths(spec: str, tokens: int, seed: int) -> list[int]:
@@ -61,7 +80,11 @@ def _run_rank(conn, argv: list[str], rank: int) -> None:
     try:
         cfg = load_config(args.config, args.set)
         tokens = args.tokens or cfg.data.micro_batch_tokens
-        report = rehearse_rank(cfg, args.world, rank, GPUS[args.gpu], _lengths(args.lengths, tokens, rank))
+        lengths = _lengths(args.lengths, tokens, rank)
+        if args.rl:
+            report = _policy_step()(cfg, args.world, rank, GPUS[args.gpu], lengths, export=args.rl)
+        else:
+            report = rehearse_rank(cfg, args.world, rank, GPUS[args.gpu], lengths)
         conn.send(("ok", report.as_dict()))
     except (ConfigError, ValueError, RehearsalFault) as e:
         conn.send(("fault" if isinstance(e, RehearsalFault) else "error", str(e)))
@@ -120,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in reports:
         for group, t in r["traffic"].items():
             print(f"rank {r['rank']}: {group}: {t['calls']} calls, {t['payload_bytes'] / 2**20:.1f} MiB sent")
+        for phase, seen in r.get("phases", {}).items():  # an RL step's
+            print(f"rank {r['rank']}: {phase}: " + ", ".join(f"{k} {v}" for k, v in seen.items() if k != "traffic")
+                  + f", {sum(t['payload_bytes'] for t in seen['traffic'].values()) / 2**20:.1f} MiB sent")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"world": args.world, "gpu": args.gpu, "ranks": reports}, f, indent=1)

@@ -55,13 +55,14 @@ def gpu_compute(cfg, param_dtype: torch.dtype = torch.float32):
     return ComputeDtype(dtype, param_dtype, setting, "the rehearsed GPU computes bf16 natively")
 
 
-def cuda_ops(cfg, param_dtype: torch.dtype = torch.float32):
-    """The Ops `cfg` resolves to on the rehearsed CUDA GPU (gpu_compute's dtype)."""
+def cuda_ops(cfg, param_dtype: torch.dtype = torch.float32, rl: bool = False):
+    """The Ops `cfg` resolves to on the rehearsed CUDA GPU (gpu_compute's dtype); `rl`: an RL
+    policy's (execution.resolve)."""
     from longctx_moe.execution import Target, resolve
 
     compute = gpu_compute(cfg, param_dtype).dtype
     target = Target("cuda", compute, param_dtype, cfg.train.compile, cfg.parallel.tp)
-    return resolve(cfg.execution, target, cfg.train.recompute)
+    return resolve(cfg.execution, target, cfg.train.recompute, rl)
 
 
 def build_rank(cfg, world_size: int, rank: int, dtype: torch.dtype = torch.float32, routing: str = "balanced",
