@@ -28,6 +28,7 @@ import torch.distributed as dist
 from longctx_moe.hf.shards import ShardRecord, export_shards
 from longctx_moe.hf.weights import Bucket
 from longctx_moe.hf.weights import export_weights as weight_buckets
+from longctx_moe.parallel.comm import host_collective
 
 
 def export_weights(model, dims, bucket_bytes: int, dtype: torch.dtype = torch.bfloat16,
@@ -55,6 +56,7 @@ class ExportAbandoned(RuntimeError):
     """Another rank left the export early: the message is one line."""
 
 
+@host_collective  # a host flag by design: on a GPU run it goes to gloo beside NCCL (process.py)
 def _all_go_on(go: bool) -> bool:
     """Collective over every rank: whether all of them go on."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
