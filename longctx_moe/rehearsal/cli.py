@@ -28,7 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     p.add_argument("--world", type=int, required=True, help="the job's number of GPUs")
     p.add_argument("--rank", type=int, action="append", default=None,
-                   help="a rank to rehearse (repeatable); default: the first and the last rank")
+                   help="a rank to rehearse (repeatable); default: the first and the last rank, which hold "
+                   "the first and the last coordinate on every axis (every rank holds an even "
+                   "share: no pipeline stages, every split even), and whose shared groups are "
+                   "checked against each other")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     p.add_argument("--lengths", default="lognormal:1500,1.2,32768",
                    help="document lengths of a rank's micro-batch: lognormal:MEDIAN,SIGMA,MAX")
@@ -110,12 +113,13 @@ def _rehearse(argv: list[str], rank: int) -> tuple[str, object]:
 
 def _table(reports: list[dict], gpu: str) -> str:
     lines = [f"{'rank':>5} {'peak GiB':>9} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'rest':>6} "
-             f"{'fits ' + gpu:>9}  peak at / step s (compute, comm) / launches"]
+             f"{'host MiB':>8} {'fits ' + gpu:>9}  peak at / step s (compute, comm) / launches"]
     for r in reports:
         s, t = r["peak_split"], r["step_seconds"]
         lines.append(f"{r['rank']:>5} {r['peak_bytes'] / GIB:>9.2f} {s['parameters'] / GIB:>7.2f} "
                      f"{s['gradients'] / GIB:>7.2f} {s['optimizer state'] / GIB:>7.2f} "
-                     f"{s['activations'] / GIB:>7.2f} {s['rest'] / GIB:>6.2f} {'yes' if r['fits'] else 'NO':>9}  "
+                     f"{s['activations'] / GIB:>7.2f} {s['rest'] / GIB:>6.2f} {r['host_bytes'] / 2**20:>8.1f} "
+                     f"{'yes' if r['fits'] else 'NO':>9}  "
                      f"{r['peak_moment']} / {t['total_s']:.3f} ({t['compute_s']:.3f}, {t['comm_s']:.3f}) / "
                      f"{r['launches']}")
     return "\n".join(lines)
@@ -139,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         reports.append(payload)
+    from longctx_moe.rehearsal.collectives import RehearsalFault, check_agreement
+
+    try:  # ranks that share a group must run the same collectives in the same dtypes
+        check_agreement({r["rank"]: r["calls"] for r in reports})
+    except RehearsalFault as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(_table(reports, args.gpu))
     for r in reports:
         for group, t in r["traffic"].items():

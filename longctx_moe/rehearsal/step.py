@@ -30,6 +30,7 @@ class RankReport:
     rank: int
     roles: dict  # axis -> this rank's coordinate
     peak_bytes: int
+    host_bytes: int  # host tensors the rank holds at the step's peak (batch, host copies, totals)
     peak_split: dict  # category -> bytes at the peak
     peak_moment: str
     params: int  # this rank's parameter elements
@@ -129,6 +130,7 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
     snap = tracker.get_tracker_snapshot("peak")
     meta = next((v for dev, v in snap.items() if torch.device(dev).type == "meta"), {})
     peak = int(meta.get("Total", 0))
+    host = next((v for dev, v in snap.items() if torch.device(dev).type == "cpu"), {})
     params = sum(p.numel() for p in runtime.model.parameters())
     flops = sum(f for f, _ in rules.work)  # cost.op_flops per device op
     seconds = model_step_time(flops, tracker, rules, gpu, group_ranks)
@@ -141,7 +143,8 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
         host_reads={**{f"{where} ({what})": n for (where, what), n in standins.host_reads.items()},
                     "routing counts (parallel/comm.py RoutingCounts.read)": _routing_reads(runtime)},
         host_collectives=dict(rules.host_collectives), flops=float(flops),
-        step_seconds=seconds, fits=peak <= gpu.memory_bytes)
+        step_seconds=seconds, fits=peak <= gpu.memory_bytes,
+        host_bytes=int(host.get("Total", 0)))
 
 
 def _routing_reads(runtime, reset: bool = False) -> int:
