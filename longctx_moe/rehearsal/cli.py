@@ -83,7 +83,11 @@ def _run_rank(conn, argv: list[str], rank: int) -> None:
     try:
         cfg = load_config(args.config, args.set)
         tokens = args.tokens or cfg.data.micro_batch_tokens
-        lengths = _lengths(args.lengths, tokens, rank)
+        # the documents are the data-parallel replica's: the ranks of one CP / TP group share
+        # its micro-batch, as in the job
+        from longctx_moe.build import check_layout
+
+        lengths = _lengths(args.lengths, tokens, check_layout(cfg, args.world).rank_in("dp", rank))
         if args.rl:
             report = _policy_step()(cfg, args.world, rank, GPUS[args.gpu], lengths, export=args.rl)
         else:
