@@ -35,9 +35,6 @@ from rl_hooks.losses import PolicyLossConfig, make_loss
 EXPORTS = ("shards", "buckets")
 # The export's dtype: what a bf16 rollout engine loads.
 EXPORT_DTYPE = torch.bfloat16
-# The buckets' cap: export_weights' 512 MiB default refuses an embedding above it (Qwen3-30B-A3B's
-# is 594 MiB in bf16, DeepSeek-V3's 1.7 GiB); this one holds those of the published configs.
-EXPORT_BUCKET_BYTES = 2 << 30
 
 
 @dataclasses.dataclass
@@ -138,7 +135,7 @@ def _pull(policy, export: str) -> tuple[int, int]:
         for record in policy.export_weight_shards(EXPORT_DTYPE):
             pieces, nbytes = pieces + 1, nbytes + record.nbytes
         return pieces, nbytes
-    for bucket in policy.export_weights(EXPORT_BUCKET_BYTES, EXPORT_DTYPE):
+    for bucket in policy.export_weights(dtype=EXPORT_DTYPE):
         pieces += len(bucket)
         nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
     return pieces, nbytes
