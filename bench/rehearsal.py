@@ -117,6 +117,12 @@ def section_runs(args) -> dict:
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = list(pool.map(one, chosen))
     peak = {r["name"]: max(x["peak_bytes"] for x in r["reports"]) / GIB for r in runs if r["status"] == "ok"}
+    if args.update:  # the earlier result's other runs stay; the ones rerun here replace theirs
+        with open(args.update) as f:
+            earlier = [r for r in json.load(f).get("runs", []) if r["name"] not in {x["name"] for x in runs}]
+        order = [f"{m}@{w}" for m, w, _ in RUNS]
+        runs = sorted(earlier + runs, key=lambda r: order.index(r["name"]))
+    peak = {r["name"]: max(x["peak_bytes"] for x in r["reports"]) / GIB for r in runs if r["status"] == "ok"}
     ok = [r for r in runs if r["status"] == "ok"]
     return {"runs": runs, "models_rehearsed": len(ok), "runs_total": len(runs), "peak_gib": peak,
             "fits_h100": {r["name"]: all(x["fits"] for x in r["reports"]) for r in ok},
@@ -180,12 +186,17 @@ def main() -> None:
     p.add_argument("--gpu", default="h100")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per rehearsal run")
     p.add_argument("--jobs", type=int, default=1, help="rehearsals run at once (each takes one core)")
+    p.add_argument("--update", metavar="FILE", help="an earlier --out of the runs section: its runs "
+                   "that this call does not rerun are kept (redo some runs of the hour-long section)")
     p.add_argument("--out")
     args = p.parse_args()
     known = {f"{m}@{w}" for m, w, _ in RUNS}
     if args.only and set(args.only) - known:
         p.error(f"--only {sorted(set(args.only) - known)}: not among {sorted(known)}")
     result = {"host": host_info(), "gpu": args.gpu, "tokens_per_gpu": TOKENS_PER_GPU}
+    if args.update:
+        with open(args.update) as f:  # the other sections' keys stay too
+            result.update({k: v for k, v in json.load(f).items() if k not in ("host", "runs")})
     for name in args.sections:
         result.update(SECTIONS[name](args))
     write_json(args.out, result)
