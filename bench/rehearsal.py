@@ -116,7 +116,6 @@ def section_runs(args) -> dict:
     # a rehearsal is one busy core (meta ops cost Python time, not arithmetic): `--jobs` run at once
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = list(pool.map(one, chosen))
-    peak = {r["name"]: max(x["peak_bytes"] for x in r["reports"]) / GIB for r in runs if r["status"] == "ok"}
     if args.update:  # the earlier result's other runs stay; the ones rerun here replace theirs
         with open(args.update) as f:
             earlier = [r for r in json.load(f).get("runs", []) if r["name"] not in {x["name"] for x in runs}]
