@@ -145,6 +145,7 @@ class Ops:
     fp8: str = "none"
     fp8_recipe: str = "tensor"
     fp8_amax_history: int = 16
+    fp8_grouped: bool = False  # the experts' FP8 forward as one grouped GEMM (kernels/fp8_grouped.py)
     loss_chunk_tokens: int = 1024
     loss_logits_cache_mb: int = 128
     recompute: str = "none"  # train.recompute: none | selective | full (longctx_moe.model.recompute)
@@ -315,6 +316,26 @@ def _fp8(cfg: ExecutionConfig, target: Target) -> str:
     return f"execution.fp8={cfg.fp8}" + (f", recipe {cfg.fp8_recipe}" if cfg.fp8 != "none" else "")
 
 
+def _fp8_grouped(cfg: ExecutionConfig, target: Target) -> tuple[bool, str]:
+    """Whether the experts' FP8 forward is one grouped call (torch's `_scaled_grouped_mm`): decided
+    here for the run's GPU, not per call from a tensor's device."""
+    from longctx_moe.kernels import fp8_grouped
+
+    if cfg.fp8 == "none":
+        return False, "execution.fp8=none"
+    if cfg.fp8_recipe == "block":
+        return False, "execution.fp8_recipe=block: one blockwise-scaled GEMM per expert"
+    if target.compute_dtype != torch.bfloat16:
+        return False, f"torch's grouped FP8 GEMM writes bf16, the run computes in {target.compute_dtype}"
+    if target.device != "cuda":
+        return False, f"torch's grouped FP8 GEMM runs on Hopper GPUs, not {target.device}"
+    cap = torch.cuda.get_device_capability(target.device)
+    if not fp8_grouped.runs_on(target.device, cap):
+        return False, (f"torch {torch.__version__}'s grouped FP8 GEMM does not run on compute capability "
+                       f"{cap[0]}.{cap[1]} (it needs Hopper, 9.x)")
+    return True, "a Hopper GPU: torch._scaled_grouped_mm, one call per expert GEMM's forward"
+
+
 def resolve(cfg: ExecutionConfig, target: Target, recompute: str = "none", rl: bool = False) -> Ops:
     """Every choice of `cfg` for `target` (and the activation recompute of train.recompute; `rl`:
     for an RL policy, where batch invariance defaults on), or ValueError with one line naming the
@@ -341,11 +362,12 @@ def resolve(cfg: ExecutionConfig, target: Target, recompute: str = "none", rl: b
     precision, reasons["expert_precision"] = _expert_precision(cfg, target)
     gemm, reasons["grouped_gemm"] = _grouped_gemm(cfg, target)
     reasons["fp8"] = _fp8(cfg, target)
+    fp8_grouped, reasons["fp8_grouped"] = _fp8_grouped(cfg, target)
     reasons["batch_invariant"] = ("an RL policy's log-probs must not depend on their neighbours" if rl
                                   and invariant else "execution.batch_invariant")
     reasons["recompute"] = f"train.recompute={recompute}"
     return Ops(attention=attention, grouped_gemm=gemm, expert_precision=precision, fp8=cfg.fp8,
-               fp8_recipe=cfg.fp8_recipe, fp8_amax_history=cfg.fp8_amax_history,
+               fp8_recipe=cfg.fp8_recipe, fp8_amax_history=cfg.fp8_amax_history, fp8_grouped=fp8_grouped,
                loss_chunk_tokens=cfg.loss_chunk_tokens, loss_logits_cache_mb=cfg.loss_logits_cache_mb,
                recompute=recompute, device=target.device,
                reasons=tuple(reasons.items()),

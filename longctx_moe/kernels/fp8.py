@@ -243,6 +243,9 @@ class TensorScaling:
 
     name = "tensor"
 
+    def __init__(self, grouped: bool = False):
+        self.grouped = grouped  # the experts' forward as one grouped call (Ops.fp8_grouped)
+
     def _quantize_act(self, x_MK):
         return quantize(x_MK, E4M3)
 
@@ -275,9 +278,10 @@ class TensorScaling:
         return scaled_mm(x[0], x[1], w[0].t(), w[1], out_dtype)
 
     def fprop_groups(self, x, ws, counts, out_dtype):
-        """Every group's forward product [M, N]: one grouped GEMM where torch has one for these
-        operands (fp8_grouped: E4M3 x E4M3 on Hopper), else a GEMM per group."""
-        if fp8_grouped.usable(x[0], out_dtype, len(ws)):
+        """Every group's forward product [M, N]: one grouped GEMM where the run resolved torch's
+        (`grouped`: fp8_grouped, E4M3 x E4M3 on Hopper) and these operands suit it, else a GEMM
+        per group."""
+        if self.grouped and fp8_grouped.usable(x[0], out_dtype, len(ws)):
             y = fp8_grouped.forward(x, ws, counts)
             if y is not None:
                 return y
@@ -301,7 +305,8 @@ class DelayedScaling(TensorScaling):
 
     name = "delayed"
 
-    def __init__(self, length: int):
+    def __init__(self, length: int, grouped: bool = False):
+        super().__init__(grouped)
         self.x, self.g = AmaxHistory(E4M3, length), AmaxHistory(E5M2, length)
 
     def _quantize_act(self, x_MK):
@@ -361,10 +366,14 @@ RECIPES = {"tensor": TensorScaling(), "block": BlockScaling()}  # stateless: one
 RECIPE_CHOICES = ("tensor", "block", "delayed")
 
 
-def make_recipe(name: str, history: int = 16):
-    """The scaling object a module runs `execution.fp8_recipe=name` with (its own for delayed)."""
+def make_recipe(name: str, history: int = 16, grouped: bool = False):
+    """The scaling object a module runs `execution.fp8_recipe=name` with (its own for delayed).
+    `grouped` (Ops.fp8_grouped, resolved for the run's device): the per-tensor recipes run the
+    experts' forward as one grouped GEMM; the block recipe has none (it loops either way)."""
     check_choice("execution.fp8_recipe", name, RECIPE_CHOICES)
-    return DelayedScaling(history) if name == "delayed" else RECIPES[name]
+    if name == "delayed":
+        return DelayedScaling(history, grouped)
+    return TensorScaling(grouped) if name == "tensor" and grouped else RECIPES[name]
 
 
 def _flat(objs) -> tuple[list[torch.Tensor], list]:
@@ -458,13 +467,19 @@ def linear(x: torch.Tensor, w_NK: torch.Tensor, b_N: torch.Tensor | None, cdtype
     return y_MN.view(*x.shape[:-1], w_NK.shape[0])
 
 
-def grouped_matmul(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
-                   cdtype: torch.dtype, recipe="tensor", x_fp8: Fp8Tiles | None = None) -> torch.Tensor:
+def grouped_matmul(x_MD: torch.Tensor, w_EDF: torch.Tensor, rows: list[int], cdtype: torch.dtype,
+                   recipe="tensor", x_fp8: Fp8Tiles | None = None) -> torch.Tensor:
     """The experts' grouped GEMM in FP8 (execution.grouped_gemm's contract, result in `cdtype`).
-    `x_fp8`: x's FP8 form already made (the block recipe's 1 x 128 tiles, e.g. the fp8 dispatch's
-    payload), used as the forward operand instead of quantising x again; the weight gradient
-    still quantises x along the tokens itself."""
-    return _Fp8Grouped.apply(x_MD, w_EDF.transpose(1, 2), counts_E.tolist(), cdtype, _recipe(recipe), None, x_fp8)
+    `rows`: the rows per expert as host ints, which the GEMMs loop by (the dispatchers know them
+    from the routing counts they read once per layer; read here from the device they would cost
+    a GPU sync per GEMM). `x_fp8`: x's FP8 form already made (the block recipe's 1 x 128 tiles,
+    e.g. the fp8 dispatch's payload), used as the forward operand instead of quantising x again;
+    the weight gradient still quantises x along the tokens itself."""
+    if isinstance(rows, torch.Tensor):
+        raise TypeError("fp8.grouped_matmul takes the rows per expert as host ints (a list), not a tensor: "
+                        "reading device counts back here syncs a GPU at every GEMM; pass counts.tolist() "
+                        "once per layer")
+    return _Fp8Grouped.apply(x_MD, w_EDF.transpose(1, 2), list(rows), cdtype, _recipe(recipe), None, x_fp8)
 
 
 __all__ = ["BLOCK", "E4M3", "E5M2", "FP8_CHOICES", "RECIPES", "RECIPE_CHOICES", "AmaxHistory", "DelayedScaling",

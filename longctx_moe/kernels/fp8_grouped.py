@@ -8,8 +8,9 @@ repeated per output column; the groups' row ends as int32 offsets), where the lo
 a layer of 32 experts issues 2 calls instead of 64 in its forward. The backward's products keep
 the loop: their output gradients are E5M2, which the grouped kernel does not take.
 
-It runs where torch has it, on compute capability 9.x, for bf16 results; anywhere else the
-caller loops. A call that fails turns it off for the process with one warning, and the loop
+It runs where the run's resolution chose it (execution.py, Ops.fp8_grouped: torch has it and the
+GPU has compute capability 9.x; the recipe object carries the choice), for bf16 results; anywhere
+else the caller loops. A call that fails turns it off for the process with one warning, and the loop
 takes over (the result is the same sum either way). Not run on a GPU yet: the tests check every
 call against torch's own meta checks of `_scaled_grouped_mm` (layouts, dtypes, scale shapes).
 Shape legend: M rows (sorted by expert), K contraction, N output features, E experts.
@@ -26,10 +27,17 @@ _state = {"off": None}  # the reason the grouped call is off for this process, o
 
 
 def usable(x_MK: torch.Tensor, out_dtype: torch.dtype, groups: int) -> bool:
-    """Whether the forward of `groups` experts on E4M3 rows x_MK can be one grouped call."""
-    return (groups > 1 and out_dtype == torch.bfloat16 and x_MK.device.type == "cuda"
-            and x_MK.dtype == torch.float8_e4m3fn and _state["off"] is None
-            and hasattr(torch, "_scaled_grouped_mm") and torch.cuda.get_device_capability(x_MK.device)[0] == 9)
+    """Whether the forward of `groups` experts on E4M3 rows x_MK can be one grouped call, on a
+    device the run resolved it for (the device is not asked here: that is Ops.fp8_grouped)."""
+    return (groups > 1 and out_dtype == torch.bfloat16 and x_MK.dtype == torch.float8_e4m3fn
+            and _state["off"] is None)
+
+
+def runs_on(device_type: str, capability: tuple[int, int] | None) -> bool:
+    """Whether torch's grouped FP8 GEMM serves a `device_type` GPU of compute `capability`
+    (None: unknown): this torch has it, and the GPU is a Hopper."""
+    return (device_type == "cuda" and capability is not None and capability[0] == 9
+            and hasattr(torch, "_scaled_grouped_mm"))
 
 
 def forward(x: tuple[torch.Tensor, torch.Tensor], ws: list, counts: list[int]) -> torch.Tensor | None:

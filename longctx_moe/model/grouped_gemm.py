@@ -7,8 +7,9 @@ experts. The capability is probed once per (device type, dtype) and cached.
 Host reads of the counts: `torch._grouped_mm` takes them on the device (its offsets), so the path
 a GPU run takes reads none. Only the loop fallback (one GEMM per expert: float64, rows that are
 not 16-byte aligned) and the per-group row padding (CPU only, `wants_padding`) need them as host
-ints (`_host_counts`): on CPU they are host values already; on a GPU the fallback pays a sync
-per GEMM. The dispatchers' routing counts reach the host elsewhere, once per MoE layer
+ints (`host_counts`): on CPU they are host values already; on a GPU the fallback pays a sync
+per GEMM. The FP8 experts loop by host counts too, handed down by the dispatcher (or read once
+per layer forward, model/moe.py GroupedExperts). The dispatchers' routing counts reach the host elsewhere, once per MoE layer
 (parallel/comm.py, RoutingCounts).
 
 Shapes: M rows sorted by expert, D in features, F out features, E experts.
@@ -90,13 +91,14 @@ def grouped_matmul(x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tens
     if resolve_impl(impl, x_MD, w_EDF) == "grouped_mm":
         return _ContiguousGrad.apply(torch._grouped_mm(x_MD, w_EDF, offs=_group_ends(counts_E)))
     # Loop fallback (float64 tests, old torch): one GEMM per expert; the host read is the price.
-    pieces = torch.split(x_MD, _host_counts(counts_E))
+    pieces = torch.split(x_MD, host_counts(counts_E))
     return torch.cat([p @ w_EDF[e] for e, p in enumerate(pieces)])
 
 
-def _host_counts(counts_E: torch.Tensor) -> list[int]:
-    """The rows per expert as host ints, for the loop fallback and the CPU padding: a read back
-    from the counts' device (a sync on a GPU; the grouped_mm path never comes here)."""
+def host_counts(counts_E: torch.Tensor) -> list[int]:
+    """The rows per expert as host ints, for the loop fallback, the CPU padding and the FP8
+    experts (once per layer forward, where no dispatcher handed them over): a read back from the
+    counts' device (a sync on a GPU; the grouped_mm path never comes here)."""
     return counts_E.tolist()
 
 
@@ -112,7 +114,7 @@ def grouped_weight_grad(x_MD: torch.Tensor, g_MF: torch.Tensor, counts_E: torch.
     no rows). `impl` as resolved for the forward."""
     if impl == "grouped_mm":
         return torch._grouped_mm(x_MD.t(), g_MF, offs=_group_ends(counts_E))
-    counts = _host_counts(counts_E)
+    counts = host_counts(counts_E)
     pieces = zip(torch.split(x_MD, counts), torch.split(g_MF, counts), strict=True)
     return torch.stack([p.t() @ q for p, q in pieces])
 
@@ -142,7 +144,7 @@ def pad_layout(counts_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]
     """-> (slot_M: padded row of each of the M sorted rows, padded counts_E, padded total P).
 
     The counts are read on the host (the padded total sizes a tensor): CPU only (wants_padding)."""
-    counts = _host_counts(counts_E)
+    counts = host_counts(counts_E)
     padded = [padded_size(c) for c in counts]
     # Expert e's rows move down by the padding of the experts before it.
     shift_E = torch.tensor(list(accumulate((p - c for p, c in zip(padded, counts, strict=True)), initial=0))[:-1],

@@ -30,6 +30,7 @@ from longctx_moe.model.config import BalanceConfig, ModelConfig
 from longctx_moe.model.grouped_gemm import (
     grouped_matmul,
     grouped_weight_grad,
+    host_counts,
     pad_layout,
     resolve_impl,
     wants_padding,
@@ -172,7 +173,7 @@ class GroupedExperts(nn.Module):
         self.activation, self.limit, self.down_bias_offset = activation, limit, 0
         self.recompute = ops.recompute == "selective"
         self.fp8: str | None = ops.fp8_recipe if ops.fp8 != "none" else None
-        self.fp8_scaling = fp8.make_recipe(ops.fp8_recipe, ops.fp8_amax_history) if self.fp8 else None
+        self.fp8_scaling = fp8.make_recipe(ops.fp8_recipe, ops.fp8_amax_history, ops.fp8_grouped) if self.fp8 else None
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, dim, 2, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.b_gate_up = nn.Parameter(torch.empty(num_experts, 2, hidden)) if bias else None
@@ -190,52 +191,72 @@ class GroupedExperts(nn.Module):
         # _grouped_mm is not on autocast's list: we cast by hand, once per forward per weight.
         return autocast_dtype(x_MD)
 
+    # forward takes `rows`, the rows per expert on the host (the dispatchers pass them only to
+    # experts that say so: stand-ins of the experts(x, counts) contract need not)
+    takes_rows = True
+
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor,
                 borrowed: tuple[torch.Tensor, ...] | None = None,
-                padded: bool = False, x_fp8=None) -> torch.Tensor:
+                padded: bool = False, x_fp8=None, rows: list[int] | None = None) -> torch.Tensor:
         """`borrowed` (expert_params() of [B, ...] each): other ranks' experts lent for this
         call (parallel/expert_lending.py), run after the local ones; tokens_per_expert then has
         E + B entries. `padded`: the rows are already laid out per expert as the GEMM wants them
         (the dispatcher's Triton permute wrote them so), in the compute dtype. `x_fp8`: the same
         rows already in FP8 (Fp8Tiles of 1 x 128, as the fp8 dispatch sent them), the first
-        GEMM's operand under execution.fp8_recipe=block."""
+        GEMM's operand under execution.fp8_recipe=block. `rows`: tokens_per_expert_E as host
+        ints where the caller has them (the EP dispatchers, from the routing counts); the FP8
+        GEMMs loop by them, and read the counts back once here where they are not given."""
         cdtype = self.compute_dtype(x_MD)
         x_MD = x_MD.to(cdtype)
         params = self.expert_params()
         if borrowed is not None:
             params = [torch.cat([p, b]) for p, b in zip(params, borrowed, strict=True)]
         params[0] = params[0].flatten(2)  # w_gate_up [E, D, 2F]: gate columns, then up
-        run = self._swiglu if padded else self._padded_swiglu
-        if x_fp8 is not None and self.fp8 == "block" and not (padded or wants_padding(x_MD, self.batch_invariant)):
-            run = partial(self._swiglu, x_fp8=x_fp8)  # rows in place: the FP8 form still matches
+        if padded or not wants_padding(x_MD, self.batch_invariant):  # the rows as they came
+            rows = self._host_rows(tokens_per_expert_E, rows)
+            reuse = x_fp8 is not None and self.fp8 == "block" and not padded  # the FP8 form still matches
+            run = partial(self._swiglu, x_fp8=x_fp8 if reuse else None, rows=rows)
+        else:  # padded here per expert: the counts are the CPU's host values, the FP8 form is stale
+            run = self._padded_swiglu
         if self.recompute and torch.is_grad_enabled():
             return recompute_call(run, params[0], params[1], x_MD, tokens_per_expert_E, *params[2:])
         return run(params[0], params[1], x_MD, tokens_per_expert_E, *params[2:])
 
+    def _host_rows(self, counts_E: torch.Tensor, rows: list[int] | None) -> list[int] | None:
+        """The rows per expert on the host for the FP8 GEMMs, which loop over experts by them:
+        the caller's, else counts_E read back once for the layer's forward (a sync on a GPU:
+        the single-device dispatcher counts on the device); None where nothing needs them."""
+        if not self.fp8 or rows is not None:
+            return rows
+        return host_counts(counts_E)
+
     def _padded_swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor,
                        *biases) -> torch.Tensor:
         # On CPU in bf16, rows are padded per expert so the GEMM shapes repeat (see grouped_gemm).
-        return with_padded_groups(lambda x, c: self._swiglu(w_gate_up, w_down, x, c, *biases), x_MD, counts_E,
-                                  self.batch_invariant)
+        def run(x, c):
+            return self._swiglu(w_gate_up, w_down, x, c, *biases, rows=self._host_rows(c, None))
+
+        return with_padded_groups(run, x_MD, counts_E, self.batch_invariant)
 
     def _swiglu(self, w_gate_up, w_down, x_MD: torch.Tensor, counts_E: torch.Tensor,
-                *biases, x_fp8=None) -> torch.Tensor:
-        h_MF2 = self._grouped(x_MD, w_gate_up, counts_E, x_fp8)
+                *biases, x_fp8=None, rows: list[int] | None = None) -> torch.Tensor:
+        h_MF2 = self._grouped(x_MD, w_gate_up, counts_E, x_fp8, rows)
         if self.activation == "swiglu" and not biases and not self.fp8:
             return _SwiGLUDown.apply(h_MF2, w_down.to(x_MD.dtype), counts_E, self.impl,
                                      self.swiglu_impl == "cpp")
-        return self._biased_down(h_MF2, w_down, counts_E, biases)
+        return self._biased_down(h_MF2, w_down, counts_E, biases, rows)
 
     def _grouped(self, x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
-                 x_fp8=None) -> torch.Tensor:
+                 x_fp8=None, rows: list[int] | None = None) -> torch.Tensor:
         """The experts' grouped GEMM in x's dtype: in FP8 under execution.fp8 (which quantises the
         float32 masters itself: no cast to the compute dtype first; x too, unless `x_fp8` is
-        its FP8 form already), else w cast to x's dtype."""
+        its FP8 form already; looping over experts by the host `rows`), else w cast to x's
+        dtype (the device counts_E as its offsets)."""
         if self.fp8:
-            return fp8.grouped_matmul(x_MD, w_EDF, counts_E, x_MD.dtype, self.fp8_scaling, x_fp8)
+            return fp8.grouped_matmul(x_MD, w_EDF, rows, x_MD.dtype, self.fp8_scaling, x_fp8)
         return grouped_matmul(x_MD, w_EDF.to(x_MD.dtype), counts_E, self.impl)
 
-    def _biased_down(self, h_MF2, w_EFD, counts_E, biases) -> torch.Tensor:
+    def _biased_down(self, h_MF2, w_EFD, counts_E, biases, rows=None) -> torch.Tensor:
         """The experts with biases and / or the clamped activation, or in FP8, through plain
         autograd (gpt-oss; the bias-free SwiGLU keeps _SwiGLUDown's leaner backward)."""
         m, cdtype = h_MF2.shape[0], h_MF2.dtype
@@ -243,7 +264,7 @@ class GroupedExperts(nn.Module):
             h_MF2 = h_MF2 + biases[0].flatten(1).to(cdtype).repeat_interleave(counts_E, 0, output_size=m)
         gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
         act_MF = _activation(gate_MF, up_MF, self.activation, self.limit)
-        y_MD = self._grouped(act_MF, w_EFD, counts_E)
+        y_MD = self._grouped(act_MF, w_EFD, counts_E, rows=rows)
         if not biases:
             return y_MD
         b_ED = biases[1].to(cdtype)

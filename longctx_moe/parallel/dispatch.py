@@ -8,7 +8,9 @@ Contract (docs/ARCHITECTURE.md):
     dispatcher(x_TD, topk_idx_TK, topk_weight_TK, experts) -> y_TD
     y[t] = sum_k topk_weight[t, k] * expert_{topk_idx[t, k]}(x[t])   (dropped assignments add 0)
 where `experts(x_MD, tokens_per_local_expert_L) -> y_MD` runs this rank's L experts on rows sorted
-by local expert (`tokens_per_local_expert_L`: int64 [L] on x's device, sums to M).
+by local expert (`tokens_per_local_expert_L`: int64 [L] on x's device, sums to M). Experts that
+say `takes_rows` (model.moe.GroupedExperts) are also given `rows=`, the same counts as host ints,
+so that no expert GEMM reads them back from the device.
 
 Dropless by default. With `capacity_factor`, each expert keeps at most
 ceil(capacity_factor * T * K / E) assignments *from each source rank* (decided on the owner of the
@@ -47,9 +49,11 @@ Host values: the only data-dependent ones are routing counts, and they reach the
 MoE layer and forward, through the dispatcher's `counts` (comm.RoutingCounts): every rank's kept
 assignments per expert (and token count) gathered over the EP and ETP groups into one table and
 read back with one copy. The splits, the rows per expert, the capacity's kept count, lending's
-plan and the all-gather's sizes are all computed on the host from it, and the host tables sent
-back to the device go without a stream sync (non_blocking). Nothing is read where nothing needs
-it: one rank, dropless, without ETP reads no count (the grouped GEMM takes them on the device).
+plan, the all-gather's sizes and the rows per expert the experts loop by (FP8) are all computed
+on the host from it, and the host tables sent back to the device go without a stream sync
+(non_blocking). Nothing is read where nothing needs
+it: one rank, dropless, without ETP reads no count (the grouped GEMM takes them on the device; FP8
+experts, which loop by host counts, read them once for the layer, model.moe.GroupedExperts).
 """
 
 from __future__ import annotations
@@ -179,13 +183,27 @@ class _EPDispatcher:
     def _remote_rows(self, splits: list[int]) -> int:
         return sum(n for r, n in enumerate(splits) if r != self.ep_rank)
 
-    def _experts(self, experts, x_MD, counts_L, table, **kw):
+    def _experts(self, experts, x_MD, counts_L, table, rows_L: torch.Tensor | None, **kw):
         """experts(x_MD, counts_L), over the ETP peers when the experts' hidden units are split
-        (every peer's rows per local expert from the host `table`). `kw`: x_fp8, the rows' FP8
-        form (never over ETP: see AllToAllDispatcher._token_codec)."""
+        (every peer's rows per local expert from the host `table`). `rows_L`: counts_L on the
+        host (None where no table was read). `kw`: x_fp8, the rows' FP8 form (never over ETP:
+        see AllToAllDispatcher._token_codec)."""
         if self.etp_group is None:
-            return experts(x_MD, counts_L, **kw)
+            return experts(x_MD, counts_L, **host_rows(experts, rows_L), **kw)
         return experts_over_etp(experts, x_MD, self._own_columns(table).sum(1), self.etp_group)
+
+    def _local_rows(self, table: torch.Tensor | None) -> torch.Tensor | None:
+        """On one EP rank, this rank's kept assignments per expert (routing.counts_E) from the
+        host `table`; None where none was read."""
+        return None if table is None else table[self.etp_rank, self.ep_rank, :self.num_experts]
+
+
+def host_rows(experts, rows_L: torch.Tensor | None) -> dict:
+    """{"rows": rows_L as host ints} for experts that take them (`takes_rows`: they loop by them
+    instead of reading the device counts back), else {} (the plain experts(x, counts) contract)."""
+    if rows_L is None or not getattr(experts, "takes_rows", False):
+        return {}
+    return {"rows": rows_L.tolist()}
 
 
 def _call(side):
@@ -203,13 +221,16 @@ def experts_over_etp(experts, x_MD, counts_PL, group):
     dev = x_MD.device
     if max(sizes) == 0:  # every peer knows: no row collective follows, the experts still run
         # (their weight layout is a collective over the peers)
-        return experts(x_MD, counts_PL[dist.get_rank(group)].to(dev, non_blocking=True))
+        me = counts_PL[dist.get_rank(group)]
+        return experts(x_MD, me.to(dev, non_blocking=True), **host_rows(experts, me))
     P, L, M = len(sizes), counts_PL.shape[1], x_MD.shape[0]
     x_GD = all_gather_rows(x_MD, sizes, group)  # backward: the partial gradients summed
     expert_G = torch.arange(L).repeat(P).repeat_interleave(counts_PL.flatten())
     # Host tables to the device without a stream sync (a blocking copy waits for the queue).
     order_G = torch.argsort(expert_G, stable=True).to(dev, non_blocking=True)
-    y_GD = experts(x_GD.index_select(0, order_G), counts_PL.sum(0).to(dev, non_blocking=True))
+    rows_L = counts_PL.sum(0)
+    y_GD = experts(x_GD.index_select(0, order_G), rows_L.to(dev, non_blocking=True),
+                   **host_rows(experts, rows_L))
     y_GD = y_GD.index_select(0, inverse_permutation(order_G))
     # Reduce-scatter with uneven sizes: peer p's rows go to p, which sums the P partials.
     y_PMD = all_to_all_rows(y_GD, sizes, [M] * P, group)
@@ -253,7 +274,7 @@ class AllToAllDispatcher(_EPDispatcher):
         if self.ep_size == 1:
             self.wire_bytes = 0
             x_ND = x_TD.index_select(0, routing.token_N)
-            y_ND = self._experts(experts, x_ND, routing.counts_E, table)
+            y_ND = self._experts(experts, x_ND, routing.counts_E, table, self._local_rows(table))
             return combine(y_ND, routing, x_TD.shape[0]), _call(side)
         borrowed, lent_bytes = None, 0
         if self.spare_slots:
@@ -343,14 +364,15 @@ class AllToAllDispatcher(_EPDispatcher):
         slot_M = torch.arange(S).repeat(R).repeat_interleave(recv_RS.flatten())
         # Host tables to the device without a stream sync (a blocking copy waits for the queue).
         order_M = torch.argsort(slot_M, stable=True).to(x_MD.device, non_blocking=True)
-        counts_S = recv_RS.sum(0).to(x_MD.device, non_blocking=True)
+        rows_S = recv_RS.sum(0)
+        counts_S = rows_S.to(x_MD.device, non_blocking=True)
         x_MD = x_MD.index_select(0, order_M)
         kw = {} if payload is None else {
             "x_fp8": self.block_codec.tiles(payload.index_select(0, order_M), x_MD.shape[1])}
         if borrowed is None:
-            y_MD = self._experts(experts, x_MD, counts_S, table, **kw)
+            y_MD = self._experts(experts, x_MD, counts_S, table, rows_S, **kw)
         else:  # etp = 1 here (the constructor refuses lending over ETP)
-            y_MD = experts(x_MD, counts_S, borrowed, **kw)
+            y_MD = experts(x_MD, counts_S, borrowed, **host_rows(experts, rows_S), **kw)
         return y_MD.index_select(0, inverse_permutation(order_M))
 
 
@@ -371,19 +393,21 @@ class AllGatherDispatcher(_EPDispatcher):
         if self.ep_size == 1:
             self.wire_bytes = 0
             x_ND = x_TD.index_select(0, routing.token_N)
-            return combine(self._experts(experts, x_ND, routing.counts_E, table), routing, x_TD.shape[0])
+            y_ND = self._experts(experts, x_ND, routing.counts_E, table, self._local_rows(table))
+            return combine(y_ND, routing, x_TD.shape[0])
         T, R = x_TD.shape[0], self.ep_size
         group_RE1 = table[self.etp_rank]  # this EP group's rows: kept per expert, then tokens
         sizes = group_RE1[:, -1].tolist()
         if max(sizes) == 0:  # the whole group is empty (every rank knows: no collective follows)
             self.wire_bytes = 0
             if self.etp_group is not None:  # ETP peers outside this EP group may hold rows
-                empty = torch.zeros(self.local_experts, dtype=torch.int64, device=x_TD.device)
-                return x_TD * 0 + self._experts(experts, x_TD[:0], empty, table).sum() * 0
+                empty = torch.zeros(self.local_experts, dtype=torch.int64)
+                y_0D = self._experts(experts, x_TD[:0], empty.to(x_TD.device), table, empty)
+                return x_TD * 0 + y_0D.sum() * 0
             return x_TD * 0
         x_GD = all_gather_rows(x_TD, sizes, self.group)
-        mine = self._local_assignments(routing, sizes, group_RE1)
-        y_ND = self._experts(experts, x_GD.index_select(0, mine.token_N), mine.counts_E, table)
+        mine, rows_L = self._local_assignments(routing, sizes, group_RE1)
+        y_ND = self._experts(experts, x_GD.index_select(0, mine.token_N), mine.counts_E, table, rows_L)
         part_GD = combine(y_ND, mine, x_GD.shape[0])
         # Reduce-scatter with uneven sizes: slice r goes to rank r, which sums R partials.
         y_RTD = all_to_all_rows(part_GD, sizes, [T] * R, self.group)
@@ -391,9 +415,11 @@ class AllGatherDispatcher(_EPDispatcher):
         self.wire_bytes = (R - 1) * max(sizes) * row + (sum(sizes) - T) * row
         return y_RTD.view(R, T, x_TD.shape[1]).sum(0)
 
-    def _local_assignments(self, routing: Routing, sizes: list[int], group_RE1: torch.Tensor) -> Routing:
-        """Every rank's kept assignments to this rank's experts, sorted by local expert; how many
-        each rank sends and how many are this rank's come from the host table `group_RE1`."""
+    def _local_assignments(self, routing: Routing, sizes: list[int],
+                           group_RE1: torch.Tensor) -> tuple[Routing, torch.Tensor]:
+        """(every rank's kept assignments to this rank's experts, sorted by local expert; their
+        count per local expert on the host): how many each rank sends and how many are this
+        rank's come from the host table `group_RE1`."""
         E, L = self.num_experts, self.local_experts
         offset = sum(sizes[: self.ep_rank])
         ids_N2 = torch.stack([routing.token_N + offset, routing.expert_N], dim=1)
@@ -406,7 +432,7 @@ class AllGatherDispatcher(_EPDispatcher):
         rows_L = group_RE1[:, self.ep_rank * L:(self.ep_rank + 1) * L].sum(0)
         order = torch.argsort(key_A, stable=True)[: int(rows_L.sum())]
         return Routing(ids_A2[order, 0], local_A[order], w_A[order],
-                       rows_L.to(local_A.device, non_blocking=True))
+                       rows_L.to(local_A.device, non_blocking=True)), rows_L
 
 
 def build_dispatcher(dims, cfg, num_experts: int, permute: str = "torch",

@@ -128,7 +128,7 @@ def _grouped_run(seed: int, counts: torch.Tensor, d: int, f: int, recipe: str = 
     w = (torch.randn(4, d, f, generator=g) * torch.tensor([1.0, 1.0, 1e-3, 10.0]).view(4, 1, 1))
     w.requires_grad_()
     dy = torch.randn(x.shape[0], f, generator=g)
-    y = fp8.grouped_matmul(x, w, counts, torch.float32, recipe)
+    y = fp8.grouped_matmul(x, w, counts.tolist(), torch.float32, recipe)
     y.backward(dy)
     return x, w, dy, y
 

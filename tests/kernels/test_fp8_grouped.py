@@ -48,15 +48,36 @@ def test_one_grouped_call_passes_torchs_checks_and_equals_the_loop(grouped_on_cp
     torch.testing.assert_close(y.float(), loop.bfloat16().float(), rtol=2**-7, atol=1e-6)
 
 
-def test_the_recipe_takes_the_grouped_path_where_usable_and_the_loop_elsewhere(grouped_on_cpu, monkeypatch):
+def test_the_recipe_takes_the_grouped_path_where_the_run_resolved_it_and_the_loop_elsewhere(grouped_on_cpu,
+                                                                                             monkeypatch):
+    """The choice is the resolved Ops' (fp8_grouped, carried by the recipe object), not a device
+    check per call: a run resolved for a Hopper takes it whatever device its tensors report."""
     counts = [3, 7, 0, 6]
     recipe, x, ws = _operands(counts, seed=1)
-    assert not fp8_grouped.usable(x[0], torch.bfloat16, 4)  # a CPU tensor: the loop
     calls, real_call = [], fp8_grouped.call
-    monkeypatch.setattr(fp8_grouped, "usable", lambda *a: True)
     monkeypatch.setattr(fp8_grouped, "call", lambda *a: calls.append(1) or real_call(*a))
-    y = recipe.fprop_groups(x, ws, counts, torch.bfloat16)
+    y = recipe.fprop_groups(x, ws, counts, torch.bfloat16)  # the stateless recipe: not resolved grouped
+    assert calls == [] and y.shape == (16, 48)
+    grouped = fp8.make_recipe("tensor", grouped=True)
+    y = grouped.fprop_groups(x, ws, counts, torch.bfloat16)
     assert calls == [1] and y.shape == (16, 48) and y.dtype == torch.bfloat16
+    grouped.fprop_groups(x, ws, counts, torch.float32)  # torch's grouped call writes bf16 only
+    assert calls == [1] and fp8.make_recipe("delayed", 4, grouped=True).grouped
+    assert fp8.make_recipe("block", grouped=True) is fp8.RECIPES["block"]  # it has no grouped call
+
+
+def test_the_grouped_call_is_resolved_for_a_hopper_in_bf16_per_tensor_recipes_only(monkeypatch):
+    from longctx_moe.execution import ExecutionConfig, Target, resolve
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    h100 = Target("cuda", torch.bfloat16, torch.float32)
+    ops = resolve(ExecutionConfig(fp8="torch"), h100)
+    assert ops.fp8_grouped and fp8.make_recipe(ops.fp8_recipe, grouped=ops.fp8_grouped).grouped
+    assert not resolve(ExecutionConfig(fp8="torch"), Target("cuda", torch.float32, torch.float32)).fp8_grouped
+    assert not resolve(ExecutionConfig(), h100).fp8_grouped
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))  # Ada: FP8, no grouped call
+    ops = resolve(ExecutionConfig(fp8="torch"), h100)
+    assert ops.fp8 == "torch" and not ops.fp8_grouped and "9.x" in dict(ops.reasons)["fp8_grouped"]
 
 
 def test_a_failing_grouped_call_warns_once_and_the_loop_takes_over(monkeypatch):
@@ -70,7 +91,7 @@ def test_a_failing_grouped_call_warns_once_and_the_loop_takes_over(monkeypatch):
     counts = [4, 4, 4, 4]
     recipe, x, ws = _operands(counts, seed=2)
     with pytest.warns(UserWarning, match="grouped FP8 GEMM failed .*misaligned address.*one GEMM per expert"):
-        y = recipe.fprop_groups(x, ws, counts, torch.float32)
+        y = fp8.make_recipe("tensor", grouped=True).fprop_groups(x, ws, counts, torch.float32)
     assert fp8_grouped._state["off"].startswith("RuntimeError: CUDA error: misaligned address")
     loop = torch.cat([recipe.fprop(p, ws[e], torch.float32) for e, p in enumerate(recipe.split(x, counts))])
     assert torch.equal(y, loop)
