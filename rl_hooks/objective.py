@@ -35,9 +35,11 @@ class PolicyObjective:
             res = self.loss_fn(mb.seqs, *_sequence_values(self.batch, mb, logp_P, ent_P),
                                (shard.cp.rank, shard.cp.size))
             return MicroLoss(res.loss, res.loss.detach() / shard.cp.size, res.metrics)
-        src = mb.target_src_P.to(logp_P.device)
-        pos_N = torch.nonzero((src >= 0) & self.batch.loss_mask[src.clamp_min(0).cpu()].to(src.device)).squeeze(1)
-        tok_N = src[pos_N].cpu()
+        # Which positions carry a loss token is known on the host (the plan and the batch's mask):
+        # chosen there and sent once, so the device is never read back for it.
+        src = mb.target_src_P
+        pos = torch.nonzero((src >= 0) & self.batch.loss_mask[src.clamp_min(0)]).squeeze(1)
+        tok_N, pos_N = src[pos], pos.to(logp_P.device)
         inp = _loss_inputs(self.batch, tok_N, logp_P[pos_N], None if ent_P is None else ent_P[pos_N])
         res = self.loss_fn(inp, self.norm)
         # Every CP rank of the group computed this same loss: its share of the step total is

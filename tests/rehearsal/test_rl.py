@@ -29,6 +29,8 @@ def test_an_rl_step_of_a_shrunk_qwen3_30b_a3b_rank_runs_every_phase(tmp_path):
     logprobs, update, export = (r["phases"][p] for p in ("logprobs", "update", "export buckets"))
     assert r["peak_split"]["parameters"] == 4 * r["params"]  # float32 masters
     assert r["peak_split"]["optimizer state"] > 0 and r["peak_split"]["activations"] > 0 and r["fits"]
+    # the loss picks its tokens on the host: no device value is read back per micro-batch for it
+    assert not [k for k in r["host_reads"] if "rl_hooks/objective.py" in k], r["host_reads"]
     # scoring: the whole batch of 8 alike ranks' rollouts, a forward's dispatch and combine per MoE layer
     assert logprobs["tokens"] == 8 * 4096
     assert logprobs["traffic"]["ep[0..7] all_to_all"]["calls"] == 2 * 2
