@@ -50,6 +50,7 @@ from rl_hooks.batch import RolloutBatch
 from rl_hooks.losses import LossFn
 from rl_hooks.microbatch import MicroBatch, build_micro_batch, plan_micro_batches, replay_routes
 from rl_hooks.objective import PolicyObjective, normalizers
+from rl_hooks.offload import Offloading, Residency, ResidentGate
 
 
 @dataclass
@@ -62,7 +63,7 @@ class LogProbs:
     routes: torch.Tensor | None  # int16 [T, L, K] experts of every token when asked for
 
 
-class PolicyTrainer:
+class PolicyTrainer(Offloading):
     """The policy side of RL, built from the same Config as `longctx-moe train` (model, parallel
     layout, optimizer). Runs under torchrun like the trainer (or on one process).
 
@@ -114,9 +115,8 @@ class PolicyTrainer:
             self.budget = micro_batch_tokens or self.dynamic.capacity
         self.estimator = advantage_estimator
         self.batch_invariant = self.runtime.model.ops.batch_invariant
-        from rl_hooks.export import ExportGate
-
-        self.export_gate = ExportGate()  # an export left open is settled before the next call
+        # before each call: an export left open is settled, an offloaded trainer refused
+        self.export_gate = ResidentGate(Residency(self.trainer, self.ctx.device))
         self.sharded = sharded
         # Dynamic-CP schedules the whole batch of the DP x CP block: a sharded trainer gathers the
         # DP shares first (`shares`), and only without it does each rank plan its own share.
@@ -267,7 +267,7 @@ class PolicyTrainer:
     def optimizer_step(self, lr: float | None = None) -> dict[str, float]:
         """Clip and apply the gradients of the forward_backward calls since the last step, at `lr`
         (default: the optimizer's learning rate now). {grad_norm, skipped, lr, peak_memory_mb_max}."""
-        self.export_gate.settle()
+        self.export_gate.settle(update=True)
         grad_norm, skipped, peak_mb = self.trainer.update(lr)
         out = {"grad_norm": grad_norm, "skipped": float(skipped),
                "lr": self.trainer.optimizer.param_groups[0]["lr"]}
@@ -285,7 +285,7 @@ class PolicyTrainer:
         update's passes pack it where absent and the loss needs them), the DP shares gathered
         where Dynamic-CP schedules them, and advantages from rewards."""
         self.validate(batch)
-        self.export_gate.settle()
+        self.export_gate.settle(update=True)
         own = getattr(loss, "per_sequence", False)
         if batch.old_logprobs is None and not own:
             old = self.compute_logprobs(batch, temperature, mini_batches=mini_batches).logprobs
