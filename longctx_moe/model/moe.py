@@ -39,6 +39,7 @@ from longctx_moe.model.grouped_gemm import (
 from longctx_moe.model.layers import SwiGLU, autocast_dtype
 from longctx_moe.model.losses import id_counts, router_z_loss, sequence_aux_loss, switch_aux_loss
 from longctx_moe.model.recompute import recompute_call
+from longctx_moe.parallel.comm import RouteTable, RoutingCounts, gather_route_table
 
 
 @dataclass
@@ -191,9 +192,12 @@ class GroupedExperts(nn.Module):
         # _grouped_mm is not on autocast's list: we cast by hand, once per forward per weight.
         return autocast_dtype(x_MD)
 
-    # forward takes `rows`, the rows per expert on the host (the dispatchers pass them only to
-    # experts that say so: stand-ins of the experts(x, counts) contract need not)
-    takes_rows = True
+    @property
+    def wants_rows(self) -> bool:
+        """Whether forward wants `rows`, the rows per expert on the host: the FP8 GEMMs loop over
+        experts by them. The dispatchers pass them only to experts that say so (stand-ins of the
+        plain experts(x, counts) contract need not take them)."""
+        return self.fp8 is not None
 
     def forward(self, x_MD: torch.Tensor, tokens_per_expert_E: torch.Tensor,
                 borrowed: tuple[torch.Tensor, ...] | None = None,
@@ -224,8 +228,9 @@ class GroupedExperts(nn.Module):
 
     def _host_rows(self, counts_E: torch.Tensor, rows: list[int] | None) -> list[int] | None:
         """The rows per expert on the host for the FP8 GEMMs, which loop over experts by them:
-        the caller's, else counts_E read back once for the layer's forward (a sync on a GPU:
-        the single-device dispatcher counts on the device); None where nothing needs them."""
+        the caller's (every dispatcher hands them over), else counts_E read back once for the
+        call (a sync on a GPU; the CPU's padded counts are host values); None where nothing
+        needs them."""
         if not self.fp8 or rows is not None:
             return rows
         return host_counts(counts_E)
@@ -370,15 +375,18 @@ class _Permute(torch.autograd.Function):
 class LocalDispatcher:
     """Single-device dispatch: stable sort of the T*K assignments by expert (argsort + id_counts, no
     one-hot), grouped GEMM, un-sort, and the weighted sum over K as one batched matmul. Nothing is
-    read back from the device: the counts stay there for the grouped GEMM's offsets.
+    read back from the device (the counts stay there for the grouped GEMM's offsets), except for
+    experts that loop by host counts (FP8: `wants_rows`), which get them through the routing
+    seam `counts` (parallel/comm.py RoutingCounts), once per layer forward.
     `impl` (Ops.permute) triton runs the permute and the un-sort + weighted sum in Triton."""
 
-    def __init__(self, impl: str = "torch"):
+    def __init__(self, impl: str = "torch", counts: RoutingCounts | None = None):
         self.impl = impl
+        self.counts = RoutingCounts() if counts is None else counts
 
     def __call__(self, x_TD, topk_idx_TK, topk_weight_TK, experts: GroupedExperts) -> torch.Tensor:
         if self.impl == "triton":
-            return _triton_dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts)
+            return _triton_dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts, self.host_rows)
         t, k = topk_idx_TK.shape
         flat_M = topk_idx_TK.flatten()
         order_M = torch.argsort(flat_M, stable=True)
@@ -386,7 +394,7 @@ class LocalDispatcher:
         inv_order_M[order_M] = torch.arange(order_M.numel(), device=order_M.device)
         counts_E = id_counts(flat_M, experts.num_local_experts)
         x_MD = _GatherRows.apply(x_TD, order_M // k, inv_order_M, k)
-        y_MD = experts(x_MD, counts_E)
+        y_MD = experts(x_MD, counts_E, **self.host_rows(experts, counts_E, t, k))
         y_TKD = _Permute.apply(y_MD, inv_order_M, order_M).view(t, k, y_MD.shape[-1])
         y_T1D = torch.bmm(topk_weight_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD)
         return y_T1D.squeeze(1)
@@ -395,6 +403,15 @@ class LocalDispatcher:
         """Rows each EP rank ran since the last call, where experts are lent; None here (one
         device lends nothing). Every dispatcher answers it (parallel/dispatch.py)."""
         return None
+
+    def host_rows(self, experts, counts_E: torch.Tensor, tokens: int, top_k: int) -> dict:
+        """{"rows": counts_E as host ints} for experts that want them, read through the routing
+        seam (one copy: a sync on a GPU); {} for the others, which take the device counts."""
+        if not getattr(experts, "wants_rows", False):
+            return {}
+        row_E1 = torch.cat([counts_E, counts_E.new_full((1,), tokens)])
+        table = self.counts.read(gather_route_table(row_E1), RouteTable(counts_E.numel(), tokens, top_k))
+        return {"rows": table[0, 0, :-1].tolist()}
 
 
 def permute_layout(topk_idx_TK: torch.Tensor, num_experts: int, pad: bool):
@@ -412,14 +429,16 @@ def permute_layout(topk_idx_TK: torch.Tensor, num_experts: int, pad: bool):
     return slot_TK, counts_E, total
 
 
-def _triton_dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts: GroupedExperts) -> torch.Tensor:
+def _triton_dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts: GroupedExperts, host_rows) -> torch.Tensor:
     """LocalDispatcher's result with the permute (cast to the experts' dtype on the way) and the
-    un-permute + weighted sum over K as Triton kernels (longctx_moe.kernels.triton_permute)."""
+    un-permute + weighted sum over K as Triton kernels (longctx_moe.kernels.triton_permute).
+    `host_rows`: LocalDispatcher.host_rows, for the routed counts (padded ones are host values)."""
     cdtype = experts.compute_dtype(x_TD)
     pad = wants_padding(x_TD.new_empty(0, dtype=cdtype), experts.batch_invariant)  # the rows the GEMM wants
     slot_TK, counts_E, total = permute_layout(topk_idx_TK, experts.num_local_experts, pad)
     x_PD = triton_ops().permute(x_TD, slot_TK, total, cdtype)
-    y_PD = experts(x_PD, counts_E, padded=True)
+    kw = {} if pad else host_rows(experts, counts_E, *topk_idx_TK.shape)
+    y_PD = experts(x_PD, counts_E, padded=True, **kw)
     return triton_ops().unpermute(y_PD, slot_TK, topk_weight_TK.to(y_PD.dtype))
 
 

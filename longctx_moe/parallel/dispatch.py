@@ -9,8 +9,8 @@ Contract (docs/ARCHITECTURE.md):
     y[t] = sum_k topk_weight[t, k] * expert_{topk_idx[t, k]}(x[t])   (dropped assignments add 0)
 where `experts(x_MD, tokens_per_local_expert_L) -> y_MD` runs this rank's L experts on rows sorted
 by local expert (`tokens_per_local_expert_L`: int64 [L] on x's device, sums to M). Experts that
-say `takes_rows` (model.moe.GroupedExperts) are also given `rows=`, the same counts as host ints,
-so that no expert GEMM reads them back from the device.
+say `wants_rows` (model.moe.GroupedExperts under FP8) are also given `rows=`, the same counts as
+host ints, so that no expert GEMM reads them back from the device.
 
 Dropless by default. With `capacity_factor`, each expert keeps at most
 ceil(capacity_factor * T * K / E) assignments *from each source rank* (decided on the owner of the
@@ -52,8 +52,9 @@ read back with one copy. The splits, the rows per expert, the capacity's kept co
 plan, the all-gather's sizes and the rows per expert the experts loop by (FP8) are all computed
 on the host from it, and the host tables sent back to the device go without a stream sync
 (non_blocking). Nothing is read where nothing needs
-it: one rank, dropless, without ETP reads no count (the grouped GEMM takes them on the device; FP8
-experts, which loop by host counts, read them once for the layer, model.moe.GroupedExperts).
+it: one rank, dropless, without ETP reads no count (the grouped GEMM takes them on the device), except
+for FP8 experts, which loop by host counts: model.moe.LocalDispatcher reads them through the same
+seam, once per layer forward.
 """
 
 from __future__ import annotations
@@ -199,9 +200,9 @@ class _EPDispatcher:
 
 
 def host_rows(experts, rows_L: torch.Tensor | None) -> dict:
-    """{"rows": rows_L as host ints} for experts that take them (`takes_rows`: they loop by them
+    """{"rows": rows_L as host ints} for experts that want them (`wants_rows`: they loop by them
     instead of reading the device counts back), else {} (the plain experts(x, counts) contract)."""
-    if rows_L is None or not getattr(experts, "takes_rows", False):
+    if rows_L is None or not getattr(experts, "wants_rows", False):
         return {}
     return {"rows": rows_L.tolist()}
 
@@ -453,7 +454,7 @@ def build_dispatcher(dims, cfg, num_experts: int, permute: str = "torch",
     if group is None and tp_group is None and etp_group is None and cfg.capacity_factor is None:
         from longctx_moe.model.moe import LocalDispatcher
 
-        return LocalDispatcher(permute)
+        return LocalDispatcher(permute, counts)
     if cfg.dispatcher == "allgather":
         return AllGatherDispatcher(num_experts, group, cfg.capacity_factor, cfg.drop_policy,
                                    tp_group, etp_group, counts)

@@ -21,13 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from cp_attention.kernels import AttnKernel
 from longctx_moe.execution import Ops
 from longctx_moe.model.attention import doc_layout
 from longctx_moe.model.config import BalanceConfig
-from longctx_moe.model.moe import MoE
+from longctx_moe.model.moe import LocalDispatcher, MoE
 from longctx_moe.parallel.comm import RouteTable, RoutingCounts, gather_route_table
 from longctx_moe.parallel.dispatch import AllGatherDispatcher, AllToAllDispatcher, route
 from tests.model.helpers import packed_batch, tiny_config
@@ -207,37 +206,31 @@ def test_ep_etp_lending_and_allgather_layers_run_on_meta_under_a_fake_world():
 # ---------------------------------------------------------------------- FP8 experts
 
 
-class _HostReads(TorchFunctionMode):
-    """Counts tensors read back on the host (.tolist() / .item()): on a GPU, each a sync."""
+@pytest.mark.parametrize("dispatcher", ["local", "alltoall_capacity"])
+def test_fp8_experts_loop_by_the_counts_of_the_seam_read_once_per_layer_forward(dispatcher):
+    """The FP8 GEMMs loop over experts by host counts: the dispatcher hands down the ones it read
+    through the routing seam (the single-device one reads them there for its FP8 experts), once
+    per layer forward, and no expert GEMM reads the device's (on meta any read back raises; on a
+    GPU each is a sync). On the host the layer learns from the counts it was handed."""
+    def make(counts):
+        if dispatcher == "local":
+            return LocalDispatcher("torch", counts)
+        return AllToAllDispatcher(E, capacity_factor=1.5, counts=counts)
 
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.reads += func in (torch.Tensor.tolist, torch.Tensor.item)
-        return func(*args, **(kwargs or {}))
-
-
-def test_fp8_experts_on_one_device_read_the_counts_once_per_layer_forward_not_per_gemm():
-    """The FP8 GEMMs loop over experts by host counts. The single-device dispatcher counts on the
-    device, so the layer reads them back once for its forward (both GEMMs and their backward use
-    that read), not once per GEMM; an EP dispatcher hands down the counts it read through the
-    seam, and the experts read none."""
+    with torch.device("meta"):
+        meta = MoE(_cfg(), META_OPS.replace(fp8="torch")).to(torch.bfloat16)
+    meta.dispatcher = make(counts := BalancedCounts())
+    x, y, _ = _meta_step(meta, replay=False)
+    assert y.is_meta and meta.experts.w_down.grad.is_meta and len(counts.reads) == 1
     moe = MoE(_cfg(), Ops(fp8="torch"))
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
+    moe.dispatcher = make(rec := _Recording())
     layout = doc_layout(packed_batch([5, 3, 7], 64, pad_multiple=4, trailing_pad=3))
     x = torch.randn(layout.doc_id_T.numel(), 32, requires_grad=True)
-    with (mode := _HostReads()):
-        y, _ = moe(x, layout)
-        y.square().sum().backward()
-    assert mode.reads == 1 and x.grad is not None and moe.experts.w_down.grad.abs().sum() > 0
-    with torch.device("meta"):
-        meta = MoE(_cfg(), META_OPS.replace(fp8="torch")).to(torch.bfloat16)
-    meta.dispatcher = AllToAllDispatcher(E, capacity_factor=1.5, counts=(counts := BalancedCounts()))
-    x, y, _ = _meta_step(meta, replay=False)  # on meta any read back raises
-    assert y.is_meta and meta.experts.w_down.grad.is_meta and len(counts.reads) == 1
+    y, _ = moe(x, layout)
+    y.square().sum().backward()
+    assert len(rec.tables) == 1 and x.grad is not None and moe.experts.w_down.grad.abs().sum() > 0
 
 
 # FP8 layers of EP, ETP, lending and both dispatchers under the fake group, on meta: the experts
