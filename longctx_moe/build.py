@@ -11,6 +11,7 @@ import torch
 from data_packing.batch import pad_multiple
 from longctx_moe.checkpoint.errors import agree
 from longctx_moe.config import Config, ConfigError
+from longctx_moe.precision import PARAM_DTYPES as _PARAM_DTYPES
 from longctx_moe.process import RunContext
 
 
@@ -45,9 +46,6 @@ def build_dims(cfg: Config, ctx: RunContext):
     dims = check_layout(cfg, ctx.world_size)
     dims.build_groups(ctx.rank)
     return dims
-
-
-_PARAM_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 def target_of(cfg: Config, device: torch.device):
@@ -98,6 +96,7 @@ def build_runtime(cfg: Config, dims: Any, device: torch.device, ops: Any = None)
     parallel layout (also on one rank: the capacity and drop policy of the dispatcher, the
     global-batch aux loss) and return its runtime."""
     from longctx_moe.model import build_model
+    from longctx_moe.precision import cast_params
 
     ops = resolve_ops(cfg, device) if ops is None else ops
     torch.manual_seed(cfg.train.seed)  # same init on every rank: replicas start identical
@@ -107,11 +106,11 @@ def build_runtime(cfg: Config, dims: Any, device: torch.device, ops: Any = None)
         from longctx_moe.model import Transformer
 
         with torch.device("meta"):
-            model = Transformer(cfg.model, ops, cfg.balance).to(dtype=dtype)
+            model = cast_params(Transformer(cfg.model, ops, cfg.balance), dtype)
         runtime = _parallelize(cfg, model, dims)
         load_hf_sharded(model, cfg.train.init_from, device)
     else:
-        model = build_model(cfg.model, ops, cfg.balance).to(device=device, dtype=dtype)
+        model = cast_params(build_model(cfg.model, ops, cfg.balance).to(device=device), dtype)
         runtime = _parallelize(cfg, model, dims)
     if cfg.train.compile:
         from longctx_moe.compile import apply_compile

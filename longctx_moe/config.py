@@ -57,7 +57,10 @@ class TrainConfig:
     steps: int = 100  # optimizer steps
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
-    param_dtype: str = "fp32"  # master weights and optimizer state: fp32 | fp64 (tests)
+    # What the model holds: fp32 (the parameters are the master weights) | fp64 (tests) | bf16
+    # (linear and expert weights in bf16, fp32 master weights in the optimizer, sharded with
+    # parallel.distributed_optimizer; longctx_moe.precision)
+    param_dtype: str = "fp32"
     # Compute dtype: auto (bf16 where the device has native bf16, else the parameters' dtype;
     # longctx_moe.precision) | bf16 | fp16 | none
     autocast_dtype: str = "auto"
@@ -139,7 +142,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "optim.impl": ("auto", "fused", "foreach", "for_loop"),
     "train.device": ("auto", "cpu", "cuda"),
-    "train.param_dtype": ("fp32", "fp64"),
+    "train.param_dtype": ("fp32", "fp64", "bf16"),
     "train.autocast_dtype": AUTOCAST_CHOICES,
     "train.nan_policy": ("stop", "skip"),
     "train.recompute": RECOMPUTE_MODES,
@@ -435,6 +438,14 @@ def _check_trainer(cfg: Config) -> None:
     _require(t.param_dtype != "fp64" or t.autocast_dtype in ("none", "auto"),
              f"train.param_dtype=fp64 with train.autocast_dtype={t.autocast_dtype} would compute in low precision; "
              "set train.autocast_dtype=none or auto")
+    # bf16 weights without autocast would run norms and softmax in bf16; under fp16 autocast
+    # they would be cast bf16 -> fp16 (a narrower range) on every matmul.
+    _require(t.param_dtype != "bf16" or t.autocast_dtype in ("auto", "bf16"),
+             f"train.param_dtype=bf16 with train.autocast_dtype={t.autocast_dtype}: bf16 parameters "
+             "compute under bf16 autocast; set train.autocast_dtype=bf16 (or auto)")
+    _require(t.param_dtype != "bf16" or cfg.execution.fp8 == "none",
+             f"train.param_dtype=bf16 with execution.fp8={cfg.execution.fp8}: the FP8 layers quantize "
+             "from float32 weights; set train.param_dtype=fp32 or execution.fp8=none")
     _require(not (t.compile and cfg.parallel.micro_batches_in_flight == 2),
              "train.compile=true with parallel.micro_batches_in_flight=2: compiled blocks are not run from "
              "two threads here; set one of them off")

@@ -1,7 +1,11 @@
 """AdamW with fp32 master weights, the learning-rate schedule, and gradient clipping.
 
-The parameters themselves are the master weights (fp32, or fp64 in exactness tests); bf16 exists
-only inside autocast, so there is no separate master copy to keep in sync.
+With train.param_dtype fp32 (or fp64 in exactness tests) the parameters themselves are the master
+weights and bf16 exists only inside autocast. With bf16 the model holds its matmul weights in bf16
+and `MasterAdamW` keeps their fp32 masters: AdamW updates the masters (state in fp32), and each
+step ends by rounding them into the bf16 weights, the values autocast would have cast them to.
+Under the distributed optimizer the tensors are this rank's slabs, so each rank holds the masters
+of its slabs only.
 """
 
 from __future__ import annotations
@@ -43,8 +47,18 @@ def _impl_kwargs(impl: str, params: list[torch.Tensor]) -> dict:
     return {"fused": True} if fused_ok else {"foreach": True}
 
 
-def build_adamw(tensors: list[torch.Tensor], cfg: OptimConfig) -> torch.optim.AdamW:
-    """torch AdamW over `tensors` (fp32/fp64 master weights, state in that dtype)."""
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def build_adamw(tensors: list[torch.Tensor], cfg: OptimConfig):
+    """torch AdamW over `tensors` (fp32/fp64 master weights, state in that dtype), or a
+    MasterAdamW where some of them are bf16."""
+    if any(t.dtype in LOW_PRECISION for t in tensors):
+        return MasterAdamW(tensors, cfg)
+    return _adamw(tensors, cfg)
+
+
+def _adamw(tensors: list[torch.Tensor], cfg: OptimConfig) -> torch.optim.AdamW:
     groups = decay_groups(tensors, cfg.weight_decay)
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     try:
@@ -55,7 +69,89 @@ def build_adamw(tensors: list[torch.Tensor], cfg: OptimConfig) -> torch.optim.Ad
         return torch.optim.AdamW(groups, **kwargs, foreach=True)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+class MasterAdamW:
+    """AdamW over fp32 master copies of the bf16 tensors among `tensors` (the fp32 ones are their
+    own masters). To the trainer, the schedule and checkpoints it is a torch optimizer whose
+    parameters are the masters: `param_groups`, `state` (with each master under the field
+    "master", so a checkpoint saves it by the parameter's global slice), `step`, `zero_grad`,
+    `state_dict`, `load_state_dict`; `param_of` / `master_of` map between a master and the
+    model's tensor.
+
+    A master's gradient is the fp32 one a reduction left on it (the distributed optimizer's
+    reduce-scatter writes there), else its model tensor's bf16 gradient, widened at `step`."""
+
+    def __init__(self, tensors: list[torch.Tensor], cfg: OptimConfig):
+        self.tensors = list(tensors)
+        self.masters = [t.detach().to(torch.float32, copy=True) if t.dtype in LOW_PRECISION else t
+                        for t in self.tensors]
+        self._param_of = {id(m): t for t, m in zip(self.tensors, self.masters, strict=True)}
+        self._master_of = {id(t): m for t, m in zip(self.tensors, self.masters, strict=True)}
+        self.optimizer = _adamw(self.masters, cfg)
+        self.param_groups = self.optimizer.param_groups
+
+    def param_of(self, master: torch.Tensor) -> torch.Tensor:
+        return self._param_of.get(id(master), master)
+
+    def master_of(self, t: torch.Tensor) -> torch.Tensor:
+        return self._master_of.get(id(t), t)
+
+    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model tensor, its separate fp32 master), in the optimizer's order."""
+        return [(self.param_of(m), m) for g in self.param_groups for m in g["params"]
+                if self.param_of(m) is not m]
+
+    @property
+    def state(self) -> dict:
+        out = dict(self.optimizer.state)
+        for _, m in self._pairs():
+            out[m] = {**out.get(m, {}), "master": m}
+        return out
+
+    @torch.no_grad()
+    def step(self) -> None:
+        pairs = self._pairs()
+        for t, m in pairs:
+            if m.grad is None and t.grad is not None:
+                m.grad = t.grad.to(torch.float32)
+        self.optimizer.step()
+        for t, m in pairs:
+            t.copy_(m)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for t in self.tensors:
+            t.grad = None
+
+    def state_dict(self) -> dict:
+        sd = self.optimizer.state_dict()
+        masters = [m for g in self.param_groups for m in g["params"]]
+        for i, m in enumerate(masters):
+            if self.param_of(m) is not m:
+                sd["state"][i] = {**sd["state"].get(i, {}), "master": m}
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """torch's form; an entry's "master" (required for every bf16 tensor) is copied into
+        the master and rounded into the model's tensor."""
+        masters = [m for g in self.param_groups for m in g["params"]]
+        inner = {}
+        for i, m in enumerate(masters):
+            entry = dict(state["state"].get(i, {}))
+            value = entry.pop("master", None)
+            if self.param_of(m) is not m:
+                if value is None:
+                    raise ValueError(f"optimizer state lacks the fp32 master of tensor {i} "
+                                     f"{tuple(m.shape)}; train.param_dtype=bf16 resumes from a "
+                                     "checkpoint that holds its masters")
+                m.copy_(value)
+                self.param_of(m).copy_(m)
+            if entry:
+                inner[i] = entry
+        self.optimizer.load_state_dict({**state, "state": inner})
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig):
     """The replicated optimizer: AdamW over every trainable parameter of `model`."""
     return build_adamw([p for p in model.parameters() if p.requires_grad], cfg)
 
@@ -109,4 +205,10 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     does on a larger mesh."""
     grads = [p for p in params if p.grad is not None]
     limit = max_norm if max_norm > 0 else float("inf")
-    return torch.nn.utils.clip_grad_norm_(grads, limit, foreach=True)
+    if not any(p.grad.dtype in LOW_PRECISION for p in grads):
+        return torch.nn.utils.clip_grad_norm_(grads, limit, foreach=True)
+    # bf16 gradients: the norm summed in fp32 (torch's would be rounded to bf16)
+    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in grads]
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    torch.nn.utils.clip_grads_with_norm_(grads, limit, total, foreach=True)
+    return total

@@ -6,6 +6,12 @@ elsewhere: on an AVX2-only CPU a bf16 matmul runs 20-30x slower than float32
 (cp_attention.hardware), so bf16 there would turn a one-minute run into half an hour. float64
 parameters (the exactness tests) always compute in float64. An explicit `bf16` / `fp16` is obeyed
 everywhere, with a one-line warning where the device runs it slowly.
+
+`train.param_dtype=bf16` holds the weights that autocast casts to bf16 (linear and expert
+weights) in bf16 (`cast_params`); the fp32 master weights then live in the optimizer
+(optim.MasterAdamW). Such a run always autocasts to bf16 (`auto` too, with the slowdown warning
+where bf16 is emulated): its weights are bf16 whatever the device, and autocast keeps the ops it
+runs in fp32 (norms, softmax, losses) in fp32, so the forward is today's autocast forward.
 """
 
 from __future__ import annotations
@@ -66,6 +72,11 @@ def resolve_compute_dtype(setting: str, param_dtype: torch.dtype,
     if setting == "none":
         return ComputeDtype(None, param_dtype, setting, "no autocast: matmuls in the parameters' dtype")
     if setting == "auto":
+        if param_dtype == torch.bfloat16:
+            native, why = native_bf16(device)
+            return ComputeDtype(torch.bfloat16, param_dtype, setting,
+                                "bf16 parameters compute in bf16" + ("" if native else f", although {why}"),
+                                slow=not native)
         if param_dtype == torch.float64:
             return ComputeDtype(None, param_dtype, setting, "float64 parameters compute in float64")
         native, why = native_bf16(device)
@@ -90,3 +101,31 @@ def announce(compute: ComputeDtype, rank: int) -> None:
         print(f"warning: train.autocast_dtype={compute.setting} is emulated on this device: expect "
               f"its matmuls to run 20-30x slower than float32; train.autocast_dtype=auto picks the "
               f"fast dtype", file=sys.stderr, flush=True)
+
+
+PARAM_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16}
+
+
+def low_precision_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters `train.param_dtype=bf16` holds in bf16: those of 2+ dims that autocast
+    casts to bf16 before its matmuls (attention and MLP projections, the LM head, the experts).
+    The embedding (its output is the fp32 residual stream), the router (its logits are computed
+    in fp32), norm gains and biases stay fp32: with them in bf16 the forward would compute on
+    rounded values where today's computes on the fp32 ones."""
+    from longctx_moe.model.moe import Router
+
+    keep = {id(p) for m in model.modules() if isinstance(m, (torch.nn.Embedding, Router))
+            for p in m.parameters(recurse=False)}
+    return [p for p in model.parameters() if p.ndim >= 2 and id(p) not in keep]
+
+
+def cast_params(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` with its parameters and floating buffers in `dtype`; for bf16, the parameters of
+    `low_precision_params` in bf16 and the rest (buffers included) in float32."""
+    if dtype != torch.bfloat16:
+        return model.to(dtype=dtype)
+    model.to(dtype=torch.float32)
+    with torch.no_grad():
+        for p in low_precision_params(model):
+            p.data = p.data.to(torch.bfloat16)
+    return model

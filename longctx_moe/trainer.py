@@ -118,7 +118,9 @@ class Trainer:
         self.optimizer = runtime.build_optimizer(cfg.optim)  # sharded with distributed_optimizer
         self.schedule = LRSchedule(self.optimizer, cfg.optim, cfg.train.steps)
         self.step = 0  # optimizer steps completed (including skipped ones)
-        param_dtype = next(self.model.parameters()).dtype
+        # bf16 parameters (train.param_dtype=bf16) sit beside fp32 ones (precision.cast_params)
+        dtypes = [p.dtype for p in self.model.parameters()]
+        param_dtype = torch.bfloat16 if torch.bfloat16 in dtypes else dtypes[0]
         self.compute = resolve_compute_dtype(cfg.train.autocast_dtype, param_dtype, self.device)
         self.heap_trim = HeapTrim(cfg.train.host_heap_trim)
         self._pending: _Pending | None = None  # backward() calls not yet applied by update()

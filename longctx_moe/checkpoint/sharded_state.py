@@ -9,7 +9,8 @@ records each piece with its global shape and offsets (save.py), and any other la
 back the slices it needs.
 
 Keys: `model.<state-dict name>`, and `optim.<field>.<parameter name>` for AdamW's per-parameter
-state (`exp_avg`, `exp_avg_sq`: sliced like the parameter; `step`: a scalar). Optimizer state is
+state (`exp_avg`, `exp_avg_sq`: sliced like the parameter; `step`: a scalar; `master`: the fp32
+master weight of a bf16 parameter, train.param_dtype=bf16). Optimizer state is
 stored by the parameter's global slice, so the distributed optimizer (each replica holding a
 slab of a parameter's state) writes pieces of the same keys, and any replica count reads them.
 """
@@ -49,12 +50,13 @@ def optimizer_slices(model: torch.nn.Module, optimizer: Any, slices: dict[str, S
     rank updates (`optimizer.slab_of`), whose offset along the split dim adds to the parameter's."""
     names = _param_names(model)
     slab_of = getattr(optimizer, "slab_of", lambda t: None)
+    param_of = getattr(optimizer, "param_of", lambda t: t)  # an fp32 master's bf16 tensor
     out = []
     for group in optimizer.param_groups:
         for t in group["params"]:
-            slab = slab_of(t)
+            slab = slab_of(param_of(t))
             if slab is None:
-                name = names[id(t)]
+                name = names[id(param_of(t))]
                 out.append((t, name, slices[name]))
                 continue
             name = names[id(slab.param)]

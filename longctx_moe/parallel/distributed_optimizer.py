@@ -14,6 +14,13 @@ ZeRO stage 1):
     AdamW            on the slabs: views of the parameters, which are the fp32 master weights
     all-gather       every rank's updated slabs back into the whole parameters
 
+With bf16 parameters (train.param_dtype=bf16) the optimizer is optim.MasterAdamW over the slabs:
+each rank holds fp32 masters of its slabs only. The gradients are reduce-scattered in fp32 (each
+bf16 gradient widened as it is packed) straight into the masters' gradients: a sum over R ranks
+in bf16 would round R-1 times, and the fp32 buffer lives only for the step, as Megatron-Core's
+default with bf16 parameters. The step rounds the updated masters into the bf16 slabs, and the
+all-gather moves bf16: half the bytes.
+
 The arithmetic is the replicated optimizer's: each gradient element is the same sum over the
 group, and AdamW is elementwise (tests/parallel/test_distributed_optimizer.py holds both to
 1e-10 in float64 over 5 steps). The full gradient of a parameter is freed once its bucket is
@@ -42,6 +49,7 @@ from longctx_moe.parallel.grad_reduce import (
     clip_,
     global_norm,
     norm_axes,
+    reduce_dtype,
     replica_axes,
 )
 
@@ -57,9 +65,16 @@ class Slab:
     sizes: list[int]
     rank: int
     data: torch.Tensor = field(init=False)
+    # The fp32 master the optimizer updates for a bf16 slab (optim.MasterAdamW); None: `data`.
+    master: torch.Tensor | None = None
 
     def __post_init__(self):
         self.data = self.param.detach().narrow(self.dim, self.start, self.sizes[self.rank])
+
+    @property
+    def home(self) -> torch.Tensor:
+        """What the optimizer updates and where its reduced gradient goes."""
+        return self.data if self.master is None else self.master
 
     @property
     def start(self) -> int:
@@ -113,6 +128,8 @@ class ShardedBucket:
         self.ready: set[int] = set()
         self.flat: torch.Tensor | None = None
         self.work = None
+        # bf16 gradients are summed in fp32 (the module docstring says why)
+        self.reduce_dtype = reduce_dtype(params[0].dtype)
 
     def _row(self, buffer_S: torch.Tensor, j: int, i: int) -> torch.Tensor:
         """Parameter i's part j inside rank j's row of a buffer, flat."""
@@ -121,36 +138,37 @@ class ShardedBucket:
     def launch(self) -> None:
         """Pack the gradients, free them, and start the reduce-scatter."""
         p0 = self.params[0]
-        send_RS = torch.zeros(self.parts, self.segment, dtype=p0.dtype, device=p0.device)
+        send_RS = torch.zeros(self.parts, self.segment, dtype=self.reduce_dtype, device=p0.device)
         for i, (p, slab) in enumerate(zip(self.params, self.slabs, strict=True)):
             if p.grad is None:  # e.g. an expert no token reached on this rank: zeros
                 continue
             for j, part in enumerate(slab.parts(p.grad)):
                 self._row(send_RS[j], j, i).copy_(part.reshape(-1))
             p.grad = None
-        self.flat = torch.empty(self.segment, dtype=p0.dtype, device=p0.device)
+        self.flat = torch.empty(self.segment, dtype=self.reduce_dtype, device=p0.device)
         with record_function("comm.grad_launch"):
             self.work = reduce_scatter_flat(self.flat, send_RS.view(-1), group=self.group,
                                             async_op=True)
 
     def finish(self) -> None:
-        """Wait; each slab's `data.grad` is then its summed gradient (views of one buffer)."""
+        """Wait; each slab's `home.grad` is then its summed gradient (views of one buffer)."""
         with record_function("comm.grad_wait"):
             self.work.wait()
         for i, slab in enumerate(self.slabs):
-            slab.data.grad = self._row(self.flat, self.rank, i).view(slab.shape(self.rank))
+            slab.home.grad = self._row(self.flat, self.rank, i).view(slab.shape(self.rank))
         self.flat, self.work = None, None
         self.ready.clear()
 
-    def _all_gather(self, local: list[torch.Tensor | None]) -> torch.Tensor:
+    def _all_gather(self, local: list[torch.Tensor | None], dtype: torch.dtype | None = None) -> torch.Tensor:
         """[R, S]: every rank's row of the bucket, given this rank's slab-shaped tensors
-        (`None`: zeros), one per parameter."""
+        (`None`: zeros), one per parameter; in `dtype` (default the parameters')."""
         p0 = self.params[0]
-        send_S = torch.zeros(self.segment, dtype=p0.dtype, device=p0.device)
+        dtype = dtype or p0.dtype
+        send_S = torch.zeros(self.segment, dtype=dtype, device=p0.device)
         for i, t in enumerate(local):
             if t is not None:
                 self._row(send_S, self.rank, i).copy_(t.reshape(-1))
-        recv_RS = torch.empty(self.parts, self.segment, dtype=p0.dtype, device=p0.device)
+        recv_RS = torch.empty(self.parts, self.segment, dtype=dtype, device=p0.device)
         with record_function("comm.param_gather"):
             all_gather_flat(recv_RS.view(-1), send_S, group=self.group)
         return recv_RS
@@ -168,7 +186,7 @@ class ShardedBucket:
     def gather_grads(self) -> list[torch.Tensor]:
         """Each parameter's whole reduced gradient, all-gathered from the slabs (for tests and
         debugging; the step never needs them)."""
-        recv_RS = self._all_gather([slab.data.grad for slab in self.slabs])
+        recv_RS = self._all_gather([slab.home.grad for slab in self.slabs], self.reduce_dtype)
         return [torch.cat([self._row(recv_RS[j], j, i).view(slab.shape(j)) for j in range(self.parts)],
                           slab.dim) for i, slab in enumerate(self.slabs)]
 
@@ -207,6 +225,10 @@ class DistributedOptimizer:
         self._slab_of = {id(s.data): s for s in self.slabs}
         self.optimizer = build([s.data for s in self.slabs] + self.whole)
         self.param_groups = self.optimizer.param_groups
+        master_of = getattr(self.optimizer, "master_of", None)  # optim.MasterAdamW: bf16 slabs
+        for s in self.slabs:
+            if master_of is not None and master_of(s.data) is not s.data:
+                s.master = master_of(s.data)
 
     # ------------------------------------------------------------------ the runtime's calls
 
@@ -214,7 +236,7 @@ class DistributedOptimizer:
         self.buckets.arm()
 
     def reduce_gradients(self) -> None:
-        """Finish every reduce-scatter; each slab's `data.grad` then holds its summed gradient."""
+        """Finish every reduce-scatter; each slab's `home.grad` then holds its summed gradient."""
         self.buckets.finish()
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -227,7 +249,7 @@ class DistributedOptimizer:
         return float(norm)
 
     def _param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor | None]]:
-        return [(s.param, s.data.grad) for s in self.slabs] + [(p, p.grad) for p in self.whole]
+        return [(s.param, s.home.grad) for s in self.slabs] + [(p, p.grad) for p in self.whole]
 
     def gather_grads(self) -> dict[int, torch.Tensor]:
         """{id(parameter): its whole reduced gradient} (collective; tests and debugging)."""
@@ -249,6 +271,7 @@ class DistributedOptimizer:
             bucket.gather_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
         for s in self.slabs:
             s.data.grad = None
             s.param.grad = None
@@ -262,5 +285,9 @@ class DistributedOptimizer:
         self.optimizer.load_state_dict(state)
 
     def slab_of(self, t: torch.Tensor) -> Slab | None:
-        """The slab an optimizer tensor is (None: a whole parameter)."""
+        """The slab an optimizer tensor is (None: a whole parameter); a master: `param_of` it first."""
         return self._slab_of.get(id(t))
+
+    def param_of(self, t: torch.Tensor) -> torch.Tensor:
+        """The model's tensor (a slab's view or a whole parameter) an optimizer tensor updates."""
+        return getattr(self.optimizer, "param_of", lambda t: t)(t)

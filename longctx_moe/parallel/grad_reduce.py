@@ -21,6 +21,10 @@ SUMMED, never averaged:
 - expert-bias load counts: the trainer sums them over `dp_cp`, so every rank applies the same
   bias update.
 - the gradient norm for clipping: dense once, expert shards summed over `ep` (clip_grad_norm).
+
+bf16 gradients (train.param_dtype=bf16) are summed in an fp32 buffer (`reduce_dtype`): a bf16 sum
+over R ranks would round R-1 times; the replicated optimizer's result is rounded back onto the
+bf16 gradient once (the distributed optimizer keeps it in fp32 on the masters).
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
     return dense, expert
 
 
+def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradients of `dtype` are summed in across ranks."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
 def _all_reduce_grads(params: list[nn.Parameter], group) -> None:
     """Sum the gradients of `params` over `group`, one flat buffer per dtype."""
     for p in params:
@@ -64,7 +73,8 @@ def _all_reduce_grads(params: list[nn.Parameter], group) -> None:
     for p in params:
         by_dtype.setdefault(p.grad.dtype, []).append(p)
     for group_params in by_dtype.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in group_params])
+        dtype = reduce_dtype(group_params[0].grad.dtype)
+        flat = torch.cat([p.grad.reshape(-1).to(dtype) for p in group_params])
         if group is not None:
             with record_function("comm.grad"):  # profiler label (bench/moe_overlap.py)
                 dist.all_reduce(flat, group=group)
@@ -111,7 +121,8 @@ class _Bucket:
         for p in self.params:  # as in _all_reduce_grads: every rank contributes every buffer
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self.flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        dtype = reduce_dtype(self.params[0].grad.dtype)
+        self.flat = torch.cat([p.grad.reshape(-1).to(dtype) for p in self.params])
         with record_function("comm.grad_launch"):
             self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
 
