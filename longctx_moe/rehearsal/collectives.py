@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from longctx_moe.rehearsal.cost import op_flops
+from longctx_moe.rehearsal.cost import is_fp8_gemm, op_flops
 
 # the largest host tensor whose values a copy to the device keeps (document boundaries of a
 # micro-batch: one entry per document)
@@ -74,7 +74,7 @@ class DeviceRules(TorchDispatchMode):
     launches: collections.Counter = field(default_factory=collections.Counter)
     # per group: (collective, dtype, elements) of each call in order, to compare across ranks
     calls: dict = field(default_factory=lambda: collections.defaultdict(list))
-    # per device op: (FLOPs, bytes read and written), for the roofline of cost.py
+    # per device op: (FLOPs, bytes read and written, an FP8 GEMM), for the roofline of cost.py
     work: list = field(default_factory=list)
     # device tensor -> the host tensor it was copied from (small integer tensors: document
     # boundaries), so that cost.op_flops can read the lengths an attention kernel works on
@@ -98,7 +98,8 @@ class DeviceRules(TorchDispatchMode):
         if ins and not _VIEWS.get(func, False):
             self.launches[func.namespace] += 1
             outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            self.work.append((op_flops(func, args, kwargs, out, self.host_values), sum(_nbytes(t) for t in ins + outs)))
+            self.work.append((op_flops(func, args, kwargs, out, self.host_values), sum(_nbytes(t) for t in ins + outs),
+                              is_fp8_gemm(func)))
         return out
 
     def _keep_host_value(self, func, args, out) -> None:

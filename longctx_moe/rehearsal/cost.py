@@ -1,8 +1,8 @@
 """A modeled step time for a rehearsed rank, from what the rank's step ran.
 
 - Device work: each op at its roofline, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), summed
-  (DeviceRules.work: FLOPs by `op_flops`, bytes as the op's inputs and outputs). Peaks are the
-  datasheet's (gpus.py): real kernels reach 50-80% of them on large GEMMs, so this is a lower
+  (DeviceRules.work: FLOPs by `op_flops`, bytes as the op's inputs and outputs; the FP8 GEMMs at
+  the FP8 peak, `is_fp8_gemm`). Peaks are the datasheet's (gpus.py): real kernels reach 50-80% of them on large GEMMs, so this is a lower
   bound of the compute time.
 - Host: each launch costs `launch_s` of the host's time; the device waits where the launches
   take longer than the work they issue (a host-bound step).
@@ -27,7 +27,8 @@ def _spans_nodes(ranks: list[int], per_node: int) -> bool:
 
 def model_step_time(flops: float, tracker, rules, gpu: GPU, group_ranks: dict[str, list[int]]) -> dict:
     """{"compute_s", "host_s", "comm_s", "total_s"} of one rank's step."""
-    compute = sum(max(f / gpu.bf16_flops, b / gpu.hbm_bytes_per_s) for f, b in rules.work)
+    compute = sum(max(f / (gpu.fp8_flops if fp8 else gpu.bf16_flops), b / gpu.hbm_bytes_per_s)
+                  for f, b, fp8 in rules.work)
     host = sum(rules.launches.values()) * gpu.launch_s
     comm = 0.0
     for (label, _kind), t in rules.traffic.items():
@@ -99,6 +100,14 @@ def _grouped_mm_flops(kw: dict, out) -> float:
     return 2.0 * out.numel() * a.shape[-1]
 
 
+_FP8_MM = {getattr(aten, n) for n in ("_scaled_mm", "_scaled_mm_v2") if hasattr(aten, n)}
+_FP8_GROUPED = {getattr(aten, n) for n in ("_scaled_grouped_mm", "_scaled_grouped_mm_v2") if hasattr(aten, n)}
+
+
+def is_fp8_gemm(func) -> bool:
+    return func._overloadpacket in _FP8_MM | _FP8_GROUPED
+
+
 def op_flops(func, args, kwargs, out, host_values=None) -> float:
     """The FLOPs of one device op: the rules above, torch's flop counter for the other matmuls,
     0 for the rest (their cost is their bytes)."""
@@ -108,8 +117,10 @@ def op_flops(func, args, kwargs, out, host_values=None) -> float:
                                host_values)
         if got is not None:
             return got
-    if packet in (aten._grouped_mm, aten._scaled_grouped_mm):
+    if packet is aten._grouped_mm or packet in _FP8_GROUPED:
         return _grouped_mm_flops(_named(func, args, kwargs), out)
+    if packet in _FP8_MM:  # torch's rule knows _scaled_mm, not its v2 (the blockwise recipes')
+        return 2.0 * out.numel() * args[0].shape[-1]
     from torch.utils.flop_counter import flop_registry
 
     rule = flop_registry.get(packet)

@@ -1,14 +1,16 @@
-"""The GPUs a rehearsal models: memory, peak dense bf16 FLOP/s, HBM bandwidth, and the links a
-collective crosses, with their sources.
+"""The GPUs a rehearsal models: memory, peak dense bf16 and FP8 FLOP/s, HBM bandwidth, and the
+links a collective crosses, with their sources.
 
 Figures are the vendors' datasheet numbers for the SXM parts of HGX / DGX systems (8 GPUs per node
 on NVLink/NVSwitch, one 400 Gb/s InfiniBand NDR port per GPU across nodes):
-- H100 SXM5: 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s dense BF16 (1,979 with sparsity), NVLink 4
-  900 GB/s per GPU (both directions together). NVIDIA H100 Tensor Core GPU datasheet.
-- H200 SXM: 141 GB HBM3e, 4.8 TB/s, compute as H100 (989 TFLOP/s dense BF16), NVLink 900 GB/s.
-  NVIDIA H200 Tensor Core GPU datasheet.
+- H100 SXM5: 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s dense BF16 (1,979 with sparsity), 1,979 TFLOP/s
+  dense FP8, NVLink 4 900 GB/s per GPU (both directions together). NVIDIA H100 Tensor Core GPU
+  datasheet.
+- H200 SXM: 141 GB HBM3e, 4.8 TB/s, compute as H100 (989 TFLOP/s dense BF16, 1,979 FP8), NVLink
+  900 GB/s. NVIDIA H200 Tensor Core GPU datasheet.
 - B200 (HGX B200): 180 GB HBM3e per GPU, 7.7 TB/s, 2.25 PFLOP/s dense BF16 (4.5 with
-  sparsity), NVLink 5 1.8 TB/s per GPU. NVIDIA HGX B200 / DGX B200 datasheets.
+  sparsity), 4.5 PFLOP/s dense FP8, NVLink 5 1.8 TB/s per GPU. NVIDIA HGX B200 / DGX B200
+  datasheets.
 - InfiniBand NDR: 400 Gb/s = 50 GB/s per direction per GPU (ConnectX-7).
 A collective's bandwidth is per direction: half the NVLink figure inside a node.
 Compute capability: 9.0 for Hopper (H100, H200), 10.0 for Blackwell (B200); CUDA's list of GPUs.
@@ -44,12 +46,14 @@ class GPU:
     collective_latency_s: float = 20e-6
     launch_s: float = 5e-6
     capability: tuple[int, int] = (9, 0)
+    fp8_flops: float = 1979e12  # dense peak of the FP8 GEMMs (torch._scaled_mm and its grouped form)
 
 
 GPUS = {
     "h100": GPU("H100 SXM5 80GB", 80 * 10**9, 989e12, 3.35e12, 450e9),
     "h200": GPU("H200 SXM 141GB", 141 * 10**9, 989e12, 4.8e12, 450e9),
-    "b200": GPU("B200 180GB", 180 * 10**9, 2.25e15, 7.7e12, 900e9, capability=(10, 0)),
+    "b200": GPU("B200 180GB", 180 * 10**9, 2.25e15, 7.7e12, 900e9, capability=(10, 0),
+                fp8_flops=4.5e15),
 }
 
 

@@ -132,7 +132,7 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
     peak = int(meta.get("Total", 0))
     host = next((v for dev, v in snap.items() if torch.device(dev).type == "cpu"), {})
     params = sum(p.numel() for p in runtime.model.parameters())
-    flops = sum(f for f, _ in rules.work)  # cost.op_flops per device op
+    flops = sum(w[0] for w in rules.work)  # cost.op_flops per device op
     seconds = model_step_time(flops, tracker, rules, gpu, group_ranks)
     return RankReport(
         rank=rank, roles=_roles(dims), peak_bytes=peak, peak_split=_split(meta),

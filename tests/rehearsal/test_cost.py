@@ -40,7 +40,7 @@ def test_attention_is_counted_from_the_documents_on_the_host():
         aten._flash_attention_forward(q, k, v, cu, cu, 200, 200, 0.0, True, False, window_size_left=9)
     pairs = 100 * 101 // 2 + 200 * 201 // 2
     window = (10 * 11 // 2 + 90 * 10) + (10 * 11 // 2 + 190 * 10)
-    assert [f for f, _ in rules.work[-2:]] == [2.0 * pairs * 4 * 128, 2.0 * window * 4 * 128]
+    assert [w[0] for w in rules.work[-2:]] == [2.0 * pairs * 4 * 128, 2.0 * window * 4 * 128]
 
 
 def test_grouped_gemms_count_every_row_once():
@@ -50,4 +50,21 @@ def test_grouped_gemms_count_every_row_once():
         torch._grouped_mm(_meta(10, 8), _meta(3, 8, 16), offs=offs)  # rows x experts' weights
         torch._grouped_mm(_meta(8, 10).t().contiguous().t(), _meta(10, 16), offs=offs)  # weights' grad
         _meta(10, 8) @ _meta(8, 16)
-    assert [f for f, _ in rules.work if f] == [2.0 * 10 * 8 * 16, 2.0 * 8 * 16 * 10, 2.0 * 10 * 8 * 16]
+    assert [w[0] for w in rules.work if w[0]] == [2.0 * 10 * 8 * 16, 2.0 * 8 * 16 * 10, 2.0 * 10 * 8 * 16]
+
+
+def test_fp8_gemms_are_counted_and_timed_at_the_fp8_peak():
+    from longctx_moe.rehearsal.cost import model_step_time
+    from longctx_moe.rehearsal.gpus import GPUS
+
+    rules = DeviceRules(rank=0)
+    one = torch.ones((), device="meta")
+    with rules:
+        torch._scaled_mm(_meta(64, 32, dtype=torch.float8_e4m3fn), _meta(16, 32, dtype=torch.float8_e4m3fn).t(),
+                         one, one, out_dtype=torch.bfloat16)
+    flops, nbytes, fp8 = rules.work[-1]
+    assert (flops, fp8) == (2.0 * 64 * 16 * 32, True)
+    h100 = GPUS["h100"]
+    rules.work = [(1e15, 0, True), (1e15, 0, False)]
+    compute = model_step_time(0.0, None, rules, h100, {})["compute_s"]
+    assert compute == 1e15 / h100.fp8_flops + 1e15 / h100.bf16_flops
