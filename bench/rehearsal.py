@@ -14,7 +14,8 @@ Sections (`--sections`, default all):
           on 8 ranks: `planted_faults_caught` of `planted_faults`.
 
 JSON keys: models_rehearsed (runs that completed, of `runs_total`), peak_gib ("model@world" ->
-the largest rank's peak GiB), fits_h100, max_rehearsal_minutes, max_host_rss_gib,
+the largest rank's peak GiB), fits_h100, max_rehearsal_minutes (wall), max_rehearsal_cpu_minutes
+(what a run costs one core, robust to a shared machine), max_host_rss_gib,
 mem_ratio_cpu, planted_faults_caught, planted_faults, and each run's reports under `runs`.
 
     python bench/rehearsal.py --out runs/bench/rehearsal.json
@@ -59,9 +60,13 @@ TRUTH_LAYOUTS = [
 
 # Run as a child so that its RUSAGE_CHILDREN holds only this rehearsal's processes (the CLI and
 # the rank processes it spawns and waits for): ru_maxrss is then their largest resident set.
+# Its CPU seconds are what the run costs a core (a rehearsal is one busy core): the wall minutes of
+# a shared machine count the neighbours too.
 _MEASURED = ("import resource, subprocess, sys\n"
              "r = subprocess.run(sys.argv[1:])\n"
-             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
+             "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+             "print(u.ru_utime + u.ru_stime, file=sys.stderr)\n"
+             "print(u.ru_maxrss, file=sys.stderr)\n"
              "sys.exit(r.returncode)\n")
 
 
@@ -82,12 +87,13 @@ def _rehearse(config: str, world: int, ranks: list[int], gpu: str, timeout: floa
         minutes = (time.monotonic() - t0) / 60
         lines = done.stderr.strip().splitlines()
         rss_gib = int(lines[-1]) * 1024 / GIB if lines and lines[-1].isdigit() else float("nan")
-        result = {"minutes": minutes, "host_rss_gib": rss_gib, "stdout": done.stdout}
+        cpu_minutes = float(lines[-2]) / 60 if len(lines) > 1 else float("nan")
+        result = {"minutes": minutes, "cpu_minutes": cpu_minutes, "host_rss_gib": rss_gib, "stdout": done.stdout}
         if done.returncode in (0, 1) and os.path.exists(out):  # 1: a rank does not fit its GPU
             with open(out) as f:
                 result.update(status="ok", reports=json.load(f)["ranks"])
         else:
-            result.update(status="failed", error="\n".join(lines[:-1])[-3000:])
+            result.update(status="failed", error="\n".join(lines[:-2])[-3000:])
         return result
 
 
@@ -126,11 +132,13 @@ def section_runs(args) -> dict:
     return {"runs": runs, "models_rehearsed": len(ok), "runs_total": len(runs), "peak_gib": peak,
             "fits_h100": {r["name"]: all(x["fits"] for x in r["reports"]) for r in ok},
             "max_rehearsal_minutes": max((r["minutes"] for r in runs), default=0.0),
+            "max_rehearsal_cpu_minutes": max((r.get("cpu_minutes", 0.0) for r in runs), default=0.0),
             "max_host_rss_gib": max((r.get("host_rss_gib", 0.0) for r in runs), default=0.0)}
 
 
 def _run_line(r: dict) -> str:
-    head = f"{r['name']:<22} {r['status']:<7} {r['minutes']:5.1f} min {r.get('host_rss_gib', float('nan')):5.2f} GiB RSS"
+    head = (f"{r['name']:<22} {r['status']:<7} {r['minutes']:5.1f} min ({r.get('cpu_minutes', float('nan')):4.1f} "
+            f"CPU) {r.get('host_rss_gib', float('nan')):5.2f} GiB RSS")
     if r["status"] != "ok":
         return head + "  " + (r.get("error") or "").splitlines()[-1:][0] if r.get("error") else head
     parts = []
