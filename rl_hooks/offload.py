@@ -128,11 +128,12 @@ class Residency:
         self._say()
         found = trainer_storages(self.trainer, self.device)
         todo = [p for p in parts if p not in self.held]
-        moved = {p: [_Held(s, None) for s in found[p]] for p in todo}
+        # A storage that cannot be freed in place (file-backed or shared host memory; on a GPU, one
+        # from outside the caching allocator) stays where it is and counts in device_bytes().
+        moved = {p: [_Held(s, None) for s in found[p] if s.resizable()] for p in todo}
         if self.moves:
             pin = self.device.type == "cuda"
             for held in (h for hs in moved.values() for h in hs):
-                _check_resizable(held.storage)
                 held.host = torch.empty(held.storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
                 _copy_to_host(held.host, _bytes(held.storage))
             _sync(self.device)  # every copy has landed before its storage is freed
@@ -175,12 +176,6 @@ class Residency:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"offload: the trainer runs on the host ({self.device}); offload() and onload() "
                   "move nothing", flush=True)
-
-
-def _check_resizable(storage: torch.UntypedStorage) -> None:
-    if not storage.resizable():
-        raise RuntimeError(f"offload: a {storage.nbytes()}-byte storage on {storage.device} cannot "
-                           "be freed in place (not resizable); allocate it with torch.empty")
 
 
 class ResidentGate(ExportGate):

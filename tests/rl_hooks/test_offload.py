@@ -118,3 +118,40 @@ def test_on_the_host_the_calls_move_nothing_and_say_so_once(capsys):
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("offload:")]
     assert said == ["offload: the trainer runs on the host (cpu); offload() and onload() move nothing"]
     assert _bitwise(before, _state(policy))
+
+
+def test_nemo_rl_workers_colocated_loop_trains_as_a_resident_one(tmp_path):
+    """NeMo-RL's GRPO loop around a colocated generation: the optimizer leaves before the refit,
+    everything after it; scoring brings the parameters back, training the rest."""
+    from rl_hooks.plugins.nemo_rl import LongctxMoePolicyWorker
+    from tests.rl_hooks.test_nemo_rl_worker import (
+        LOSS,
+        nemo_batch,
+        policy_config,
+        with_logprob_fields,
+    )
+    from tests.rl_hooks.verl_cases import save_hf_model
+
+    cfg = policy_config(save_hf_model(tmp_path, "float64"))
+    resident, colocated = LongctxMoePolicyWorker(cfg), LongctxMoePolicyWorker(cfg)
+    colocated.policy.export_gate.residency.moves = True
+    out = {}
+    for name, worker in (("resident", resident), ("colocated", colocated)):
+        for seed in (0, 1):
+            worker.prepare_for_lp_inference()
+            data = nemo_batch(seed)
+            logp = worker.get_logprobs(data)["logprobs"]
+            worker.prepare_for_training()
+            worker.train(with_logprob_fields(data, logp), dict(LOSS))
+            worker.offload_before_refit()
+            if worker is colocated:
+                assert worker.policy.offloaded == ("grads", "optimizer")
+            weights = {n: t.clone() for bucket in worker.stream_weights() for n, t in bucket}
+            worker.offload_after_refit()
+            if worker is colocated:
+                assert worker.policy.export_gate.residency.device_bytes() == 0
+                with pytest.raises(RuntimeError, match="reads the parameters while"):
+                    worker.get_logprobs(data)
+        out[name] = (logp, weights)
+    assert torch.equal(out["resident"][0], out["colocated"][0])
+    assert _bitwise(list(out["resident"][1].values()), list(out["colocated"][1].values()))

@@ -251,26 +251,35 @@ class LongctxMoePolicyWorker:
 
     # ------------------------------------------------------------------ modes, state
 
+    # Colocated generation, as NeMo-RL's DTensor worker moves memory around its GRPO loop:
+    # offload_before_refit sends the optimizer state to the host (the weights stay for the
+    # refit), offload_after_refit everything; scoring brings the parameters back, training all.
+    # On a CPU run nothing moves (PolicyTrainer.offload says so once).
+
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
+        self._onload(params=True, grads=True, optimizer=True)
         self.policy.runtime.model.train()
 
     def prepare_for_lp_inference(self, *args: Any, **kwargs: Any) -> None:
+        self._onload(params=True, grads=False, optimizer=False)
         self.policy.runtime.model.eval()
 
     def finish_training(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to release: the optimizer step already ran inside train()."""
 
     def offload_before_refit(self) -> None:
-        """On CPU the parameters and optimizer state already live in host memory."""
-        self._host_only("offload_before_refit")
+        """The optimizer state (and any gradients) to host memory; the weights stay for the refit."""
+        self.policy.offload(params=False)
 
     def offload_after_refit(self) -> None:
-        self._host_only("offload_after_refit")
+        """Everything the trainer holds on its device to host memory, for the generation."""
+        self.policy.offload()
 
-    def _host_only(self, call: str) -> None:
-        if self.policy.ctx.device.type != "cpu":
-            raise ConfigError(f"{call}: offloading a GPU run is not implemented by the longctx_moe "
-                              "worker; keep the policy resident (colocated inference off)")
+    def _onload(self, **parts: bool) -> None:
+        """Bring back the chosen parts that are away."""
+        chosen = {p: on and p in self.policy.offloaded for p, on in parts.items()}
+        if any(chosen.values()):
+            self.policy.onload(**chosen)
 
     def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None,
                         tokenizer_path: str | None = None, **kwargs: Any) -> None:
