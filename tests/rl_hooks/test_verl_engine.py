@@ -33,7 +33,8 @@ pytest.importorskip("verl")
 TOL = {"float32": 1e-5, "float64": 1e-10}
 
 
-def _engine_pass(rank: int, world: int, folder: str, dtype: str, layout: list[str], budget: int) -> dict:
+def _engine_pass(rank: int, world: int, folder: str, dtype: str, layout: list[str], budget: int,
+                 offload: bool = False) -> dict:
     from omegaconf import OmegaConf
     from verl.utils import tensordict_utils as tu
     from verl.utils.config import omega_conf_to_dataclass
@@ -48,7 +49,10 @@ def _engine_pass(rank: int, world: int, folder: str, dtype: str, layout: list[st
                                             {"path": folder}))
     assert EngineRegistry.get_engine_cls("language_model", "longctx_moe").__module__ == \
         "rl_hooks.plugins.verl.engine"
-    worker = TrainingWorker(vc.worker_config(folder, dtype, layout, budget))
+    config = vc.worker_config(folder, dtype, layout, budget)
+    if offload:
+        config = _offloading(config)
+    worker = TrainingWorker(config)
     worker.reset()
     # verl dispatches by the engine's DP rank: CP / TP ranks of a replica get the same chunk
     dp_rank, dp = worker.engine.get_data_parallel_rank(), worker.engine.get_data_parallel_size()
@@ -70,6 +74,9 @@ def _engine_pass(rank: int, world: int, folder: str, dtype: str, layout: list[st
     tu.assign_non_tensor(td, calculate_entropy=True, global_batch_size=b, mini_batch_size=b, epochs=1,
                          seed=0, dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=1.0)
     out = worker.train_mini_batch(td)
+    # what the train mode's exit sent to the host: every part, every byte (offload cases)
+    away = worker.engine.policy.offloaded
+    left = worker.engine.policy.export_gate.residency.device_bytes()
     metrics = None if out is None else tu.get(out, "metrics")
     loss = None if out is None else list(metrics["loss"])
     reduced = None if out is None else {k: float(v) for k, v in reduce_metrics(dict(metrics)).items()}
@@ -88,7 +95,21 @@ def _engine_pass(rank: int, world: int, folder: str, dtype: str, layout: list[st
         assert not all(torch.equal(a, b) for a, b in zip(fresh, lp2, strict=True))
         assert all(torch.equal(a, b) for a, b in zip(fresh, lp, strict=True))
     return {"lp": lp, "ent": ent, "loss": loss, "metrics": reduced, "lp2": lp2, "dp_rank": dp_rank,
-            "export": export if rank == 0 else None}
+            "export": export if rank == 0 else None, "away": away, "left": left}
+
+
+def _offloading(config):
+    """verl's config with param_offload and optimizer_offload true, and the engine's residency
+    made to copy and free its storages on this CPU (rl_hooks/offload.py: on a CPU run it moves
+    nothing otherwise), so that every mode switch runs the GPU's path."""
+    import dataclasses
+
+    from rl_hooks.offload import Residency
+
+    init = Residency.__init__
+    Residency.__init__ = lambda self, trainer, device, moves=None: init(self, trainer, device, True)
+    engine = dataclasses.replace(config.engine_config, param_offload=True, optimizer_offload=True)
+    return dataclasses.replace(config, engine_config=engine)
 
 
 def _our_logits(folder, dtype):
@@ -146,20 +167,37 @@ def _check_rows(got_rows, want_rows, tol, what):
 # 8-token budget per rank sends the 9-12-token sequences to runs over both ranks and the others
 # to one rank each.
 CASES = {"1": (1, [], 32), "dp2": (2, [], 32), "cp2": (2, ["parallel.cp=2"], 32),
-         "dyncp2-ep2": (2, ["parallel.ep=2", "parallel.dynamic_cp=true", "parallel.max_cp=2"], 8)}
+         "dyncp2-ep2": (2, ["parallel.ep=2", "parallel.dynamic_cp=true", "parallel.max_cp=2"], 8),
+         "dp2-distopt": (2, ["parallel.distributed_optimizer=true"], 32)}
 # float32 on one rank (the 1e-5 bound); the layouts in float64, where any error of ours in the
 # DP / CP / EP split stands out of the rounding (1e-10).
 PARAMS = [("float32", "1"), ("float64", "1"), ("float64", "dp2"), ("float64", "cp2"),
           ("float64", "dyncp2-ep2")]
+# verl's param_offload and optimizer_offload: every mode switch moves the parameters, gradients
+# and optimizer state (the distributed optimizer's slabs on 2 ranks) out and back, same bounds.
+OFFLOAD = [("float32", "1"), ("float64", "dp2-distopt")]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,case", PARAMS, ids=[f"{d}-{c}" for d, c in PARAMS])
 def test_training_worker_drives_the_engine_like_transformers_and_verl(tmp_path, dtype, case):
+    _check_engine_pass(tmp_path, dtype, case, offload=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,case", OFFLOAD, ids=[f"{d}-{c}" for d, c in OFFLOAD])
+def test_training_worker_with_param_and_optimizer_offload(tmp_path, dtype, case):
+    runs = _check_engine_pass(tmp_path, dtype, case, offload=True)
+    assert all(run["away"] == ("params", "grads", "optimizer") and run["left"] == 0 for run in runs)
+
+
+def _check_engine_pass(tmp_path, dtype, case, offload: bool) -> list[dict]:
     world, layout, budget = CASES[case]
     folder = vc.save_hf_model(tmp_path / "hf", dtype)
-    runs = run_distributed(_engine_pass, world_size=world, args=(str(folder), dtype, layout, budget),
-                           timeout=600)
+    runs = run_distributed(_engine_pass, world_size=world,
+                           args=(str(folder), dtype, layout, budget, offload), timeout=600)
+    if not offload:
+        assert all(run["away"] == () for run in runs)
     export = runs[0]["export"]
     # one result per DP chunk, in chunk order: verl's worker returns outputs on a replica's first
     # CP / TP rank only
@@ -193,3 +231,4 @@ def test_training_worker_drives_the_engine_like_transformers_and_verl(tmp_path, 
                                      vc.actor_config())
         _check_rows([r for run in runs for r in run["lp2"]], lp2_ref, tol, "log_probs after update")
     json.dumps(runs[0]["metrics"])  # plain floats, as verl's loggers need
+    return runs

@@ -28,6 +28,7 @@ call's gradients are reduced and added up (Trainer.backward), the step applies t
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_name
 from verl.utils.metric.utils import AggregationType, Metric
 from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
@@ -75,10 +77,14 @@ class LongctxMoeEngine(BaseEngine):
         self.schedule = LRSchedule(self.policy.trainer.optimizer, self.cfg.optim, self.cfg.train.steps)
 
     def initialize(self):
-        """The HF weights, a fresh optimizer and schedule (verl's reset: again from the start)."""
+        """The HF weights, a fresh optimizer and schedule (verl's reset: again from the start);
+        then, as verl's FSDP and Megatron engines, what param_offload / optimizer_offload name
+        goes to the host until a mode context or `to()` brings it back."""
         if self.initialized:
             self._build()
         self.initialized = True
+        params = self.is_param_offload_enabled
+        self._offload(model=params, optimizer=self.is_optimizer_offload_enabled, grad=params)
 
     @property
     def is_param_offload_enabled(self) -> bool:
@@ -95,13 +101,41 @@ class LongctxMoeEngine(BaseEngine):
         return _ModeCtx(self, "eval", **kwargs)
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
-        """The model already lives where our config put it; on a CPU run parameters and optimizer
-        state are host memory, which is what an offload to "cpu" asks for."""
+        """verl's manual offload: to "cpu" the chosen parts go to host memory
+        (PolicyTrainer.offload: model = parameters and buffers, grad = gradients, optimizer =
+        its state), to the device they come back (those that were away). On a CPU run "cpu" is
+        the device itself: the parts come back, and nothing ever moves."""
         super().to(device, model=model, optimizer=optimizer, grad=grad)
         here = self.policy.ctx.device.type
-        if device not in ("cpu", here):
+        if device in (here, get_device_name()):
+            self._onload(model=model, optimizer=optimizer, grad=grad)
+        elif device == "cpu":
+            self._offload(model=model, optimizer=optimizer, grad=grad)
+        else:
             raise ConfigError(f"engine.to({device!r}): the longctx_moe engine runs on {here}; "
-                              "moving it elsewhere is not implemented")
+                              "move it to that device or to 'cpu'")
+
+    def _offload(self, model: bool, optimizer: bool, grad: bool) -> None:
+        if model or optimizer or grad:
+            self.policy.offload(params=model, grads=grad, optimizer=optimizer)
+
+    def _onload(self, model: bool, optimizer: bool, grad: bool) -> None:
+        """Bring back the chosen parts that are away (verl's loads are no-ops for the rest)."""
+        away = self.policy.offloaded
+        chosen = {"params": model, "grads": grad, "optimizer": optimizer}
+        if any(chosen[p] for p in away):
+            self.policy.onload(**{p: chosen[p] and p in away for p in chosen})
+
+    @contextlib.contextmanager
+    def _resident(self):
+        """Everything on the device for the block, and what was away sent back after it (as
+        verl's engines load the model around a checkpoint)."""
+        away = self.policy.offloaded
+        if away:
+            self.policy.onload()
+        yield
+        if away:
+            self.policy.offload(**{p: p in away for p in ("params", "grads", "optimizer")})
 
     # ------------------------------------------------------------------ parallel layout
 
@@ -262,6 +296,7 @@ class LongctxMoeEngine(BaseEngine):
         """(HF name, tensor) of every weight, gathered over TP / EP (collective: every rank
         iterates to the end), in engine_config.export_dtype; no PEFT config."""
         dtype = getattr(torch, self.engine_config.export_dtype)
+        self._onload(model=True, optimizer=False, grad=False)  # verl offloads after the sync
         buckets = self.policy.export_weights(dtype=dtype)
         return (pair for bucket in buckets for pair in bucket), None
 
@@ -275,6 +310,7 @@ class LongctxMoeEngine(BaseEngine):
         from verl.workers.engine.spec import BlockPlacement, ShardSpec
 
         dtype = getattr(torch, self.engine_config.export_dtype)
+        self._onload(model=True, optimizer=False, grad=False)  # verl offloads after the sync
         group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
         specs = self.policy.weights_spec(dtype)
         records = self.policy.export_weight_shards(dtype)
@@ -308,7 +344,8 @@ class LongctxMoeEngine(BaseEngine):
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None,
                         **kwargs):
         _refuse_remote(hdfs_path, max_ckpt_to_keep)
-        self.policy.save(local_path)
+        with self._resident():
+            self.policy.save(local_path)
         if self.policy.ctx.rank == 0:
             state = {"schedule_step": self.schedule.step_index, "global_step": global_step}
             (Path(local_path) / "verl_engine.json").write_text(json.dumps(state) + "\n")
@@ -317,7 +354,8 @@ class LongctxMoeEngine(BaseEngine):
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
         _refuse_remote(hdfs_path, None)
-        self.policy.load(local_path)
+        with self._resident():
+            self.policy.load(local_path)
         state = json.loads((Path(local_path) / "verl_engine.json").read_text())
         self.schedule.step_index = int(state["schedule_step"])
 
@@ -365,16 +403,29 @@ class VerlLoss:
 
 
 class _ModeCtx(BaseEngineCtx):
-    """verl's mode context (offload around the region) plus the model's train / eval mode."""
+    """verl's mode context plus the model's train / eval mode. What comes back on entry and goes
+    to the host on exit is verl's choice (BaseEngineCtx._context_switch): with param_offload the
+    parameters (and in train mode their gradients), with optimizer_offload the optimizer state
+    in train mode; none with disable_auto_offload. verl infers the direction from the device
+    name, which on a CPU run is "cpu" both ways: here entry onloads and exit offloads."""
+
+    def _parts(self) -> dict[str, bool]:
+        params, train = self.engine.is_param_offload_enabled, self.mode == "train"
+        return {"model": params, "grad": params and train,
+                "optimizer": self.engine.is_optimizer_offload_enabled and train}
 
     def __enter__(self):
-        super().__enter__()
+        self.engine.mode = self.mode
+        if not self.disable_auto_offload:
+            self.engine._onload(**self._parts())
         self.engine.policy.runtime.model.train(self.mode == "train")
 
     def __exit__(self, exc_type, exc_value, traceback):
         if self.mode == "train" and (self.zero_grad_on_exit or exc_type is not None):
             self.engine.optimizer_zero_grad()
-        super().__exit__(exc_type, exc_value, traceback)
+        if not self.disable_auto_offload:
+            self.engine._offload(**self._parts())
+        self.engine.mode = None
 
 
 def _temperature(data) -> float:
