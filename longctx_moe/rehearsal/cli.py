@@ -5,7 +5,8 @@ machine's CPU on storage-less tensors (step.py), with what each rank would hold 
         --set train.model_config=configs/models/qwen3-30b-a3b.json --set parallel.ep=8 \\
         --world 8 --gpu h100 --lengths lognormal:1500,1.2,32768 --tokens 32768 --out r.json
 
-Each rank runs in a process of its own (torch allows one default process group per process).
+Each rank runs in a process of its own (torch allows one default process group per process); a
+single rank runs in the command's own.
 Exit status 0 when every rehearsed rank fits its GPU, 1 when one does not, 2 for a fault the
 GPUs would refuse (one line naming the rank and the op) or a bad command line.
 """
@@ -101,7 +102,23 @@ def _run_rank(conn, argv: list[str], rank: int) -> None:
         conn.close()
 
 
-def _rehearse(argv: list[str], rank: int) -> tuple[str, object]:
+class _Reply:
+    """The end of a pipe `_run_rank` sends its one reply into, for a rank run in this process."""
+
+    def send(self, reply) -> None:
+        self.reply = reply
+
+    def close(self) -> None:
+        pass
+
+
+def _rehearse(argv: list[str], rank: int, alone: bool = False) -> tuple[str, object]:
+    """Rank `rank` in a process of its own, or in this one when it is the only rank rehearsed
+    (`alone`: one default process group is all this process will hold)."""
+    if alone:
+        reply = _Reply()
+        _run_rank(reply, argv, rank)
+        return reply.reply
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_run_rank, args=(child, argv, rank))
@@ -141,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     reports = []
     for rank in ranks:
-        kind, payload = _rehearse(argv, rank)
+        kind, payload = _rehearse(argv, rank, alone=len(ranks) == 1)
         if kind != "ok":
             print(f"error: {payload}" if kind != "crash" else f"error: rank {rank} failed:\n{payload}",
                   file=sys.stderr)
