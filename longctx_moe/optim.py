@@ -87,7 +87,6 @@ class MasterAdamW:
         self._param_of = {id(m): t for t, m in zip(self.tensors, self.masters, strict=True)}
         self._master_of = {id(t): m for t, m in zip(self.tensors, self.masters, strict=True)}
         self.optimizer = _adamw(self.masters, cfg)
-        self.param_groups = self.optimizer.param_groups
 
     def param_of(self, master: torch.Tensor) -> torch.Tensor:
         return self._param_of.get(id(master), master)
@@ -99,6 +98,11 @@ class MasterAdamW:
         """(model tensor, its separate fp32 master), in the optimizer's order."""
         return [(self.param_of(m), m) for g in self.param_groups for m in g["params"]
                 if self.param_of(m) is not m]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        # The inner optimizer's current list: its load_state_dict replaces the list it had.
+        return self.optimizer.param_groups
 
     @property
     def state(self) -> dict:

@@ -99,11 +99,24 @@ def load_trainer_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     # load_state_dict copies into the parameters: the reads need no copy of their own.
     state = {name: reader.read(f"model.{name}", *slices[name], tuple(t.shape), copy=False) for name, t in own.items()}
     model.load_state_dict(state)
+    _masters_into_params(model, slices, reader)
     optimizer.load_state_dict(_optimizer_state(model, optimizer, slices, reader))
+
+
+def _masters_into_params(model, slices: dict[str, Slice], reader: CheckpointReader) -> None:
+    """A checkpoint of bf16 parameters resumed with fp32 ones (train.param_dtype changed): each
+    fp32 parameter takes its fp32 master, so the run continues from the same weights exactly."""
+    saved = set(reader.keys("optim.master."))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            key = f"optim.master.{name}"
+            if key in saved and p.dtype != torch.bfloat16 and p.numel():
+                p.copy_(reader.read(key, *slices[name], tuple(p.shape)))
 
 
 def _optimizer_state(model, optimizer, slices: dict[str, Slice], reader: CheckpointReader) -> dict:
     """torch's optimizer state_dict (tensors by index) built from the checkpoint's slices."""
+    param_of = getattr(optimizer, "param_of", lambda t: t)
     fields: dict[str, list[str]] = {}
     for key in reader.keys("optim."):
         field, name = key[len("optim."):].split(".", 1)
@@ -114,7 +127,12 @@ def _optimizer_state(model, optimizer, slices: dict[str, Slice], reader: Checkpo
         if tensor.numel() == 0:
             continue
         entry = {}
+        if param_of(tensor) is not tensor and "master" not in fields.get(name, []):
+            # fp32 parameters saved (another train.param_dtype): they are the masters
+            entry["master"] = reader.read(f"model.{name}", *where, tuple(tensor.shape))
         for field in fields.get(name, []):
+            if field == "master" and param_of(tensor) is tensor:  # fp32 now: _masters_into_params
+                continue
             key = f"optim.{field}.{name}"
             if reader.global_shape(key):  # exp_avg, exp_avg_sq: sliced like the tensor
                 # The reader's own tensor (read once per key): the optimizer keeps it, no copy.

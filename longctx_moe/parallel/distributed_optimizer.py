@@ -224,7 +224,6 @@ class DistributedOptimizer:
                     self.whole.append(p)
         self._slab_of = {id(s.data): s for s in self.slabs}
         self.optimizer = build([s.data for s in self.slabs] + self.whole)
-        self.param_groups = self.optimizer.param_groups
         master_of = getattr(self.optimizer, "master_of", None)  # optim.MasterAdamW: bf16 slabs
         for s in self.slabs:
             if master_of is not None and master_of(s.data) is not s.data:
@@ -259,6 +258,11 @@ class DistributedOptimizer:
         return out
 
     # ------------------------------------------------------------------ torch optimizer surface
+
+    @property
+    def param_groups(self) -> list[dict]:
+        # The inner optimizer's current list: its load_state_dict replaces the list it had.
+        return self.optimizer.param_groups
 
     @property
     def state(self):
