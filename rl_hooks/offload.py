@@ -49,9 +49,10 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _copy_to_host(host_B: torch.Tensor, device_B: torch.Tensor) -> None:
-    """host <- device, asynchronous where the host buffer is pinned."""
-    host_B.copy_(device_B, non_blocking=host_B.is_pinned())
+def _copy(dst_B: torch.Tensor, src_B: torch.Tensor, host_B: torch.Tensor) -> None:
+    """dst <- src between the device and the host buffer `host_B` (one of them), asynchronous
+    where that buffer is pinned."""
+    dst_B.copy_(src_B, non_blocking=host_B.is_pinned())
 
 
 def _sync(device: torch.device) -> None:
@@ -135,7 +136,7 @@ class Residency:
             pin = self.device.type == "cuda"
             for held in (h for hs in moved.values() for h in hs):
                 held.host = torch.empty(held.storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-                _copy_to_host(held.host, _bytes(held.storage))
+                _copy(held.host, _bytes(held.storage), held.host)
             _sync(self.device)  # every copy has landed before its storage is freed
             for held in (h for hs in moved.values() for h in hs):
                 held.storage.resize_(0)
@@ -152,7 +153,7 @@ class Residency:
         back = {p: self.held.pop(p) for p in parts}
         for held in (h for hs in back.values() for h in hs if h.host is not None):
             held.storage.resize_(held.host.numel())
-            _bytes(held.storage).copy_(held.host, non_blocking=held.host.is_pinned())
+            _copy(_bytes(held.storage), held.host, held.host)
         _sync(self.device)  # the host buffers are released below
         return {p: sum(0 if h.host is None else h.host.numel() for h in hs) for p, hs in back.items()}
 

@@ -11,7 +11,10 @@ batch; the trainer gives each data-parallel rank its share):
    token) and the old log-probs of 1, one optimizer step;
 3. the weight export a rollout engine pulls after the update: `shards` (export_weight_shards,
    each rank its own pieces, no communication: an engine colocated with every rank) or
-   `buckets` (export_weights, whole HF tensors gathered over TP / ETP / EP, every rank takes part).
+   `buckets` (export_weights, whole HF tensors gathered over TP / ETP / EP, every rank takes part);
+4. `offload()` for the colocated rollout, then `onload()` for the next update: the device bytes
+   alive before and after the offload (every storage on meta that a Python tensor reaches, as
+   torch.cuda.memory_allocated counts a GPU's) and `offload_residual_frac`, their ratio.
 
 Each phase's traffic and what it produced are reported beside the step's totals
 (`PolicyReport.phases`), so that a phase that silently did nothing shows.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import gc
 from pathlib import Path
 from unittest import mock
 
@@ -82,7 +86,36 @@ def policy_step(policy, batch: RolloutBatch, export: str, rules) -> dict:
         pieces, nbytes = _pull(policy, export)
     out[f"export {export}"] = {"pieces": pieces, "bytes": nbytes, **_traffic(seen)}
     passes.restore()
+    out["offload"] = offload_round_trip(policy)
     return out
+
+
+def offload_round_trip(policy) -> dict:
+    """offload() then onload() of `policy` on meta; the device bytes alive before and after the
+    offload. Meta holds no values to copy: the host buffers are allocated (they count as host
+    bytes) and the copies either way skipped, the one seam of the offload (rl_hooks/offload.py
+    _copy); the storages are freed and grown back as on a GPU."""
+    from rl_hooks import offload
+
+    before = live_device_bytes("meta")
+    with mock.patch.object(offload, "_copy", lambda dst_B, src_B, host_B: None):
+        sent = policy.offload()
+        after = live_device_bytes("meta")
+        policy.onload()
+    return {"device_bytes_before": before, "device_bytes_after": after, "traffic": {},
+            "host_bytes": sum(sent.values()), "offload_residual_frac": after / max(before, 1)}
+
+
+def live_device_bytes(device: str) -> int:
+    """Bytes of the distinct storages on `device` that a live Python tensor reaches."""
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == device:
+            storage = obj.untyped_storage()
+            if storage._cdata not in seen:
+                seen.add(storage._cdata)
+                total += storage.nbytes()
+    return total
 
 
 class _ModelPasses:

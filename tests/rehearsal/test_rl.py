@@ -56,3 +56,6 @@ def test_the_shard_export_moves_nothing_and_yields_about_a_rank_s_share(tmp_path
     # each element once over the 8 ranks: about the model's bf16 bytes / 8, this rank's params or fewer
     assert 0 < export["bytes"] <= 2 * r["params"]
     assert r["phases"]["update"]["optimizer_steps"] == 2
+    # colocated: after offload() the rank holds <= 2% of its device bytes (issue 42)
+    offload = r["phases"]["offload"]
+    assert offload["offload_residual_frac"] <= 0.02 and offload["host_bytes"] >= 0.98 * offload["device_bytes_before"]
