@@ -11,6 +11,9 @@ keys; `--sections` picks them (default: all). Sections:
                 export (export_weight_shards), each rank's own pieces, no gathers.
                 `shard_sync_bytes_ratio`: the worst rank's shard bytes over model bytes / world,
                 the worst over every run (acceptance: <= 1.1).
+  bf16_params   parameter bytes a rank holds with train.param_dtype=bf16 over fp32 (distributed
+                optimizer on), and the fp32 masters its optimizer then holds.
+                `bf16_param_bytes_ratio`: the worst rank's ratio over every run.
 
 Layouts (of --config, configs/tiny_cpu.yaml by default): ep (experts over every rank, DP for the
 rest), tp2 (TP 2 x DP, experts replicated), tp2-ep2 (with EDP replicas), tp2-ep2-etp2 (experts'
@@ -159,9 +162,67 @@ def _sync_table(runs: list[dict], dtype: str) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------------- bf16_params
+
+
+def _param_rank(rank: int, world: int, config: str, layouts: list[tuple[str, list[str]]]) -> list[dict]:
+    """Per layout and train.param_dtype: bytes of the parameters this rank holds, and of the
+    separate fp32 masters its (distributed) optimizer holds."""
+    from longctx_moe.build import build_runtime, check_layout
+    from longctx_moe.config import load_config
+    from longctx_moe.trainer import Trainer
+
+    out = []
+    for _, sets in layouts:
+        row = {}
+        for dtype in ("fp32", "bf16"):
+            cfg = load_config(config, [*sets, f"train.param_dtype={dtype}", "train.autocast_dtype=bf16",
+                                       "parallel.distributed_optimizer=true"])
+            dims = check_layout(cfg, world)
+            dims.build_groups(rank)
+            trainer = Trainer(cfg, build_runtime(cfg, dims, torch.device("cpu")))
+            inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+            owned = {id(p) for p in trainer.model.parameters()}
+            masters = [m for g in inner.param_groups for m in g["params"] if id(m) not in owned
+                       and getattr(inner, "param_of", lambda t: t)(m) is not m]
+            row[f"{dtype}_param_bytes"] = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+            row[f"{dtype}_master_bytes"] = sum(m.numel() * m.element_size() for m in masters)
+        out.append(row)
+    return out
+
+
+def bf16_params(args) -> tuple[list[str], dict]:
+    """Parameter bytes per rank with train.param_dtype=bf16 over fp32 (the distributed optimizer
+    on; the embedding, router and norms stay fp32: longctx_moe.precision.low_precision_params).
+    `bf16_param_bytes_ratio`: the worst rank's ratio over every run."""
+    runs, lines = [], []
+    for world in args.world:
+        layouts, skipped = _layouts_for(world, args.layouts, args.config)
+        lines += skipped
+        if not layouts:
+            continue
+        per_rank = run_distributed(_param_rank, world, args=(args.config, layouts), timeout=1800)
+        for i, (name, sets) in enumerate(layouts):
+            ranks = [r[i] for r in per_rank]
+            ratio = max(r["bf16_param_bytes"] / r["fp32_param_bytes"] for r in ranks)
+            runs.append({"world": world, "layout": name, "settings": sets, "ranks": ranks, "ratio": ratio})
+    kib = 1024
+    lines += ["parameters per rank, train.param_dtype fp32 -> bf16 (KiB; masters: the optimizer's fp32 copies)",
+              f"{'world':>5} {'layout':<13} {'rank':>4} {'fp32 params':>11} {'bf16 params':>11} "
+              f"{'bf16 masters':>12} {'ratio':>6}"]
+    for run in runs:
+        for rank, r in enumerate(run["ranks"]):
+            lines.append(f"{run['world']:>5} {run['layout']:<13} {rank:>4} {r['fp32_param_bytes'] / kib:>11.1f} "
+                         f"{r['bf16_param_bytes'] / kib:>11.1f} {r['bf16_master_bytes'] / kib:>12.1f} "
+                         f"{r['bf16_param_bytes'] / r['fp32_param_bytes']:>6.3f}")
+    ratio = max((r["ratio"] for r in runs), default=None)
+    return lines, {"bf16_param_bytes_ratio": ratio, "bf16_params": {"config": args.config, "runs": runs}}
+
+
 # ---------------------------------------------------------------------- driver
 
 SECTIONS = {"weight_sync": weight_sync}
+SECTIONS["bf16_params"] = bf16_params
 
 
 def main(argv: list[str] | None = None) -> int:
