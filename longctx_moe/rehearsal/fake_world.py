@@ -72,11 +72,12 @@ def build_rank(cfg, world_size: int, rank: int, dtype: torch.dtype = torch.float
     `longctx-moe train` does it."""
     from longctx_moe.build import _parallelize, check_layout
     from longctx_moe.model import Transformer
+    from longctx_moe.precision import cast_params
 
     dims = check_layout(cfg, world_size)
     dims.build_groups(rank)
     with torch.device("meta"):
-        model = Transformer(cfg.model, ops or cuda_ops(cfg, dtype), balance=cfg.balance).to(dtype=dtype)
+        model = cast_params(Transformer(cfg.model, ops or cuda_ops(cfg, dtype), balance=cfg.balance), dtype)
     from longctx_moe.rehearsal.routing import AssumedRouting
 
     return dims, _parallelize(cfg, model, dims, AssumedRouting(routing))

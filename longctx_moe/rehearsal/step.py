@@ -91,13 +91,15 @@ def rehearse_rank(cfg, world: int, rank: int, gpu: GPU, lengths: list[int], ops=
     its own (one default process group per process). `ops` / `compute`: the Ops and ComputeDtype
     rehearsed (default the GPU's: fake_world.cuda_ops / gpu_compute); truth.py passes a real run's."""
     from data_packing.batch import pad_multiple
+    from longctx_moe.precision import PARAM_DTYPES
     from longctx_moe.rehearsal.fake_world import build_rank, fake_world, gpu_compute, host_batch
     from longctx_moe.trainer import Trainer
 
     with fake_world(world, rank), as_cuda_device(gpu):
-        dims, runtime = build_rank(cfg, world, rank, torch.float32, ops=ops)
+        dtype = PARAM_DTYPES[cfg.train.param_dtype]
+        dims, runtime = build_rank(cfg, world, rank, dtype, ops=ops)
         trainer = Trainer(cfg, runtime, "meta")
-        trainer.compute = compute or gpu_compute(cfg)  # the rehearsed device's, which meta cannot answer
+        trainer.compute = compute or gpu_compute(cfg, dtype)  # the rehearsed device's, which meta cannot answer
         batch = host_batch(lengths, pad_multiple(cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel))
         return measure_step(lambda: trainer.train_step([batch]), trainer, dims, rank, gpu)
 
@@ -121,8 +123,12 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
     with meta_autocast(dtype), standins.standins(), cuda_kernels(), DeviceRules(rank=rank, group_names=names):
         step()
     tracker = MemTracker()
-    # the torch optimizer itself (the distributed optimizer holds one over its slabs)
-    tracker.track_external(runtime.model, getattr(trainer.optimizer, "optimizer", trainer.optimizer))
+    # the torch optimizer itself (the distributed optimizer holds one over its slabs, a MasterAdamW
+    # one over fp32 masters)
+    inner = trainer.optimizer
+    while not isinstance(inner, torch.optim.Optimizer):
+        inner = inner.optimizer
+    tracker.track_external(runtime.model, inner)
     standins.host_reads.clear()
     _routing_reads(runtime, reset=True)
     with meta_autocast(dtype), standins.standins(), cuda_kernels(), tracker, rules:
