@@ -11,6 +11,10 @@ keys; `--sections` picks them (default: all). Sections:
                 export (export_weight_shards), each rank's own pieces, no gathers.
                 `shard_sync_bytes_ratio`: the worst rank's shard bytes over model bytes / world,
                 the worst over every run (acceptance: <= 1.1).
+  offload       device bytes a rank holds after PolicyTrainer.offload() over before, on the
+                gloo ranks (the trainer's storages, copies forced on the CPU) and in the full-size
+                rehearsal of Qwen3-30B-A3B on 8 (every storage alive on the device).
+                `offload_residual_frac`: the worst (acceptance: <= 0.02).
   bf16_params   parameter bytes a rank holds with train.param_dtype=bf16 over fp32 (distributed
                 optimizer on), and the fp32 masters its optimizer then holds.
                 `bf16_param_bytes_ratio`: the worst rank's ratio over every run.
@@ -219,10 +223,83 @@ def bf16_params(args) -> tuple[list[str], dict]:
     return lines, {"bf16_param_bytes_ratio": ratio, "bf16_params": {"config": args.config, "runs": runs}}
 
 
+# ---------------------------------------------------------------------- offload
+
+# The full-size rehearsal of the offload: Qwen3-30B-A3B GRPO on 8 ranks (rank 3, 4096 tokens a
+# rank), rl_hooks/rehearsal/policy_step.py's offload phase.
+OFFLOAD_REHEARSAL = ["--config", "configs/rehearsal/qwen3-30b-a3b.yaml", "--world", "8", "--rank", "3",
+                     "--tokens", "4096", "--gpu", "h100", "--rl", "shards"]
+
+
+def _offload_rank(rank: int, world: int, config: str, layouts: list[tuple[str, list[str]]]) -> list[dict]:
+    """Per layout, after one GRPO step: the trainer's device bytes before and after offload(),
+    with the copies forced on this CPU (rl_hooks/offload.py: a CPU run moves nothing otherwise)."""
+    from longctx_moe.config import load_config
+    from rl_hooks import PolicyLossConfig, PolicyTrainer, make_loss
+    from rl_hooks.rehearsal.policy_step import rollouts
+
+    out = []
+    for _, sets in layouts:
+        policy = PolicyTrainer(load_config(config, [*sets, "parallel.distributed_optimizer=true"]))
+        policy.train_step(rollouts([24, 40] * policy.dims.dp), make_loss(PolicyLossConfig(kind="ppo")))
+        residency = policy.export_gate.residency
+        residency.moves = True
+        before = residency.device_bytes()
+        sent = policy.offload()
+        out.append({"before_bytes": before, "after_bytes": residency.device_bytes(), "sent": sent})
+        policy.onload()
+    return out
+
+
+def _offload_rehearsed() -> dict:
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "longctx_moe.cli", "rehearse", *OFFLOAD_REHEARSAL, "--out", f"{tmp}/r.json"]
+        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
+        (report,) = json.load(open(f"{tmp}/r.json"))["ranks"]
+    return report["phases"]["offload"]
+
+
+def offload(args) -> tuple[list[str], dict]:
+    """Device bytes a rank holds after offload() over before. On gloo ranks the trainer's own
+    storages (the walk the offload makes: proves it frees what it finds); in the rehearsal every
+    storage alive on the device, as torch.cuda.memory_allocated counts (what it did not find
+    shows there). `offload_residual_frac`: the worst of them (acceptance: <= 0.02)."""
+    runs, lines = [], []
+    for world in args.world:
+        layouts, skipped = _layouts_for(world, args.layouts, args.config)
+        lines += skipped
+        if layouts:
+            per_rank = run_distributed(_offload_rank, world, args=(args.config, layouts), timeout=1800)
+            runs += [{"world": world, "layout": name, "ranks": [r[i] for r in per_rank]}
+                     for i, (name, _) in enumerate(layouts)]
+    rehearsed = _offload_rehearsed()
+    gib, kib = 2 ** 30, 1024
+    lines += ["offload: device bytes a rank holds before and after offload() (gloo: KiB)",
+              f"{'world':>5} {'layout':<13} {'rank':>4} {'before':>9} {'after':>7} {'frac':>6}"]
+    fracs = []
+    for run in runs:
+        for rank, r in enumerate(run["ranks"]):
+            fracs.append(r["after_bytes"] / max(r["before_bytes"], 1))
+            lines.append(f"{run['world']:>5} {run['layout']:<13} {rank:>4} {r['before_bytes'] / kib:>9.1f} "
+                         f"{r['after_bytes'] / kib:>7.1f} {fracs[-1]:>6.3f}")
+    fracs.append(rehearsed["offload_residual_frac"])
+    lines.append(f"rehearsed {' '.join(OFFLOAD_REHEARSAL)}: {rehearsed['device_bytes_before'] / gib:.2f} GiB "
+                 f"before, {rehearsed['device_bytes_after'] / gib:.2f} GiB after, "
+                 f"frac {rehearsed['offload_residual_frac']:.4f}")
+    return lines, {"offload_residual_frac": max(fracs),
+                   "offload": {"config": args.config, "runs": runs, "rehearsal": rehearsed,
+                               "rehearsal_args": OFFLOAD_REHEARSAL}}
+
+
 # ---------------------------------------------------------------------- driver
 
 SECTIONS = {"weight_sync": weight_sync}
 SECTIONS["bf16_params"] = bf16_params
+SECTIONS["offload"] = offload
 
 
 def main(argv: list[str] | None = None) -> int:
