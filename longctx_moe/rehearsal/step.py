@@ -109,11 +109,10 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
     a warm-up (the first optimizer step creates the optimizer's state), then the measured call, a
     step of the steady state. `trainer`: the Trainer whose runtime, optimizer and compute dtype
     the step uses."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from longctx_moe.rehearsal import standins
     from longctx_moe.rehearsal.collectives import DeviceRules
     from longctx_moe.rehearsal.cost import model_step_time
+    from longctx_moe.rehearsal.memtrack import FastMemTracker
     from longctx_moe.rehearsal.meta_autocast import meta_autocast
     from longctx_moe.rehearsal.meta_device import cuda_kernels
 
@@ -122,7 +121,7 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
     rules = DeviceRules(rank=rank, group_names=names)
     with meta_autocast(dtype), standins.standins(), cuda_kernels(), DeviceRules(rank=rank, group_names=names):
         step()
-    tracker = MemTracker()
+    tracker = FastMemTracker()
     # the torch optimizer itself (the distributed optimizer holds one over its slabs, a MasterAdamW
     # one over fp32 masters)
     inner = trainer.optimizer

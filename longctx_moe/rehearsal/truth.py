@@ -155,10 +155,9 @@ def _measure_rank(rank: int, world: int, cfg, lengths: list[int]) -> dict:
 def _real_step(cfg, world: int, rank: int, lengths: list[int]):
     """(peak by category, roles, Ops, ComputeDtype) of a real optimizer step on this CPU after a
     warm-up step, measured as step.rehearse_rank measures the rehearsal."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from data_packing.batch import pack_documents, pad_multiple
     from longctx_moe.build import build_runtime, check_layout
+    from longctx_moe.rehearsal.memtrack import FastMemTracker
     from longctx_moe.rehearsal.step import _roles, _split
     from longctx_moe.trainer import Trainer
 
@@ -173,7 +172,7 @@ def _real_step(cfg, world: int, rank: int, lengths: list[int]):
     p = cfg.parallel
     batch = pack_documents(docs, [d.clone() for d in docs], pad_multiple(p.cp, p.tp, p.sequence_parallel))
     trainer.train_step([batch])  # the first step creates the optimizer's state
-    tracker = MemTracker()
+    tracker = FastMemTracker()
     tracker.track_external(runtime.model, getattr(trainer.optimizer, "optimizer", trainer.optimizer))
     with tracker:
         trainer.train_step([batch])
