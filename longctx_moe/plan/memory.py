@@ -1,0 +1,167 @@
+"""Per-rank memory of a layout, measured from the program on meta, not from a second formula.
+
+Two measurements, each of a shrink of the model (its first_k_dense dense layers plus one, then
+two MoE layers: the same shapes, fewer layers), cached on disk by what they depend on:
+
+- Model state (`static`): the program builds and parallelizes the shrink for rank 0 of the real
+  world (rehearsal.fake_world.build_rank: the program's own sharding over TP, EP, ETP), builds its
+  optimizer (runtime.build_optimizer: AdamW, or the distributed optimizer's slabs over DP x CP and
+  EDP) and steps it once on zero gradients so the optimizer allocates its state. Parameters and
+  gradients are the rank's parameter bytes (a gradient has its parameter's shape and dtype), the
+  optimizer state what the step allocated. Keyed by (tp, ep, etp, distributed optimizer, world):
+  CP does not shard weights.
+- Activations (`activations`): rehearsal.step.rehearse_rank runs the shrink's whole step at a
+  small token count on a small world with the layout's TP, CP backend, recompute mode and EP
+  (two ranks when the layout has EP, for the all-to-all's buffers), and the peak's activation
+  and "rest" categories are kept per token of the rank. Keyed by (recompute, tp, CP backend,
+  EP > 1).
+
+Scaling. Every MoE layer of a model has the same shapes, so the second shrink minus the first is
+one MoE layer's share and the model's is the first plus (L - L0 - 1) of it (exact for weights).
+Activations held for the backward grow by one layer's worth per layer under every recompute
+mode (none: all its saved tensors; selective: those but the SwiGLU's; full: its input), and the
+working set of the one layer being recomputed or differentiated is in the first shrink already.
+They are linear in a rank's tokens: flash attention keeps O(tokens) per layer (no score matrix),
+the experts' rows are tokens x top-k under the balanced routing the rehearsal assumes, and the
+logits are per token. A fixed part (buffers independent of tokens) is scaled with them: an
+over-estimate of a few MiB at small token counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from longctx_moe.plan.layouts import Layout, config_of
+
+# Tokens per rank of an activation probe: meta tensors cost the same at any size, and the step's
+# peak must fall inside the backward (where activations are live), not at the optimizer's step.
+PROBE_TOKENS = 16384
+
+
+def _shrinks(cfg) -> tuple[int, int, int]:
+    """(layers of the first shrink, of the second, of the model)."""
+    base = cfg.model.first_k_dense + 1
+    return base, base + 1, cfg.model.num_layers
+
+
+def _with_layers(cfg, layers: int):
+    model = dataclasses.replace(cfg.model, num_layers=layers, first_k_dense=min(cfg.model.first_k_dense, layers))
+    return dataclasses.replace(cfg, model=model)
+
+
+def _extrapolate(first: dict, second: dict, layers: tuple[int, int, int]) -> dict:
+    extra = layers[2] - layers[0]
+    return {k: first[k] + extra * (second[k] - first[k]) for k in first}
+
+
+class MemoryCache:
+    """Measurements of one model and precision on disk (JSON), shared by every plan of it."""
+
+    def __init__(self, cfg, directory: str | Path | None):
+        what = json.dumps([dataclasses.asdict(cfg.model), dataclasses.asdict(cfg.execution),
+                           cfg.train.param_dtype, cfg.train.autocast_dtype, cfg.optim.impl], sort_keys=True,
+                          default=str)
+        digest = hashlib.sha256(what.encode()).hexdigest()[:16]
+        self.path = Path(directory) / f"memory-{digest}.json" if directory else None
+        self.entries = json.loads(self.path.read_text()) if self.path and self.path.is_file() else {}
+        self.measured = 0  # measurements taken (not read from disk) by this process
+
+    def get(self, key: str, measure):
+        if key not in self.entries:
+            self.entries[key] = measure()
+            self.measured += 1
+            if self.path:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(self.entries, indent=0))
+                tmp.replace(self.path)
+        return self.entries[key]
+
+
+def _state_bytes(cfg, world: int) -> dict:
+    """Parameters, gradients and optimizer state of rank 0 of `cfg` on `world` ranks."""
+    from longctx_moe.rehearsal.fake_world import build_rank, fake_world
+
+    with fake_world(world, 0):
+        _, runtime = build_rank(cfg, world, 0)
+        params = sum(p.numel() * p.element_size() for p in runtime.model.parameters())
+        optimizer = runtime.build_optimizer(cfg.optim)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        inner.step()  # the state AdamW (and a bf16 run's fp32 masters) allocate
+        state = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
+                    if torch.is_tensor(t) and t.dim() > 0)
+        masters = getattr(inner, "masters", None)  # optim.MasterAdamW keeps its masters apart
+        if isinstance(masters, dict):
+            state += sum(t.numel() * t.element_size() for t in masters.values())
+    return {"parameters": params, "gradients": params, "optimizer state": state}
+
+
+def static(cache: MemoryCache, cfg, layout: Layout) -> dict:
+    """Bytes of parameters, gradients and optimizer state one rank of `layout` holds."""
+    key = f"state tp{layout.tp} ep{layout.ep} etp{layout.etp} dopt{int(layout.distributed_optimizer)} " \
+          f"w{layout.world}"
+    layers = _shrinks(cfg)
+
+    def measure():
+        probe = dataclasses.replace(layout, cp=1, cp_backend="ring", cp_inner=1, dynamic_cp=False)
+        c = config_of(cfg, probe)
+        return [_state_bytes(_with_layers(c, n), layout.world) for n in layers[:2]]
+
+    first, second = cache.get(key, measure)
+    return _extrapolate(first, second, layers)
+
+
+def _probe_layout(layout: Layout) -> Layout:
+    """The small world whose rank runs the layout's activations: its TP, its CP backend on 2 ranks
+    (hierarchical: 2 x 2), EP 2 where it has EP."""
+    cp, inner = {"ring": (2, 2), "ulysses": (2, 2), "hierarchical": (4, 2)}[layout.cp_backend] \
+        if layout.cp > 1 else (1, 1)
+    ep = 2 if layout.ep > 1 else 1
+    world = max(layout.tp * cp, ep)
+    return Layout(layout.tp, cp, layout.cp_backend if cp > 1 else "ring", inner, ep, 1, False,
+                  layout.recompute, False, world)
+
+
+def _activation_bytes(cfg, probe: Layout, lengths_of) -> dict:
+    from longctx_moe.rehearsal.gpus import GPUS
+    from longctx_moe.rehearsal.step import rehearse_rank
+
+    per_rank = PROBE_TOKENS
+    for _ in range(3):  # more tokens until the peak is the backward's
+        report = rehearse_rank(cfg, probe.world, 0, GPUS["h100"], lengths_of(per_rank * probe.cp))
+        if report.peak_moment != "optimizer step" and report.peak_split["activations"] > 0:
+            break
+        per_rank *= 4
+    split = report.peak_split
+    return {"activations": split["activations"] / per_rank, "rest": split["rest"] / per_rank}
+
+
+def activations(cache: MemoryCache, cfg, layout: Layout, lengths_of) -> dict:
+    """Bytes per token of a rank (its share of a micro-batch) for activations and the rest."""
+    probe = _probe_layout(layout)
+    key = f"act rc={layout.recompute} tp{layout.tp} cp={probe.cp_backend}{probe.cp} ep{probe.ep}"
+    layers = _shrinks(cfg)
+
+    def measure():
+        c = config_of(cfg, probe)
+        return [_activation_bytes(_with_layers(c, n), probe, lengths_of) for n in layers[:2]]
+
+    first, second = cache.get(key, measure)
+    return _extrapolate(first, second, layers)
+
+
+def per_rank(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, lengths_of) -> dict:
+    """category -> bytes one rank of `layout` holds at the step's peak with `rank_tokens` tokens
+    of a micro-batch."""
+    out = dict(static(cache, cfg, layout))
+    for k, v in activations(cache, cfg, layout, lengths_of).items():
+        out[k] = v * rank_tokens
+    return out
