@@ -91,10 +91,11 @@ class DeviceRules(TorchDispatchMode):
             if host:
                 _as_alike_peers(func, args)
             return out
-        self._mixing(func, args, kwargs)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        self._mixing(func, tensors)
         out = func(*args, **kwargs)
         self._keep_host_value(func, args, out)
-        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == self.device]
+        ins = [t for t in tensors if t.device.type == self.device]
         if ins and not _VIEWS.get(func, False):
             self.launches[func.namespace] += 1
             outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -117,8 +118,7 @@ class DeviceRules(TorchDispatchMode):
 
     # ---- every op
 
-    def _mixing(self, func, args, kwargs) -> None:
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    def _mixing(self, func, tensors: list) -> None:
         on_device = any(t.device.type == self.device for t in tensors)
         host = [t for t in tensors if t.device.type == "cpu" and t.dim() > 0]
         if on_device and host:
