@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -79,11 +80,16 @@ def _rehearse(config: str, world: int, ranks: list[int], gpu: str, timeout: floa
                "--gpu", gpu, "--tokens", str(tokens), "--lengths", f"lognormal:1500,1.2,{tokens}", "--out", out,
                *[a for r in ranks for a in ("--rank", str(r))]]
         t0 = time.monotonic()
+        # a session of its own, so that a timeout stops the rank processes the command spawned too
+        proc = subprocess.Popen([sys.executable, "-c", _MEASURED, *cmd], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            done = subprocess.run([sys.executable, "-c", _MEASURED, *cmd], cwd=ROOT, capture_output=True,
-                                  text=True, timeout=timeout)
+            stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             return {"status": "timeout", "minutes": (time.monotonic() - t0) / 60, "error": f"over {timeout:.0f} s"}
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         minutes = (time.monotonic() - t0) / 60
         lines = done.stderr.strip().splitlines()
         rss_gib = int(lines[-1]) * 1024 / GIB if lines and lines[-1].isdigit() else float("nan")
