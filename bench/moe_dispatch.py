@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.bench_io import write_json  # noqa: E402
-from longctx_moe.model.moe import GroupedExperts  # noqa: E402
+from longctx_moe.model.experts import GroupedExperts  # noqa: E402
 from longctx_moe.parallel.dispatch import AllGatherDispatcher, AllToAllDispatcher  # noqa: E402
 from longctx_moe.parallel.expert_parallel import shard_experts  # noqa: E402
 from tests.launcher import run_distributed  # noqa: E402

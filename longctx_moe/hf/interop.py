@@ -6,7 +6,7 @@ Two HF layouts exist for the experts:
         and projection, `{moe}.experts.{e}.{gate}` [F, D], `{up}` [F, D], `{down}` [D, F];
     in memory (transformers 5 fuses them on load): `mlp.experts.gate_up_proj` [E, 2F, D]
         (gate rows first) and `mlp.experts.down_proj` [E, D, F].
-Ours: experts.w_gate_up [E, D, 2, F], experts.w_down [E, F, D] (see model/moe.GroupedExperts).
+Ours: experts.w_gate_up [E, D, 2, F], experts.w_down [E, F, D] (see model/experts.GroupedExperts).
 gpt-oss (a family with `fused_experts`) has one layout on disk and in memory: `mlp.experts.
 gate_up_proj` [E, D, 2F] with gate and up interleaved (gate = [..., 0::2]), `gate_up_proj_bias`
 [E, 2F] likewise, `down_proj` [E, F, D] and `down_proj_bias` [E, D] (`fused_pairs`).

@@ -1,6 +1,6 @@
 """Adapter for the fused CPU SwiGLU of the experts (`cp_attention/csrc/swiglu.cpp`).
 
-model.moe._SwiGLUDown keeps only h = [gate | up] for its backward and recomputes the activation
+model.experts._SwiGLUDown keeps only h = [gate | up] for its backward and recomputes the activation
 there. On a CPU its torch path is two elementwise passes forward (silu, the product) and five
 backward (silu and the product again, two more products, silu_backward), each writing a fresh
 [M, F] tensor: on the bench/verl_engine.py batch, ~8.5 ms of every 16,384-row backward against

@@ -2,7 +2,7 @@
 
 Applied once, where the Transformer is built: each block's nn.Linear (attention and dense-MLP
 projections, shared experts) is replaced by an Fp8Linear holding the same Parameter objects; the
-experts take FP8 as a constructor argument (model.moe.GroupedExperts, from the Ops). Parameter names, shapes and dtypes
+experts take FP8 as a constructor argument (model.experts.GroupedExperts, from the Ops). Parameter names, shapes and dtypes
 are unchanged, so checkpoints, the optimizer and the HF export see the same model with or
 without FP8. The router, a shared expert's gate, the embedding and the LM head are left as they
 are.
@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from longctx_moe.kernels import fp8
+from longctx_moe.model.experts import GroupedExperts
 from longctx_moe.model.layers import autocast_dtype
-from longctx_moe.model.moe import GroupedExperts, SharedExpert
+from longctx_moe.model.moe import SharedExpert
 
 
 class Fp8Linear(nn.Linear):

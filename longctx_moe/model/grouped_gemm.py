@@ -9,7 +9,7 @@ a GPU run takes reads none. Only the loop fallback (one GEMM per expert: float64
 not 16-byte aligned) and the per-group row padding (CPU only, `wants_padding`) need them as host
 ints (`host_counts`): on CPU they are host values already; on a GPU the fallback pays a sync
 per GEMM. The FP8 experts loop by host counts too, handed down by the dispatcher (or read once
-per layer forward, model/moe.py GroupedExperts). The dispatchers' routing counts reach the host elsewhere, once per MoE layer
+per layer forward, model/experts.py GroupedExperts). The dispatchers' routing counts reach the host elsewhere, once per MoE layer
 (parallel/comm.py, RoutingCounts).
 
 Shapes: M rows sorted by expert, D in features, F out features, E experts.

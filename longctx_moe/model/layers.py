@@ -149,7 +149,7 @@ class _GatedDown(torch.autograd.Function):
     the three ops also keeps silu(gate) and the activation ([T, F] each: 2 of the D + 4F values a
     token holds per dense MLP); the backward recomputes both (two pointwise ops) and forms the
     products autograd's linear, mul and silu backward form, in their order, so every gradient is
-    bitwise the plain composition's. The experts' version is moe._SwiGLUDown. Legend: N rows
+    bitwise the plain composition's. The experts' version is experts._SwiGLUDown. Legend: N rows
     (any leading shape), F hidden, D model dim."""
 
     @staticmethod

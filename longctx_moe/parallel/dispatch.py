@@ -9,7 +9,7 @@ Contract (docs/ARCHITECTURE.md):
     y[t] = sum_k topk_weight[t, k] * expert_{topk_idx[t, k]}(x[t])   (dropped assignments add 0)
 where `experts(x_MD, tokens_per_local_expert_L) -> y_MD` runs this rank's L experts on rows sorted
 by local expert (`tokens_per_local_expert_L`: int64 [L] on x's device, sums to M). Experts that
-say `wants_rows` (model.moe.GroupedExperts under FP8) are also given `rows=`, the same counts as
+say `wants_rows` (model.experts.GroupedExperts under FP8) are also given `rows=`, the same counts as
 host ints, so that no expert GEMM reads them back from the device.
 
 Dropless by default. With `capacity_factor`, each expert keeps at most

@@ -1,5 +1,5 @@
 """The fused CPU SwiGLU (cp_attention/csrc/swiglu.cpp) against the torch path of
-model.moe._SwiGLUDown and a float64 reference.
+model.experts._SwiGLUDown and a float64 reference.
 
 The kernel keeps the torch path's float32 arithmetic and stores, with at::vec's exp: where aten
 runs its vector loop over a whole row (rows of a multiple of 64 bf16 / 32 float32 values: it
@@ -12,7 +12,7 @@ import torch
 
 from cp_attention.hardware import cpu_has_avx512_bf16
 from longctx_moe.kernels import cpu_swiglu
-from longctx_moe.model.moe import _silu_and_act
+from longctx_moe.model.experts import _silu_and_act
 
 # Where it is built, a failed build or self-check fails these tests (the activation would silently
 # stay on torch); elsewhere (AVX2-only CPUs) they do not apply.

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from longctx_moe.kernels import triton_ops as ops
+from longctx_moe.model.experts import GroupedExperts
 from longctx_moe.model.grouped_gemm import pad_layout
-from longctx_moe.model.moe import GroupedExperts, LocalDispatcher, permute_layout
+from longctx_moe.model.moe import LocalDispatcher, permute_layout
 
 pytestmark = pytest.mark.triton
 

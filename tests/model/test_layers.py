@@ -11,6 +11,7 @@ from cp_attention.hardware import cpu_has_avx512_bf16
 from longctx_moe.execution import torch_ops
 from longctx_moe.kernels import cpu_swiglu
 from longctx_moe.model.attention import Attention, doc_layout
+from longctx_moe.model.experts import GroupedExperts
 from longctx_moe.model.grouped_gemm import (
     grouped_matmul,
     grouped_mm_works,
@@ -18,7 +19,7 @@ from longctx_moe.model.grouped_gemm import (
     resolve_impl,
 )
 from longctx_moe.model.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
-from longctx_moe.model.moe import GroupedExperts, LocalDispatcher
+from longctx_moe.model.moe import LocalDispatcher
 from tests.model.helpers import dense_attention, packed_batch, tiny_config
 
 # float64 throughout: differences are pure rounding (~1e-15 relative); 1e-10 leaves ample margin.

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from longctx_moe.model.moe import GroupedExperts, LocalDispatcher
+from longctx_moe.model.experts import GroupedExperts
+from longctx_moe.model.moe import LocalDispatcher
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
 from longctx_moe.parallel.dispatch import AllToAllDispatcher

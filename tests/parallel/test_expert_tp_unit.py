@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from longctx_moe.model.moe import GroupedExperts
+from longctx_moe.model.experts import GroupedExperts
 from longctx_moe.parallel.dispatch import experts_over_etp
 from longctx_moe.parallel.expert_parallel import shard_expert_hidden
 from longctx_moe.parallel.sharding import Split, splits_of

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from longctx_moe.model.moe import GroupedExperts, LocalDispatcher
+from longctx_moe.model.experts import GroupedExperts
+from longctx_moe.model.moe import LocalDispatcher
 from longctx_moe.parallel.dispatch import AllGatherDispatcher, AllToAllDispatcher
 from longctx_moe.parallel.expert_parallel import shard_expert_hidden, shard_experts
 from tests.launcher import run_distributed

@@ -118,7 +118,7 @@ def test_fp8_codec_in_runs_of_128_is_the_block_recipes_activation_operand():
 
 
 def _block_experts(local: int, offset: int):
-    from longctx_moe.model.moe import GroupedExperts
+    from longctx_moe.model.experts import GroupedExperts
 
     torch.manual_seed(0)
     full = GroupedExperts(4, 256, 128)

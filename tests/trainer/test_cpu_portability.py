@@ -15,7 +15,7 @@ import torch
 from cp_attention import hardware
 from longctx_moe import precision
 from longctx_moe.metrics import measure_peak_tflops
-from longctx_moe.model.moe import GroupedExperts
+from longctx_moe.model.experts import GroupedExperts
 
 ROOT = Path(__file__).resolve().parents[2]
 AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
