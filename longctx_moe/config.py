@@ -57,9 +57,8 @@ class TrainConfig:
     steps: int = 100  # optimizer steps
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
-    # What the model holds: fp32 (the parameters are the master weights) | fp64 (tests) | bf16
-    # (linear and expert weights in bf16, fp32 master weights in the optimizer, sharded with
-    # parallel.distributed_optimizer; longctx_moe.precision)
+    # What the model holds: fp32 (the master weights) | fp64 (tests) | bf16 (linear and expert
+    # weights; fp32 masters in the optimizer, sharded with parallel.distributed_optimizer)
     param_dtype: str = "fp32"
     # Compute dtype: auto (bf16 where the device has native bf16, else the parameters' dtype;
     # longctx_moe.precision) | bf16 | fp16 | none
