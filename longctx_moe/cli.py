@@ -199,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "plan-groups":  # its own parser owns every flag after the name
         return cmd_plan_groups(argv[1:])
+    if argv and argv[0] == "plan":
+        from longctx_moe.plan.cli import main as plan_main
+
+        return plan_main(argv[1:])
     if argv and argv[0] == "rehearse":
         from longctx_moe.rehearsal.cli import main as rehearse_main
 
@@ -212,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     _export_parser(sub)
     _report_parser(sub)
     sub.add_parser("plan-groups", help="print the process groups of a parallel layout", add_help=False)
+    sub.add_parser("plan", help="the fastest parallel layouts of a model on N GPUs that fit, with memory "
+                   "and step time", add_help=False)
     sub.add_parser("rehearse", help="one step of chosen ranks of an N-GPU job, on this CPU: memory, "
                    "traffic, launches, modeled time", add_help=False)
     for name, ep in sorted(plugins.items()):

@@ -1,0 +1,210 @@
+"""`longctx-moe plan`: the fastest parallel layouts of a model on N GPUs that fit their memory.
+
+    longctx-moe plan --model configs/models/qwen3-30b-a3b.json --gpus 64 --gpu h100 \\
+        --lengths lognormal:1500,1.2,32768 --tokens-per-step 4194304 --top 5 --out plan.json
+
+Every candidate layout gets a modeled step time (timing.py); they are walked fastest first, each
+judged by the configuration (build.check_layout; a refused one is never proposed) and its memory
+measured from the program (memory.py, cached under --cache), until --top of them fit. The
+fastest that did not fit are listed with why. --rehearse-top K rehearses the K best layouts in
+full (longctx-moe rehearse's step) and prints both memory figures side by side.
+Exit status 0 with a plan, 1 when no layout fits, 2 for a bad command line or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+
+import numpy as np
+
+from longctx_moe.rehearsal.gpus import GIB, GPUS
+
+CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "rest")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="longctx-moe plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a model's config.json (configs/models/) or a training YAML")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs of the job")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
+    p.add_argument("--lengths", default="lognormal:1500,1.2,32768", help="lognormal:MEDIAN,SIGMA,MAX")
+    p.add_argument("--tokens-per-step", type=int, required=True, help="tokens of one optimizer step")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--rehearse-top", type=int, default=0, metavar="K",
+                   help="rehearse the K best layouts in full and print both memory figures")
+    p.add_argument("--cache", default="runs/plan-cache", help="where memory measurements are kept")
+    p.add_argument("--out", help="write the plan as JSON here")
+    return p
+
+
+def base_config(path: str):
+    from longctx_moe.config import load_config
+
+    if path.endswith(".json"):
+        return load_config(None, [f"train.model_config={path}", "train.autocast_dtype=bf16"])
+    return load_config(path)
+
+
+def parse_lengths(spec: str) -> tuple[float, float, int]:
+    kind, _, values = spec.partition(":")
+    try:
+        median, sigma, longest = (float(v) for v in values.split(","))
+    except ValueError:
+        kind = ""
+    if kind != "lognormal" or median <= 0 or sigma < 0 or longest < 1:
+        raise ValueError(f"--lengths {spec!r}: give lognormal:MEDIAN,SIGMA,MAX, e.g. lognormal:1500,1.2,32768")
+    return median, sigma, int(longest)
+
+
+def param_counts(cfg) -> tuple[int, int]:
+    """(dense, expert) parameters of the whole model, counted on meta by the program's split."""
+    import torch
+
+    from longctx_moe.model import Transformer
+    from longctx_moe.parallel.grad_reduce import split_params
+    from longctx_moe.rehearsal.fake_world import cuda_ops
+
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cuda_ops(cfg), balance=cfg.balance)
+    dense, expert = split_params(model)
+    return sum(p.numel() for p in dense), sum(p.numel() for p in expert)
+
+
+def rank_tokens(layout, longest: int, tokens: int) -> int:
+    """Tokens one rank holds of a micro-batch: the longest document's share of its CP run (a
+    micro-batch holds whole documents), at least 4,096 where the step has them (GEMM-sized)."""
+    return max(math.ceil(longest / layout.cp), min(4096, tokens // layout.world))
+
+
+@dataclasses.dataclass
+class Planned:
+    layout: object
+    time: dict
+    memory: dict | None = None
+    refused: str | None = None
+
+    @property
+    def peak(self) -> float:
+        return sum(self.memory.values()) if self.memory else 0.0
+
+    def as_dict(self) -> dict:
+        return {"layout": self.layout.as_dict(), "label": self.layout.label(), "time": self.time,
+                "memory_bytes": self.memory, "peak_bytes": self.peak, "refused": self.refused}
+
+
+def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int = 5,
+         gpus_per_node: int = 8, cache_dir: str | None = None, progress=None) -> dict:
+    """{"fit": [Planned] fastest first, "excluded": [Planned] faster ones that did not fit or were
+    refused, "candidates", "judged", "measured"}."""
+    from longctx_moe.plan.layouts import candidates, judge
+    from longctx_moe.plan.memory import MemoryCache, per_rank
+    from longctx_moe.plan.timing import Workload, step_time
+    from longctx_moe.rehearsal.step import lognormal_lengths
+
+    gpu = dataclasses.replace(GPUS[gpu_kind], gpus_per_node=gpus_per_node)
+    median, sigma, longest = parse_lengths(lengths_spec)
+    docs = np.array(lognormal_lengths(tokens, median, sigma, longest))
+    counts = param_counts(cfg)
+    max_cp = 2 ** math.ceil(math.log2(max(1, longest / 512)))  # tiles under 512 tokens never pay
+    timed = []
+    for layout in candidates(gpus, cfg.model.num_experts, gpus_per_node):
+        if layout.cp > max_cp or tokens // layout.dp < longest:
+            continue  # a replica's share must hold the longest document
+        work = Workload(docs, rank_tokens(layout, longest, tokens))
+        timed.append(Planned(layout, step_time(cfg.model, gpu, gpu_kind, layout, work, counts)))
+    timed.sort(key=lambda p: p.time["total_s"])
+    cache = MemoryCache(cfg, cache_dir)
+    fit, excluded, judged = [], [], 0
+    for i, p in enumerate(timed):
+        if len(fit) >= top:
+            break
+        if progress:
+            progress(f"\rjudging {i + 1} of {len(timed)} layouts, {len(fit)} fit")
+        judged += 1
+        p.refused = judge(cfg, p.layout)
+        if p.refused is None:
+            n = rank_tokens(p.layout, longest, tokens)
+            p.memory = per_rank(cache, cfg, p.layout, n, lambda t: lognormal_lengths(t, median, sigma, longest))
+            if p.peak <= gpu.memory_bytes:
+                fit.append(p)
+                continue
+        excluded.append(p)
+    if progress:
+        progress("\n")
+    return {"fit": fit, "excluded": excluded, "candidates": len(timed), "judged": judged,
+            "measured": cache.measured, "gpu": gpu}
+
+
+def _line(p: Planned) -> str:
+    t, m = p.time, p.memory or {}
+    mem = " ".join(f"{m.get(k, 0) / GIB:6.1f}" for k in CATEGORIES)
+    return (f"{p.layout.label():<48} {p.peak / GIB:6.1f} | {mem} | {t['total_s']:7.3f} {t['compute_s']:7.3f} "
+            f"{t['comm_s']:6.3f} {t['imbalance_s']:6.3f} | {t['tokens_per_s_per_gpu']:8.0f} {t['mfu'] * 100:5.1f}%")
+
+
+HEADER = (f"{'layout':<48} {'peak':>6} | {'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'rest':>6} | "
+          f"{'step s':>7} {'comp':>7} {'comm':>6} {'imbal':>6} | {'tok/s/GPU':>8} {'MFU':>6}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from longctx_moe.config import ConfigError
+
+    start = time.perf_counter()
+    try:
+        if args.gpus < 1 or args.tokens_per_step < 1 or args.top < 1:
+            raise ValueError("--gpus, --tokens-per-step and --top must be >= 1")
+        cfg = base_config(args.model)
+        result = plan(cfg, args.gpus, args.gpu, args.lengths, args.tokens_per_step, args.top,
+                      args.gpus_per_node, args.cache, progress=lambda s: print(s, end="", file=sys.stderr))
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{cfg.model.num_layers}-layer model on {args.gpus} x {args.gpu}: {result['candidates']} candidate "
+          f"layouts, {result['judged']} judged fastest first, {result['measured']} memory measurements taken "
+          f"({time.perf_counter() - start:.1f} s); memory GiB per rank, step seconds")
+    print(HEADER)
+    for p in result["fit"]:
+        print(_line(p))
+    if result["excluded"]:
+        print("faster layouts excluded:")
+        for p in result["excluded"][:10]:
+            why = p.refused or f"needs {p.peak / GIB:.1f} GiB > {result['gpu'].memory_bytes / GIB:.1f} GiB"
+            print(f"  {p.layout.label():<48} {p.time['total_s']:7.3f} s: {why}")
+    rehearsed = _rehearse_top(cfg, result, args) if args.rehearse_top else []
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"fit": [p.as_dict() for p in result["fit"]],
+                       "excluded": [p.as_dict() for p in result["excluded"]],
+                       "rehearsed": rehearsed, "seconds": time.perf_counter() - start}, f, indent=1)
+    return 0 if result["fit"] else 1
+
+
+def _rehearse_top(cfg, result: dict, args) -> list[dict]:
+    """The K best layouts rehearsed in full, rank 0 each, beside the planner's figures."""
+    from longctx_moe.plan.layouts import config_of
+    from longctx_moe.rehearsal.step import lognormal_lengths, rehearse_rank
+
+    median, sigma, longest = parse_lengths(args.lengths)
+    out = []
+    print("planner vs rehearsal, rank 0 (GiB):")
+    for p in result["fit"][:args.rehearse_top]:
+        n = rank_tokens(p.layout, longest, args.tokens_per_step)
+        c = config_of(cfg, p.layout, max_tokens_per_rank=n)
+        c = dataclasses.replace(c, data=dataclasses.replace(c.data, micro_batch_tokens=n * p.layout.cp))
+        report = rehearse_rank(c, p.layout.world, 0, result["gpu"],
+                               lognormal_lengths(n * p.layout.cp, median, sigma, longest))
+        err = p.peak / report.peak_bytes - 1
+        print(f"  {p.layout.label():<48} planner {p.peak / GIB:6.1f}  rehearsal {report.peak_bytes / GIB:6.1f} "
+              f"({err * 100:+.1f}%)  " + " ".join(f"{k} {p.memory[k] / GIB:.1f}/{report.peak_split[k] / GIB:.1f}"
+                                                   for k in CATEGORIES))
+        out.append({"label": p.layout.label(), "planner": p.peak, "rehearsal": report.peak_bytes,
+                    "rehearsal_split": report.peak_split, "rel_err": err})
+    return out

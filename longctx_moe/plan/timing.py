@@ -1,0 +1,154 @@
+"""Modeled step time of a layout: one cost shape, a*tokens + b*attention pairs (the Dynamic-CP
+scheduler's, cp_attention.dynamic_cost.DynamicCPCost), at achieved throughputs per GPU kind,
+plus each collective the layout runs, over the link its group crosses.
+
+Efficiencies (achieved / datasheet peak, gpus.py's peaks):
+- GEMMs 0.6 on H100 / H200: the H200 run measured 775 TFLOP/s on an 8192^3 bf16 matmul (0.78 of
+  989; docs/PERFORMANCE.md, the GPU check), and a training step's GEMMs are smaller and grouped
+  (its profile: 70.5 ms of GEMMs for ~half the step's FLOPs); B200 assumed the same (unmeasured).
+- Attention 0.5 of peak on long tiles with the tile efficiency m / (m + 490) at m tokens per rank
+  (FlashAttention-3's H100 forward + backward figures; cp_attention.dynamic_cost.H100_*).
+- Links: NCCL reaches ~45% of NVLink 4's 450 GB/s per direction for send/recv and all-to-all
+  inside a node (dynamic_cost.DynamicCPCost.h100's 200 GB/s), 80% of the 50 GB/s of one IB NDR
+  port across nodes (assumed); 20 us per collective call (gpus.py).
+Communication counted per step on one rank (bus bytes, nccl-tests' convention):
+- TP with sequence parallelism: per layer an all-gather and a reduce-scatter around attention and
+  around the MLP / experts, forward and backward (a full recompute repeats the forward's);
+- ETP: per MoE layer an all-gather of the routed rows and a reduce-scatter of the output;
+- EP: per MoE layer the dispatch and combine all-to-alls, forward and backward (and recompute);
+- CP: DynamicCPCost.comm_seconds per document on its run (ring K/V, Ulysses heads);
+- gradients: all-reduce (or reduce-scatter) over DP x CP for dense weights, EDP for experts,
+  overlapped with the backward except what exceeds it; the distributed optimizer's all-gather
+  after the step is exposed.
+TP and EP collectives are counted as exposed (the shared expert's overlap is not modelled), as
+the rehearsal's cost.py does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from cp_attention.dynamic_cost import H100_ATTN_HALF_TOKENS, DynamicCPCost
+from longctx_moe.model.flops import active_matmul_params, attention_flops_per_pair
+from longctx_moe.plan.layouts import Layout
+from longctx_moe.rehearsal.gpus import GPU
+
+GEMM_EFFICIENCY = {"h100": 0.6, "h200": 0.6, "b200": 0.6}
+ATTENTION_EFFICIENCY = {"h100": 0.5, "h200": 0.5, "b200": 0.5}
+NVLINK_EFFICIENCY = 0.45
+NETWORK_EFFICIENCY = 0.8
+ACT_BYTES = 2  # bf16 activations on the wire
+GRAD_BYTES = 4  # gradients reduced in fp32
+
+
+@dataclass(frozen=True)
+class Workload:
+    lengths: np.ndarray  # document lengths of one step (all replicas together)
+    rank_tokens: int  # tokens one rank holds of a micro-batch (the longest document's share)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+def _link(gpu: GPU, spans_nodes: bool) -> float:
+    return gpu.network_bytes_per_s * NETWORK_EFFICIENCY if spans_nodes else gpu.nvlink_bytes_per_s * NVLINK_EFFICIENCY
+
+
+def _runs(layout: Layout, lengths: np.ndarray, rank_tokens: int) -> np.ndarray:
+    """The CP run size of each document: the layout's CP, or under Dynamic-CP the smallest power
+    of two whose share fits a rank's tokens."""
+    if not layout.dynamic_cp:
+        return np.full(len(lengths), layout.cp)
+    need = np.maximum(1, np.ceil(lengths / rank_tokens))
+    return np.minimum(2 ** np.ceil(np.log2(need)), layout.cp).astype(int)
+
+
+def _cp_cost(model, gpu: GPU, gpu_kind: str, layout: Layout, a2a: int) -> DynamicCPCost:
+    heads, kv_heads, qk, v = model.attention_dims()
+    spans = layout.tp * layout.cp > gpu.gpus_per_node and layout.cp_backend != "hierarchical" \
+        or layout.cp_backend == "hierarchical"
+    return DynamicCPCost.from_model(
+        num_layers=model.num_layers, num_heads=max(1, heads // layout.tp),
+        num_kv_heads=max(1, kv_heads // layout.tp), head_dim=qk, v_head_dim=v,
+        active_params_per_token=active_matmul_params(model),
+        flops_per_s=gpu.bf16_flops * GEMM_EFFICIENCY[gpu_kind],
+        attention_flops_per_s=gpu.bf16_flops * ATTENTION_EFFICIENCY[gpu_kind],
+        bandwidth=_link(gpu, spans), attn_half_tokens=H100_ATTN_HALF_TOKENS, a2a_size=a2a,
+        ring_latency=gpu.collective_latency_s)
+
+
+def step_time(model, gpu: GPU, gpu_kind: str, layout: Layout, work: Workload,
+              param_counts: tuple[int, int]) -> dict:
+    """{"compute_s", "comm_s", "imbalance_s", "total_s", "mfu", "tokens_per_s_per_gpu"} of one
+    optimizer step of `work` on `layout`; `param_counts`: the model's (dense, expert) parameters."""
+    world, tp, d = layout.world, layout.tp, model.hidden_size
+    lengths = work.lengths.astype(float)
+    tokens = lengths.sum()
+    gemm_rate = gpu.bf16_flops * GEMM_EFFICIENCY[gpu_kind]
+    gemm_flops = 6.0 * active_matmul_params(model) * tokens
+    pair_flops = attention_flops_per_pair(model) * lengths * (lengths + 1) / 2
+    runs = _runs(layout, lengths, work.rank_tokens)
+    eff = (lengths / runs) / (lengths / runs + H100_ATTN_HALF_TOKENS)
+    attn_device_s = pair_flops / (gpu.bf16_flops * ATTENTION_EFFICIENCY[gpu_kind] * eff)
+    compute = (gemm_flops / gemm_rate + attn_device_s.sum()) / world
+    if layout.recompute == "full":  # the forward again: a third of the GEMMs, 1/3.5 of attention
+        compute += (gemm_flops / gemm_rate / 3 + attn_device_s.sum() / 3.5) / world
+    passes = 3 if layout.recompute == "full" else 2  # forward (again), backward
+    # imbalance: the busiest data-parallel replica's attention over the mean (documents dealt
+    # longest first to the least loaded replica, as the loader balances cost)
+    imbalance = _imbalance(attn_device_s * runs / layout.cp, layout.dp) / (world / layout.dp)
+    rank_tokens_step = tokens / (layout.dp * layout.cp)
+    micro_batches = max(1, math.ceil(rank_tokens_step / work.rank_tokens))
+    comm = 0.0
+    if tp > 1:
+        bus = (tp - 1) / tp * rank_tokens_step * d * ACT_BYTES
+        calls = 4 * passes * model.num_layers * micro_batches
+        comm += calls * gpu.collective_latency_s + 4 * passes * model.num_layers * bus / _link(gpu, tp > gpu.gpus_per_node)
+    ep_size = layout.ep * layout.etp
+    if layout.ep > 1:
+        rows = rank_tokens_step / tp * model.top_k
+        bus = (layout.ep - 1) / layout.ep * rows * d * ACT_BYTES
+        inside = min(1.0, gpu.gpus_per_node / ep_size)
+        link = 1 / (inside / _link(gpu, False) + (1 - inside) / _link(gpu, True))
+        n = 2 * passes * model.num_moe_layers
+        comm += n * micro_batches * gpu.collective_latency_s + n * bus / link
+    if layout.etp > 1:  # ETP gathers the routed rows and reduce-scatters the experts' output
+        rows = rank_tokens_step / tp * model.top_k * layout.etp
+        bus = (layout.etp - 1) / layout.etp * rows * d * ACT_BYTES
+        n = 2 * passes * model.num_moe_layers
+        comm += n * micro_batches * gpu.collective_latency_s + n * bus / _link(gpu, ep_size > gpu.gpus_per_node)
+    if layout.cp > 1:
+        a2a = {"ring": 1, "ulysses": layout.cp, "hierarchical": layout.cp_inner}[layout.cp_backend]
+        cost = _cp_cost(model, gpu, gpu_kind, layout, a2a)
+        per_doc = np.array([cost.comm_seconds(int(n), int(s)) if s > 1 else 0.0 for n, s in zip(lengths, runs, strict=True)])
+        comm += (per_doc * runs).sum() / (layout.dp * layout.cp)
+        comm += micro_batches * cost.ring_step_seconds
+    dense, expert = param_counts
+    grads = 0.0
+    for n, group, spans in ((dense / tp, layout.dp * layout.cp, world > tp * 1 and world > gpu.gpus_per_node),
+                            (expert / ep_size, layout.edp, world > gpu.gpus_per_node)):
+        if group > 1:
+            grads += 2 * (group - 1) / group * n * GRAD_BYTES / _link(gpu, spans)
+    backward = compute * 2 / 3
+    exposed_grads = max(0.0, grads - backward) + (grads / 2 if layout.distributed_optimizer else 0.0)
+    comm += exposed_grads
+    total = compute + comm + imbalance
+    model_flops = gemm_flops + pair_flops.sum()
+    return {"compute_s": compute, "comm_s": comm, "imbalance_s": imbalance, "total_s": total,
+            "mfu": model_flops / (total * world * gpu.bf16_flops),
+            "tokens_per_s_per_gpu": tokens / total / world}
+
+
+def _imbalance(cost: np.ndarray, replicas: int) -> float:
+    """Seconds the busiest of `replicas` bins holds above the mean, documents dealt longest first
+    to the least loaded bin."""
+    if replicas <= 1 or len(cost) == 0:
+        return 0.0
+    bins = np.zeros(replicas)
+    for c in np.sort(cost)[::-1]:
+        bins[np.argmin(bins)] += c
+    return float(bins.max() - bins.mean())
