@@ -100,7 +100,8 @@ class Planned:
 
 
 def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int = 5,
-         gpus_per_node: int = 8, cache_dir: str | None = None, progress=None) -> dict:
+         gpus_per_node: int = 8, cache_dir: str | None = None, progress=None,
+         memory_bytes: int | None = None) -> dict:
     """{"fit": [Planned] fastest first, "excluded": [Planned] faster ones that did not fit or were
     refused, "candidates", "judged", "measured"}."""
     from longctx_moe.plan.layouts import candidates, judge
@@ -109,6 +110,8 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
     from longctx_moe.rehearsal.step import lognormal_lengths
 
     gpu = dataclasses.replace(GPUS[gpu_kind], gpus_per_node=gpus_per_node)
+    if memory_bytes is not None:  # a smaller or larger part of the same kind
+        gpu = dataclasses.replace(gpu, memory_bytes=memory_bytes)
     median, sigma, longest = parse_lengths(lengths_spec)
     docs = np.array(lognormal_lengths(tokens, median, sigma, longest))
     counts = param_counts(cfg)
