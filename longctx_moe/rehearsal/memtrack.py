@@ -1,10 +1,17 @@
-"""torch's MemTracker, with its per-op peak update made proportional to the modules active now.
+"""torch's MemTracker, with its per-op peak update made proportional to the modules active now,
+and several passes of the model in one tracked step.
 
 `MemTracker._update_peak_stats` runs after every op and walks every module it has ever tracked
 to find the ones in the current forward / backward (`_mod_tracker.parents`), each step through a
 weak reference (an `nn.Module.__getattr__` per module). On a full-size model that is thousands of
 modules times tens of thousands of ops: most of a rehearsal's time. Here the walk goes over the
 active modules only, found by name; what it records is the same.
+
+A step may run the model more than once (Dynamic-CP's slots, accumulated micro-batches, an RL
+step's scoring and update); torch's tracker refuses a second forward of the root module in one
+block. Here each new pass sets the previous passes' per-module statistics aside (kept for
+`all_stats`, named by their pass) and tracks the new pass afresh; the peak and its snapshot span
+the whole step either way.
 """
 
 from __future__ import annotations
@@ -19,6 +26,23 @@ class FastMemTracker(MemTracker):
         super().__init__()
         self._stats_by_fqn: dict = {}
         self._stats_seen = None
+        self._earlier: list = []  # the per-module statistics of the step's earlier passes
+        self._passes = 1
+
+    def all_stats(self) -> list:
+        """Every pass's per-module statistics (the current pass's last)."""
+        return [*self._earlier, *self.memory_tracking.values()]
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} == {"Global"}:  # the root again: a new pass
+                for stats in self.memory_tracking.values():
+                    stats.mod_fqn = f"pass {self._passes}: {stats.mod_fqn}"
+                    self._earlier.append(stats)
+                self._passes += 1
+                self.reset_mod_stats()
+        super()._pre_fw_hook(module, inputs)
 
     def _active_stats(self):
         seen = (id(self.memory_tracking), len(self.memory_tracking))

@@ -75,7 +75,7 @@ def _peak_moment(tracker, peak: int) -> str:
     """The module and phase whose snapshot reached the step's peak (the optimizer's step when no
     module's did)."""
     best, where = -1, "optimizer step"
-    for stats in tracker.memory_tracking.values():
+    for stats in tracker.all_stats():
         for state, snaps in stats.snapshots.items():
             for snap in snaps:
                 total = sum(v.get("Total", 0) for dev, v in snap.items() if torch.device(dev).type == "meta")
