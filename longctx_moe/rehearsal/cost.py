@@ -80,11 +80,16 @@ def _pairs(lq: int, lk: int, causal: bool, left: int | None) -> int:
 
 
 def _attention_flops(kw: dict, backward: bool, host_values) -> float | None:
+    """aten's flash attention (cum_seq_*, window_size_left) and torch's varlen_attn op
+    (cu_seq_*, window_size = [left, right]) alike."""
     q, v = kw["query"], kw["value"]
-    lq, lk = _lengths(kw.get("cum_seq_q"), host_values), _lengths(kw.get("cum_seq_k"), host_values)
+    cu_q = kw.get("cum_seq_q", kw.get("cu_seq_q"))
+    cu_k = kw.get("cum_seq_k", kw.get("cu_seq_k"))
+    lq, lk = _lengths(cu_q, host_values), _lengths(cu_k if cu_k is not None else cu_q, host_values)
     if lq is None or lk is None or len(lq) != len(lk):
         return None
-    causal, left = bool(kw.get("is_causal")), kw.get("window_size_left")
+    window = kw.get("window_size")
+    causal, left = bool(kw.get("is_causal")), kw.get("window_size_left", window[0] if window else None)
     pairs = sum(_pairs(a, b, causal, left) for a, b in zip(lq, lk, strict=True))
     heads, d_qk, d_v = q.shape[-2], q.shape[-1], v.shape[-1]
     forward = 2.0 * pairs * heads * (d_qk + d_v)
@@ -100,6 +105,10 @@ def _grouped_mm_flops(kw: dict, out) -> float:
     return 2.0 * out.numel() * a.shape[-1]
 
 
+# varlen attention ops, by name (torch's varlen_attn registers its ops when its module is first
+# imported): aten's flash attention, and torch.nn.attention.varlen's
+_ATTENTION_BACKWARD = {"aten::_flash_attention_backward", "torch_attn::_varlen_attn_backward"}
+_ATTENTION = {"aten::_flash_attention_forward", "torch_attn::_varlen_attn", *_ATTENTION_BACKWARD}
 _FP8_MM = {getattr(aten, n) for n in ("_scaled_mm", "_scaled_mm_v2") if hasattr(aten, n)}
 _FP8_GROUPED = {getattr(aten, n) for n in ("_scaled_grouped_mm", "_scaled_grouped_mm_v2") if hasattr(aten, n)}
 
@@ -111,10 +120,9 @@ def is_fp8_gemm(func) -> bool:
 def op_flops(func, args, kwargs, out, host_values=None) -> float:
     """The FLOPs of one device op: the rules above, torch's flop counter for the other matmuls,
     0 for the rest (their cost is their bytes)."""
-    packet = func._overloadpacket
-    if packet in (aten._flash_attention_forward, aten._flash_attention_backward):
-        got = _attention_flops(_named(func, args, kwargs), packet is aten._flash_attention_backward,
-                               host_values)
+    packet, name = func._overloadpacket, func._schema.name
+    if name in _ATTENTION:
+        got = _attention_flops(_named(func, args, kwargs), name in _ATTENTION_BACKWARD, host_values)
         if got is not None:
             return got
     if packet is aten._grouped_mm or packet in _FP8_GROUPED:

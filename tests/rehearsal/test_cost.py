@@ -68,3 +68,19 @@ def test_fp8_gemms_are_counted_and_timed_at_the_fp8_peak():
     rules.work = [(1e15, 0, True), (1e15, 0, False)]
     compute = model_step_time(0.0, None, rules, h100, {})["compute_s"]
     assert compute == 1e15 / h100.fp8_flops + 1e15 / h100.bf16_flops
+
+
+def test_torch_varlen_attn_and_views():
+    """torch.nn.attention.varlen's own op (what the torch_varlen backend calls) is counted from the
+    documents too, with its [left, right] window; views launch nothing and move no bytes."""
+    from torch.nn.attention import varlen  # noqa: F401  (registers torch_attn's ops)
+
+    rules = DeviceRules(rank=0)
+    with rules:
+        cu = torch.tensor([0, 100, 300], dtype=torch.int32).to("meta")
+        q = _meta(300, 4, 64)
+        torch.ops.torch_attn._varlen_attn(q, q, q, cu, cu, 200, 200, True)
+        before = len(rules.work)
+        q.view(300, 256).t()
+    assert rules.work[before - 1][0] == 2.0 * (100 * 101 // 2 + 200 * 201 // 2) * 4 * 128
+    assert len(rules.work) == before and sum(rules.launches.values()) == before
