@@ -55,10 +55,11 @@ def test_a_refused_layout_is_never_proposed(monkeypatch):
     monkeypatch.setattr(timing, "step_time", tp4_first)
     monkeypatch.setattr(memory, "per_rank", lambda *a, **k: {"parameters": MIB})
     result = plan(cfg, 4, "h100", "lognormal:256,0.5,1024", 16384, top=3)
+    assert len(result["fit"]) == 3
+    proposed = [p.layout.label() for p in result["fit"]]
+    assert all(p.layout.tp != 4 and layouts.judge(cfg, p.layout) is None for p in result["fit"]), proposed
     refused = [p for p in result["excluded"] if p.layout.tp == 4]
     assert refused and all(p.refused for p in refused), "the planted TP-4 layouts were not walked first"
-    assert len(result["fit"]) == 3
-    assert all(p.layout.tp != 4 and layouts.judge(cfg, p.layout) is None for p in result["fit"])
 
 
 def test_more_memory_fewer_model_parallel_splits(monkeypatch, cache_dir):
