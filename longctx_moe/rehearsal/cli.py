@@ -133,13 +133,13 @@ def _rehearse(argv: list[str], rank: int, alone: bool = False) -> tuple[str, obj
 
 
 def _table(reports: list[dict], gpu: str) -> str:
-    lines = [f"{'rank':>5} {'peak GiB':>9} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'rest':>6} "
+    lines = [f"{'rank':>5} {'peak GiB':>9} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'comm':>6} {'rest':>6} "
              f"{'host MiB':>8} {'fits ' + gpu:>9}  peak at / step s (compute, comm) / launches"]
     for r in reports:
         s, t = r["peak_split"], r["step_seconds"]
         lines.append(f"{r['rank']:>5} {r['peak_bytes'] / GIB:>9.2f} {s['parameters'] / GIB:>7.2f} "
                      f"{s['gradients'] / GIB:>7.2f} {s['optimizer state'] / GIB:>7.2f} "
-                     f"{s['activations'] / GIB:>7.2f} {s['rest'] / GIB:>6.2f} {r['host_bytes'] / 2**20:>8.1f} "
+                     f"{s['activations'] / GIB:>7.2f} {s['communication buffers'] / GIB:>6.2f} {s['rest'] / GIB:>6.2f} {r['host_bytes'] / 2**20:>8.1f} "
                      f"{'yes' if r['fits'] else 'NO':>9}  "
                      f"{r['peak_moment']} / {t['total_s']:.3f} ({t['compute_s']:.3f}, {t['comm_s']:.3f}) / "
                      f"{r['launches']}")

@@ -79,6 +79,8 @@ class DeviceRules(TorchDispatchMode):
     # device tensor -> the host tensor it was copied from (small integer tensors: document
     # boundaries), so that cost.op_flops can read the lengths an attention kernel works on
     host_values: WeakTensorKeyDictionary = field(default_factory=WeakTensorKeyDictionary)
+    # called with the buffers each device collective writes (memtrack's mark_comm)
+    on_buffers: object = None
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -90,6 +92,9 @@ class DeviceRules(TorchDispatchMode):
             out = func(*args, **kwargs)
             if host:
                 _as_alike_peers(func, args)
+            elif self.on_buffers is not None and not func.__name__.startswith("send"):
+                # the first argument is what the collective writes (a send's is what it reads)
+                self.on_buffers([t for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)])
             return out
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         self._mixing(func, tensors)

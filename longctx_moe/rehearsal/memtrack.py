@@ -12,13 +12,21 @@ step's scoring and update); torch's tracker refuses a second forward of the root
 block. Here each new pass sets the previous passes' per-module statistics aside (kept for
 `all_stats`, named by their pass) and tracks the new pass afresh; the peak and its snapshot span
 the whole step either way.
+
+torch's categories have none for communication buffers; `mark_comm` files a collective's output
+buffers (receive buffers, gradient buckets: tensors the tracker holds as activations or
+temporaries) under "Other", which this program's steps leave otherwise empty, so the rehearsal's
+report can show them as their own category.
 """
 
 from __future__ import annotations
 
 from copy import deepcopy
 
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
+
+COMM = _MemRefType.OTH  # the category the communication buffers are filed under
 
 
 class FastMemTracker(MemTracker):
@@ -63,3 +71,13 @@ class FastMemTracker(MemTracker):
             if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                 self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                 self._peak_mem_snap[dev] = deepcopy(dev_snap)
+
+    def mark_comm(self, tensors) -> None:
+        """File the storages of `tensors` (a collective's outputs) as communication buffers, where
+        the tracker holds them as activations or temporaries (not parameters or gradients)."""
+        for t in tensors:
+            for st in get_untyped_storages(t):
+                winfo, _ = self._WINFO.get(st, (None, None))
+                if winfo is not None and winfo.reftype in (_MemRefType.ACT, _MemRefType.TEMP):
+                    old, winfo.reftype = winfo.reftype, COMM
+                    self._update_snap(_UpdateType.REF, winfo, old_reftype=old)

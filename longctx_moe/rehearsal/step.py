@@ -58,12 +58,14 @@ def lognormal_lengths(total: int, median: float, sigma: float, longest: int, see
     return out
 
 
+# MemTracker's categories; "Other" holds the communication buffers (memtrack.mark_comm)
 _CATEGORIES = {"PARAM": "parameters", "GRAD": "gradients", "OPT": "optimizer state", "ACT": "activations",
-               "TEMP": "activations", "BUFFER": "rest", "OTH": "rest"}
+               "TEMP": "activations", "OTH": "communication buffers", "BUFFER": "rest"}
 
 
 def _split(snapshot: dict) -> dict:
-    out = {"parameters": 0, "gradients": 0, "optimizer state": 0, "activations": 0, "rest": 0}
+    out = {"parameters": 0, "gradients": 0, "optimizer state": 0, "activations": 0, "communication buffers": 0,
+           "rest": 0}
     for key, value in snapshot.items():
         name = str(key).rsplit(".", 1)[-1]
         if name in _CATEGORIES:
@@ -130,6 +132,7 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
     tracker.track_external(runtime.model, inner)
     standins.host_reads.clear()
     _routing_reads(runtime, reset=True)
+    rules.on_buffers = tracker.mark_comm
     with meta_autocast(dtype), standins.standins(), cuda_kernels(), tracker, rules:
         step()
     snap = tracker.get_tracker_snapshot("peak")

@@ -45,3 +45,19 @@ def test_several_passes_of_the_model_in_one_step():
     assert peak[cpu]["Total"] >= alone[cpu]["Total"] > 0
     names = [s.mod_fqn for s in tracker.all_stats()]
     assert names.count("pass 1: Sequential") == names.count("pass 2: Sequential") == names.count("Sequential") == 1
+
+
+def test_a_collective_s_buffers_are_filed_as_communication_buffers():
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    model = _model()
+    tracker = FastMemTracker()
+    tracker.track_external(model)
+    cpu = torch.device("cpu")
+    with tracker:
+        recv = torch.empty(1000)  # a receive buffer, made inside the step
+        before = dict(tracker.get_tracker_snapshot()[cpu])
+        tracker.mark_comm([recv, model[0].weight])  # a parameter stays a parameter
+        after = tracker.get_tracker_snapshot()[cpu]
+    moved = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+    assert moved[_MemRefType.OTH] == 4000 and sum(moved.values()) == 0 and len(moved) == 2
