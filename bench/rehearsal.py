@@ -152,7 +152,8 @@ def _run_line(r: dict) -> str:
         s = rep["peak_split"]
         parts.append(f"rank {rep['rank']}: peak {rep['peak_bytes'] / GIB:.1f} GiB (params {s['parameters'] / GIB:.1f}, "
                      f"grads {s['gradients'] / GIB:.1f}, optim {s['optimizer state'] / GIB:.1f}, "
-                     f"act {s['activations'] / GIB:.1f}, rest {s['rest'] / GIB:.1f}) "
+                     f"act {s['activations'] / GIB:.1f}, comm {s['communication buffers'] / GIB:.1f}, "
+                     f"rest {s['rest'] / GIB:.1f}) "
                      f"step {rep['step_seconds']['total_s']:.2f} s {'fits' if rep['fits'] else 'DOES NOT FIT'}")
     return head + "\n    " + "\n    ".join(parts)
 
