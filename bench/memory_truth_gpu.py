@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -65,16 +64,9 @@ def _rehearse_in_child(conn, cfg, lengths, gpu, ops, compute) -> None:
 def rehearse(cfg, lengths: list[int], gpu: str, ops=None, compute=None) -> dict:
     """rehearse_rank's report of `cfg` on one GPU of kind `gpu`, in a process of its own (the
     fake group is this process's default group; the real run may hold another)."""
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_rehearse_in_child, args=(child, cfg, lengths, gpu, ops, compute))
-    proc.start()
-    child.close()
-    try:
-        kind, payload = parent.recv()
-    except EOFError:
-        kind, payload = "error", f"the rehearsal's process died (exit code {proc.exitcode})"
-    proc.join()
+    from longctx_moe.rehearsal.fake_world import in_own_process
+
+    kind, payload = in_own_process(_rehearse_in_child, cfg, lengths, gpu, ops, compute)
     if kind != "ok":
         raise RuntimeError(f"rehearsal failed: {payload}")
     return payload

@@ -52,17 +52,6 @@ def base_config(path: str):
     return load_config(path)
 
 
-def parse_lengths(spec: str) -> tuple[float, float, int]:
-    kind, _, values = spec.partition(":")
-    try:
-        median, sigma, longest = (float(v) for v in values.split(","))
-    except ValueError:
-        kind = ""
-    if kind != "lognormal" or median <= 0 or sigma < 0 or longest < 1:
-        raise ValueError(f"--lengths {spec!r}: give lognormal:MEDIAN,SIGMA,MAX, e.g. lognormal:1500,1.2,32768")
-    return median, sigma, int(longest)
-
-
 def param_counts(cfg) -> tuple[int, int]:
     """(dense, expert) parameters of the whole model, counted on meta by the program's split."""
     import torch
@@ -107,12 +96,12 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
     from longctx_moe.plan.layouts import candidates, judge
     from longctx_moe.plan.memory import MemoryCache, per_rank
     from longctx_moe.plan.timing import Workload, step_time
-    from longctx_moe.rehearsal.step import lognormal_lengths
+    from longctx_moe.rehearsal.step import lognormal_lengths, parse_lognormal
 
     gpu = dataclasses.replace(GPUS[gpu_kind], gpus_per_node=gpus_per_node)
     if memory_bytes is not None:  # a smaller or larger part of the same kind
         gpu = dataclasses.replace(gpu, memory_bytes=memory_bytes)
-    median, sigma, longest = parse_lengths(lengths_spec)
+    median, sigma, longest = parse_lognormal(lengths_spec)
     docs = np.array(lognormal_lengths(tokens, median, sigma, longest))
     counts = param_counts(cfg)
     max_cp = 2 ** math.ceil(math.log2(max(1, longest / 512)))  # tiles under 512 tokens never pay
@@ -193,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
 def _rehearse_top(cfg, result: dict, args) -> list[dict]:
     """The K best layouts rehearsed in full, rank 0 each, beside the planner's figures."""
     from longctx_moe.plan.layouts import config_of
-    from longctx_moe.rehearsal.step import lognormal_lengths, rehearse_rank
+    from longctx_moe.rehearsal.step import lognormal_lengths, parse_lognormal, rehearse_rank
 
-    median, sigma, longest = parse_lengths(args.lengths)
+    median, sigma, longest = parse_lognormal(args.lengths)
     out = []
     print("planner vs rehearsal, rank 0 (GiB):")
     for p in result["fit"][:args.rehearse_top]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import sys
 import traceback
 
@@ -62,16 +61,9 @@ def _policy_step():
 
 
 def _lengths(spec: str, tokens: int, seed: int) -> list[int]:
-    from longctx_moe.rehearsal.step import lognormal_lengths
+    from longctx_moe.rehearsal.step import lognormal_lengths, parse_lognormal
 
-    kind, _, values = spec.partition(":")
-    try:
-        median, sigma, longest = (float(v) for v in values.split(","))
-    except ValueError:
-        kind = ""
-    if kind != "lognormal" or median <= 0 or sigma < 0 or longest < 1:
-        raise ValueError(f"--lengths {spec!r}: give lognormal:MEDIAN,SIGMA,MAX, e.g. lognormal:1500,1.2,32768")
-    return lognormal_lengths(tokens, median, sigma, int(longest), seed)
+    return lognormal_lengths(tokens, *parse_lognormal(spec), seed)
 
 
 def _run_rank(conn, argv: list[str], rank: int) -> None:
@@ -119,17 +111,9 @@ def _rehearse(argv: list[str], rank: int, alone: bool = False) -> tuple[str, obj
         reply = _Reply()
         _run_rank(reply, argv, rank)
         return reply.reply
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_run_rank, args=(child, argv, rank))
-    proc.start()
-    child.close()
-    try:
-        kind, payload = parent.recv()
-    except EOFError:
-        kind, payload = "crash", f"the rank's process died (exit code {proc.exitcode})"
-    proc.join()
-    return kind, payload
+    from longctx_moe.rehearsal.fake_world import in_own_process
+
+    return in_own_process(_run_rank, argv, rank)
 
 
 def _table(reports: list[dict], gpu: str) -> str:

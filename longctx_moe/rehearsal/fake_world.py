@@ -43,6 +43,25 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         destroy_process_groups()
 
 
+def in_own_process(target: Callable, *args) -> tuple[str, object]:
+    """`target(conn, *args)` in a spawned process of its own (torch allows one default process
+    group per process), which sends one (kind, payload) reply into `conn`; that reply, or
+    ("crash", why) when the process died without one."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(child, *args))
+    proc.start()
+    child.close()
+    try:
+        reply = parent.recv()
+    except EOFError:
+        reply = ("crash", f"the process died (exit code {proc.exitcode})")
+    proc.join()
+    return reply
+
+
 def gpu_compute(cfg, param_dtype: torch.dtype = torch.float32):
     """The ComputeDtype `cfg` resolves to on a CUDA GPU with native bf16 (Hopper and later, the
     rehearsed one): train.autocast_dtype auto computes in bf16 there (meta has no rule of its own)."""

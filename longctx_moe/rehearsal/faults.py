@@ -19,7 +19,6 @@ process), as `longctx-moe rehearse` does it.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 from collections.abc import Iterator
 from unittest import mock
 
@@ -94,17 +93,9 @@ def _rank_process(conn, cfg, world: int, rank: int, gpu, lengths: list[int], pla
 
 
 def _rehearse_in_process(cfg, world: int, rank: int, gpu, lengths: list[int], plant: str | None):
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_rank_process, args=(child, cfg, world, rank, gpu, lengths, plant))
-    proc.start()
-    child.close()
-    try:
-        got = parent.recv()
-    except EOFError:
-        got = ("crash", f"the rank's process died (exit code {proc.exitcode})")
-    proc.join()
-    return got
+    from longctx_moe.rehearsal.fake_world import in_own_process
+
+    return in_own_process(_rank_process, cfg, world, rank, gpu, lengths, plant)
 
 
 def rehearse_planted(cfg, world: int, ranks: list[int], plant: str, gpu, lengths: list[int]) -> str | None:

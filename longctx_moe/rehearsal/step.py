@@ -47,6 +47,19 @@ class RankReport:
         return dataclasses.asdict(self)
 
 
+def parse_lognormal(spec: str) -> tuple[float, float, int]:
+    """(median, sigma, longest) of a `--lengths lognormal:MEDIAN,SIGMA,MAX` spec; ValueError in one
+    line otherwise."""
+    kind, _, values = spec.partition(":")
+    try:
+        median, sigma, longest = (float(v) for v in values.split(","))
+    except ValueError:
+        kind = ""
+    if kind != "lognormal" or median <= 0 or sigma < 0 or longest < 1:
+        raise ValueError(f"--lengths {spec!r}: give lognormal:MEDIAN,SIGMA,MAX, e.g. lognormal:1500,1.2,32768")
+    return median, sigma, int(longest)
+
+
 def lognormal_lengths(total: int, median: float, sigma: float, longest: int, seed: int = 0) -> list[int]:
     """Document lengths drawn from a lognormal (RL-like: a median of hundreds to thousands of
     tokens, a long tail) until they fill `total` tokens, each at most `longest`."""

@@ -3,26 +3,14 @@ runtime, dispatchers and optimizer on meta tensors under a fake process group, w
 device's ops. Shrunk shapes of the published models (two layers), so that the suite keeps the
 GPU path at scale from breaking unseen. Each rehearsal runs in processes of its own."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.rehearsal.helpers import rehearse_one
 
 
 def _rehearse(tmp_path, config: str, world: int, rank: int, *sets: str) -> dict:
-    out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "longctx_moe.cli", "rehearse", "--config", config, "--world", str(world),
-           "--rank", str(rank), "--tokens", "4096", "--gpu", "h100", "--out", str(out)]
-    cmd += [a for s in ("model.num_layers=2", *sets) for a in ("--set", s)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "peak GiB" in done.stdout
-    (report,) = json.loads(out.read_text())["ranks"]
-    return report
+    return rehearse_one(tmp_path, "--config", config, "--world", str(world), "--rank", str(rank), "--tokens",
+                        "4096", "--gpu", "h100", sets=("model.num_layers=2", *sets))
 
 
 @pytest.mark.slow

@@ -11,20 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.rehearsal.helpers import rehearse_one
+
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS, TOKENS = 2, 4096
 KV_HEADS, HEAD_DIM = 4, 128  # configs/models/qwen3-30b-a3b.json
 
 
 def _rehearse(tmp_path, rank: int, *sets: str) -> dict:
-    out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "longctx_moe.cli", "rehearse", "--config", "configs/rehearsal/qwen3-30b-a3b.yaml",
-           "--world", "16", "--rank", str(rank), "--tokens", str(TOKENS), "--out", str(out)]
-    sets = (f"model.num_layers={LAYERS}", "train.recompute=none", *sets)
-    cmd += [a for s in sets for a in ("--set", s)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (report,) = json.loads(out.read_text())["ranks"]
+    report = rehearse_one(tmp_path, "--config", "configs/rehearsal/qwen3-30b-a3b.yaml", "--world", "16", "--rank",
+                          str(rank), "--tokens", str(TOKENS),
+                          sets=(f"model.num_layers={LAYERS}", "train.recompute=none", *sets))
     assert report["fits"] and report["peak_split"]["parameters"] == 4 * report["params"]  # float32 masters
     return report
 

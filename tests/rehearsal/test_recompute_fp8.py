@@ -4,26 +4,16 @@ see the forward's autocast casts (meta_autocast) and take the forward's path, an
 execution.fp8 on a Hopper GPU, whose expert GEMMs read no routing count of their own. Each
 rehearsal runs in a process of its own."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.rehearsal.helpers import rehearse_one
+
 QWEN = "configs/rehearsal/qwen3-30b-a3b.yaml"
 
 
 def _rehearse(tmp_path, config: str, world: int, rank: int, *sets: str) -> dict:
-    out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "longctx_moe.cli", "rehearse", "--config", config, "--world", str(world),
-           "--rank", str(rank), "--tokens", "4096", "--gpu", "h100", "--out", str(out)]
-    cmd += [a for s in ("model.num_layers=2", *sets) for a in ("--set", s)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (report,) = json.loads(out.read_text())["ranks"]
-    return report
+    return rehearse_one(tmp_path, "--config", config, "--world", str(world), "--rank", str(rank), "--tokens",
+                        "4096", "--gpu", "h100", sets=("model.num_layers=2", *sets))
 
 
 def test_fp8_is_resolved_for_the_rehearsed_gpu():

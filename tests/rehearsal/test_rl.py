@@ -2,25 +2,14 @@
 export) of one rank of the shrunk Qwen3-30B-A3B on 8 ranks, rehearsed on meta in a process of its
 own, with each phase's traffic and output reported beside the step's totals."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.rehearsal.helpers import rehearse_one
 
 
 def _rehearse_rl(tmp_path, export: str) -> dict:
-    out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "longctx_moe.cli", "rehearse", "--config", "configs/rehearsal/qwen3-30b-a3b.yaml",
-           "--world", "8", "--rank", "3", "--tokens", "4096", "--gpu", "h100", "--rl", export, "--out", str(out),
-           "--set", "model.num_layers=2"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (report,) = json.loads(out.read_text())["ranks"]
-    return report
+    return rehearse_one(tmp_path, "--config", "configs/rehearsal/qwen3-30b-a3b.yaml", "--world", "8", "--rank", "3",
+                        "--tokens", "4096", "--gpu", "h100", "--rl", export, sets=("model.num_layers=2",))
 
 
 @pytest.mark.slow
@@ -56,6 +45,6 @@ def test_the_shard_export_moves_nothing_and_yields_about_a_rank_s_share(tmp_path
     # each element once over the 8 ranks: about the model's bf16 bytes / 8, this rank's params or fewer
     assert 0 < export["bytes"] <= 2 * r["params"]
     assert r["phases"]["update"]["optimizer_steps"] == 2
-    # colocated: after offload() the rank holds <= 2% of its device bytes (issue 42)
+    # colocated: after offload() the rank holds <= 2% of its device bytes
     offload = r["phases"]["offload"]
     assert offload["offload_residual_frac"] <= 0.02 and offload["host_bytes"] >= 0.98 * offload["device_bytes_before"]
