@@ -122,24 +122,32 @@ def _layouts_for(world: int, names: list[str], config: str) -> tuple[list[tuple[
     return keep, skipped
 
 
-def weight_sync(args) -> tuple[list[str], dict]:
-    runs, lines = [], []
+def _per_layout(args, rank_fn, *extra) -> tuple[list[str], list[tuple[int, str, list[str], list]]]:
+    """(skip lines, [(world, layout name, its settings, each rank's result)]): `rank_fn(rank,
+    world, config, layouts, *extra)` on gloo ranks, once per world size, over the layouts that
+    world takes; it returns one result per layout."""
+    lines, out = [], []
     for world in args.world:
         layouts, skipped = _layouts_for(world, args.layouts, args.config)
         lines += skipped
-        if not layouts:
-            continue
-        per_rank = run_distributed(_sync_rank, world, args=(args.config, layouts, args.dtype), timeout=1800)
-        for i, (name, sets) in enumerate(layouts):
-            ranks = [r[i] for r in per_rank]
-            model = ranks[0]["model_bytes"]
-            fair = model / world
-            runs.append({"world": world, "layout": name, "settings": sets, "model_bytes": model,
-                         "ranks": [{k: v for k, v in r.items() if k != "model_bytes"} for r in ranks],
-                         "before_max_bytes": max(r["before_yield_bytes"] + r["before_gather_sent_bytes"] for r in ranks),
-                         "after_max_bytes": max(r["after_bytes"] for r in ranks),
-                         "after_min_bytes": min(r["after_bytes"] for r in ranks),
-                         "shard_sync_bytes_ratio": max(r["after_bytes"] for r in ranks) / fair})
+        if layouts:
+            per_rank = run_distributed(rank_fn, world, args=(args.config, layouts, *extra), timeout=1800)
+            out += [(world, name, sets, [r[i] for r in per_rank]) for i, (name, sets) in enumerate(layouts)]
+    return lines, out
+
+
+def weight_sync(args) -> tuple[list[str], dict]:
+    lines, per_layout = _per_layout(args, _sync_rank, args.dtype)
+    runs = []
+    for world, name, sets, ranks in per_layout:
+        model = ranks[0]["model_bytes"]
+        fair = model / world
+        runs.append({"world": world, "layout": name, "settings": sets, "model_bytes": model,
+                     "ranks": [{k: v for k, v in r.items() if k != "model_bytes"} for r in ranks],
+                     "before_max_bytes": max(r["before_yield_bytes"] + r["before_gather_sent_bytes"] for r in ranks),
+                     "after_max_bytes": max(r["after_bytes"] for r in ranks),
+                     "after_min_bytes": min(r["after_bytes"] for r in ranks),
+                     "shard_sync_bytes_ratio": max(r["after_bytes"] for r in ranks) / fair})
     ratio = max((r["shard_sync_bytes_ratio"] for r in runs), default=None)
     return lines + _sync_table(runs, args.dtype), {"shard_sync_bytes_ratio": ratio,
                                                    "weight_sync": {"config": args.config, "dtype": args.dtype, "runs": runs}}
@@ -199,17 +207,10 @@ def bf16_params(args) -> tuple[list[str], dict]:
     """Parameter bytes per rank with train.param_dtype=bf16 over fp32 (the distributed optimizer
     on; the embedding, router and norms stay fp32: longctx_moe.precision.low_precision_params).
     `bf16_param_bytes_ratio`: the worst rank's ratio over every run."""
-    runs, lines = [], []
-    for world in args.world:
-        layouts, skipped = _layouts_for(world, args.layouts, args.config)
-        lines += skipped
-        if not layouts:
-            continue
-        per_rank = run_distributed(_param_rank, world, args=(args.config, layouts), timeout=1800)
-        for i, (name, sets) in enumerate(layouts):
-            ranks = [r[i] for r in per_rank]
-            ratio = max(r["bf16_param_bytes"] / r["fp32_param_bytes"] for r in ranks)
-            runs.append({"world": world, "layout": name, "settings": sets, "ranks": ranks, "ratio": ratio})
+    lines, per_layout = _per_layout(args, _param_rank)
+    runs = [{"world": world, "layout": name, "settings": sets, "ranks": ranks,
+             "ratio": max(r["bf16_param_bytes"] / r["fp32_param_bytes"] for r in ranks)}
+            for world, name, sets, ranks in per_layout]
     kib = 1024
     lines += ["parameters per rank, train.param_dtype fp32 -> bf16 (KiB; masters: the optimizer's fp32 copies)",
               f"{'world':>5} {'layout':<13} {'rank':>4} {'fp32 params':>11} {'bf16 params':>11} "
@@ -270,14 +271,8 @@ def offload(args) -> tuple[list[str], dict]:
     storages (the walk the offload makes: proves it frees what it finds); in the rehearsal every
     storage alive on the device, as torch.cuda.memory_allocated counts (what it did not find
     shows there). `offload_residual_frac`: the worst of them (acceptance: <= 0.02)."""
-    runs, lines = [], []
-    for world in args.world:
-        layouts, skipped = _layouts_for(world, args.layouts, args.config)
-        lines += skipped
-        if layouts:
-            per_rank = run_distributed(_offload_rank, world, args=(args.config, layouts), timeout=1800)
-            runs += [{"world": world, "layout": name, "ranks": [r[i] for r in per_rank]}
-                     for i, (name, _) in enumerate(layouts)]
+    lines, per_layout = _per_layout(args, _offload_rank)
+    runs = [{"world": world, "layout": name, "ranks": ranks} for world, name, _, ranks in per_layout]
     rehearsed = _offload_rehearsed()
     gib, kib = 2 ** 30, 1024
     lines += ["offload: device bytes a rank holds before and after offload() (gloo: KiB)",
