@@ -189,12 +189,16 @@ for kw in layouts:
 """
 
 
+def _printed_lines(script: str) -> list[str]:
+    """The lines `script` printed, run in a process of its own (one fake world per process)."""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()
+
+
 @pytest.mark.slow
 def test_ep_etp_lending_and_allgather_layers_run_on_meta_under_a_fake_world():
-    done = subprocess.run([sys.executable, "-c", _FAKE_WORLD], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
+    lines = _printed_lines(_FAKE_WORLD)
     reads = [line.split(" [", 1)[1] for line in lines]
     # One read per forward: the table of the EP group ([1, 4, E + 1]), or of both groups under ETP.
     assert reads == ["(1, 4, 9)]", "(1, 4, 9)]", "(2, 2, 9)]", "(1, 4, 9)]", "(1, 4, 9)]", "(2, 2, 9)]"]
@@ -273,10 +277,7 @@ for ops, kw in runs:
 
 @pytest.mark.slow
 def test_fp8_ep_etp_lending_and_allgather_layers_run_on_meta_reading_only_the_seam():
-    done = subprocess.run([sys.executable, "-c", _FAKE_WORLD_FP8], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
+    lines = _printed_lines(_FAKE_WORLD_FP8)
     # one read of the seam per forward; the per-tensor recipe's two forward GEMMs are one grouped
     # call each (resolved for a Hopper), the block recipe loops
     assert [line.rsplit(" ", 2)[1:] for line in lines] == [["1", "2"]] * 4 + [["1", "0"]] * 2, lines
