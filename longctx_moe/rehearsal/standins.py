@@ -24,6 +24,8 @@ import torch
 from longctx_moe.rehearsal.collectives import program_line
 
 host_reads: collections.Counter = collections.Counter()
+# called with (what, "file:line (function)") at each read, beside the count (counts.py files it by module)
+on_read: list = []
 
 
 @contextlib.contextmanager
@@ -46,6 +48,9 @@ def _host_read(orig, name):
     def read(self, *args, **kwargs):
         if not self.is_meta:
             return orig(self, *args, **kwargs)
-        host_reads[(program_line(), name)] += 1
+        line = program_line()
+        host_reads[(line, name)] += 1
+        for listener in on_read:
+            listener(name, line)
         return make(self, *args, **kwargs)
     return read
