@@ -82,8 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {k: report[k] for k in _KEYS}
     result.update(tokens=sum(lengths), docs=len(lengths), sets=args.set, num_layers=cfg.model.num_layers,
                   rehearsal_seconds=round(seconds, 1))
-    if os.path.exists(BASELINE) and not args.write_baseline:
-        base = json.load(open(BASELINE))
+    base = json.load(open(BASELINE)) if os.path.exists(BASELINE) and not args.write_baseline else None
+    if base and (base["tokens"] != result["tokens"] or any(s.startswith("model.") for s in args.set)):
+        base = None  # the baseline is the bench model's at its tokens: another model has no ratio to it
+    if base:
         result["launches_ratio"] = result["launches_per_step"] / base["launches_per_step"]
         result["copy_bytes_ratio"] = result["copy_bytes_per_step"] / base["copy_bytes_per_step"]
         result["host_syncs_baseline"] = base["host_syncs_per_step"]

@@ -74,6 +74,14 @@ class OpCounts(TorchDispatchMode):
         self.syncs: collections.Counter = collections.Counter()  # "file:line (what)" -> count
         self.root = ""
 
+    def __enter__(self):
+        self.tracker.__enter__()  # the modules' hooks, for the block the mode counts
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.tracker.__exit__(*exc)
+
     # ---- where
 
     def module(self) -> str:
@@ -140,12 +148,11 @@ class OpCounts(TorchDispatchMode):
 
 
 def _moved_bytes(tensors: list, out) -> int:
-    """Bytes read and written: each device tensor among the inputs and outputs once (an
-    in-place copy's destination is its output)."""
-    seen = {}
-    for t in tensors + [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.device.type == tensors[0].device.type]:
-        seen[id(t)] = t.numel() * t.element_size()
-    return sum(seen.values())
+    """Bytes read and written: every device input (a tensor read twice counts twice), and every
+    output that is not one of the inputs (an in-place copy's destination is counted once)."""
+    ins = {id(t) for t in tensors}
+    outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and id(o) not in ins]
+    return sum(t.numel() * t.element_size() for t in tensors + outs)
 
 
 @contextlib.contextmanager
@@ -168,7 +175,7 @@ def count_ops(runtime, device: str = "meta") -> Iterator[OpCounts]:
         seam.read, restore = counted, [*restore, seam]
     standins.on_read.append(counts.sync)
     try:
-        with counts.tracker, counts:
+        with counts:
             yield counts
     finally:
         standins.on_read.remove(counts.sync)

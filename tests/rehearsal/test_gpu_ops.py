@@ -1,0 +1,157 @@
+"""The counts of what a GPU step runs (rehearsal/counts.py, bench/gpu_ops.py): each counting rule
+on ops whose counts are known, each rule's test shown to fail under a mutation of the rule, and a
+small model's whole step pinned exactly, so that a change of the program that adds launches,
+copies or syncs fails here (update the pins when a change means to)."""
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+from longctx_moe.rehearsal import counts as C
+from longctx_moe.rehearsal import standins
+from tests.rehearsal.helpers import ROOT
+
+
+def _count(fn) -> dict:
+    with C.OpCounts() as c:
+        fn()
+    return c.report()
+
+
+def _meta(*shape, dtype=torch.float32):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+# ---- each rule, and its mutation
+
+
+def _view_launches() -> int:
+    x = _meta(4, 8)
+    return _count(lambda: (x.view(8, 4), x.t(), x[1:], x.unsqueeze(0), x.reshape(32)))["launches_per_step"]
+
+
+def test_views_launch_nothing_and_kernels_launch_once():
+    x = _meta(4, 8)
+    assert _view_launches() == 0
+    assert _count(lambda: (x + 1, x.sum(), x @ x.t()))["launches_per_step"] == 3
+
+
+def test_view_rule_mutation_is_caught():
+    with mock.patch.object(C, "_VIEWS", defaultdict(bool)):  # mutation: a view counted as a launch
+        assert _view_launches() != 0
+
+
+def _copy_bytes() -> int:
+    x, y = _meta(4, 8), _meta(4, 8, dtype=torch.bfloat16)
+    # a cast (128 read + 64 written), copy_ (64 read + 128 written), cat (2 x 128 + 256), add (none)
+    return _count(lambda: (x.to(torch.bfloat16), x.copy_(y), torch.cat([x, x]), x + x))["copy_bytes_per_step"]
+
+
+def test_copy_bytes_count_reads_and_writes_of_copies_only():
+    assert _copy_bytes() == (128 + 64) + (64 + 128) + (2 * 128 + 256)
+
+
+def test_copy_rule_mutation_is_caught():
+    with mock.patch.object(C, "COPY_OPS", frozenset({"_to_copy"})):  # mutation: copy_ and cat not copies
+        assert _copy_bytes() != (128 + 64) + (64 + 128) + (2 * 128 + 256)
+
+
+def _syncs() -> dict:
+    x = _meta(16)
+    host = torch.zeros(16)
+
+    def step():
+        x.nonzero()  # sized by device values
+        x.sum().item()  # a device value read on the host
+        host.to("meta")  # a blocking host-to-device copy
+        host.to("meta", non_blocking=True)  # none
+        x + 1  # none
+
+    with standins.standins(), C.OpCounts() as c:
+        standins.on_read.append(c.sync)
+        try:
+            step()
+        finally:
+            standins.on_read.remove(c.sync)
+    return c.report()
+
+
+def test_host_syncs_are_counted_where_the_host_waits():
+    r = _syncs()
+    assert r["host_syncs_per_step"] == 3, r["host_syncs"]
+    assert r["h2d_copies_per_step"] == 2
+    assert r["by_op"]["aten._to_copy (h2d)"]["launches"] == 0  # a memcpy, not a kernel
+
+
+def test_sync_rule_mutations_are_caught():
+    with mock.patch.object(C, "SYNC_OPS", frozenset()):  # mutation: nonzero not a sync
+        assert _syncs()["host_syncs_per_step"] != 3
+    with mock.patch.object(C.OpCounts, "_to_device", lambda *a: False):  # mutation: no h2d copies
+        assert _syncs()["host_syncs_per_step"] != 3
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8, bias=False)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU()) for _ in range(2))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x * 2
+
+
+def _by_module() -> dict:
+    model = _Tiny().to("meta")
+    x = _meta(4, 8)
+    return _count(lambda: model(x))
+
+
+def test_ops_are_filed_under_the_innermost_module_and_layer():
+    r = _by_module()
+    mods = {m: v["launches"] for m, v in r["by_module"].items()}
+    assert mods == {"embed": 1, "layers.0.0": 1, "layers.0.1": 1, "layers.1.0": 1, "layers.1.1": 1, "model": 1}
+    assert [row["launches"] for row in r["layers"]] == [2, 2]
+
+
+def test_module_rule_mutation_is_caught():
+    # mutation: the outermost module instead of the innermost
+    with mock.patch.object(C.OpCounts, "module", lambda self: "model"):
+        assert _by_module()["layers"] == []
+
+
+# ---- a small model's step, pinned
+
+TINY = ["model.num_layers=2", "model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=2",
+        "model.head_dim=64", "model.num_experts=8", "model.top_k=2", "model.expert_hidden_size=128",
+        "model.vocab_size=4096"]
+
+
+@pytest.fixture(scope="module")
+def tiny_step(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_ops") / "r.json"
+    cmd = [sys.executable, "bench/gpu_ops.py", "--tokens", "2048", "--out", str(out)]
+    cmd += [a for s in TINY for a in ("--set", s)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_small_model_step_counts_are_pinned(tiny_step):
+    r = tiny_step
+    assert (r["launches_per_step"], r["copy_bytes_per_step"], r["host_syncs_per_step"]) == PINNED, \
+        "the step's counts changed: read bench/gpu_ops.py's tables and update PINNED if meant"
+    assert [row["launches"] for row in r["layers"]] == [PINNED_LAYER, PINNED_LAYER]
+    assert "launches_ratio" not in r  # the baseline is the bench model's, not this one's
+
+
+PINNED = (497, 179706430, 3)
+PINNED_LAYER = 194
