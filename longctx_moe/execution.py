@@ -31,7 +31,7 @@ from longctx_moe.choices import check_choice
 
 KERNEL_FAMILIES = ("auto", "torch", "triton", "cpp")
 # The paths each op has besides torch.
-OP_PATHS = {"norm": ("triton", "cpp"), "swiglu": ("cpp",), "logprobs": ("triton", "cpp"),
+OP_PATHS = {"norm": ("triton", "cpp"), "swiglu": ("triton", "cpp"), "logprobs": ("triton", "cpp"),
             "router": ("triton",), "permute": ("triton",), "attention_kernels": ("cpp",)}
 GROUPED_GEMM = ("auto", "grouped_mm", "loop")
 EXPERT_PRECISION = ("auto", "autocast", "param")
@@ -56,7 +56,8 @@ class ExecutionConfig:
     # on CUDA, C++ on an AVX512-BF16 CPU, torch elsewhere) | torch | triton | cpp
     kernels: str = "auto"
     norm: str = "auto"  # RMSNorm and residual add + RMSNorm: auto | torch | triton | cpp
-    swiglu: str = "auto"  # the experts' SwiGLU activation: auto | torch | cpp
+    # SwiGLU's activation: auto | torch | triton (the experts and the dense MLPs) | cpp (the experts)
+    swiglu: str = "auto"
     logprobs: str = "auto"  # the log-prob / entropy head's softmax work: auto | torch | triton | cpp
     router: str = "auto"  # scores + top-k + weights after the router GEMM: auto | torch | triton
     permute: str = "auto"  # MoE permute / un-permute + weighted sum: auto | torch | triton

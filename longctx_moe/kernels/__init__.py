@@ -12,6 +12,7 @@ without this package:
 | router scores + top-k + weights | triton_router | moe.Router |
 | log-prob + entropy statistics per vocabulary chunk | triton_logprobs | losses._LinearLogProbs |
 | RMSNorm, and residual add + RMSNorm | triton_rmsnorm | layers._RMSNormFn |
+| SwiGLU activation (experts, dense MLPs) | triton_swiglu | experts._SwiGLUDown, layers._GatedDown |
 
 CPU-side modules live here too: three C++ (AVX512) kernels, the ops' `cpp` paths -
 `cpu_logprobs`, the log-prob head's softmax work on bf16 logits; `cpu_rmsnorm`, RMSNorm in one
@@ -35,12 +36,14 @@ from types import SimpleNamespace
 def triton_ops() -> SimpleNamespace:
     """The Triton entry points (imports triton on first call)."""
     mods = {name: importlib.import_module(f"{__package__}.triton_{name}")
-            for name in ("permute", "router", "logprobs", "rmsnorm")}
+            for name in ("permute", "router", "logprobs", "rmsnorm", "swiglu")}
     return SimpleNamespace(
         permute=mods["permute"].permute, unpermute=mods["permute"].unpermute,
         router_topk=mods["router"].router_topk,
         linear_logprobs=mods["logprobs"].linear_logprobs,
         rmsnorm=mods["rmsnorm"].rmsnorm, add_rmsnorm=mods["rmsnorm"].add_rmsnorm,
+        swiglu=mods["swiglu"].swiglu, swiglu_fwd=mods["swiglu"].swiglu_fwd,
+        swiglu_bwd=mods["swiglu"].swiglu_bwd,
     )
 
 

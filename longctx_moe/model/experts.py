@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longctx_moe.execution import Ops
-from longctx_moe.kernels import cpu_swiglu, fp8
+from longctx_moe.kernels import cpu_swiglu, fp8, triton_ops
 from longctx_moe.model.grouped_gemm import (
     grouped_matmul,
     grouped_weight_grad,
@@ -44,7 +44,7 @@ class GroupedExperts(nn.Module):
     D so that the partial outputs summed over its ranks hold the bias once; D' = D otherwise).
     `activation` (model.expert_activation): swiglu or gpt-oss's clamped_swiglu (`limit`).
     `ops` (longctx_moe.execution): the grouped GEMM (grouped_gemm), the GEMMs' dtype
-    (expert_precision), the SwiGLU's C++ kernel (swiglu), row padding for batch invariance, FP8
+    (expert_precision), the SwiGLU's one-pass kernel, C++ or Triton (swiglu), row padding for batch invariance, FP8
     (fp8, fp8_recipe: the recipe's object holds these experts' amax histories under delayed
     scaling) and selective recompute (recompute)."""
 
@@ -132,7 +132,7 @@ class GroupedExperts(nn.Module):
         h_MF2 = self._grouped(x_MD, w_gate_up, counts_E, x_fp8, rows)
         if self.activation == "swiglu" and not biases and not self.fp8:
             return _SwiGLUDown.apply(h_MF2, w_down.to(x_MD.dtype), counts_E, self.impl,
-                                     self.swiglu_impl == "cpp")
+                                     self.swiglu_impl)
         return self._biased_down(h_MF2, w_down, counts_E, biases, rows)
 
     def _grouped(self, x_MD: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor,
@@ -175,6 +175,27 @@ def _activation(gate_MF: torch.Tensor, up_MF: torch.Tensor, kind: str, limit: fl
     return (up_MF + 1) * (gate_MF * torch.sigmoid(gate_MF * GPT_OSS_ALPHA))
 
 
+def _fused_path(path: str, h_MF2: torch.Tensor) -> str | None:
+    """The one-pass kernel that runs the activation of these rows ("cpp" / "triton"), or None
+    for the torch ops."""
+    if path == "cpp":
+        return "cpp" if cpu_swiglu.serves(h_MF2) else None
+    return "triton" if path == "triton" else None
+
+
+def _fused_forward(path: str, h_MF2: torch.Tensor) -> torch.Tensor:
+    if path == "triton":
+        return triton_ops().swiglu_fwd(*h_MF2.chunk(2, dim=-1))
+    return cpu_swiglu.forward(h_MF2)
+
+
+def _fused_backward(path: str, h_MF2: torch.Tensor, dact_MF: torch.Tensor):
+    """(act_MF recomputed, dh_MF2 = [d gate | d up])."""
+    if path == "triton":
+        return triton_ops().swiglu_bwd(*h_MF2.chunk(2, dim=-1), dact_MF.to(h_MF2.dtype))
+    return cpu_swiglu.backward(h_MF2, dact_MF)
+
+
 def _silu_and_act(h_MF2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(silu(gate), silu(gate) * up) of [gate | up] rows."""
     gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
@@ -191,9 +212,11 @@ class _SwiGLUDown(torch.autograd.Function):
     runs), so gradients are bitwise those of the plain composition."""
 
     @staticmethod
-    def forward(ctx, h_MF2, w_EFD, counts_E, impl, cpp):
-        ctx.fused = cpp and cpu_swiglu.serves(h_MF2)  # the same roundings in one pass (kernels/cpu_swiglu.py)
-        act_MF = cpu_swiglu.forward(h_MF2) if ctx.fused else _silu_and_act(h_MF2)[1]
+    def forward(ctx, h_MF2, w_EFD, counts_E, impl, act_path="torch"):
+        # `act_path` (Ops.swiglu): the activation in one pass each way, with the torch path's
+        # roundings (kernels/cpu_swiglu.py for the rows the CPU kernel serves, triton_swiglu.py)
+        ctx.fused = _fused_path(act_path, h_MF2)
+        act_MF = _fused_forward(ctx.fused, h_MF2) if ctx.fused else _silu_and_act(h_MF2)[1]
         ctx.impl = resolve_impl(impl, act_MF, w_EFD)
         ctx.save_for_backward(h_MF2, w_EFD, counts_E)
         return grouped_matmul(act_MF, w_EFD, counts_E, ctx.impl)
@@ -205,7 +228,7 @@ class _SwiGLUDown(torch.autograd.Function):
         g_MD = g_MD.contiguous()
         if ctx.fused:
             dact_MF = grouped_matmul(g_MD, w_EFD.transpose(-2, -1), counts_E, ctx.impl)
-            act_MF, dh_MF2 = cpu_swiglu.backward(h_MF2, dact_MF)
+            act_MF, dh_MF2 = _fused_backward(ctx.fused, h_MF2, dact_MF)
             del dact_MF
             dw_EFD = grouped_weight_grad(act_MF, g_MD, counts_E, ctx.impl) if ctx.needs_input_grad[1] else None
             return dh_MF2, dw_EFD, None, None, None

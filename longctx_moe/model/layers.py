@@ -124,10 +124,13 @@ def apply_rope(x_THR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) 
 
 class SwiGLU(nn.Module):
     """Dense SwiGLU MLP: down(silu(gate(x)) * up(x)). Used for first_k_dense layers and the shared
-    expert; separate gate/up projections so TP can column-shard them without interleaving."""
+    expert; separate gate/up projections so TP can column-shard them without interleaving.
+    `impl` (Ops.swiglu): torch, or triton (the activation and its backward in one pass each,
+    kernels/triton_swiglu.py); the C++ kernel serves the experts' [gate | up] rows only."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, impl: str = "torch"):
         super().__init__()
+        self.triton = impl == "triton"
         self.w_gate = nn.Linear(dim, hidden, bias=False)
         self.w_up = nn.Linear(dim, hidden, bias=False)
         self.w_down = nn.Linear(hidden, dim, bias=False)
@@ -141,7 +144,7 @@ class SwiGLU(nn.Module):
             return self.w_down(F.silu(gate_TF) * up_TF)
         # The weight's cast is the one autocast would make, outside the function so its gradient
         # reaches the fp32 parameter through autograd.
-        return _GatedDown.apply(gate_TF, up_TF, self.w_down.weight.to(gate_TF.dtype))
+        return _GatedDown.apply(gate_TF, up_TF, self.w_down.weight.to(gate_TF.dtype), self.triton)
 
 
 class _GatedDown(torch.autograd.Function):
@@ -153,14 +156,19 @@ class _GatedDown(torch.autograd.Function):
     (any leading shape), F hidden, D model dim."""
 
     @staticmethod
-    def forward(ctx, gate_NF, up_NF, w_DF):
+    def forward(ctx, gate_NF, up_NF, w_DF, triton: bool = False):
+        ctx.triton = triton  # the activation and its gradients in one Triton pass each way
         ctx.save_for_backward(gate_NF, up_NF, w_DF)
-        return F.linear(F.silu(gate_NF) * up_NF, w_DF)
+        act_NF = triton_ops().swiglu(gate_NF, up_NF) if triton else F.silu(gate_NF) * up_NF
+        return F.linear(act_NF, w_DF)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_ND):
         gate_NF, up_NF, w_DF = ctx.saved_tensors
+        if ctx.triton:
+            return (*_GatedDown.triton_backward(gate_NF, up_NF, w_DF, g_ND, ctx.needs_input_grad[2]),
+                    None)
         silu_NF = F.silu(gate_NF)
         act_NF = silu_NF * up_NF
         g_2D = g_ND.reshape(-1, g_ND.shape[-1])
@@ -170,4 +178,17 @@ class _GatedDown(torch.autograd.Function):
         dup_NF = dact_NF * silu_NF
         del silu_NF
         dgate_NF = torch.ops.aten.silu_backward(dact_NF.mul_(up_NF), gate_NF)
+        return dgate_NF, dup_NF, dw_DF, None
+
+    @staticmethod
+    def triton_backward(gate_NF, up_NF, w_DF, g_ND, weight_grad: bool):
+        """(d gate, d up: views of one [N, 2F] buffer, d w) with the activation's backward in
+        Triton; the same GEMMs as the torch path."""
+        f = gate_NF.shape[-1]
+        g_2D = g_ND.reshape(-1, g_ND.shape[-1])
+        dact_2F = g_2D.mm(w_DF)
+        act_2F, dh_2F2 = triton_ops().swiglu_bwd(gate_NF.reshape(-1, f), up_NF.reshape(-1, f), dact_2F)
+        del dact_2F
+        dw_DF = g_2D.t().mm(act_2F) if weight_grad else None
+        dgate_NF, dup_NF = dh_2F2.view(*gate_NF.shape[:-1], 2 * f).chunk(2, dim=-1)
         return dgate_NF, dup_NF, dw_DF

@@ -247,8 +247,8 @@ class SharedExpert(SwiGLU):
     it may multiply the pre-reduction partial sums (the gate's gradient is then partial per TP
     rank: tensor_parallel tags it)."""
 
-    def __init__(self, dim: int, hidden: int, gated: bool):
-        super().__init__(dim, hidden)
+    def __init__(self, dim: int, hidden: int, gated: bool, impl: str = "torch"):
+        super().__init__(dim, hidden, impl)
         self.gate = nn.Linear(dim, 1, bias=False) if gated else None
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -269,7 +269,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_hidden_size,
                                       cfg.expert_proj_bias, cfg.expert_activation, cfg.swiglu_limit, ops)
         hs = cfg.shared_expert_hidden_size
-        self.shared = SharedExpert(cfg.hidden_size, hs, cfg.shared_expert_gate) if hs > 0 else None
+        self.shared = SharedExpert(cfg.hidden_size, hs, cfg.shared_expert_gate, ops.swiglu) if hs > 0 else None
         # Expert parallelism replaces it with a dispatcher over the EP group (parallel/dispatch.py).
         self.dispatcher = LocalDispatcher(ops.permute)
 

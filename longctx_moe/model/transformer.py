@@ -63,7 +63,8 @@ class Block(nn.Module):
         self.attn = (MLAttention if cfg.attention_type == "mla" else Attention)(cfg, layer_idx, ops)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, ops.norm)
         self.is_moe = layer_idx >= cfg.first_k_dense
-        self.ffn = MoE(cfg, ops, balance) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.dense_hidden_size)
+        self.ffn = MoE(cfg, ops, balance) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.dense_hidden_size,
+                                                                         ops.swiglu)
 
     def forward(self, x_TD: torch.Tensor, layout: DocLayout,
                 replay_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats | None]:

@@ -1,0 +1,163 @@
+"""SwiGLU's activation in Triton: act = silu(gate) * up in one pass forward, and in one pass
+backward the recomputed activation (the down projection's weight gradient needs it) and both
+halves' gradients (the torch path is two passes forward and five backward, each writing a fresh
+[N, F] tensor).
+
+    swiglu_fwd(gate_NF, up_NF) -> act_NF
+    swiglu_bwd(gate_NF, up_NF, dact_NF) -> (act_NF, dh_N2F)      dh = [d gate | d up]
+    swiglu(gate, up) -> act                                       differentiable
+
+gate and up are read where they lie: the experts' [gate | up] halves of one [N, 2F] GEMM output
+(row stride 2F) or the dense MLP's two projections (experts._SwiGLUDown, layers._GatedDown). The
+gradient is one [N, 2F] buffer, [d gate | d up], what the experts' GEMM backward takes whole and
+whose halves the dense MLP hands to its two projections as views.
+
+The numerics are the torch path's (F.silu, the product, aten's silu_backward): float32 arithmetic
+(float64 for float64) with each intermediate that torch writes rounded to the rows' dtype where
+torch rounds it: silu(gate), silu * up, dact * silu, dact * up, then
+d gate = (dact * up) * sig * (1 + gate * (1 - sig)).
+The kernels run as torch operators, torch.ops.longctx.{swiglu_fwd, swiglu_bwd}.
+Legend: N rows (any leading shape flattened), F hidden features.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longctx_moe.kernels.triton_common import cast_rne
+
+_ROWS, _BLOCK_F = 16, 256  # one program's tile: 4096 elements of each operand
+
+
+@triton.jit
+def _load(ptr, rows, stride, cols, mask, acc_ty: tl.constexpr):
+    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(acc_ty)
+
+
+@triton.jit
+def _silu(g, dtype: tl.constexpr):
+    """(sigmoid(g), silu(g) rounded to dtype as F.silu writes it) in g's (accumulation) dtype."""
+    e = 1.0 + tl.exp(-g)
+    return 1.0 / e, cast_rne(g / e, dtype).to(g.dtype)
+
+
+@triton.jit
+def _fwd_kernel(g_ptr, u_ptr, a_ptr, N, F, sg, su, ACC: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK_F: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (rows[:, None] < N) & (cols[None, :] < F)
+    dtype = a_ptr.dtype.element_ty
+    acc_ty = tl.float64 if ACC == 64 else tl.float32
+    g = _load(g_ptr, rows, sg, cols, mask, acc_ty)
+    u = _load(u_ptr, rows, su, cols, mask, acc_ty)
+    _, s = _silu(g, dtype)
+    tl.store(a_ptr + rows[:, None] * F + cols[None, :], cast_rne(s * u, dtype), mask=mask)
+
+
+@triton.jit
+def _bwd_kernel(g_ptr, u_ptr, d_ptr, a_ptr, dh_ptr, N, F, sg, su, sd, ACC: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (rows[:, None] < N) & (cols[None, :] < F)
+    dtype = a_ptr.dtype.element_ty
+    acc_ty = tl.float64 if ACC == 64 else tl.float32
+    g = _load(g_ptr, rows, sg, cols, mask, acc_ty)
+    u = _load(u_ptr, rows, su, cols, mask, acc_ty)
+    d = _load(d_ptr, rows, sd, cols, mask, acc_ty)
+    sig, s = _silu(g, dtype)
+    out = rows[:, None] * F + cols[None, :]
+    tl.store(a_ptr + out, cast_rne(s * u, dtype), mask=mask)
+    du = cast_rne(d * u, dtype).to(acc_ty)  # silu_backward's incoming gradient, as torch writes it
+    dgate = du * sig * (1.0 + g * (1.0 - sig))
+    dh = rows[:, None] * (2 * F) + cols[None, :]
+    tl.store(dh_ptr + dh, cast_rne(dgate, dtype), mask=mask)
+    tl.store(dh_ptr + dh + F, cast_rne(d * s, dtype), mask=mask)
+
+
+def _acc(x: torch.Tensor) -> int:
+    return 64 if x.dtype == torch.float64 else 32
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor:
+    """t as [N, F] with unit column stride (a copy only where the columns are strided)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check(gate_NF: torch.Tensor, *others: torch.Tensor) -> None:
+    for t in others:
+        if t.shape != gate_NF.shape or t.dtype != gate_NF.dtype:
+            raise ValueError(f"swiglu: operands {tuple(t.shape)} {t.dtype} and gate "
+                             f"{tuple(gate_NF.shape)} {gate_NF.dtype} must match in shape and dtype")
+
+
+def _grid(n: int, f: int) -> tuple[int, int]:
+    return triton.cdiv(n, _ROWS), triton.cdiv(f, _BLOCK_F)
+
+
+@torch.library.custom_op("longctx::swiglu_fwd", mutates_args=())
+def swiglu_fwd(gate_NF: torch.Tensor, up_NF: torch.Tensor) -> torch.Tensor:
+    """act_NF = silu(gate) * up in the operands' dtype (both [N, F], any row stride)."""
+    _check(gate_NF, up_NF)
+    gate_NF, up_NF = _rows_view(gate_NF), _rows_view(up_NF)
+    n, f = gate_NF.shape
+    act_NF = torch.empty(n, f, dtype=gate_NF.dtype, device=gate_NF.device)
+    if act_NF.numel():
+        _fwd_kernel[_grid(n, f)](gate_NF, up_NF, act_NF, n, f, gate_NF.stride(0), up_NF.stride(0),
+                                 ACC=_acc(gate_NF), ROWS=_ROWS, BLOCK_F=_BLOCK_F)
+    return act_NF
+
+
+@swiglu_fwd.register_fake
+def _(gate_NF, up_NF):
+    _check(gate_NF, up_NF)
+    return gate_NF.new_empty(gate_NF.shape)
+
+
+def _bwd_outputs(gate_NF):
+    n, f = gate_NF.shape
+    return gate_NF.new_empty(n, f), gate_NF.new_empty(n, 2 * f)
+
+
+@torch.library.custom_op("longctx::swiglu_bwd", mutates_args=())
+def swiglu_bwd(gate_NF: torch.Tensor, up_NF: torch.Tensor,
+               dact_NF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act_NF recomputed, dh_N2F = [d gate | d up]) for the activation's gradient dact_NF."""
+    _check(gate_NF, up_NF, dact_NF)
+    gate_NF, up_NF, dact_NF = _rows_view(gate_NF), _rows_view(up_NF), _rows_view(dact_NF)
+    n, f = gate_NF.shape
+    act_NF, dh_N2F = _bwd_outputs(gate_NF)
+    if act_NF.numel():
+        _bwd_kernel[_grid(n, f)](gate_NF, up_NF, dact_NF, act_NF, dh_N2F, n, f, gate_NF.stride(0),
+                                 up_NF.stride(0), dact_NF.stride(0), ACC=_acc(gate_NF), ROWS=_ROWS,
+                                 BLOCK_F=_BLOCK_F)
+    return act_NF, dh_N2F
+
+
+@swiglu_bwd.register_fake
+def _(gate_NF, up_NF, dact_NF):
+    _check(gate_NF, up_NF, dact_NF)
+    return _bwd_outputs(gate_NF)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, dact_NF):
+    gate_NF, up_NF = ctx.saved_tensors
+    _, dh_N2F = swiglu_bwd(gate_NF, up_NF, dact_NF)
+    return dh_N2F.chunk(2, dim=-1)
+
+
+swiglu_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up over any leading shape; differentiable (the gradients are the two halves
+    of one buffer)."""
+    f = gate.shape[-1]
+    return swiglu_fwd(gate.reshape(-1, f), up.reshape(-1, f)).view(gate.shape)
