@@ -50,6 +50,7 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     impl: str = "auto"  # auto | fused | foreach | for_loop: torch AdamW implementation
+    offload: str = "none"  # none | cpu: AdamW state and masters in host memory, stepped there
 
 
 @dataclass
@@ -138,13 +139,12 @@ class Config:
 # Closed sets of string values of the sections defined here. The model, balance, execution, data
 # and parallel sections check their own (their `validate()`, run when each is made, _build).
 CHOICES: dict[str, tuple[str, ...]] = {
-    "optim.schedule": ("cosine", "linear", "constant"),
+    "optim.schedule": ("cosine", "linear", "constant"), "optim.offload": ("none", "cpu"),
     "optim.impl": ("auto", "fused", "foreach", "for_loop"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.param_dtype": ("fp32", "fp64", "bf16"),
     "train.autocast_dtype": AUTOCAST_CHOICES,
-    "train.nan_policy": ("stop", "skip"),
-    "train.recompute": RECOMPUTE_MODES,
+    "train.nan_policy": ("stop", "skip"), "train.recompute": RECOMPUTE_MODES,
     "train.host_allocator": ALLOCATOR_MODES,
     "train.host_tuning": HOST_TUNING,
 }

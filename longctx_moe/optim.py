@@ -52,7 +52,12 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 def build_adamw(tensors: list[torch.Tensor], cfg: OptimConfig):
     """torch AdamW over `tensors` (fp32/fp64 master weights, state in that dtype), or a
-    MasterAdamW where some of them are bf16."""
+    MasterAdamW where some of them are bf16, or with optim.offload=cpu a HostAdamW (masters and
+    state in host memory, optim_offload.py)."""
+    if cfg.offload == "cpu":
+        from longctx_moe.optim_offload import HostAdamW
+
+        return HostAdamW(tensors, cfg)
     if any(t.dtype in LOW_PRECISION for t in tensors):
         return MasterAdamW(tensors, cfg)
     return _adamw(tensors, cfg)
@@ -82,11 +87,14 @@ class MasterAdamW:
 
     def __init__(self, tensors: list[torch.Tensor], cfg: OptimConfig):
         self.tensors = list(tensors)
-        self.masters = [t.detach().to(torch.float32, copy=True) if t.dtype in LOW_PRECISION else t
-                        for t in self.tensors]
+        self.masters = [self._master(t) for t in self.tensors]
         self._param_of = {id(m): t for t, m in zip(self.tensors, self.masters, strict=True)}
         self._master_of = {id(t): m for t, m in zip(self.tensors, self.masters, strict=True)}
         self.optimizer = _adamw(self.masters, cfg)
+
+    def _master(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor AdamW updates for `t`: an fp32 copy of a bf16 one, else `t` itself."""
+        return t.detach().to(torch.float32, copy=True) if t.dtype in LOW_PRECISION else t
 
     def param_of(self, master: torch.Tensor) -> torch.Tensor:
         return self._param_of.get(id(master), master)
@@ -95,9 +103,15 @@ class MasterAdamW:
         return self._master_of.get(id(t), t)
 
     def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(model tensor, its separate fp32 master), in the optimizer's order."""
+        """(model tensor, its separate master), in the optimizer's order."""
         return [(self.param_of(m), m) for g in self.param_groups for m in g["params"]
                 if self.param_of(m) is not m]
+
+    @staticmethod
+    def _saves_master(t: torch.Tensor) -> bool:
+        """Whether the state carries the master of model tensor `t`: where the model holds a
+        rounded copy (bf16). An fp32 tensor is itself the master a checkpoint keeps."""
+        return t.dtype in LOW_PRECISION
 
     @property
     def param_groups(self) -> list[dict]:
@@ -107,8 +121,9 @@ class MasterAdamW:
     @property
     def state(self) -> dict:
         out = dict(self.optimizer.state)
-        for _, m in self._pairs():
-            out[m] = {**out.get(m, {}), "master": m}
+        for t, m in self._pairs():
+            if self._saves_master(t):
+                out[m] = {**out.get(m, {}), "master": m}
         return out
 
     @torch.no_grad()
@@ -130,26 +145,28 @@ class MasterAdamW:
         sd = self.optimizer.state_dict()
         masters = [m for g in self.param_groups for m in g["params"]]
         for i, m in enumerate(masters):
-            if self.param_of(m) is not m:
+            if self.param_of(m) is not m and self._saves_master(self.param_of(m)):
                 sd["state"][i] = {**sd["state"].get(i, {}), "master": m}
         return sd
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """torch's form; an entry's "master" (required for every bf16 tensor) is copied into
-        the master and rounded into the model's tensor."""
+        the master and rounded into the model's tensor. A separate master of an fp32 tensor
+        (HostAdamW's host copy) takes the entry's "master" where given, else the tensor."""
         masters = [m for g in self.param_groups for m in g["params"]]
         inner = {}
         for i, m in enumerate(masters):
             entry = dict(state["state"].get(i, {}))
             value = entry.pop("master", None)
-            if self.param_of(m) is not m:
-                if value is None:
+            t = self.param_of(m)
+            if t is not m:
+                if value is None and self._saves_master(t):
                     raise ValueError(f"optimizer state lacks the fp32 master of tensor {i} "
                                      f"{tuple(m.shape)}; train.param_dtype=bf16 resumes from a "
                                      "checkpoint that holds its masters")
-                m.copy_(value)
-                self.param_of(m).copy_(m)
+                m.copy_(t if value is None else value)
+                t.copy_(m)
             if entry:
                 inner[i] = entry
         self.optimizer.load_state_dict({**state, "state": inner})

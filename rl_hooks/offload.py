@@ -85,11 +85,18 @@ def part_tensors(trainer, part: str) -> Iterator[torch.Tensor | None]:
     elif part == "grads":
         yield from (p.grad for p in model.parameters())
         yield from (t.grad for t in _stepped(trainer))
-    else:
+        for opt in _optimizers(trainer):  # optim.offload=cpu: those its host step will read
+            yield from getattr(opt, "device_grads", list)()
+    elif not host_optimizer(trainer):
         yield from _stepped(trainer)
         for opt in _optimizers(trainer):
             for state in opt.state.values():
                 yield from (v for v in state.values() if torch.is_tensor(v))
+
+
+def host_optimizer(trainer) -> bool:
+    """optim.offload=cpu: the optimizer's state is in host memory, its part has nothing here."""
+    return trainer.cfg.optim.offload == "cpu"
 
 
 def trainer_storages(trainer, device: torch.device) -> dict[str, list[torch.UntypedStorage]]:
@@ -122,13 +129,16 @@ class Residency:
         # On a CPU run the device's memory is the host's: there is nothing to move.
         self.moves = self.device.type != "cpu" if moves is None else moves
         self.held: dict[str, list[_Held]] = {}
-        self._said = False
+        self._said: set[str] = set()
 
     def offload(self, parts: Iterable[str]) -> dict[str, int]:
         """Move `parts` (not yet away) to the host; {part: bytes moved}."""
         self._say()
         found = trainer_storages(self.trainer, self.device)
         todo = [p for p in parts if p not in self.held]
+        if "optimizer" in todo and host_optimizer(self.trainer):
+            self._say_once("offload: optim.offload=cpu keeps the optimizer's state in host memory; "
+                           "its part has nothing on the device to move")
         # A storage that cannot be freed in place (file-backed or shared host memory; on a GPU, one
         # from outside the caching allocator) stays where it is and counts in device_bytes().
         moved = {p: [_Held(s, None) for s in found[p] if s.resizable()] for p in todo}
@@ -171,12 +181,16 @@ class Residency:
         return sum(storage_bytes(s) for s in trainer_storages(self.trainer, self.device).values())
 
     def _say(self) -> None:
-        if self.moves or self._said:
+        if not self.moves:
+            self._say_once(f"offload: the trainer runs on the host ({self.device}); offload() and "
+                           "onload() move nothing")
+
+    def _say_once(self, line: str) -> None:
+        if line in self._said:
             return
-        self._said = True
+        self._said.add(line)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"offload: the trainer runs on the host ({self.device}); offload() and onload() "
-                  "move nothing", flush=True)
+            print(line, flush=True)
 
 
 class ResidentGate(ExportGate):

@@ -104,7 +104,8 @@ class ParallelRuntime:
         self.optimizer = DistributedOptimizer(
             self.dense, self.expert, self.dims, self.cfg.grad_bucket_mb,
             build=lambda tensors: build_adamw(tensors, optim_cfg),
-            contiguous_only=optim_cfg.impl == "fused")
+            # fused AdamW needs contiguous slabs; the host copies of optim.offload=cpu are
+            contiguous_only=optim_cfg.impl == "fused" and optim_cfg.offload == "none")
         return self.optimizer
 
     def _sharded_optimizer(self) -> DistributedOptimizer:

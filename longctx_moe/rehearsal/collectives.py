@@ -124,6 +124,8 @@ class DeviceRules(TorchDispatchMode):
     # ---- every op
 
     def _mixing(self, func, tensors: list) -> None:
+        if func is torch.ops.aten.copy_.default:  # between host and device: a CUDA memcpy, allowed
+            return
         on_device = any(t.device.type == self.device for t in tensors)
         host = [t for t in tensors if t.device.type == "cpu" and t.dim() > 0]
         if on_device and host:

@@ -30,6 +30,7 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from longctx_moe.parallel.dims import destroy_process_groups
+    from longctx_moe.rehearsal.host_memory import host_memory
 
     if dist.is_initialized():
         raise RuntimeError("fake_world: a process group already exists in this process; "
@@ -38,7 +39,8 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     # its backend up by the tensor's device type, which is meta here
     dist.init_process_group("meta:fake,cpu:fake,cuda:fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        yield
+        with host_memory():  # the node's host memory, which this machine does not have
+            yield
     finally:
         destroy_process_groups()
 
