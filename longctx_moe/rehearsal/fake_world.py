@@ -64,11 +64,20 @@ def in_own_process(target: Callable, *args) -> tuple[str, object]:
     return reply
 
 
-def gpu_compute(cfg, param_dtype: torch.dtype = torch.float32):
+def _param_dtype(cfg, param_dtype: torch.dtype | None) -> torch.dtype:
+    """`param_dtype`, or the one `cfg` holds its parameters in (train.param_dtype)."""
+    from longctx_moe.precision import PARAM_DTYPES
+
+    return param_dtype or PARAM_DTYPES[cfg.train.param_dtype]
+
+
+def gpu_compute(cfg, param_dtype: torch.dtype | None = None):
     """The ComputeDtype `cfg` resolves to on a CUDA GPU with native bf16 (Hopper and later, the
-    rehearsed one): train.autocast_dtype auto computes in bf16 there (meta has no rule of its own)."""
+    rehearsed one): train.autocast_dtype auto computes in bf16 there (meta has no rule of its own).
+    `param_dtype`: default the config's."""
     from longctx_moe.precision import ComputeDtype
 
+    param_dtype = _param_dtype(cfg, param_dtype)
     setting = cfg.train.autocast_dtype
     if setting == "none" or param_dtype == torch.float64:
         return ComputeDtype(None, param_dtype, setting, "no autocast")
@@ -76,27 +85,29 @@ def gpu_compute(cfg, param_dtype: torch.dtype = torch.float32):
     return ComputeDtype(dtype, param_dtype, setting, "the rehearsed GPU computes bf16 natively")
 
 
-def cuda_ops(cfg, param_dtype: torch.dtype = torch.float32, rl: bool = False):
+def cuda_ops(cfg, param_dtype: torch.dtype | None = None, rl: bool = False):
     """The Ops `cfg` resolves to on the rehearsed CUDA GPU (gpu_compute's dtype); `rl`: an RL
-    policy's (execution.resolve)."""
+    policy's (execution.resolve). `param_dtype`: default the config's."""
     from longctx_moe.execution import Target, resolve
 
+    param_dtype = _param_dtype(cfg, param_dtype)
     compute = gpu_compute(cfg, param_dtype).dtype
     target = Target("cuda", compute, param_dtype, cfg.train.compile, cfg.parallel.tp)
     return resolve(cfg.execution, target, cfg.train.recompute, rl)
 
 
-def build_rank(cfg, world_size: int, rank: int, dtype: torch.dtype = torch.float32, routing: str = "balanced",
+def build_rank(cfg, world_size: int, rank: int, dtype: torch.dtype | None = None, routing: str = "balanced",
                ops=None):
     """(dims, runtime): the layout of `cfg` (longctx_moe.config.Config) for `rank`, and the
-    model built on meta in `dtype` with `ops` (default: a CUDA device's), parallelized as
-    `longctx-moe train` does it."""
+    model built on meta in `dtype` (default the config's train.param_dtype) with `ops` (default:
+    a CUDA device's), parallelized as `longctx-moe train` does it."""
     from longctx_moe.build import _parallelize, check_layout
     from longctx_moe.model import Transformer
     from longctx_moe.precision import cast_params
 
     dims = check_layout(cfg, world_size)
     dims.build_groups(rank)
+    dtype = _param_dtype(cfg, dtype)
     with torch.device("meta"):
         model = cast_params(Transformer(cfg.model, ops or cuda_ops(cfg, dtype), balance=cfg.balance), dtype)
     from longctx_moe.rehearsal.routing import AssumedRouting

@@ -57,7 +57,7 @@ def rehearse_policy_rank(cfg, world: int, rank: int, gpu, lengths: list[int],
     if export not in EXPORTS:
         raise ValueError(f"export={export!r}: choose one of {', '.join(EXPORTS)}")
     with fake_world(world, rank):
-        dims, runtime = build_rank(cfg, world, rank, torch.float32, ops=cuda_ops(cfg, torch.float32, rl=True))
+        dims, runtime = build_rank(cfg, world, rank, ops=cuda_ops(cfg, rl=True))
         policy = _policy_on(cfg, dims, runtime, _one_micro_batch(cfg, lengths))
         # every rank passes the whole batch (the trainer splits it over DP): here one of alike
         # ranks', each holding `lengths` (the budget packs a rank's share into one micro-batch)

@@ -7,9 +7,9 @@ import pytest
 from tests.rehearsal.helpers import rehearse_one
 
 
-def _rehearse_rl(tmp_path, export: str) -> dict:
+def _rehearse_rl(tmp_path, export: str, *sets: str) -> dict:
     return rehearse_one(tmp_path, "--config", "configs/rehearsal/qwen3-30b-a3b.yaml", "--world", "8", "--rank", "3",
-                        "--tokens", "4096", "--gpu", "h100", "--rl", export, sets=("model.num_layers=2",))
+                        "--tokens", "4096", "--gpu", "h100", "--rl", export, sets=("model.num_layers=2", *sets))
 
 
 @pytest.mark.slow
@@ -39,7 +39,10 @@ def test_an_rl_step_of_a_shrunk_qwen3_30b_a3b_rank_runs_every_phase(tmp_path):
 
 @pytest.mark.slow
 def test_the_shard_export_moves_nothing_and_yields_about_a_rank_s_share(tmp_path):
-    r = _rehearse_rl(tmp_path, "shards")
+    """With the parameters in bf16 (train.param_dtype, what a colocated RL run picks for room)."""
+    r = _rehearse_rl(tmp_path, "shards", "train.param_dtype=bf16")
+    # the matrices in bf16; the embedding, norms and router stay float32 (precision.py)
+    assert 2 * r["params"] < r["peak_split"]["parameters"] < 3 * r["params"]
     export = r["phases"]["export shards"]
     assert export["traffic"] == {} and export["pieces"] > 0
     # each element once over the 8 ranks: about the model's bf16 bytes / 8, this rank's params or fewer
