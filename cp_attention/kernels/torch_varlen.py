@@ -89,7 +89,11 @@ def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, 
     """Block gradients for a passed (possibly merged) out / lse; -> (dq, dk, dv)."""
     _check_dtype(q_THD)
     groups = q_THD.shape[1] // k_SHD.shape[1]
-    k, v = _expand_kv(k_SHD, groups), _expand_kv(v_SHD, groups)
+    # Where torch's varlen takes GQA, aten's flash backward takes the KV heads as they are (torch's
+    # own varlen backward passes them so) and returns dk / dv per KV head: no copy of k and v at
+    # the query heads' count, no sum after.
+    native_gqa = "enable_gqa" in inspect.signature(_varlen_module().varlen_attn).parameters
+    k, v = (k_SHD, v_SHD) if native_gqa else (_expand_kv(k_SHD, groups), _expand_kv(v_SHD, groups))
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q_THD.device)  # dropout is 0
     unused = torch.empty(0, device=q_THD.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
@@ -97,7 +101,7 @@ def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, 
         kernel_lse(lse_HT.float()).contiguous(), cu_q.int(), cu_k.int(), max_q, max_k, 0.0,
         bool(causal), rng_state, unused, scale=scale,
         **({} if window is None else {"window_size_left": window - 1, "window_size_right": 0}))
-    if groups > 1:
+    if groups > 1 and not native_gqa:
         s, _, d = dk.shape
         dk = dk.view(s, -1, groups, d).sum(2)
         dv = dv.view(s, -1, groups, d).sum(2)

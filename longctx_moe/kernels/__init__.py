@@ -40,7 +40,7 @@ def triton_ops() -> SimpleNamespace:
     return SimpleNamespace(
         permute=mods["permute"].permute, unpermute=mods["permute"].unpermute,
         router_topk=mods["router"].router_topk,
-        linear_logprobs=mods["logprobs"].linear_logprobs,
+        linear_logprobs=mods["logprobs"].linear_logprobs, cross_entropy_rows=mods["logprobs"].cross_entropy_rows,
         rmsnorm=mods["rmsnorm"].rmsnorm, add_rmsnorm=mods["rmsnorm"].add_rmsnorm,
         swiglu=mods["swiglu"].swiglu, swiglu_fwd=mods["swiglu"].swiglu_fwd,
         swiglu_bwd=mods["swiglu"].swiglu_bwd,

@@ -254,7 +254,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     shard's group once, after the last chunk."""
 
     @staticmethod
-    def forward(ctx, h_TD, w_VD, idx_N, labels_N, weight_N, chunk, cdtype, shard):
+    def forward(ctx, h_TD, w_VD, idx_N, labels_N, weight_N, chunk, cdtype, shard, impl="torch"):
         acc = accumulate_dtype(cdtype)
         w_c = w_VD.to(cdtype)  # one cast per forward, not one per chunk
         total = torch.zeros((), dtype=acc, device=h_TD.device)
@@ -266,8 +266,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h_c = h_TD.index_select(0, rows).to(cdtype)
             w_C = None if weight_N is None else weight_N[s:s + chunk].to(acc)
             g_CV = h_c @ w_c.t()  # logits of one chunk, overwritten by their gradient
-            rows_fn = _softmax_grad_rows if shard is None else partial(_sharded_softmax_grad_rows,
-                                                                       shard=shard)
+            rows_fn = _rows_fn(impl, shard)
             ce_C = rows_fn(g_CV, labels_N[s:s + chunk], w_C, acc, need_h or need_w)
             total += (ce_C if w_C is None else ce_C * w_C).sum()
             if need_h:
@@ -288,26 +287,36 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Out of place: a retained graph may run this backward twice.
         gh = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
         gw = None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)
-        return gh, gw, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
+
+
+def _rows_fn(impl: str, shard):
+    """The chunk's CE and in-place logits gradient: torch's (a float32 copy of the chunk), or
+    Triton's log-prob kernels (two passes over the chunk in its own dtype)."""
+    if impl == "triton":
+        return partial(triton_ops().cross_entropy_rows, shard=shard)
+    return _softmax_grad_rows if shard is None else partial(_sharded_softmax_grad_rows, shard=shard)
 
 
 def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor,
                           loss_weight_T: torch.Tensor | None = None,
                           chunk_tokens: int = 1024,
-                          shard: VocabShard | None = None) -> torch.Tensor:
+                          shard: VocabShard | None = None, impl: str = "torch") -> torch.Tensor:
     """ce_sum: sum over target tokens (labels != -100) of loss_weight * CE of the
     logits h @ W^T. h [T, D] (any float dtype), W [V, D]; ce_sum is fp32 (float64 for float64).
 
     Only target rows are projected, chunk_tokens at a time, in the autocast dtype when autocast is on.
     `shard`: W holds this rank's V_l rows of a vocab-parallel head; every rank of the shard's
-    group must pass the same h and labels, and gets the same ce_sum."""
+    group must pass the same h and labels, and gets the same ce_sum. `impl` (Ops.logprobs): the
+    softmax work of each chunk on torch or in Triton (kernels/triton_logprobs.py; the C++ path
+    serves the log-prob head only, so cpp runs torch's here)."""
     if chunk_tokens < 1:
         raise ValueError(f"execution.loss_chunk_tokens={chunk_tokens} must be >= 1")
     idx_N = (labels_T != IGNORE_INDEX).nonzero().squeeze(1)
     labels_N = labels_T.index_select(0, idx_N)
     weight_N = None if loss_weight_T is None else loss_weight_T.index_select(0, idx_N)
     cdtype = autocast_dtype(h_TD)
-    return _LinearCrossEntropy.apply(h_TD, w_VD, idx_N, labels_N, weight_N, chunk_tokens, cdtype, shard)
+    return _LinearCrossEntropy.apply(h_TD, w_VD, idx_N, labels_N, weight_N, chunk_tokens, cdtype, shard, impl)
 
 
 class _LinearLogProbs(torch.autograd.Function):

@@ -143,7 +143,7 @@ class Transformer(nn.Module):
         logp_T = ent_T = None
         if head is None:
             ce_sum = chunked_cross_entropy(h_TD, self.output_weight(), batch.labels, batch.loss_weight,
-                                           self.ops.loss_chunk_tokens, self.vocab_shard)
+                                           self.ops.loss_chunk_tokens, self.vocab_shard, self.ops.logprobs)
         else:
             logp_T, ent_T = chunked_token_logprobs(h_TD, self.output_weight(), batch.labels,
                                                    self.ops.loss_chunk_tokens, head.temperature,
