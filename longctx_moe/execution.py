@@ -31,8 +31,9 @@ from longctx_moe.choices import check_choice
 
 KERNEL_FAMILIES = ("auto", "torch", "triton", "cpp")
 # The paths each op has besides torch.
-OP_PATHS = {"norm": ("triton", "cpp"), "swiglu": ("triton", "cpp"), "logprobs": ("triton", "cpp"),
-            "router": ("triton",), "permute": ("triton",), "attention_kernels": ("cpp",)}
+OP_PATHS = {"norm": ("triton", "cpp"), "swiglu": ("triton", "cpp"), "rope": ("triton",),
+            "logprobs": ("triton", "cpp"), "router": ("triton",), "permute": ("triton",),
+            "attention_kernels": ("cpp",)}
 GROUPED_GEMM = ("auto", "grouped_mm", "loop")
 EXPERT_PRECISION = ("auto", "autocast", "param")
 FP8 = ("none", "torch", "te")
@@ -58,6 +59,7 @@ class ExecutionConfig:
     norm: str = "auto"  # RMSNorm and residual add + RMSNorm: auto | torch | triton | cpp
     # SwiGLU's activation: auto | torch | triton (the experts and the dense MLPs) | cpp (the experts)
     swiglu: str = "auto"
+    rope: str = "auto"  # rotary embedding of q and k: auto | torch | triton
     logprobs: str = "auto"  # the log-prob / entropy head's softmax work: auto | torch | triton | cpp
     router: str = "auto"  # scores + top-k + weights after the router GEMM: auto | torch | triton
     permute: str = "auto"  # MoE permute / un-permute + weighted sum: auto | torch | triton
@@ -138,6 +140,7 @@ class Ops:
     attention: AttnKernel = AttnKernel("torch_cpu", native_forward=False, native_backward=False)
     norm: str = "torch"
     swiglu: str = "torch"
+    rope: str = "torch"
     logprobs: str = "torch"
     router: str = "torch"
     permute: str = "torch"
@@ -242,7 +245,7 @@ def _path_unavailable(path: str, op: str, target: Target) -> str | None:
 
 
 def _auto_path(op: str, paths: tuple[str, ...], target: Target) -> tuple[str, str]:
-    if target.compile and op in ("norm", "router"):
+    if target.compile and op in ("norm", "router", "rope"):
         # inside the compiled blocks inductor fuses these into Triton kernels of its own; an
         # extension call would break the graph
         return "torch", "auto: train.compile fuses it inside the compiled blocks"

@@ -13,6 +13,7 @@ without this package:
 | log-prob + entropy statistics per vocabulary chunk | triton_logprobs | losses._LinearLogProbs |
 | RMSNorm, and residual add + RMSNorm | triton_rmsnorm | layers._RMSNormFn |
 | SwiGLU activation (experts, dense MLPs) | triton_swiglu | experts._SwiGLUDown, layers._GatedDown |
+| rotary embedding of q and k | triton_rope | layers.apply_rope, rope.apply_partial_rope |
 
 CPU-side modules live here too: three C++ (AVX512) kernels, the ops' `cpp` paths -
 `cpu_logprobs`, the log-prob head's softmax work on bf16 logits; `cpu_rmsnorm`, RMSNorm in one
@@ -36,7 +37,7 @@ from types import SimpleNamespace
 def triton_ops() -> SimpleNamespace:
     """The Triton entry points (imports triton on first call)."""
     mods = {name: importlib.import_module(f"{__package__}.triton_{name}")
-            for name in ("permute", "router", "logprobs", "rmsnorm", "swiglu")}
+            for name in ("permute", "router", "logprobs", "rmsnorm", "swiglu", "rope")}
     return SimpleNamespace(
         permute=mods["permute"].permute, unpermute=mods["permute"].unpermute,
         router_topk=mods["router"].router_topk,
@@ -44,6 +45,7 @@ def triton_ops() -> SimpleNamespace:
         rmsnorm=mods["rmsnorm"].rmsnorm, add_rmsnorm=mods["rmsnorm"].add_rmsnorm,
         swiglu=mods["swiglu"].swiglu, swiglu_fwd=mods["swiglu"].swiglu_fwd,
         swiglu_bwd=mods["swiglu"].swiglu_bwd,
+        rope=mods["rope"].rope,
     )
 
 

@@ -23,6 +23,7 @@ from cp_attention.kernels import AttnKernel
 from data_packing.batch import PackedBatch
 from longctx_moe.compile import eager_only
 from longctx_moe.execution import Ops
+from longctx_moe.kernels import triton_ops
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.layers import RMSNorm, apply_rope, rope_cos_sin
 from longctx_moe.model.rope import RopeSpec, apply_partial_rope, rope_tables
@@ -161,6 +162,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_width, cfg.norm_eps, ops.norm) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_width, cfg.norm_eps, ops.norm) if cfg.qk_norm else None
         self.backend = ops.attention  # an AttnKernel: backend, batch invariance, C++ kernels
+        self.rope_impl = ops.rope  # torch | triton (q and k in one launch: kernels/triton_rope.py)
 
     def _init_family_features(self, cfg: ModelConfig, layer_idx: int) -> None:
         """Sinks (gpt-oss), this layer's sliding window, and a RoPE variant (partial rotary,
@@ -174,8 +176,12 @@ class Attention(nn.Module):
     def _rotate(self, q_THR, k_TGR, layout: DocLayout):
         if self.rope_spec is None:
             cos_TR, sin_TR = layout.rope_cos_sin(self.head_dim, self.rope_theta, q_THR.dtype)
+        else:
+            cos_TR, sin_TR = layout.rope_tables(self.rope_spec, q_THR.dtype)
+        if self.rope_impl == "triton":
+            return triton_ops().rope(q_THR, k_TGR, cos_TR, sin_TR)
+        if self.rope_spec is None:
             return apply_rope(q_THR, cos_TR, sin_TR), apply_rope(k_TGR, cos_TR, sin_TR)
-        cos_TR, sin_TR = layout.rope_tables(self.rope_spec, q_THR.dtype)
         return apply_partial_rope(q_THR, cos_TR, sin_TR), apply_partial_rope(k_TGR, cos_TR, sin_TR)
 
     def _project(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from longctx_moe.execution import Ops
+from longctx_moe.kernels import triton_ops
 from longctx_moe.model.attention import DocLayout, attend
 from longctx_moe.model.config import ModelConfig
 from longctx_moe.model.layers import RMSNorm
@@ -57,6 +58,7 @@ class MLAttention(nn.Module):
         self.rope_spec = RopeSpec.from_config(self.rope_dim, cfg.rope_theta, cfg.rope_scaling,
                                               cfg.max_position_embeddings)
         self.rope_interleave = cfg.rope_interleave
+        self.rope_impl = ops.rope  # torch | triton (q and k in one launch: kernels/triton_rope.py)
         self.scale = qk ** -0.5 * yarn_softmax_scale_factor(cfg.rope_scaling)
         self.window = cfg.window_of(layer_idx)
         self.sinks = nn.Parameter(torch.zeros(h)) if cfg.attention_sinks else None
@@ -69,6 +71,13 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
         # Head count from the weights: TP keeps this rank's heads of q_b / q_proj.
         return q.view(x_TD.shape[0], -1, self.nope + self.rope_dim)
+
+    def _rope_qk(self, q_THP: torch.Tensor, k_T1P: torch.Tensor, layout: DocLayout):
+        """q's and k's rope parts rotated: one Triton launch, or the torch path on each."""
+        if self.rope_impl == "triton":
+            cos_TP, sin_TP = layout.rope_tables(self.rope_spec, q_THP.dtype)
+            return triton_ops().rope(q_THP, k_T1P, cos_TP, sin_TP, self.rope_interleave)
+        return self._rope(q_THP, layout), self._rope(k_T1P, layout)
 
     def _rope(self, x_THP: torch.Tensor, layout: DocLayout) -> torch.Tensor:
         if self.rope_interleave:  # pairs (0, 1), (2, 3)... -> rotate-half's (i, i + P/2)
@@ -84,8 +93,7 @@ class MLAttention(nn.Module):
         kv_THX = self.kv_b_proj(self.kv_a_layernorm(ckv_TC)).view(t, -1, self.nope + self.v_dim)
         k_nope_THN, v_THV = kv_THX.split([self.nope, self.v_dim], -1)
         q_nope_THN, q_rope_THP = q_THQ.split([self.nope, self.rope_dim], -1)
-        q_rope_THP = self._rope(q_rope_THP, layout)
-        k_rope_T1P = self._rope(k_rope_TP[:, None, :], layout)
+        q_rope_THP, k_rope_T1P = self._rope_qk(q_rope_THP, k_rope_TP[:, None, :], layout)
         h = q_THQ.shape[1]
         q = torch.cat([q_nope_THN, q_rope_THP], -1)
         k = torch.cat([k_nope_THN, k_rope_T1P.expand(t, h, self.rope_dim)], -1)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton.runtime.jit
 
 from longctx_moe.kernels import triton_ops
 from longctx_moe.model.moe import permute_layout
@@ -17,21 +16,7 @@ pytestmark = pytest.mark.triton
 
 OPS = ("rmsnorm_fwd", "add_rmsnorm_fwd", "rmsnorm_bwd", "permute_fwd", "permute_bwd",
        "unpermute_fwd", "unpermute_bwd", "router_topk_fwd", "router_topk_bwd", "logprobs_stats",
-       "logprobs_grad")
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """A list that gets one entry per Triton kernel launch (fn[grid] is every launch's path)."""
-    seen = []
-    getitem = triton.runtime.jit.KernelInterface.__getitem__
-
-    def counted(self, grid):
-        seen.append(self)
-        return getitem(self, grid)
-
-    monkeypatch.setattr(triton.runtime.jit.KernelInterface, "__getitem__", counted)
-    return seen
+       "logprobs_grad", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd")
 
 
 def _randn(*shape, dtype=torch.float32, seed=0, grad=True):
@@ -53,6 +38,18 @@ def _rmsnorm():
 def _add_rmsnorm():
     return "add_rmsnorm", (_randn(41, 96), _randn(41, 96, dtype=torch.bfloat16, seed=1),
                            _randn(96, seed=2), 1e-6, torch.bfloat16)
+
+
+def _swiglu():
+    h = _randn(9, 2 * 40)
+    return "swiglu", tuple(h.detach().chunk(2, dim=-1)[i].requires_grad_() for i in (0, 1))
+
+
+def _rope(interleaved):
+    """q a strided view of a wider tensor, one k head, bf16 tables; partial rotary (R=6 of 10)."""
+    tables = (_randn(7, 6, dtype=torch.bfloat16, seed=2, grad=False) for _ in range(2))
+    return lambda: ("rope", (_randn(7, 3, 13, dtype=torch.bfloat16)[..., 3:],
+                             _randn(7, 1, 10, dtype=torch.bfloat16, seed=1), *tables, interleaved))
 
 
 def _permute():
@@ -99,9 +96,11 @@ def _signature(tensors):
 
 @pytest.mark.parametrize("case", [_rmsnorm, _add_rmsnorm, _permute, _unpermute,
                                   _router("softmax"), _router("sigmoid"),
-                                  _logprobs(torch.float32, 0), _logprobs(torch.bfloat16, 1 << 20)],
+                                  _logprobs(torch.float32, 0), _logprobs(torch.bfloat16, 1 << 20),
+                                  _swiglu, _rope(False), _rope(True)],
                          ids=["rmsnorm", "add_rmsnorm", "permute", "unpermute", "router_softmax",
-                              "router_sigmoid", "logprobs", "logprobs_kept_logits"])
+                              "router_sigmoid", "logprobs", "logprobs_kept_logits", "swiglu",
+                              "rope", "rope_interleaved"])
 def test_entry_point_on_meta_matches_interpreter_shapes(case, launches):
     name, args = case()
     outs, grads = _run(name, args)
@@ -133,6 +132,10 @@ def _opcheck_cases():
     z_CV = _randn(6, 1500, dtype=torch.bfloat16, grad=False)
     cols, own, temp = torch.randint(0, 1500, (6,)), torch.ones(6, dtype=torch.int8), torch.tensor([0.7])
     stats = [_randn(6, seed=i, grad=False) for i in range(4)]
+    h = _randn(9, 80, dtype=torch.bfloat16)
+    gate, up = h.chunk(2, dim=-1)  # strided halves of one buffer, as the experts hold them
+    q, k = _randn(7, 3, 13)[..., 3:], _randn(7, 1, 10, seed=1)
+    cos, sin = _randn(7, 6, seed=2, grad=False), _randn(7, 6, seed=3, grad=False)
     return [
         (L.rmsnorm_fwd, (x, w, 1e-6, torch.bfloat16)),
         (L.add_rmsnorm_fwd, (x, res, w, 1e-6, torch.float32)),
@@ -153,6 +156,12 @@ def _opcheck_cases():
                              sums, True, True)),
         (L.logprobs_stats, (z_CV, cols, own, temp, True)),
         (L.logprobs_grad, (z_CV.clone(), cols, own, *stats, temp, True)),
+        (L.swiglu_fwd, (gate, up)),
+        (L.swiglu_fwd, (_randn(5, 7), _randn(5, 7, seed=1))),  # a width under one tile
+        (L.swiglu_bwd, (gate.detach(), up.detach(), _randn(9, 40, dtype=torch.bfloat16, grad=False))),
+        (L.rope_fwd, (q, k, cos, sin, False)),
+        (L.rope_fwd, (q, k, cos, sin, True)),
+        (L.rope_bwd, (_randn(7, 3, 10, grad=False), _randn(7, 1, 10, grad=False, seed=1), cos, sin, True)),
     ]
 
 

@@ -106,11 +106,13 @@ def _experts_run(ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_experts_under_triton_equal_the_torch_path(dtype):
+def test_experts_under_triton_equal_the_torch_path(dtype, launches):
     """The same GEMMs around the activation: output and every gradient as the torch path's.
     In bf16 an activation value one step off moves a GEMM output by at most a step times its
     weight's share: within 2^-7 of each tensor's largest value."""
-    got, ref = _experts_run(tiny_ops(swiglu="triton"), dtype), _experts_run(tiny_ops(swiglu="torch"), dtype)
+    got = _experts_run(tiny_ops(swiglu="triton"), dtype)
+    assert _swiglu_launches(launches) == ["_fwd_kernel", "_bwd_kernel"]
+    ref = _experts_run(tiny_ops(swiglu="torch"), dtype)
     for a, b in zip(got, ref, strict=True):
         assert a.dtype == b.dtype
         scale = float(b.double().abs().max())
@@ -119,7 +121,11 @@ def test_experts_under_triton_equal_the_torch_path(dtype):
     assert got[-1][1].abs().max() == 0  # the idle expert's down projection gets no gradient
 
 
-def test_dense_mlp_under_triton_equals_the_torch_path():
+def _swiglu_launches(launches) -> list[str]:
+    return [k.fn.__name__ for k in launches if k.fn.__module__.endswith("triton_swiglu")]
+
+
+def test_dense_mlp_under_triton_equals_the_torch_path(launches):
     """fp32 weights under bf16 autocast (the trainer's mode); tolerances as the experts'."""
     torch.manual_seed(0)
     mlps = {impl: SwiGLU(32, 72, impl) for impl in ("torch", "triton")}
@@ -131,6 +137,7 @@ def test_dense_mlp_under_triton_equals_the_torch_path():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = mlp(x)
         res[impl] = (y.detach(), *torch.autograd.grad(y, [x, *mlp.parameters()], g))
+    assert _swiglu_launches(launches) == ["_fwd_kernel", "_bwd_kernel"]  # the triton MLP's, once each
     for a, b in zip(res["triton"], res["torch"], strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert float((a.double() - b.double()).abs().max()) <= 2.0 ** -7 * float(b.double().abs().max())
