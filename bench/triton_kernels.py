@@ -5,8 +5,9 @@
 Peer: the torch path of the same op in the same run (execution.kernels=torch). Per op: the median
 and spread (min, max) of `--reps` timed forward+backward calls after warm-up, the speed-up
 (torch median / Triton median), and the largest difference between the two paths' outputs and
-gradients. Sizes are a ~1B MoE at 32K tokens: D=2048, E=64 experts top-8, q/k heads of 128,
-V=151,936 (Qwen's vocabulary) in chunks of 4096 rows, bf16 autocast.
+gradients. Sizes are a ~1B MoE at 32K tokens: D=2048, E=64 experts top-8 of hidden F=768
+(SwiGLU over the T*K routed rows' [gate | up]), 16 q / 4 k heads of 128 (RoPE), V=151,936
+(Qwen's vocabulary) in chunks of 4096 rows, bf16 autocast.
 
 Needs CUDA: under Triton's interpreter (TRITON_INTERPRET=1, CPU) the numbers time numpy, not the
 kernels, so there only `--quick` runs, as a check that this program works, and says so.
@@ -28,12 +29,12 @@ from bench.bench_io import write_json  # noqa: E402
 from longctx_moe.execution import Target, triton_unavailable  # noqa: E402
 from longctx_moe.kernels import triton_ops as ops  # noqa: E402
 from longctx_moe.model.config import ModelConfig  # noqa: E402
-from longctx_moe.model.layers import RMSNorm  # noqa: E402
+from longctx_moe.model.layers import RMSNorm, apply_rope, rope_cos_sin  # noqa: E402
 from longctx_moe.model.losses import chunked_token_logprobs  # noqa: E402
 from longctx_moe.model.moe import Router, _GatherRows, _Permute, permute_layout  # noqa: E402
 
-FULL = dict(t=32768, d=2048, e=64, k=8, heads=16, head_dim=128, v=151936, chunk=4096)
-QUICK = dict(t=64, d=64, e=8, k=2, heads=2, head_dim=32, v=600, chunk=16)
+FULL = dict(t=32768, d=2048, e=64, k=8, f=768, heads=16, kv_heads=4, head_dim=128, v=151936, chunk=4096)
+QUICK = dict(t=64, d=64, e=8, k=2, f=48, heads=2, kv_heads=1, head_dim=32, v=600, chunk=16)
 
 
 def _sync(device):
@@ -106,7 +107,7 @@ def cases(s: dict, device) -> dict:
                                  "triton": (lambda: _triton_permute(x_bf, idx, w), [x_bf, w])}}
     x32 = rnd(s["t"], s["d"])
     routers = {k: Router(ModelConfig(hidden_size=s["d"], num_experts=s["e"], top_k=s["k"],
-                                     expert_bias=True, kernels=k)).to(device) for k in ("torch", "triton")}
+                                     expert_bias=True), k).to(device) for k in ("torch", "triton")}
     for r in routers.values():
         torch.nn.init.normal_(r.weight, std=0.02, generator=g)
     routers["triton"].load_state_dict(routers["torch"].state_dict())
@@ -123,9 +124,23 @@ def cases(s: dict, device) -> dict:
 
     def logprobs(k):
         with torch.autocast(device.type, dtype=bf16):
-            return list(chunked_token_logprobs(h, wv, labels, s["chunk"], entropy=True, kernels=k))
+            return list(chunked_token_logprobs(h, wv, labels, s["chunk"], entropy=True, impl=k))
     out["log-prob + entropy"] = {k: (lambda k=k: logprobs(k), [h, wv]) for k in ("torch", "triton")}
+    h_MF2 = rnd(s["t"] * s["k"], 2 * s["f"], dtype=bf16, scale=4.0)
+    out["SwiGLU (experts)"] = {"torch": (lambda: [_torch_swiglu(h_MF2)], [h_MF2]),
+                               "triton": (lambda: [ops().swiglu(*h_MF2.chunk(2, dim=-1))], [h_MF2])}
+    kq = rnd(s["t"], s["kv_heads"], s["head_dim"], dtype=bf16)
+    pos = torch.arange(s["t"], device=device) % 4096  # documents of 4096 tokens
+    cos, sin = (t.to(bf16) for t in rope_cos_sin(pos, s["head_dim"], 1e6))
+    out["RoPE q + k"] = {
+        "torch": (lambda: [apply_rope(q, cos, sin), apply_rope(kq, cos, sin)], [q, kq]),
+        "triton": (lambda: list(ops().rope(q, kq, cos, sin)), [q, kq])}
     return out
+
+
+def _torch_swiglu(h_MF2):
+    gate, up = h_MF2.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def _max_diff(a: list, b: list, relative: bool = False) -> float:
