@@ -32,11 +32,15 @@ def check_data_against_model(cfg: Config) -> dict:
     return meta
 
 
-def check_layout(cfg: Config, world_size: int):
-    """The parallel layout on `world_size` ranks (ParallelDims, no groups yet) or a ConfigError."""
-    from longctx_moe.parallel.dims import ParallelDims
+def check_layout(cfg: Config, world_size: int, table: bool = True):
+    """The parallel layout on `world_size` ranks (ParallelDims, no groups yet) or a ConfigError;
+    `table=False`: the same rules, returning only the degrees (no group table: cheap enough to
+    judge thousands of layouts)."""
+    from longctx_moe.parallel.dims import ParallelDims, layout_degrees
 
     try:
+        if not table:
+            return layout_degrees(cfg.parallel, world_size, cfg.model, cfg.balance)
         return ParallelDims.from_config(cfg.parallel, world_size, cfg.model, cfg.balance)
     except ValueError as e:
         raise ConfigError(str(e)) from None

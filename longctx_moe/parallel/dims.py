@@ -186,6 +186,25 @@ def _check_model(cfg: ParallelConfig, model_cfg: Any, cp_a2a: int) -> None:
         _fail(f"expert_hidden_size={ffn} is not divisible by etp={cfg.etp}; choose etp dividing it")
 
 
+def layout_degrees(cfg: ParallelConfig, world_size: int, model_cfg: Any = None,
+                   balance: Any = None) -> dict[str, Any]:
+    """Every layout rule of `cfg` on `world_size` ranks (and against the model and the balance
+    section, when given); the degrees ParallelDims is made of, or ValueError. No group table is
+    computed: judging thousands of layouts (longctx-moe plan) costs the rules alone."""
+    _check_degrees(cfg, world_size)
+    inner, outer = _check_hierarchical(cfg)
+    dyn = _check_dynamic_cp(cfg, world_size // cfg.tp)
+    cp_a2a = {"ulysses": max(cfg.cp, cfg.max_cp), "hierarchical": inner}.get(cfg.cp_backend, 1)
+    if model_cfg is not None:
+        _check_model(cfg, model_cfg, cp_a2a)
+    if balance is not None:
+        _check_balance(cfg, balance)
+    return dict(world_size=world_size, tp=cfg.tp, cp=cfg.cp, dp=world_size // (cfg.tp * cfg.cp),
+                ep=cfg.ep, etp=cfg.etp, edp=world_size // (cfg.etp * cfg.ep),
+                cp_backend=cfg.cp_backend, cp_inner=inner, cp_outer=outer,
+                dynamic_cp_sizes=dyn, dynamic_outer_sizes=_dynamic_outer_sizes(cfg, inner))
+
+
 def _groups_along(grid: np.ndarray, axes: tuple[str, ...], keep: tuple[str, ...]) -> list[list[int]]:
     """Rank lists of the groups spanning `keep` axes of `grid` (one list per fixed rest)."""
     rest = [i for i, a in enumerate(axes) if a not in keep]
@@ -271,19 +290,7 @@ class ParallelDims:
                     balance: Any = None) -> ParallelDims:
         """Validate `cfg` for `world_size` ranks (and the model and the balance section, when
         given); derive dp and edp."""
-        _check_degrees(cfg, world_size)
-        inner, outer = _check_hierarchical(cfg)
-        dyn = _check_dynamic_cp(cfg, world_size // cfg.tp)
-        cp_a2a = {"ulysses": max(cfg.cp, cfg.max_cp), "hierarchical": inner}.get(cfg.cp_backend, 1)
-        if model_cfg is not None:
-            _check_model(cfg, model_cfg, cp_a2a)
-        if balance is not None:
-            _check_balance(cfg, balance)
-        return cls(world_size=world_size, tp=cfg.tp, cp=cfg.cp, dp=world_size // (cfg.tp * cfg.cp),
-                   ep=cfg.ep, etp=cfg.etp, edp=world_size // (cfg.etp * cfg.ep),
-                   cp_backend=cfg.cp_backend, cp_inner=inner, cp_outer=outer,
-                   dynamic_cp_sizes=dyn, dynamic_outer_sizes=_dynamic_outer_sizes(cfg, inner),
-                   config=cfg)
+        return cls(**layout_degrees(cfg, world_size, model_cfg, balance), config=cfg)
 
     @property
     def hierarchical(self) -> bool:
