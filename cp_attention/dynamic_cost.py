@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from data_packing.balance import token_pair_cost
 from data_packing.batch import pad_multiple, pad_to
 
 
@@ -122,7 +123,8 @@ class DynamicCPCost:
         """(a*n + b*n^2 / eff(n/size)) / size = (a*n + b*n^2) / size + b*n*n_half: the
         inefficiency of short tiles costs every rank of the run b*n*n_half, whatever its size;
         plus the windowed layers' pairs (window_pairs) split over the run."""
-        return ((self.a * n + self.b * n * n + self.c_window * self.window_pairs(n)) / size
+        # b is per n^2 (half a causal pair's seconds: n^2 / 2 pairs)
+        return ((token_pair_cost(n, n * n, self.a, self.b) + self.c_window * self.window_pairs(n)) / size
                 + self.b * n * self.attn_half_tokens)
 
     def window_pairs(self, n):

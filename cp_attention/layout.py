@@ -12,6 +12,7 @@ import torch
 
 from cp_attention.schedule import Piece, StepSpec, chunk_rows, diagonal_step, ring_step
 from cp_attention.window_schedule import window_diagonal, window_ring
+from data_packing.balance import token_pair_cost
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class CostModel:
     per_token: float = 0.0
 
     def cost(self, area: float, tokens: int) -> float:
-        return self.per_token_pair * area + self.per_token * tokens
+        return token_pair_cost(tokens, area, self.per_token, self.per_token_pair)
 
 
 def causal_area(lo: int, hi: int, length: int) -> int:

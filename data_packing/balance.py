@@ -36,10 +36,23 @@ class StepAssignment:
         return float(self.micro_cost.max() / self.micro_cost.mean()) if self.micro_cost.mean() else 1.0
 
 
+def token_pair_cost(tokens, pairs, per_token, per_pair):
+    """per_token * tokens + per_pair * pairs: the one cost shape of the project's planners (this
+    loader's balance, the CP planner's pieces, the Dynamic-CP scheduler's seconds, the model's
+    training FLOPs, the layout planner): work linear in the tokens a rank holds (GEMMs) plus work
+    per query-key pair of attention. Scalars or arrays; each caller states its units."""
+    return per_token * tokens + per_pair * pairs
+
+
+def causal_pairs(length):
+    """Query-key pairs (key <= query) of causal attention over `length` tokens: L * (L + 1) / 2."""
+    return length * (length + 1) / 2
+
+
 def doc_cost(padded_len: np.ndarray, per_token: float, per_token_pair: float) -> np.ndarray:
     """float64 [N]: per_token * L + per_token_pair * L * (L + 1) / 2 (causal pairs)."""
     length = np.asarray(padded_len, dtype=np.float64)
-    return per_token * length + per_token_pair * length * (length + 1) / 2
+    return token_pair_cost(length, causal_pairs(length), per_token, per_token_pair)
 
 
 def _fill_bins(sizes: np.ndarray, costs: np.ndarray, n_bins: int, budget: int):

@@ -10,7 +10,8 @@ class DataConfig:
     path: str = "data/stdlib_tiny"  # a directory written by `longctx-pack`
     global_batch_tokens: int = 8192  # real tokens per optimizer step, summed over DP ranks
     micro_batch_tokens: int = 2048  # token budget of one micro-batch on one rank
-    # Estimated training cost of a document of padded length L, used to balance the DP ranks:
+    # Estimated training cost of a document of padded length L, used to balance the DP ranks
+    # (balance.doc_cost, the project's one a*tokens + b*pairs shape, balance.token_pair_cost):
     #     cost_per_token * L + cost_per_token_pair * L * (L + 1) / 2   (causal query-key pairs)
     # in units of one token's dense work. Per token the dense layers cost 6 * N FLOPs (fwd + bwd,
     # N active matmul parameters); per causal pair attention costs 12 * H * D * layers (QK^T and

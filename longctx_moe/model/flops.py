@@ -4,6 +4,7 @@ length (padding is not useful work and is not counted)."""
 
 from __future__ import annotations
 
+from data_packing.balance import token_pair_cost
 from longctx_moe.model.config import ModelConfig
 
 
@@ -46,5 +47,5 @@ def pair_cost_ratio(cfg: ModelConfig) -> float:
 def model_flops(cfg: ModelConfig, doc_lengths: list[int]) -> float:
     """Training FLOPs (fwd + bwd) of one pass over documents of these real lengths."""
     tokens = sum(doc_lengths)
-    pairs = sum(n * (n + 1) // 2 for n in doc_lengths)
-    return float(6 * active_matmul_params(cfg) * tokens + attention_flops_per_pair(cfg) * pairs)
+    pairs = sum(n * (n + 1) // 2 for n in doc_lengths)  # causal_pairs, in integers
+    return float(token_pair_cost(tokens, pairs, 6 * active_matmul_params(cfg), attention_flops_per_pair(cfg)))
