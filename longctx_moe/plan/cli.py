@@ -24,7 +24,7 @@ import numpy as np
 
 from longctx_moe.rehearsal.gpus import GIB, GPUS
 
-CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "rest")
+CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "communication buffers", "rest")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,6 +66,11 @@ def param_counts(cfg) -> tuple[int, int]:
     return sum(p.numel() for p in dense), sum(p.numel() for p in expert)
 
 
+def micro_batches(layout, rank_tokens: int, tokens: int) -> int:
+    """Micro-batches a rank runs per step: its share of the step's tokens over a micro-batch's."""
+    return max(1, math.ceil(tokens / (layout.dp * layout.cp) / rank_tokens))
+
+
 def rank_tokens(layout, longest: int, tokens: int) -> int:
     """Tokens one rank holds of a micro-batch: the longest document's share of its CP run (a
     micro-batch holds whole documents), at least 4,096 where the step has them (GEMM-sized)."""
@@ -94,7 +99,7 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
     """{"fit": [Planned] fastest first, "excluded": [Planned] faster ones that did not fit or were
     refused, "candidates", "judged", "measured"}."""
     from longctx_moe.plan.layouts import candidates, judge
-    from longctx_moe.plan.memory import MemoryCache, per_rank
+    from longctx_moe.plan.memory import MemoryCache, per_rank, resident
     from longctx_moe.plan.timing import Workload, step_time
     from longctx_moe.rehearsal.step import lognormal_lengths, parse_lognormal
 
@@ -105,25 +110,30 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
     docs = np.array(lognormal_lengths(tokens, median, sigma, longest))
     counts = param_counts(cfg)
     max_cp = 2 ** math.ceil(math.log2(max(1, longest / 512)))  # tiles under 512 tokens never pay
-    timed = []
+    timed, works = [], {}
     for layout in candidates(gpus, cfg.model.num_experts, gpus_per_node):
         if layout.cp > max_cp or tokens // layout.dp < longest:
             continue  # a replica's share must hold the longest document
-        work = Workload(docs, rank_tokens(layout, longest, tokens))
+        n = rank_tokens(layout, longest, tokens)
+        work = works.setdefault(n, Workload(docs, n))
         timed.append(Planned(layout, step_time(cfg.model, gpu, gpu_kind, layout, work, counts)))
     timed.sort(key=lambda p: p.time["total_s"])
     cache = MemoryCache(cfg, cache_dir)
-    fit, excluded, judged = [], [], 0
+    fit, excluded, judged, measured = [], [], 0, -1
     for i, p in enumerate(timed):
         if len(fit) >= top:
             break
-        if progress:
-            progress(f"\rjudging {i + 1} of {len(timed)} layouts, {len(fit)} fit")
+        if progress and (i % 100 == 0 or cache.measured != measured):
+            measured = cache.measured
+            progress(f"\rjudging {i + 1} of {len(timed)} layouts, {len(fit)} fit, {measured} memory probes")
         judged += 1
         p.refused = judge(cfg, p.layout)
         if p.refused is None:
-            n = rank_tokens(p.layout, longest, tokens)
-            p.memory = per_rank(cache, cfg, p.layout, n, lambda t: lognormal_lengths(t, median, sigma, longest))
+            p.memory = resident(cache, cfg, p.layout)
+            if p.peak <= gpu.memory_bytes:  # else refused on its weights and state alone
+                n = rank_tokens(p.layout, longest, tokens)
+                p.memory = per_rank(cache, cfg, p.layout, n, lambda t: lognormal_lengths(t, median, sigma, longest),
+                                    micro_batches(p.layout, n, tokens))
             if p.peak <= gpu.memory_bytes:
                 fit.append(p)
                 continue
@@ -131,7 +141,7 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
     if progress:
         progress("\n")
     return {"fit": fit, "excluded": excluded, "candidates": len(timed), "judged": judged,
-            "measured": cache.measured, "gpu": gpu}
+            "measured": cache.measured, "gpu": gpu, "cache": cache}
 
 
 def _line(p: Planned) -> str:
@@ -141,7 +151,7 @@ def _line(p: Planned) -> str:
             f"{t['comm_s']:6.3f} {t['imbalance_s']:6.3f} | {t['tokens_per_s_per_gpu']:8.0f} {t['mfu'] * 100:5.1f}%")
 
 
-HEADER = (f"{'layout':<48} {'peak':>6} | {'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'rest':>6} | "
+HEADER = (f"{'layout':<48} {'peak':>6} | {'param':>6} {'grad':>6} {'optim':>6} {'activ':>6} {'comm':>6} {'rest':>6} | "
           f"{'step s':>7} {'comp':>7} {'comm':>6} {'imbal':>6} | {'tok/s/GPU':>8} {'MFU':>6}")
 
 
@@ -180,23 +190,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _rehearse_top(cfg, result: dict, args) -> list[dict]:
-    """The K best layouts rehearsed in full, rank 0 each, beside the planner's figures."""
+    """The K best layouts rehearsed in full, rank 0 each, beside the planner's figures. The
+    rehearsal runs one micro-batch, so the planner's figure beside it is its one-micro-batch one
+    (the plan's own adds the gradients earlier micro-batches accumulate, when it has several)."""
     from longctx_moe.plan.layouts import config_of
+    from longctx_moe.plan.memory import per_rank
     from longctx_moe.rehearsal.step import lognormal_lengths, parse_lognormal, rehearse_rank
 
     median, sigma, longest = parse_lognormal(args.lengths)
     out = []
-    print("planner vs rehearsal, rank 0 (GiB):")
+    print("planner (one micro-batch) vs rehearsal, rank 0 (GiB):")
     for p in result["fit"][:args.rehearse_top]:
         n = rank_tokens(p.layout, longest, args.tokens_per_step)
+        lengths_of = lambda t: lognormal_lengths(t, median, sigma, longest)  # noqa: E731
+        planned = per_rank(result["cache"], cfg, p.layout, n, lengths_of, micro_batches=1)
         c = config_of(cfg, p.layout, max_tokens_per_rank=n)
-        c = dataclasses.replace(c, data=dataclasses.replace(c.data, micro_batch_tokens=n * p.layout.cp))
-        report = rehearse_rank(c, p.layout.world, 0, result["gpu"],
-                               lognormal_lengths(n * p.layout.cp, median, sigma, longest))
-        err = p.peak / report.peak_bytes - 1
-        print(f"  {p.layout.label():<48} planner {p.peak / GIB:6.1f}  rehearsal {report.peak_bytes / GIB:6.1f} "
-              f"({err * 100:+.1f}%)  " + " ".join(f"{k} {p.memory[k] / GIB:.1f}/{report.peak_split[k] / GIB:.1f}"
-                                                   for k in CATEGORIES))
-        out.append({"label": p.layout.label(), "planner": p.peak, "rehearsal": report.peak_bytes,
-                    "rehearsal_split": report.peak_split, "rel_err": err})
+        micro = n * p.layout.cp
+        c = dataclasses.replace(c, data=dataclasses.replace(
+            c.data, micro_batch_tokens=micro, global_batch_tokens=max(c.data.global_batch_tokens, micro)))
+        report = rehearse_rank(c, p.layout.world, 0, result["gpu"], lengths_of(micro))
+        peak = sum(planned.values())
+        err = peak / report.peak_bytes - 1
+        print(f"  {p.layout.label():<48} planner {peak / GIB:6.1f}  rehearsal {report.peak_bytes / GIB:6.1f} "
+              f"({err * 100:+.1f}%)  " + " ".join(f"{k} {planned.get(k, 0) / GIB:.1f}/{report.peak_split[k] / GIB:.1f}"
+                                                   for k in CATEGORIES), flush=True)
+        out.append({"label": p.layout.label(), "planner": peak, "rehearsal": report.peak_bytes,
+                    "planner_split": planned, "rehearsal_split": report.peak_split, "rel_err": err})
     return out

@@ -97,7 +97,7 @@ def judge(base: Config, layout: Layout) -> str | None:
     try:
         cfg = config_of(base, layout)
         validate(cfg)
-        check_layout(cfg, layout.world)
+        check_layout(cfg, layout.world, table=False)
     except (ConfigError, ValueError) as e:
         return str(e)
     return None

@@ -41,6 +41,10 @@ from longctx_moe.plan.layouts import Layout, config_of
 # Tokens per rank of an activation probe: meta tensors cost the same at any size, and the step's
 # peak must fall inside the backward (where activations are live), not at the optimizer's step.
 PROBE_TOKENS = 16384
+# What grows with a rank's tokens at the forward / backward peak: the saved tensors and the
+# collectives' receive buffers (all-to-all, ring K/V, TP-SP gathers), and the rest.
+TOKEN_CATEGORIES = ("activations", "communication buffers", "rest")
+CATEGORIES = ("parameters", "gradients", "optimizer state") + TOKEN_CATEGORIES
 
 
 def _shrinks(cfg) -> tuple[int, int, int]:
@@ -84,14 +88,19 @@ class MemoryCache:
 
 
 def _state_bytes(cfg, world: int) -> dict:
-    """Parameters, gradients and optimizer state of rank 0 of `cfg` on `world` ranks."""
+    """Rank 0 of `cfg` on `world` ranks: its parameters, gradients and optimizer state as the
+    program holds them, and the categories at its optimizer step's peak (the step's own
+    temporaries, e.g. a foreach AdamW's, filed as activations, as the rehearsal files them)."""
     from longctx_moe.rehearsal.fake_world import build_rank, fake_world
+    from longctx_moe.rehearsal.memtrack import FastMemTracker
+    from longctx_moe.rehearsal.step import _split
 
     with fake_world(world, 0):
         _, runtime = build_rank(cfg, world, 0)
         params = sum(p.numel() * p.element_size() for p in runtime.model.parameters())
-        optimizer = runtime.build_optimizer(cfg.optim)
-        inner = getattr(optimizer, "optimizer", optimizer)
+        inner = runtime.build_optimizer(cfg.optim)
+        while not isinstance(inner, torch.optim.Optimizer):  # the distributed optimizer's, over slabs
+            inner = inner.optimizer
         for group in inner.param_groups:
             for p in group["params"]:
                 p.grad = torch.zeros_like(p)
@@ -101,7 +110,14 @@ def _state_bytes(cfg, world: int) -> dict:
         masters = getattr(inner, "masters", None)  # optim.MasterAdamW keeps its masters apart
         if isinstance(masters, dict):
             state += sum(t.numel() * t.element_size() for t in masters.values())
-    return {"parameters": params, "gradients": params, "optimizer state": state}
+        tracker = FastMemTracker()  # a steady-state step: what it holds at its peak
+        tracker.track_external(runtime.model, inner)
+        with tracker:
+            inner.step()
+        snap = tracker.get_tracker_snapshot("peak")
+    step = _split(next((v for dev, v in snap.items() if torch.device(dev).type == "meta"), {}))
+    return {"parameters": params, "gradients": params, "optimizer state": state,
+            **{f"step {k}": v for k, v in step.items()}}
 
 
 def static(cache: MemoryCache, cfg, layout: Layout) -> dict:
@@ -141,7 +157,7 @@ def _activation_bytes(cfg, probe: Layout, lengths_of) -> dict:
             break
         per_rank *= 4
     split = report.peak_split
-    return {"activations": split["activations"] / per_rank, "rest": split["rest"] / per_rank}
+    return {k: split[k] / per_rank for k in TOKEN_CATEGORIES}
 
 
 def activations(cache: MemoryCache, cfg, layout: Layout, lengths_of) -> dict:
@@ -158,10 +174,27 @@ def activations(cache: MemoryCache, cfg, layout: Layout, lengths_of) -> dict:
     return _extrapolate(first, second, layers)
 
 
-def per_rank(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, lengths_of) -> dict:
-    """category -> bytes one rank of `layout` holds at the step's peak with `rank_tokens` tokens
-    of a micro-batch."""
-    out = dict(static(cache, cfg, layout))
-    for k, v in activations(cache, cfg, layout, lengths_of).items():
-        out[k] = v * rank_tokens
-    return out
+def resident(cache: MemoryCache, cfg, layout: Layout) -> dict:
+    """Parameters and optimizer state: what a rank holds at every moment of the step, whatever
+    its tokens. Cheap to measure (no step is run): a layout they alone overflow needs no
+    activation probe to be refused."""
+    state = static(cache, cfg, layout)
+    return {"parameters": state["parameters"], "optimizer state": state["optimizer state"]}
+
+
+def per_rank(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, lengths_of,
+             micro_batches: int = 1) -> dict:
+    """category -> bytes one rank of `layout` holds at the step's peak, the larger of two moments
+    of the program's step:
+    - the forward / backward peak of a micro-batch of `rank_tokens` tokens: parameters, optimizer
+      state, the activations and receive buffers of those tokens, and the gradients the earlier
+      micro-batches accumulated (none with one micro-batch: gradients are made as the backward
+      runs, after the forward's peak, and freed after the optimizer's step);
+    - the optimizer's step (measured: its gradients, state and temporaries)."""
+    state = static(cache, cfg, layout)
+    per_token = activations(cache, cfg, layout, lengths_of)
+    backward = {"parameters": state["parameters"], "optimizer state": state["optimizer state"],
+                "gradients": state["gradients"] if micro_batches > 1 else 0}
+    backward.update({k: per_token.get(k, 0.0) * rank_tokens for k in TOKEN_CATEGORIES})
+    step = {k: state.get(f"step {k}", 0) for k in CATEGORIES}
+    return backward if sum(backward.values()) >= sum(step.values()) else step

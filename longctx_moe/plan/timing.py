@@ -3,11 +3,24 @@ scheduler's, cp_attention.dynamic_cost.DynamicCPCost), at achieved throughputs p
 plus each collective the layout runs, over the link its group crosses.
 
 Efficiencies (achieved / datasheet peak, gpus.py's peaks):
-- GEMMs 0.6 on H100 / H200: the H200 run measured 775 TFLOP/s on an 8192^3 bf16 matmul (0.78 of
-  989; docs/PERFORMANCE.md, the GPU check), and a training step's GEMMs are smaller and grouped
-  (its profile: 70.5 ms of GEMMs for ~half the step's FLOPs); B200 assumed the same (unmeasured).
-- Attention 0.5 of peak on long tiles with the tile efficiency m / (m + 490) at m tokens per rank
-  (FlashAttention-3's H100 forward + backward figures; cp_attention.dynamic_cost.H100_*).
+- GEMMs 0.68: the H200 run's profile of the ~1B bench model's step (docs/PERFORMANCE.md, the GPU
+  check): 70.5 ms of dense and grouped GEMMs for its 6 x 239.7M x 32,768 = 47.1 TFLOP (0.68 of
+  989 TFLOP/s; its 8192^3 matmul reached 0.78). H100 has the same tensor cores and clocks; B200
+  assumed the same fraction (unmeasured).
+- Attention on long tiles, with the tile efficiency m / (m + 490) at m tokens per rank
+  (cp_attention.dynamic_cost.H100_ATTN_HALF_TOKENS): 0.5 of peak on H100 / B200 with
+  FlashAttention-3 (its published H100 forward + backward figures); 0.24 on H200, measured with
+  the backend that run had (torch_varlen, no FlashAttention in its image): 36.8 ms for 7.1 TFLOP
+  at a mean tile efficiency of 0.83.
+- Everything else on the device (norms, RoPE, routing, permutes, casts, copies, the loss, the
+  launch gaps): HBM traffic of OTHER_BYTES per token, layer and (hidden x (1 + top-k)) element
+  (the rows a layer's elementwise ops touch: the residual stream and the top-k expert rows),
+  fit on the same profile: the 282 ms step less its GEMMs, attention and optimizer (166 ms).
+  One fit, so the H200 check of that step checks the GEMM and attention constants, not this one;
+  bench/planner.py also reports the small bench model's step on that GPU, which it was not fit on.
+- Optimizer: a fused AdamW step reads and writes each fp32 parameter, its two moments and reads
+  its gradient, 28 bytes per parameter a rank updates, at 0.8 of HBM bandwidth (8.0 ms modeled
+  for the profile's 8.7 ms).
 - Links: NCCL reaches ~45% of NVLink 4's 450 GB/s per direction for send/recv and all-to-all
   inside a node (dynamic_cost.DynamicCPCost.h100's 200 GB/s), 80% of the 50 GB/s of one IB NDR
   port across nodes (assumed); 20 us per collective call (gpus.py).
@@ -26,8 +39,9 @@ the rehearsal's cost.py does.
 
 from __future__ import annotations
 
+import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,8 +50,12 @@ from longctx_moe.model.flops import active_matmul_params, attention_flops_per_pa
 from longctx_moe.plan.layouts import Layout
 from longctx_moe.rehearsal.gpus import GPU
 
-GEMM_EFFICIENCY = {"h100": 0.6, "h200": 0.6, "b200": 0.6}
-ATTENTION_EFFICIENCY = {"h100": 0.5, "h200": 0.5, "b200": 0.5}
+GEMM_EFFICIENCY = {"h100": 0.68, "h200": 0.68, "b200": 0.68}
+ATTENTION_EFFICIENCY = {"h100": 0.5, "h200": 0.24, "b200": 0.5}
+# 166 ms x 4.8 TB/s / (32,768 tokens x 12 layers x 1536 x (1 + 4)): the profile's fit (above)
+OTHER_BYTES = 270.0
+ADAMW_BYTES_PER_PARAM = 28
+HBM_EFFICIENCY = 0.8
 NVLINK_EFFICIENCY = 0.45
 NETWORK_EFFICIENCY = 0.8
 ACT_BYTES = 2  # bf16 activations on the wire
@@ -48,6 +66,10 @@ GRAD_BYTES = 4  # gradients reduced in fp32
 class Workload:
     lengths: np.ndarray  # document lengths of one step (all replicas together)
     rank_tokens: int  # tokens one rank holds of a micro-batch (the longest document's share)
+    # per-document sums shared by the layouts of one plan (attention, its imbalance and CP
+    # traffic depend on a few of a layout's degrees, not all): tens of thousands of layouts are
+    # timed, and the per-document loops are what costs
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def tokens(self) -> int:
@@ -81,26 +103,54 @@ def _cp_cost(model, gpu: GPU, gpu_kind: str, layout: Layout, a2a: int) -> Dynami
         ring_latency=gpu.collective_latency_s)
 
 
+def _attention(model, gpu: GPU, gpu_kind: str, layout: Layout, work: Workload) -> tuple[float, float, float]:
+    """(device seconds of the step's attention, its FLOPs, the busiest replica's excess seconds),
+    memoised on what they depend on: CP, Dynamic-CP, DP and the rank's tokens."""
+    key = ("attn", id(model), gpu, gpu_kind, layout.cp, layout.dynamic_cp, layout.dp, work.rank_tokens)
+    if key not in work.memo:
+        lengths = work.lengths.astype(float)
+        pair_flops = attention_flops_per_pair(model) * lengths * (lengths + 1) / 2
+        runs = _runs(layout, lengths, work.rank_tokens)
+        eff = (lengths / runs) / (lengths / runs + H100_ATTN_HALF_TOKENS)
+        attn_device_s = pair_flops / (gpu.bf16_flops * ATTENTION_EFFICIENCY[gpu_kind] * eff)
+        # imbalance: the busiest data-parallel replica's attention over the mean (documents dealt
+        # longest first to the least loaded replica, as the loader balances cost)
+        imbalance = _imbalance(attn_device_s * runs / layout.cp, layout.dp) / (layout.world / layout.dp)
+        work.memo[key] = (float(attn_device_s.sum()), float(pair_flops.sum()), imbalance)
+    return work.memo[key]
+
+
+def _cp_comm(model, gpu: GPU, gpu_kind: str, layout: Layout, work: Workload) -> float:
+    """Seconds of CP traffic one rank spends per step (each document's run), memoised."""
+    key = ("cp", id(model), gpu, gpu_kind, layout.tp, layout.cp, layout.cp_backend, layout.cp_inner,
+           layout.dynamic_cp, layout.dp, work.rank_tokens)
+    if key not in work.memo:
+        a2a = {"ring": 1, "ulysses": layout.cp, "hierarchical": layout.cp_inner}[layout.cp_backend]
+        cost = _cp_cost(model, gpu, gpu_kind, layout, a2a)
+        lengths = work.lengths.astype(float)
+        runs = _runs(layout, lengths, work.rank_tokens)
+        per_doc = np.array([cost.comm_seconds(int(n), int(s)) if s > 1 else 0.0
+                            for n, s in zip(lengths, runs, strict=True)])
+        rank_tokens_step = lengths.sum() / (layout.dp * layout.cp)
+        micro_batches = max(1, math.ceil(rank_tokens_step / work.rank_tokens))
+        work.memo[key] = float((per_doc * runs).sum() / (layout.dp * layout.cp)) + micro_batches * cost.ring_step_seconds
+    return work.memo[key]
+
+
 def step_time(model, gpu: GPU, gpu_kind: str, layout: Layout, work: Workload,
               param_counts: tuple[int, int]) -> dict:
     """{"compute_s", "comm_s", "imbalance_s", "total_s", "mfu", "tokens_per_s_per_gpu"} of one
     optimizer step of `work` on `layout`; `param_counts`: the model's (dense, expert) parameters."""
     world, tp, d = layout.world, layout.tp, model.hidden_size
-    lengths = work.lengths.astype(float)
-    tokens = lengths.sum()
+    tokens = float(work.tokens)
     gemm_rate = gpu.bf16_flops * GEMM_EFFICIENCY[gpu_kind]
     gemm_flops = 6.0 * active_matmul_params(model) * tokens
-    pair_flops = attention_flops_per_pair(model) * lengths * (lengths + 1) / 2
-    runs = _runs(layout, lengths, work.rank_tokens)
-    eff = (lengths / runs) / (lengths / runs + H100_ATTN_HALF_TOKENS)
-    attn_device_s = pair_flops / (gpu.bf16_flops * ATTENTION_EFFICIENCY[gpu_kind] * eff)
-    compute = (gemm_flops / gemm_rate + attn_device_s.sum()) / world
+    attn_s, pair_flops, imbalance = _attention(model, gpu, gpu_kind, layout, work)
+    other = OTHER_BYTES * tokens * model.num_layers * d * (1 + model.top_k) / gpu.hbm_bytes_per_s
+    compute = (gemm_flops / gemm_rate + attn_s + other) / world
     if layout.recompute == "full":  # the forward again: a third of the GEMMs, 1/3.5 of attention
-        compute += (gemm_flops / gemm_rate / 3 + attn_device_s.sum() / 3.5) / world
+        compute += (gemm_flops / gemm_rate / 3 + attn_s / 3.5 + other / 3) / world
     passes = 3 if layout.recompute == "full" else 2  # forward (again), backward
-    # imbalance: the busiest data-parallel replica's attention over the mean (documents dealt
-    # longest first to the least loaded replica, as the loader balances cost)
-    imbalance = _imbalance(attn_device_s * runs / layout.cp, layout.dp) / (world / layout.dp)
     rank_tokens_step = tokens / (layout.dp * layout.cp)
     micro_batches = max(1, math.ceil(rank_tokens_step / work.rank_tokens))
     comm = 0.0
@@ -122,11 +172,7 @@ def step_time(model, gpu: GPU, gpu_kind: str, layout: Layout, work: Workload,
         n = 2 * passes * model.num_moe_layers
         comm += n * micro_batches * gpu.collective_latency_s + n * bus / _link(gpu, ep_size > gpu.gpus_per_node)
     if layout.cp > 1:
-        a2a = {"ring": 1, "ulysses": layout.cp, "hierarchical": layout.cp_inner}[layout.cp_backend]
-        cost = _cp_cost(model, gpu, gpu_kind, layout, a2a)
-        per_doc = np.array([cost.comm_seconds(int(n), int(s)) if s > 1 else 0.0 for n, s in zip(lengths, runs, strict=True)])
-        comm += (per_doc * runs).sum() / (layout.dp * layout.cp)
-        comm += micro_batches * cost.ring_step_seconds
+        comm += _cp_comm(model, gpu, gpu_kind, layout, work)
     dense, expert = param_counts
     grads = 0.0
     for n, group, spans in ((dense / tp, layout.dp * layout.cp, world > tp * 1 and world > gpu.gpus_per_node),
@@ -134,10 +180,15 @@ def step_time(model, gpu: GPU, gpu_kind: str, layout: Layout, work: Workload,
         if group > 1:
             grads += 2 * (group - 1) / group * n * GRAD_BYTES / _link(gpu, spans)
     backward = compute * 2 / 3
+    # the optimizer updates the rank's shard: all of its weights, or 1 / (DP x CP) and 1 / EDP of
+    # them under the distributed optimizer
+    updated = dense / tp / (layout.dp * layout.cp if layout.distributed_optimizer else 1) \
+        + expert / ep_size / (layout.edp if layout.distributed_optimizer else 1)
+    compute += updated * ADAMW_BYTES_PER_PARAM / (gpu.hbm_bytes_per_s * HBM_EFFICIENCY)
     exposed_grads = max(0.0, grads - backward) + (grads / 2 if layout.distributed_optimizer else 0.0)
     comm += exposed_grads
     total = compute + comm + imbalance
-    model_flops = gemm_flops + pair_flops.sum()
+    model_flops = gemm_flops + pair_flops
     return {"compute_s": compute, "comm_s": comm, "imbalance_s": imbalance, "total_s": total,
             "mfu": model_flops / (total * world * gpu.bf16_flops),
             "tokens_per_s_per_gpu": tokens / total / world}
@@ -148,7 +199,7 @@ def _imbalance(cost: np.ndarray, replicas: int) -> float:
     to the least loaded bin."""
     if replicas <= 1 or len(cost) == 0:
         return 0.0
-    bins = np.zeros(replicas)
-    for c in np.sort(cost)[::-1]:
-        bins[np.argmin(bins)] += c
-    return float(bins.max() - bins.mean())
+    bins = [0.0] * replicas  # a heap of the bins' loads: the least loaded on top
+    for c in np.sort(cost)[::-1].tolist():
+        heapq.heapreplace(bins, bins[0] + c)
+    return max(bins) - sum(bins) / replicas
