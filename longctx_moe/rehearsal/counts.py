@@ -11,9 +11,9 @@ The rules:
   (collectives.DeviceRules' rule: the same table of views); our Triton and custom ops count
   as any aten op does. Host-to-device copies are memcpys, not kernels: counted as `h2d`;
 - copy bytes are the bytes read plus written by the ops that only move or convert data:
-  `_to_copy` (casts, device moves), `copy_`, `clone` (what `.contiguous()` runs), `cat` and
-  `stack` (always data movement), `repeat`, `expand_copy`. Gathers and scatters by index
-  (the routing's token permutation) are the algorithm's work and are not counted;
+  `_to_copy` (casts, device moves), `copy_` and `_foreach_copy_`, `clone` (what `.contiguous()`
+  runs), `cat` and `stack` (always data movement), `repeat`, `expand_copy`. Gathers and scatters
+  by index (the routing's token permutation) are the algorithm's work and are not counted;
 - a host sync is a point where the host waits for the device: a read of a device value on the
   host (standins' `.item()` / `.tolist()` / `.cpu()` / `bool()`), the routing counts' read
   (the program's RoutingCounts seam), an op whose output size depends on device values
@@ -40,7 +40,8 @@ from torch.utils.module_tracker import ModuleTracker
 
 from longctx_moe.rehearsal.collectives import _VIEWS, program_line
 
-COPY_OPS = frozenset({"_to_copy", "copy_", "clone", "cat", "stack", "repeat", "expand_copy", "_copy_from"})
+COPY_OPS = frozenset({"_to_copy", "copy_", "_foreach_copy_", "clone", "cat", "stack", "repeat", "expand_copy",
+                      "_copy_from"})
 SYNC_OPS = frozenset({"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
                       "unique_dim"})
 KEYS = ("launches", "copy_bytes", "host_syncs", "h2d")
