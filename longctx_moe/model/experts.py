@@ -152,7 +152,11 @@ class GroupedExperts(nn.Module):
         if biases:  # every row gets its expert's bias (padding rows too: nobody reads them)
             h_MF2 = h_MF2 + biases[0].flatten(1).to(cdtype).repeat_interleave(counts_E, 0, output_size=m)
         gate_MF, up_MF = h_MF2.chunk(2, dim=-1)
-        act_MF = _activation(gate_MF, up_MF, self.activation, self.limit)
+        if self.swiglu_impl == "triton":  # one pass each way
+            limit = self.limit if self.activation == "clamped_swiglu" else None
+            act_MF = triton_ops().swiglu(gate_MF, up_MF, limit)
+        else:
+            act_MF = _activation(gate_MF, up_MF, self.activation, self.limit)
         y_MD = self._grouped(act_MF, w_EFD, counts_E, rows=rows)
         if not biases:
             return y_MD

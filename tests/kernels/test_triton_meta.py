@@ -158,7 +158,9 @@ def _opcheck_cases():
         (L.logprobs_grad, (z_CV.clone(), cols, own, *stats, temp, True)),
         (L.swiglu_fwd, (gate, up)),
         (L.swiglu_fwd, (_randn(5, 7), _randn(5, 7, seed=1))),  # a width under one tile
+        (L.swiglu_fwd, (gate, up, 7.0)),  # gpt-oss's clamped form
         (L.swiglu_bwd, (gate.detach(), up.detach(), _randn(9, 40, dtype=torch.bfloat16, grad=False))),
+        (L.swiglu_bwd, (gate.detach(), up.detach(), _randn(9, 40, dtype=torch.bfloat16, grad=False), 7.0)),
         (L.rope_fwd, (q, k, cos, sin, False)),
         (L.rope_fwd, (q, k, cos, sin, True)),
         (L.rope_bwd, (_randn(7, 3, 10, grad=False), _randn(7, 1, 10, grad=False, seed=1), cos, sin, True)),

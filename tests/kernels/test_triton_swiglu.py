@@ -21,7 +21,7 @@ import torch
 
 from longctx_moe.execution import ExecutionConfig, Target, resolve
 from longctx_moe.kernels import triton_ops
-from longctx_moe.model.experts import GroupedExperts, _silu_and_act
+from longctx_moe.model.experts import GroupedExperts, _activation, _silu_and_act
 from longctx_moe.model.layers import SwiGLU
 from tests.kernels.test_cpu_swiglu import _torch_backward
 from tests.model.helpers import tiny_config, tiny_ops
@@ -86,15 +86,31 @@ def test_differentiable_entry_point_gradients():
         _assert_matches(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_clamped_form_matches_gpt_oss_activation(dtype):
+    """model.expert_activation=clamped_swiglu: scale 6 puts a share of gate above the limit 7 and
+    of up outside [-7, 7] (the clamps pass no gradient there); F = 300 spans two column tiles."""
+    h, dact = _rows(21, 300, dtype, seed=7)
+    h = h * 1.5
+    got_in = [t.clone().requires_grad_() for t in h.chunk(2, dim=-1)]
+    ref_in = [t.clone().requires_grad_() for t in h.chunk(2, dim=-1)]
+    assert bool((ref_in[0] > 7).any() and (ref_in[1].abs() > 7).any())
+    got = triton_ops().swiglu(*got_in, 7.0)
+    ref = _activation(*ref_in, "clamped_swiglu", 7.0)
+    _assert_matches(got.detach(), ref.detach())
+    for a, b in zip(torch.autograd.grad(got, got_in, dact), torch.autograd.grad(ref, ref_in, dact), strict=True):
+        _assert_matches(a, b)
+
+
 def test_refuses_mismatched_operands():
     h, _ = _rows(4, 8, torch.float32)
     with pytest.raises(ValueError, match="must match in shape and dtype"):
         triton_ops().swiglu_fwd(h[:, :8], h[:, 8:].bfloat16())
 
 
-def _experts_run(ops, dtype):
+def _experts_run(ops, dtype, bias=False, activation="swiglu"):
     torch.manual_seed(0)
-    experts = GroupedExperts(4, 32, 40, ops=ops)  # F = 40: masked lanes in the column tile
+    experts = GroupedExperts(4, 32, 40, bias, activation, ops=ops)  # F = 40: masked lanes in a tile
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.2)
     cnt = torch.tensor([9, 0, 1, 27])  # an idle expert and a one-row one
@@ -105,14 +121,18 @@ def _experts_run(ops, dtype):
         return (y.detach(), *torch.autograd.grad(y, [x, *experts.parameters()], g))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_experts_under_triton_equal_the_torch_path(dtype, launches):
-    """The same GEMMs around the activation: output and every gradient as the torch path's.
-    In bf16 an activation value one step off moves a GEMM output by at most a step times its
-    weight's share: within 2^-7 of each tensor's largest value."""
-    got = _experts_run(tiny_ops(swiglu="triton"), dtype)
+@pytest.mark.parametrize("dtype,bias,activation", [
+    (torch.float32, False, "swiglu"), (torch.bfloat16, False, "swiglu"),
+    (torch.bfloat16, True, "swiglu"), (torch.bfloat16, True, "clamped_swiglu")],
+    ids=["fp32", "bf16", "bf16_bias", "bf16_gpt_oss"])
+def test_experts_under_triton_equal_the_torch_path(dtype, bias, activation, launches):
+    """The same GEMMs around the activation: output and every gradient as the torch path's;
+    with biases (model.expert_proj_bias) through plain autograd around the activation, and
+    gpt-oss's clamped form. In bf16 an activation value one step off moves a GEMM output by at
+    most a step times its weight's share: within 2^-7 of each tensor's largest value."""
+    got = _experts_run(tiny_ops(swiglu="triton"), dtype, bias, activation)
     assert _swiglu_launches(launches) == ["_fwd_kernel", "_bwd_kernel"]
-    ref = _experts_run(tiny_ops(swiglu="torch"), dtype)
+    ref = _experts_run(tiny_ops(swiglu="torch"), dtype, bias, activation)
     for a, b in zip(got, ref, strict=True):
         assert a.dtype == b.dtype
         scale = float(b.double().abs().max())
