@@ -156,6 +156,13 @@ def _moved_bytes(tensors: list, out) -> int:
     return sum(t.numel() * t.element_size() for t in tensors + outs)
 
 
+def _routing_seams(runtime) -> list:
+    """The MoE layers' routing-count seams (one object may serve several layers)."""
+    seams = {id(layer.dispatcher.counts): layer.dispatcher.counts for layer in runtime.model.moe_layers()
+             if hasattr(getattr(layer, "dispatcher", None), "counts")}
+    return list(seams.values())
+
+
 @contextlib.contextmanager
 def count_ops(runtime, device: str = "meta") -> Iterator[OpCounts]:
     """OpCounts for the block, with the module tracker, standins' host reads and the routing
@@ -163,10 +170,8 @@ def count_ops(runtime, device: str = "meta") -> Iterator[OpCounts]:
     from longctx_moe.rehearsal import standins
 
     counts = OpCounts(device)
-    seams = {id(layer.dispatcher.counts): layer.dispatcher.counts for layer in runtime.model.moe_layers()
-             if hasattr(getattr(layer, "dispatcher", None), "counts")}
     restore = []
-    for seam in seams.values():
+    for seam in _routing_seams(runtime):
         read = seam.read
 
         def counted(table, spec, read=read):
