@@ -18,6 +18,13 @@ keys; `--sections` picks them (default: all). Sections:
   bf16_params   parameter bytes a rank holds with train.param_dtype=bf16 over fp32 (distributed
                 optimizer on), and the fp32 masters its optimizer then holds.
                 `bf16_param_bytes_ratio`: the worst rank's ratio over every run.
+  optim_offload the optimizer's device bytes with optim.offload=cpu against none, per rank: on
+                the gloo ranks after one step (AdamW's state and separate masters the device
+                optimizer holds, what stays on the device with offload, what the host holds), and
+                in the full-size rehearsals of Qwen3-30B-A3B on 8, Mixtral-8x22B on 32 and
+                gpt-oss-120b on 16 (rank 0, 32K tokens of RL-like lengths, H100): the peak split's
+                optimizer state and the peak, none against cpu, and whether it fits 80 GB.
+                `optimizer_device_bytes_offloaded`: Qwen3-30B-A3B on 8's rehearsed rank.
 
 Layouts (of --config, configs/tiny_cpu.yaml by default): ep (experts over every rank, DP for the
 rest), tp2 (TP 2 x DP, experts replicated), tp2-ep2 (with EDP replicas), tp2-ep2-etp2 (experts'
@@ -292,11 +299,111 @@ def offload(args) -> tuple[list[str], dict]:
                                "rehearsal_args": OFFLOAD_REHEARSAL}}
 
 
+# ---------------------------------------------------------------------- optim_offload
+
+# (name, world, config): the full-size rehearsals, the first the JSON key's
+OPTIM_OFFLOAD_REHEARSALS = [("qwen3-30b-a3b", 8, "configs/rehearsal/qwen3-30b-a3b.yaml"),
+                            ("mixtral-8x22b", 32, "configs/rehearsal/mixtral-8x22b-32.yaml"),
+                            ("gpt-oss-120b", 16, "configs/rehearsal/gpt-oss-120b-16.yaml")]
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel():
+            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _optimizer_rank(rank: int, world: int, config: str, layouts: list[tuple[str, list[str]]]) -> list[dict]:
+    """Per layout, after one step with optim.offload none and cpu: the bytes of AdamW's state and
+    the separate masters the device optimizer holds; with cpu what the optimizer holds on the
+    device (the bf16 slabs' gradient stand-ins) and on the host (masters, state, gradient
+    buffers). On this CPU both are host memory: told apart by who made them."""
+    from longctx_moe.build import build_runtime, check_layout
+    from longctx_moe.config import load_config
+    from longctx_moe.optim_offload import HostAdamW
+    from longctx_moe.trainer import Trainer
+    from tests.trainer.toy import ToyStepLoader
+
+    out = []
+    for _, sets in layouts:
+        row = {}
+        for offload in ("none", "cpu"):
+            cfg = load_config(config, [*sets, "parallel.distributed_optimizer=true", f"optim.offload={offload}"])
+            dims = check_layout(cfg, world)
+            dims.build_groups(rank)
+            trainer = Trainer(cfg, build_runtime(cfg, dims, torch.device("cpu")))
+            loader = ToyStepLoader(vocab=cfg.model.vocab_size, rank=dims.rank_in("dp"))
+            trainer.train_step(loader.step_batches(0))
+            inner = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "slabs") else trainer.optimizer
+            state = [v for st in inner.state.values() for v in st.values()]
+            if isinstance(inner, HostAdamW):
+                row["host_bytes"] = _storage_bytes([*state, *inner.masters, *inner._grads])
+                row["cpu_device_bytes"] = _storage_bytes(inner._slots.values())
+            else:
+                masters = [m for g in inner.param_groups for m in g["params"]
+                           if getattr(inner, "param_of", lambda t: t)(m) is not m]
+                row["none_device_bytes"] = _storage_bytes([*state, *masters])
+        row["offloaded_bytes"] = row["none_device_bytes"] - row["cpu_device_bytes"]
+        out.append(row)
+    return out
+
+
+def _rehearse_offload(config: str, world: int, offload: str) -> dict:
+    """The report of rank 0 of `config` on `world` with optim.offload=`offload` (bench/rehearsal.py's
+    tokens and lengths)."""
+    import json
+    import subprocess
+    import tempfile
+
+    tokens = 32768
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "longctx_moe.cli", "rehearse", "--config", config, "--world", str(world),
+               "--rank", "0", "--gpu", "h100", "--tokens", str(tokens), "--lengths", f"lognormal:1500,1.2,{tokens}",
+               "--set", f"optim.offload={offload}", "--out", f"{tmp}/r.json"]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if done.returncode not in (0, 1):  # 1: the rank does not fit its GPU, reported all the same
+            raise RuntimeError(f"rehearse failed ({done.returncode}): {done.stderr[-2000:]}")
+        (report,) = json.load(open(f"{tmp}/r.json"))["ranks"]
+    keep = ("peak_bytes", "host_bytes", "peak_split", "peak_moment", "fits", "step_seconds")
+    return {k: report[k] for k in keep}
+
+
+def optim_offload(args) -> tuple[list[str], dict]:
+    """The optimizer's device bytes moved off per rank by optim.offload=cpu (module docstring)."""
+    lines, per_layout = _per_layout(args, _optimizer_rank)
+    runs = [{"world": world, "layout": name, "ranks": ranks} for world, name, _, ranks in per_layout]
+    gib, kib = 2 ** 30, 1024
+    lines += ["optim.offload: optimizer bytes per rank after one step (gloo, KiB)",
+              f"{'world':>5} {'layout':<13} {'rank':>4} {'device, none':>12} {'device, cpu':>11} {'host, cpu':>9}"]
+    for run in runs:
+        for rank, r in enumerate(run["ranks"]):
+            lines.append(f"{run['world']:>5} {run['layout']:<13} {rank:>4} {r['none_device_bytes'] / kib:>12.1f} "
+                         f"{r['cpu_device_bytes'] / kib:>11.1f} {r['host_bytes'] / kib:>9.1f}")
+    rehearsed = []
+    lines += ["optim.offload rehearsed at full size, rank 0 (GiB): optimizer state on the device and the peak",
+              f"{'model @ GPUs':<18} {'optim none':>10} {'optim cpu':>9} {'peak none':>9} {'peak cpu':>8} "
+              f"{'host cpu':>8} {'fits 80 GB':>10}  peak at (cpu)"]
+    for name, world, config in OPTIM_OFFLOAD_REHEARSALS:
+        none, cpu = (_rehearse_offload(config, world, o) for o in ("none", "cpu"))
+        moved = none["peak_split"]["optimizer state"] - cpu["peak_split"]["optimizer state"]
+        rehearsed.append({"model": name, "world": world, "config": config, "none": none, "cpu": cpu,
+                          "optimizer_device_bytes_offloaded": moved})
+        lines.append(f"{name + '@' + str(world):<18} {none['peak_split']['optimizer state'] / gib:>10.1f} "
+                     f"{cpu['peak_split']['optimizer state'] / gib:>9.1f} {none['peak_bytes'] / gib:>9.1f} "
+                     f"{cpu['peak_bytes'] / gib:>8.1f} {cpu['host_bytes'] / gib:>8.1f} "
+                     f"{'yes' if cpu['fits'] else 'no':>10}  {cpu['peak_moment']}")
+    return lines, {"optimizer_device_bytes_offloaded": rehearsed[0]["optimizer_device_bytes_offloaded"],
+                   "optim_offload": {"config": args.config, "runs": runs, "rehearsals": rehearsed}}
+
+
 # ---------------------------------------------------------------------- driver
 
 SECTIONS = {"weight_sync": weight_sync}
 SECTIONS["bf16_params"] = bf16_params
 SECTIONS["offload"] = offload
+SECTIONS["optim_offload"] = optim_offload
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ weights and bf16 exists only inside autocast. With bf16 the model holds its matm
 and `MasterAdamW` keeps their fp32 masters: AdamW updates the masters (state in fp32), and each
 step ends by rounding them into the bf16 weights, the values autocast would have cast them to.
 Under the distributed optimizer the tensors are this rank's slabs, so each rank holds the masters
-of its slabs only.
+of its slabs only. With optim.offload=cpu the masters and AdamW's state live in host memory and
+the update runs there (optim_offload.HostAdamW, a MasterAdamW).
 """
 
 from __future__ import annotations

@@ -1,0 +1,22 @@
+"""optim.offload=cpu in the rehearsal: rank 3 of the shrunk Qwen3-30B-A3B (2 layers) on 8 ranks
+holds no optimizer state on its device; the host holds it (the rehearsal's fake host memory,
+rehearsal/host_memory.py), and the device's peak falls by exactly what left it."""
+
+import pytest
+
+from tests.rehearsal.helpers import rehearse_one
+
+ARGS = ("--config", "configs/rehearsal/qwen3-30b-a3b.yaml", "--world", "8", "--rank", "3", "--tokens", "4096")
+
+
+@pytest.mark.slow
+def test_the_device_holds_no_optimizer_state_with_optim_offload_cpu(tmp_path):
+    on_device = rehearse_one(tmp_path, *ARGS, sets=("model.num_layers=2",))
+    offloaded = rehearse_one(tmp_path, *ARGS, sets=("model.num_layers=2", "optim.offload=cpu"))
+    moved = on_device["peak_split"]["optimizer state"]
+    assert moved > 0 and offloaded["peak_split"]["optimizer state"] == 0
+    # the step peaks in the same place (the forward), without the moments
+    assert offloaded["peak_bytes"] == on_device["peak_bytes"] - moved
+    # AdamW's moments on the host (its gradient buffers too; the host masters are the optimizer's
+    # parameters, which the rehearsal's memory tracker does not count)
+    assert offloaded["host_bytes"] >= on_device["host_bytes"] + moved
