@@ -7,9 +7,10 @@ running when it happened.
     counts.report()  # {"launches_per_step": ..., "by_op": ..., "by_module": ..., "layers": [...]}
 
 The rules:
-- a launch is an op with a device tensor among its inputs that is not a view or metadata op
-  (collectives.DeviceRules' rule: the same table of views); our Triton and custom ops count
-  as any aten op does. Host-to-device copies are memcpys, not kernels: counted as `h2d`;
+- a launch is an op with a device tensor among its inputs or outputs that is not a view,
+  metadata op or bare allocation (collectives' table of views, which DeviceRules uses too): a
+  fill or an arange on the device launches though no input is there; our Triton and custom ops
+  count as any aten op does. Host-device copies are memcpys, not kernels: counted as `h2d`;
 - copy bytes are the bytes read plus written by the ops that only move or convert data:
   `_to_copy` (casts, device moves), `copy_` and `_foreach_copy_`, `clone` (what `.contiguous()`
   runs), `cat` and `stack` (always data movement), `repeat`, `expand_copy`. Gathers and scatters
@@ -17,8 +18,9 @@ The rules:
 - a host sync is a point where the host waits for the device: a read of a device value on the
   host (standins' `.item()` / `.tolist()` / `.cpu()` / `bool()`), the routing counts' read
   (the program's RoutingCounts seam), an op whose output size depends on device values
-  (`nonzero`, `masked_select`, `unique`, `repeat_interleave` without an output size), and a
-  blocking host-to-device copy (CUDA waits for the stream before copying pageable memory).
+  (`nonzero`, `masked_select`, `unique`, `repeat_interleave` without an output size), a
+  blocking host-to-device copy (CUDA waits for the stream before copying pageable memory) and a
+  device-to-host copy.
 
 A module is named by its path below the root ("layers.3.moe.experts"); in the backward the
 module is the one whose forward produced the gradient's tensors (torch's ModuleTracker: an
@@ -109,24 +111,31 @@ class OpCounts(TorchDispatchMode):
         out = func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         on_device = [t for t in tensors if t.device.type == self.device]
+        written = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type == self.device]
         name, base = _name(func), func.__name__.split(".")[0]
-        if not on_device:
-            if self._to_device(base, out):
-                self.add(name + " (h2d)", "h2d")
-                if not kwargs.get("non_blocking", False):
-                    self.sync(f"{name} h2d, blocking")
+        if not (on_device or written):
+            return out  # host work
+        if base in ("_to_copy", "copy_") and any(t.device.type == "cpu" and t.dim() > 0 for t in tensors):
+            self._host_copy(name, kwargs, to_device=bool(written))
             return out
         if _VIEWS[func]:
             return out
-        self.add(name, "launches")
+        self.add(name, "launches")  # with no device input: a fill, an arange
         if base in COPY_OPS:
             self.add(name, "copy_bytes", _moved_bytes(on_device, out))
         if is_sync(func, kwargs):
             self.sync(name)
         return out
 
-    def _to_device(self, base: str, out) -> bool:
-        return base in ("_to_copy", "copy_") and isinstance(out, torch.Tensor) and out.device.type == self.device
+    def _host_copy(self, name: str, kwargs: dict, to_device: bool) -> None:
+        """A copy between host and device memory: a memcpy, not a kernel; the host waits for
+        the stream unless the copy is non-blocking, and always when it reads device memory."""
+        if to_device:
+            self.add(name + " (h2d)", "h2d")
+            if not kwargs.get("non_blocking", False):
+                self.sync(f"{name} h2d, blocking")
+        else:
+            self.sync(f"{name} d2h")
 
     # ---- the whole step
 
