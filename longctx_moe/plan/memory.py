@@ -6,15 +6,20 @@ two MoE layers: the same shapes, fewer layers), cached on disk by what they depe
 - Model state (`static`): the program builds and parallelizes the shrink for rank 0 of the real
   world (rehearsal.fake_world.build_rank: the program's own sharding over TP, EP, ETP), builds its
   optimizer (runtime.build_optimizer: AdamW, or the distributed optimizer's slabs over DP x CP and
-  EDP) and steps it once on zero gradients so the optimizer allocates its state. Parameters and
-  gradients are the rank's parameter bytes (a gradient has its parameter's shape and dtype), the
-  optimizer state what the step allocated. Keyed by (tp, ep, etp, distributed optimizer, world):
-  CP does not shard weights.
-- Activations (`activations`): rehearsal.step.rehearse_rank runs the shrink's whole step at a
-  small token count on a small world with the layout's TP, CP backend, recompute mode and EP
-  (two ranks when the layout has EP, for the all-to-all's buffers), and the peak's activation
-  and "rest" categories are kept per token of the rank. Keyed by (recompute, tp, CP backend,
-  EP > 1).
+  EDP) and steps it on zero gradients: once so that it allocates its state, once more under the
+  rehearsal's memory tracker, which gives the optimizer step's peak (its gradients, state and
+  the step's own temporaries). Keyed by (tp, ep, etp, distributed optimizer, and the world only
+  with the distributed optimizer): CP does not shard weights.
+- Activations (`activations`): rehearsal.step.rehearse_rank runs the shrink's whole step on a
+  small world with the layout's TP, CP backend, recompute mode and EP (two ranks when the layout
+  has EP, for the all-to-all's buffers) at two token counts whose peak falls in the forward or
+  backward; the activations, communication buffers and the rest there give bytes per token of
+  the rank and a fixed part. Keyed by (recompute, tp, CP backend, EP > 1).
+
+A rank's peak is the larger of two moments (per_rank): a micro-batch's forward / backward
+(parameters, optimizer state, its tokens' activations and receive buffers, and the gradients
+earlier micro-batches accumulated) and the optimizer step. The step runs one micro-batch's worth
+of each, so gradient accumulation adds only the gradients.
 
 Scaling. Every MoE layer of a model has the same shapes, so the second shrink minus the first is
 one MoE layer's share and the model's is the first plus (L - L0 - 1) of it (exact for weights).
@@ -23,8 +28,7 @@ mode (none: all its saved tensors; selective: those but the SwiGLU's; full: its 
 working set of the one layer being recomputed or differentiated is in the first shrink already.
 They are linear in a rank's tokens: flash attention keeps O(tokens) per layer (no score matrix),
 the experts' rows are tokens x top-k under the balanced routing the rehearsal assumes, and the
-logits are per token. A fixed part (buffers independent of tokens) is scaled with them: an
-over-estimate of a few MiB at small token counts.
+logits are per token.
 """
 
 from __future__ import annotations
@@ -122,8 +126,10 @@ def _state_bytes(cfg, world: int) -> dict:
 
 def static(cache: MemoryCache, cfg, layout: Layout) -> dict:
     """Bytes of parameters, gradients and optimizer state one rank of `layout` holds."""
-    key = f"state tp{layout.tp} ep{layout.ep} etp{layout.etp} dopt{int(layout.distributed_optimizer)} " \
-          f"w{layout.world}"
+    # the world shapes a rank's state only through the distributed optimizer's shards (DP x CP
+    # for dense weights, EDP for experts); without it one measurement serves every world
+    world = f" w{layout.world}" if layout.distributed_optimizer else ""
+    key = f"state2 tp{layout.tp} ep{layout.ep} etp{layout.etp} dopt{int(layout.distributed_optimizer)}{world}"
     layers = _shrinks(cfg)
 
     def measure():
@@ -147,23 +153,36 @@ def _probe_layout(layout: Layout) -> Layout:
 
 
 def _activation_bytes(cfg, probe: Layout, lengths_of) -> dict:
+    """{category: bytes per token of a rank, f"{category} fixed": bytes} at the forward / backward
+    peak, from two rehearsals at different token counts: what does not grow with the tokens
+    (workspaces, a layer's weights gathered) is a fixed part, not spread over the tokens."""
     from longctx_moe.rehearsal.gpus import GPUS
     from longctx_moe.rehearsal.step import rehearse_rank
 
-    per_rank = PROBE_TOKENS
-    for _ in range(3):  # more tokens until the peak is the backward's
+    points = []
+    for per_rank in (PROBE_TOKENS * 4**i for i in range(4)):
         report = rehearse_rank(cfg, probe.world, 0, GPUS["h100"], lengths_of(per_rank * probe.cp))
         if report.peak_moment != "optimizer step" and report.peak_split["activations"] > 0:
+            points.append((per_rank, report.peak_split))  # a point of the forward / backward's peak
+        if len(points) == 2:
             break
-        per_rank *= 4
-    split = report.peak_split
-    return {k: split[k] / per_rank for k in TOKEN_CATEGORIES}
+    if not points:
+        raise RuntimeError(f"the activation probe {probe.label()} never peaked in the forward or backward")
+    (n1, a), (n2, b) = points[0], points[-1]
+    out = {}
+    for k in TOKEN_CATEGORIES:
+        slope = (b[k] - a[k]) / (n2 - n1) if n2 > n1 else b[k] / n2
+        if slope < 0 or a[k] - slope * n1 < 0:  # not linear: the larger point's average
+            slope = b[k] / n2
+        out[k], out[f"{k} fixed"] = slope, max(0.0, b[k] - slope * n2)
+    return out
 
 
 def activations(cache: MemoryCache, cfg, layout: Layout, lengths_of) -> dict:
-    """Bytes per token of a rank (its share of a micro-batch) for activations and the rest."""
+    """Bytes per token of a rank (its share of a micro-batch) and the fixed bytes, for the
+    activations, the communication buffers and the rest."""
     probe = _probe_layout(layout)
-    key = f"act rc={layout.recompute} tp{layout.tp} cp={probe.cp_backend}{probe.cp} ep{probe.ep}"
+    key = f"act2 rc={layout.recompute} tp{layout.tp} cp={probe.cp_backend}{probe.cp} ep{probe.ep}"
     layers = _shrinks(cfg)
 
     def measure():
@@ -195,6 +214,7 @@ def per_rank(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, lengths_
     per_token = activations(cache, cfg, layout, lengths_of)
     backward = {"parameters": state["parameters"], "optimizer state": state["optimizer state"],
                 "gradients": state["gradients"] if micro_batches > 1 else 0}
-    backward.update({k: per_token.get(k, 0.0) * rank_tokens for k in TOKEN_CATEGORIES})
+    backward.update({k: per_token.get(k, 0.0) * rank_tokens + per_token.get(f"{k} fixed", 0.0)
+                     for k in TOKEN_CATEGORIES})
     step = {k: state.get(f"step {k}", 0) for k in CATEGORIES}
     return backward if sum(backward.values()) >= sum(step.values()) else step

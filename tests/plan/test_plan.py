@@ -4,6 +4,8 @@ candidates to the family its rule moves through, so the plan walks and measures 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from longctx_moe.config import load_config
@@ -71,7 +73,7 @@ def test_more_memory_fewer_model_parallel_splits(monkeypatch, cache_dir):
     spec, tokens = "lognormal:256,0.5,1024", 16384
     every = plan(cfg, 4, "h100", spec, tokens, top=99, cache_dir=cache_dir, memory_bytes=LARGE)["fit"]
     lean = min(every, key=lambda p: p.peak)
-    small = plan(cfg, 4, "h100", spec, tokens, top=1, cache_dir=cache_dir, memory_bytes=int(lean.peak))
+    small = plan(cfg, 4, "h100", spec, tokens, top=1, cache_dir=cache_dir, memory_bytes=math.ceil(lean.peak))
     large = plan(cfg, 4, "h100", spec, tokens, top=1, cache_dir=cache_dir, memory_bytes=LARGE)
     assert small["fit"] and large["fit"]
     assert large["fit"][0].layout.model_parallel < small["fit"][0].layout.model_parallel
@@ -87,8 +89,26 @@ def test_longer_documents_more_cp(monkeypatch, cache_dir):
     tokens = 65536
     short = plan(cfg, 4, "h100", "lognormal:256,0.5,1024", tokens, top=1, cache_dir=cache_dir,
                  memory_bytes=LARGE)["fit"][0]
-    budget = int(short.peak)
+    budget = math.ceil(short.peak)
     again = plan(cfg, 4, "h100", "lognormal:256,0.5,1024", tokens, top=1, cache_dir=cache_dir, memory_bytes=budget)
     long = plan(cfg, 4, "h100", "lognormal:256,0.5,16384", tokens, top=1, cache_dir=cache_dir, memory_bytes=budget)
     assert again["fit"] and long["fit"], "no layout fit"
     assert long["fit"][0].layout.cp > again["fit"][0].layout.cp
+
+
+def test_gradients_held_at_the_forward_only_after_a_micro_batch(monkeypatch):
+    """Fails if per_rank counts accumulated gradients with one micro-batch or drops them with
+    several (micro_batches ignored), or if the optimizer step's moment is not compared."""
+    layout = layouts.Layout(1, 1, "ring", 1, 1, 1, False, "none", False, 1)
+    state = {"parameters": 10 * MIB, "gradients": 10 * MIB, "optimizer state": 20 * MIB,
+             **{f"step {k}": v for k, v in {"parameters": 10 * MIB, "gradients": 10 * MIB,
+                                             "optimizer state": 20 * MIB, "activations": 15 * MIB}.items()}}
+    monkeypatch.setattr(memory, "static", lambda *a: state)
+    monkeypatch.setattr(memory, "activations", lambda *a: {"activations": 1024.0, "activations fixed": MIB})
+    one = memory.per_rank(None, None, layout, 32 * 1024, None, micro_batches=1)
+    many = memory.per_rank(None, None, layout, 32 * 1024, None, micro_batches=4)
+    assert one["gradients"] == 0 and one["activations"] == 33 * MIB, one
+    assert many["gradients"] == 10 * MIB, many
+    # with few tokens the optimizer step's moment (its temporaries) is the peak
+    few = memory.per_rank(None, None, layout, 1024, None, micro_batches=1)
+    assert sum(few.values()) == 55 * MIB and few["activations"] == 15 * MIB, few
