@@ -221,22 +221,34 @@ def linear_logprobs(h_TD, w_VD, idx_N, labels_N, chunk: int, cdtype: torch.dtype
                                        float(temperature), want_entropy, shard, keep_bytes)
 
 
-def cross_entropy_rows(z_CV, labels_C, weight_C, acc, want_grad: bool, shard=None):
-    """losses._softmax_grad_rows with these kernels: per-row CE (acc [C]) of a chunk's contiguous
-    logits z_CV, and with want_grad z_CV overwritten by d (weight * CE) / d z in its own dtype.
-    Two passes over [C, V] (statistics, then the gradient) where the torch path makes a float32
-    copy of the chunk and passes over it ~5 times; CE = lse - z_y, and the gradient is that of
-    g_logp . logp with g_logp = -weight."""
-    temp = torch.ones(1, dtype=acc, device=z_CV.device)
-    cols_C, own_C = _targets(labels_C, z_CV.shape[1], shard)
-    m_C, s_C, a_C, zy_C = logprobs_stats(z_CV, cols_C, own_C, temp, False)
-    if shard is None:
-        lse_C = m_C + s_C.log()
-        ce_C, ent_C = lse_C - zy_C, lse_C  # no entropy: the kernel does not read ent_C
-    else:
-        lse_C, ent_C, logp_C = _merge(m_C, s_C, a_C, zy_C, shard)
-        ce_C = logp_C.neg()
-    if want_grad:
-        g_C = torch.full_like(ce_C, -1.0) if weight_C is None else weight_C.neg()
-        logprobs_grad(z_CV, cols_C, own_C, lse_C, ent_C, g_C, g_C, temp, False)
-    return ce_C
+def cross_entropy_rows(chunk: int, acc: torch.dtype, device, shard=None):
+    """losses._softmax_grad_rows with these kernels, as a function (z_CV, labels_C, weight_C, acc,
+    want_grad) -> ce_C for chunks of at most `chunk` rows: per-row CE (acc [C]) of a chunk's
+    contiguous logits z_CV, and with want_grad z_CV overwritten by d (weight * CE) / d z in its own
+    dtype. Two passes over [C, V] (statistics, then the gradient) where the torch path makes a
+    float32 copy of the chunk and passes over it ~5 times; CE = lse - z_y, and the gradient is that
+    of g_logp . logp with g_logp = -weight. The constants every chunk shares (temperature 1, the
+    whole vocabulary's ownership flags, g_logp = -1) are made once, not per chunk."""
+    temp = torch.ones(1, dtype=acc, device=device)
+    own_K = torch.ones(chunk, dtype=torch.int8, device=device)
+    minus_K = torch.full((chunk,), -1.0, dtype=acc, device=device)
+
+    def rows(z_CV, labels_C, weight_C, _acc, want_grad: bool):
+        c = z_CV.shape[0]
+        if shard is None:
+            cols_C, own_C = labels_C, own_K[:c]
+        else:
+            cols_C, own_C = _targets(labels_C, z_CV.shape[1], shard)
+        m_C, s_C, a_C, zy_C = logprobs_stats(z_CV, cols_C, own_C, temp, False)
+        if shard is None:
+            lse_C = m_C + s_C.log()
+            ce_C, ent_C = lse_C - zy_C, lse_C  # no entropy: the kernel does not read ent_C
+        else:
+            lse_C, ent_C, logp_C = _merge(m_C, s_C, a_C, zy_C, shard)
+            ce_C = logp_C.neg()
+        if want_grad:
+            g_C = minus_K[:c] if weight_C is None else weight_C.neg()
+            logprobs_grad(z_CV, cols_C, own_C, lse_C, ent_C, g_C, g_C, temp, False)
+        return ce_C
+
+    return rows

@@ -257,18 +257,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h_TD, w_VD, idx_N, labels_N, weight_N, chunk, cdtype, shard, impl="torch"):
         acc = accumulate_dtype(cdtype)
         w_c = w_VD.to(cdtype)  # one cast per forward, not one per chunk
-        total = torch.zeros((), dtype=acc, device=h_TD.device)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(h_TD) if need_h else None
         grad_w = None
+        # Each chunk's CE lands in ce_N, summed once after the loop (launches per chunk are the
+        # host's cost on a GPU); the weights are cast once.
+        ce_N = torch.empty(idx_N.numel(), dtype=acc, device=h_TD.device)
+        weight_N = None if weight_N is None else weight_N.to(acc)
+        rows_fn = _rows_fn(impl, shard, chunk, acc, h_TD.device)
         for s in range(0, idx_N.numel(), chunk):
             rows = idx_N[s:s + chunk]
             h_c = h_TD.index_select(0, rows).to(cdtype)
-            w_C = None if weight_N is None else weight_N[s:s + chunk].to(acc)
+            w_C = None if weight_N is None else weight_N[s:s + chunk]
             g_CV = h_c @ w_c.t()  # logits of one chunk, overwritten by their gradient
-            rows_fn = _rows_fn(impl, shard)
-            ce_C = rows_fn(g_CV, labels_N[s:s + chunk], w_C, acc, need_h or need_w)
-            total += (ce_C if w_C is None else ce_C * w_C).sum()
+            ce_N[s:s + chunk] = rows_fn(g_CV, labels_N[s:s + chunk], w_C, acc, need_h or need_w)
             if need_h:
                 grad_h.index_copy_(0, rows, (g_CV @ w_c).to(h_TD.dtype))
             if need_w:
@@ -279,6 +281,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if need_h and shard is not None:
             shard.reduce(grad_h)
         ctx.save_for_backward(grad_h, grad_w)
+        total = (ce_N if weight_N is None else ce_N * weight_N).sum()
         return total.float() if acc == torch.float32 else total
 
     @staticmethod
@@ -290,11 +293,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None, None, None, None, None
 
 
-def _rows_fn(impl: str, shard):
+def _rows_fn(impl: str, shard, chunk: int, acc: torch.dtype, device):
     """The chunk's CE and in-place logits gradient: torch's (a float32 copy of the chunk), or
     Triton's log-prob kernels (two passes over the chunk in its own dtype)."""
     if impl == "triton":
-        return partial(triton_ops().cross_entropy_rows, shard=shard)
+        return triton_ops().cross_entropy_rows(chunk, acc, device, shard)
     return _softmax_grad_rows if shard is None else partial(_sharded_softmax_grad_rows, shard=shard)
 
 
