@@ -73,9 +73,10 @@ def _fwd_kernel(g_ptr, u_ptr, a_ptr, N, F, sg, su, limit, CLAMPED: tl.constexpr,
     g = _load(g_ptr, rows, sg, cols, mask, acc_ty)
     u = _load(u_ptr, rows, su, cols, mask, acc_ty)
     if CLAMPED:
-        act = _clamped(g, u, limit, dtype)[4]
+        _, _, _, _, act = _clamped(g, u, limit, dtype)
     else:
-        act = _silu(g, dtype)[1] * u
+        _, s = _silu(g, dtype)
+        act = s * u
     tl.store(a_ptr + rows[:, None] * F + cols[None, :], cast_rne(act, dtype), mask=mask)
 
 
