@@ -34,7 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, required=True, help="GPUs of the job")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100")
-    p.add_argument("--lengths", default="lognormal:1500,1.2,32768", help="lognormal:MEDIAN,SIGMA,MAX")
+    p.add_argument("--lengths", default="lognormal:1500,1.2,32768",
+                   help="lognormal:MEDIAN,SIGMA,MAX, or a packed dataset's directory (longctx-pack "
+                        "--output): its documents' lengths, drawn at random")
     p.add_argument("--tokens-per-step", type=int, required=True, help="tokens of one optimizer step")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--rehearse-top", type=int, default=0, metavar="K",
@@ -64,6 +66,37 @@ def param_counts(cfg) -> tuple[int, int]:
         model = Transformer(cfg.model, cuda_ops(cfg), balance=cfg.balance)
     dense, expert = split_params(model)
     return sum(p.numel() for p in dense), sum(p.numel() for p in expert)
+
+
+def length_source(spec: str):
+    """(draw, longest): draw(total) -> document lengths summing to about `total` tokens, from a
+    `lognormal:MEDIAN,SIGMA,MAX` spec or a packed dataset's directory (its pieces' lengths as
+    the loader reads them, drawn with replacement, seeded); ValueError in one line otherwise."""
+    import os
+
+    from longctx_moe.rehearsal.step import lognormal_lengths, parse_lognormal
+
+    if not os.path.isdir(spec):
+        median, sigma, longest = parse_lognormal(spec)
+        return (lambda total: lognormal_lengths(total, median, sigma, longest)), longest
+    from data_packing.loader import PackedDataset
+
+    try:
+        corpus = PackedDataset(spec, verify_tokenizer=False, verify="sizes").doc_lengths
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"--lengths {spec!r}: not a packed dataset ({e}); give longctx-pack's --output "
+                         "directory or lognormal:MEDIAN,SIGMA,MAX") from None
+    if len(corpus) == 0:
+        raise ValueError(f"--lengths {spec!r}: the dataset holds no documents")
+
+    def draw(total: int) -> list[int]:
+        rng = np.random.default_rng(0)
+        need = max(1, int(np.ceil(total / corpus.mean() * 1.2)) + 8)
+        picked = rng.choice(corpus, size=need, replace=True)
+        n = int(np.searchsorted(np.cumsum(picked), total)) + 1
+        return [int(x) for x in picked[:n]]
+
+    return draw, int(corpus.max())
 
 
 def micro_batches(layout, rank_tokens: int, tokens: int) -> int:
@@ -101,13 +134,12 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
     from longctx_moe.plan.layouts import candidates, judge
     from longctx_moe.plan.memory import MemoryCache, per_rank, resident
     from longctx_moe.plan.timing import Workload, step_time
-    from longctx_moe.rehearsal.step import lognormal_lengths, parse_lognormal
 
     gpu = dataclasses.replace(GPUS[gpu_kind], gpus_per_node=gpus_per_node)
     if memory_bytes is not None:  # a smaller or larger part of the same kind
         gpu = dataclasses.replace(gpu, memory_bytes=memory_bytes)
-    median, sigma, longest = parse_lognormal(lengths_spec)
-    docs = np.array(lognormal_lengths(tokens, median, sigma, longest))
+    draw, longest = length_source(lengths_spec)
+    docs = np.array(draw(tokens))
     counts = param_counts(cfg)
     max_cp = 2 ** math.ceil(math.log2(max(1, longest / 512)))  # tiles under 512 tokens never pay
     timed, works = [], {}
@@ -132,7 +164,7 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
             p.memory = resident(cache, cfg, p.layout)
             if p.peak <= gpu.memory_bytes:  # else refused on its weights and state alone
                 n = rank_tokens(p.layout, longest, tokens)
-                p.memory = per_rank(cache, cfg, p.layout, n, lambda t: lognormal_lengths(t, median, sigma, longest),
+                p.memory = per_rank(cache, cfg, p.layout, n, draw,
                                     micro_batches(p.layout, n, tokens))
             if p.peak <= gpu.memory_bytes:
                 fit.append(p)
@@ -195,14 +227,13 @@ def _rehearse_top(cfg, result: dict, args) -> list[dict]:
     (the plan's own adds the gradients earlier micro-batches accumulate, when it has several)."""
     from longctx_moe.plan.layouts import config_of
     from longctx_moe.plan.memory import per_rank
-    from longctx_moe.rehearsal.step import lognormal_lengths, parse_lognormal, rehearse_rank
+    from longctx_moe.rehearsal.step import rehearse_rank
 
-    median, sigma, longest = parse_lognormal(args.lengths)
+    lengths_of, longest = length_source(args.lengths)
     out = []
     print("planner (one micro-batch) vs rehearsal, rank 0 (GiB):")
     for p in result["fit"][:args.rehearse_top]:
         n = rank_tokens(p.layout, longest, args.tokens_per_step)
-        lengths_of = lambda t: lognormal_lengths(t, median, sigma, longest)  # noqa: E731
         planned = per_rank(result["cache"], cfg, p.layout, n, lengths_of, micro_batches=1)
         c = config_of(cfg, p.layout, max_tokens_per_rank=n)
         micro = n * p.layout.cp

@@ -11,10 +11,10 @@ two MoE layers: the same shapes, fewer layers), cached on disk by what they depe
   the step's own temporaries). Keyed by (tp, ep, etp, distributed optimizer, and the world only
   with the distributed optimizer): CP does not shard weights.
 - Activations (`activations`): rehearsal.step.rehearse_rank runs the shrink's whole step on a
-  small world with the layout's TP, CP backend, recompute mode and EP (two ranks when the layout
-  has EP, for the all-to-all's buffers) at two token counts whose peak falls in the forward or
+  small world with the layout's TP, CP backend (on 2 ranks, hierarchical 2 x 2), EP, ETP and
+  recompute mode at two token counts whose peak falls in the forward or
   backward; the activations, communication buffers and the rest there give bytes per token of
-  the rank and a fixed part. Keyed by (recompute, tp, CP backend, EP > 1).
+  the rank and a fixed part. Keyed by (recompute, tp, CP backend, EP, ETP).
 
 A rank's peak is the larger of two moments (per_rank): a micro-batch's forward / backward
 (parameters, optimizer state, its tokens' activations and receive buffers, and the gradients
@@ -44,7 +44,7 @@ from longctx_moe.plan.layouts import Layout, config_of
 
 # Tokens per rank of an activation probe: meta tensors cost the same at any size, and the step's
 # peak must fall inside the backward (where activations are live), not at the optimizer's step.
-PROBE_TOKENS = 16384
+PROBE_TOKENS = 8192
 # What grows with a rank's tokens at the forward / backward peak: the saved tensors and the
 # collectives' receive buffers (all-to-all, ring K/V, TP-SP gathers), and the rest.
 TOKEN_CATEGORIES = ("activations", "communication buffers", "rest")
@@ -143,13 +143,13 @@ def static(cache: MemoryCache, cfg, layout: Layout) -> dict:
 
 def _probe_layout(layout: Layout) -> Layout:
     """The small world whose rank runs the layout's activations: its TP, its CP backend on 2 ranks
-    (hierarchical: 2 x 2), EP 2 where it has EP."""
+    (hierarchical: 2 x 2), its EP and ETP (a rank's share of the routed rows and its buffers
+    depend on how many experts it holds, not only on top-k)."""
     cp, inner = {"ring": (2, 2), "ulysses": (2, 2), "hierarchical": (4, 2)}[layout.cp_backend] \
         if layout.cp > 1 else (1, 1)
-    ep = 2 if layout.ep > 1 else 1
-    world = max(layout.tp * cp, ep)
-    return Layout(layout.tp, cp, layout.cp_backend if cp > 1 else "ring", inner, ep, 1, False,
-                  layout.recompute, False, world)
+    world = max(layout.tp * cp, layout.ep * layout.etp)
+    return Layout(layout.tp, cp, layout.cp_backend if cp > 1 else "ring", inner, layout.ep, layout.etp, False,
+                  layout.recompute, layout.distributed_optimizer and world > 1, world)
 
 
 def _activation_bytes(cfg, probe: Layout, lengths_of) -> dict:
@@ -175,6 +175,7 @@ def _activation_bytes(cfg, probe: Layout, lengths_of) -> dict:
         if slope < 0 or a[k] - slope * n1 < 0:  # not linear: the larger point's average
             slope = b[k] / n2
         out[k], out[f"{k} fixed"] = slope, max(0.0, b[k] - slope * n2)
+    out["gradients fixed"] = a["gradients"]  # made before the peak (the lm head's, first in the backward)
     return out
 
 
@@ -182,7 +183,8 @@ def activations(cache: MemoryCache, cfg, layout: Layout, lengths_of) -> dict:
     """Bytes per token of a rank (its share of a micro-batch) and the fixed bytes, for the
     activations, the communication buffers and the rest."""
     probe = _probe_layout(layout)
-    key = f"act2 rc={layout.recompute} tp{layout.tp} cp={probe.cp_backend}{probe.cp} ep{probe.ep}"
+    key = f"act4 rc={layout.recompute} tp{layout.tp} cp={probe.cp_backend}{probe.cp} ep{probe.ep} etp{probe.etp} " \
+          f"dopt{int(probe.distributed_optimizer)}"
     layers = _shrinks(cfg)
 
     def measure():
@@ -190,7 +192,10 @@ def activations(cache: MemoryCache, cfg, layout: Layout, lengths_of) -> dict:
         return [_activation_bytes(_with_layers(c, n), probe, lengths_of) for n in layers[:2]]
 
     first, second = cache.get(key, measure)
-    return _extrapolate(first, second, layers)
+    out = _extrapolate(first, second, layers)
+    if probe.distributed_optimizer:  # its buckets are reduce-scattered and freed as the backward
+        out["gradients fixed"] = second.get("gradients fixed", 0.0)  # goes: held grads do not grow with layers
+    return out
 
 
 def resident(cache: MemoryCache, cfg, layout: Layout) -> dict:
@@ -207,13 +212,13 @@ def per_rank(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, lengths_
     of the program's step:
     - the forward / backward peak of a micro-batch of `rank_tokens` tokens: parameters, optimizer
       state, the activations and receive buffers of those tokens, and the gradients the earlier
-      micro-batches accumulated (none with one micro-batch: gradients are made as the backward
-      runs, after the forward's peak, and freed after the optimizer's step);
+      micro-batches accumulated (with one micro-batch, those the probe's step had made by its
+      peak: gradients are made as the backward runs and freed after the optimizer's step);
     - the optimizer's step (measured: its gradients, state and temporaries)."""
     state = static(cache, cfg, layout)
     per_token = activations(cache, cfg, layout, lengths_of)
     backward = {"parameters": state["parameters"], "optimizer state": state["optimizer state"],
-                "gradients": state["gradients"] if micro_batches > 1 else 0}
+                "gradients": state["gradients"] if micro_batches > 1 else per_token.get("gradients fixed", 0)}
     backward.update({k: per_token.get(k, 0.0) * rank_tokens + per_token.get(f"{k} fixed", 0.0)
                      for k in TOKEN_CATEGORIES})
     step = {k: state.get(f"step {k}", 0) for k in CATEGORIES}

@@ -112,3 +112,32 @@ def test_gradients_held_at_the_forward_only_after_a_micro_batch(monkeypatch):
     # with few tokens the optimizer step's moment (its temporaries) is the peak
     few = memory.per_rank(None, None, layout, 1024, None, micro_batches=1)
     assert sum(few.values()) == 55 * MIB and few["activations"] == 15 * MIB, few
+
+
+def test_lengths_from_a_packed_dataset(tmp_path, monkeypatch):
+    """Fails if --lengths DATASET_DIR does not draw the dataset's own document lengths (the
+    longest bounding CP, every drawn length one of the corpus'), or a bad directory is accepted."""
+    import json
+
+    import numpy as np
+
+    from data_packing.loader import PackedDataset
+    from data_packing.pipeline import PackArgs, pack
+    from longctx_moe.plan.cli import length_source
+
+    rng = np.random.default_rng(0)
+    corpus = tmp_path / "ids.jsonl"
+    corpus.write_text("".join(json.dumps({"ids": rng.integers(0, 100, int(n)).tolist()}) + "\n"
+                              for n in rng.integers(20, 900, 60)))
+    out = tmp_path / "packed"
+    pack(PackArgs(output=str(out), sources=[str(corpus)], ids_key="ids", vocab_size=100, seq_len=1024,
+                  workers=1, progress=False))
+    lengths = PackedDataset(str(out), verify_tokenizer=False).doc_lengths
+    draw, longest = length_source(str(out))
+    drawn = draw(20000)
+    assert longest == lengths.max() and set(drawn) <= set(lengths.tolist()) and sum(drawn) >= 20000
+    monkeypatch.setattr(memory, "per_rank", lambda *a, **k: {"parameters": MIB})
+    result = plan(_tiny(), 4, "h100", str(out), 16384, top=2)
+    assert result["fit"]
+    with pytest.raises(ValueError, match="not a packed dataset"):
+        length_source(str(tmp_path))
