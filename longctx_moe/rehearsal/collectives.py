@@ -100,10 +100,10 @@ class DeviceRules(TorchDispatchMode):
         self._mixing(func, tensors)
         out = func(*args, **kwargs)
         self._keep_host_value(func, args, out)
-        ins = [t for t in tensors if t.device.type == self.device]
-        if ins and not _VIEWS[func]:  # (a dict's get would skip the table's __missing__)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if is_launch(func, tensors, outs, self.device):
+            ins = [t for t in tensors if t.device.type == self.device]
             self.launches[func.namespace] += 1
-            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             self.work.append((op_flops(func, args, kwargs, out, self.host_values), sum(_nbytes(t) for t in ins + outs),
                               is_fp8_gemm(func)))
         return out
@@ -260,6 +260,20 @@ class _ViewTable(dict):
 
 
 _VIEWS = _ViewTable()
+
+
+def is_launch(func, tensors: list, outputs: list, device: str) -> bool:
+    """Whether `func` on `tensors` (its tensor arguments) giving `outputs` launches a kernel on
+    the device whose tensors have type `device`: it touches a device tensor (a fill or an arange
+    writes one with no device input) and is neither a view / metadata op nor a copy between host
+    and device memory (a memcpy, not a kernel). The one rule for DeviceRules' launch count and
+    roofline and for counts.py's table."""
+    if _VIEWS[func]:
+        return False
+    if not any(t.device.type == device for t in (*tensors, *outputs)):
+        return False
+    base = func.__name__.split(".")[0]
+    return not (base in ("_to_copy", "copy_") and any(t.device.type == "cpu" and t.dim() > 0 for t in tensors))
 _COLLECTIVE = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "alltoall_base_": "all_to_all",
                "alltoall_": "all_to_all", "_allgather_base_": "all_gather", "allgather_": "all_gather",
                "allgather_into_tensor_coalesced_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",

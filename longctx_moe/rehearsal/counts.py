@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.module_tracker import ModuleTracker
 
-from longctx_moe.rehearsal.collectives import _VIEWS, program_line
+from longctx_moe.rehearsal.collectives import _VIEWS, is_launch, program_line
 
 COPY_OPS = frozenset({"_to_copy", "copy_", "_foreach_copy_", "clone", "cat", "stack", "repeat", "expand_copy",
                       "_copy_from"})
@@ -113,12 +113,9 @@ class OpCounts(TorchDispatchMode):
         on_device = [t for t in tensors if t.device.type == self.device]
         written = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type == self.device]
         name, base = _name(func), func.__name__.split(".")[0]
-        if not (on_device or written):
-            return out  # host work
-        if base in ("_to_copy", "copy_") and any(t.device.type == "cpu" and t.dim() > 0 for t in tensors):
-            self._host_copy(name, kwargs, to_device=bool(written))
-            return out
-        if _VIEWS[func]:
+        if not is_launch(func, tensors, written, self.device):
+            if (on_device or written) and not _VIEWS[func]:  # a copy between host and device memory
+                self._host_copy(name, kwargs, to_device=bool(written))
             return out
         self.add(name, "launches")  # with no device input: a fill, an arange
         if base in COPY_OPS:

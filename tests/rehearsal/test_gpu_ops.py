@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from longctx_moe.rehearsal import collectives, standins
 from longctx_moe.rehearsal import counts as C
-from longctx_moe.rehearsal import standins
 from tests.rehearsal.helpers import ROOT
 
 
@@ -46,7 +46,8 @@ def test_views_launch_nothing_and_kernels_launch_once():
 
 
 def test_view_rule_mutation_is_caught():
-    with mock.patch.object(C, "_VIEWS", defaultdict(bool)):  # mutation: a view counted as a launch
+    # mutation: a view counted as a launch (the rule DeviceRules' count shares)
+    with mock.patch.object(collectives, "_VIEWS", defaultdict(bool)):
         assert _view_launches() != 0
 
 
