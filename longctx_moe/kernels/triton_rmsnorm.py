@@ -9,7 +9,10 @@ The numerics are layers._RMSNormFn's: normalised in fp32 (float64 for float64), 
 to its dtype (the promoted dtype of x and res, as torch's `x + res`) before it is normalised; the
 backward keeps the input and one scale per row and recomputes x * r. The weight gradient is
 summed per program over its rows (at most 512 programs), then over the programs in torch.
-The kernels run as torch operators, torch.ops.longctx.{rmsnorm_fwd, add_rmsnorm_fwd, rmsnorm_bwd}.
+The backward writes the gradient of a narrower addend (the bf16 branch output added to the fp32
+residual stream) in its dtype in the same pass, rounded as a cast of the wide one would round.
+The kernels run as torch operators, torch.ops.longctx.{rmsnorm_fwd, add_rmsnorm_fwd, rmsnorm_bwd,
+add_rmsnorm_bwd}.
 Legend: N rows (any leading shape flattened), D normalised dim.
 """
 
@@ -46,10 +49,11 @@ def _fwd_kernel(x_ptr, res_ptr, sum_ptr, w_ptr, y_ptr, r_ptr, N, D, eps, HAS_RES
 
 
 @triton.jit
-def _bwd_kernel(g_ptr, gs_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dwp_ptr, N, D, HAS_GS: tl.constexpr,
-                ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _bwd_kernel(g_ptr, gs_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dlo_ptr, dwp_ptr, N, D, HAS_GS: tl.constexpr,
+                HAS_LO: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """dx = r (g w - xh mean(g w xh)) (+ gs, the sum output's gradient); dw partial = sum g xh,
-    over the tiles pid, pid + programs, ... (a grid-stride loop: few partials at any N)."""
+    over the tiles pid, pid + programs, ... (a grid-stride loop: few partials at any N). With
+    HAS_LO, dx once more in dlo's dtype: the stored dx rounded as its cast would round it."""
     pid, progs = tl.program_id(0), tl.num_programs(0)
     cols = tl.arange(0, BLOCK_D)
     acc_ty = r_ptr.dtype.element_ty
@@ -68,7 +72,10 @@ def _bwd_kernel(g_ptr, gs_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dwp_ptr, N, D, HAS_G
         if HAS_GS:  # rounded to x's dtype first, as autograd's sum of the two gradients is
             dx = cast_rne(dx, dx_ptr.dtype.element_ty).to(acc_ty)
             dx += tl.load(gs_ptr + offs, mask=mask, other=0.0).to(acc_ty)
-        tl.store(dx_ptr + offs, cast_rne(dx, dx_ptr.dtype.element_ty), mask=mask)
+        dx = cast_rne(dx, dx_ptr.dtype.element_ty)
+        tl.store(dx_ptr + offs, dx, mask=mask)
+        if HAS_LO:
+            tl.store(dlo_ptr + offs, cast_rne(dx, dlo_ptr.dtype.element_ty), mask=mask)
         dw += g * xh
     tl.store(dwp_ptr + pid.to(tl.int64) * D + cols, tl.sum(dw, axis=0), mask=cols < D)
 
@@ -143,27 +150,51 @@ def _bwd_outputs(x_ND, weight_D):
             torch.empty(weight_D.shape, dtype=weight_D.dtype, device=weight_D.device))
 
 
-@torch.library.custom_op("longctx::rmsnorm_bwd", mutates_args=())
-def rmsnorm_bwd(g_ND: torch.Tensor, gs_ND: torch.Tensor | None, x_ND: torch.Tensor,
-                weight_D: torch.Tensor, r_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx_ND in x's dtype, dw_D in weight's): the gradient through y = rmsnorm(x) of g_ND, plus
-    gs_ND (the sum output's gradient, of add_rmsnorm) when given."""
+def _backward(g_ND, gs_ND, x_ND, weight_D, r_N, lo_dtype=None):
+    """(dx_ND, dx_ND in lo_dtype or None, dw_D): one kernel over the rows, the weight gradient's
+    per-program partials summed after it."""
     g_ND, x_ND, weight_D = g_ND.contiguous(), x_ND.contiguous(), weight_D.contiguous()
     gs_ND = None if gs_ND is None else gs_ND.contiguous()
     n, d = x_ND.shape
     blocks = _blocks(d)
     progs = max(1, min(_MAX_PROGS, triton.cdiv(n, blocks["ROWS"])))
     dx_ND, _ = _bwd_outputs(x_ND, weight_D)
+    lo_ND = None if lo_dtype is None else torch.empty(n, d, dtype=lo_dtype, device=x_ND.device)
     dw_PD = torch.zeros(progs, d, dtype=r_N.dtype, device=x_ND.device)
     if n:
         _bwd_kernel[(progs,)](g_ND, g_ND if gs_ND is None else gs_ND, x_ND, weight_D, r_N, dx_ND,
-                              dw_PD, n, d, HAS_GS=gs_ND is not None, **blocks)
-    return dx_ND, dw_PD.sum(0).to(weight_D.dtype)
+                              dx_ND if lo_ND is None else lo_ND, dw_PD, n, d, HAS_GS=gs_ND is not None,
+                              HAS_LO=lo_ND is not None, **blocks)
+    return dx_ND, lo_ND, dw_PD.sum(0).to(weight_D.dtype)
+
+
+@torch.library.custom_op("longctx::rmsnorm_bwd", mutates_args=())
+def rmsnorm_bwd(g_ND: torch.Tensor, gs_ND: torch.Tensor | None, x_ND: torch.Tensor,
+                weight_D: torch.Tensor, r_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx_ND in x's dtype, dw_D in weight's): the gradient through y = rmsnorm(x) of g_ND, plus
+    gs_ND (the sum output's gradient, of add_rmsnorm) when given."""
+    dx_ND, _, dw_D = _backward(g_ND, gs_ND, x_ND, weight_D, r_N)
+    return dx_ND, dw_D
 
 
 @rmsnorm_bwd.register_fake
 def _(g_ND, gs_ND, x_ND, weight_D, r_N):
     return _bwd_outputs(x_ND, weight_D)
+
+
+@torch.library.custom_op("longctx::add_rmsnorm_bwd", mutates_args=())
+def add_rmsnorm_bwd(g_ND: torch.Tensor, gs_ND: torch.Tensor | None, s_ND: torch.Tensor, weight_D: torch.Tensor,
+                    r_N: torch.Tensor, lo_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ds_ND in s's dtype, ds_ND in lo_dtype, dw_D): add_rmsnorm's backward where one addend is
+    narrower than the sum (a bf16 branch output on the fp32 residual stream), its gradient written
+    in the same pass, rounded as ds.to(lo_dtype) would round it, instead of cast in another."""
+    return _backward(g_ND, gs_ND, s_ND, weight_D, r_N, lo_dtype)
+
+
+@add_rmsnorm_bwd.register_fake
+def _(g_ND, gs_ND, s_ND, weight_D, r_N, lo_dtype):
+    ds_ND, dw_D = _bwd_outputs(s_ND, weight_D)
+    return ds_ND, torch.empty(s_ND.shape, dtype=lo_dtype, device=s_ND.device), dw_D
 
 
 def _rmsnorm_setup(ctx, inputs, output):
@@ -190,8 +221,14 @@ def _add_rmsnorm_backward(ctx, g_s, g_y, _g_r):
     s_ND, weight_D, r_N = ctx.saved_tensors
     if g_y is None:  # only the sum was used
         g_y = torch.zeros_like(s_ND)
-    d_ND, dw_D = rmsnorm_bwd(g_y, g_s, s_ND, weight_D, r_N)
-    return d_ND.to(ctx.dtypes[0]), d_ND.to(ctx.dtypes[1]), dw_D, None, None
+    narrow = [dt for dt in ctx.dtypes if dt != s_ND.dtype]
+    if not narrow:
+        d_ND, dw_D = rmsnorm_bwd(g_y, g_s, s_ND, weight_D, r_N)
+        return d_ND, d_ND, dw_D, None, None
+    # The narrower addend's gradient comes out of the kernel in its dtype; only a second narrow
+    # one (bf16 + fp16, summed in fp32) is still cast.
+    d_ND, lo_ND, dw_D = add_rmsnorm_bwd(g_y, g_s, s_ND, weight_D, r_N, narrow[0])
+    return *(lo_ND if dt == narrow[0] else d_ND.to(dt) for dt in ctx.dtypes), dw_D, None, None
 
 
 rmsnorm_fwd.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup)

@@ -14,7 +14,7 @@ from longctx_moe.model.moe import permute_layout
 
 pytestmark = pytest.mark.triton
 
-OPS = ("rmsnorm_fwd", "add_rmsnorm_fwd", "rmsnorm_bwd", "permute_fwd", "permute_bwd",
+OPS = ("rmsnorm_fwd", "add_rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_bwd", "permute_fwd", "permute_bwd",
        "unpermute_fwd", "unpermute_bwd", "router_topk_fwd", "router_topk_bwd", "logprobs_stats",
        "logprobs_grad", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd")
 
@@ -144,6 +144,10 @@ def _opcheck_cases():
                          x.detach(), w.detach(), r_N.detach())),
         (L.rmsnorm_bwd, (_randn(9, 32, grad=False), None, _randn(32, 9, grad=False).t(),
                          w.detach(), r_N.detach())),  # strided x: the outputs are contiguous
+        (L.add_rmsnorm_bwd, (_randn(9, 32, grad=False), _randn(9, 32, grad=False, seed=3), x.detach(),
+                             w.detach(), r_N.detach(), torch.bfloat16)),
+        (L.add_rmsnorm_bwd, (_randn(9, 32, grad=False), None, x.detach(), w.detach(), r_N.detach(),
+                             torch.bfloat16)),
         (L.permute_fwd, (_randn(19, 64), slot_TK, total, torch.bfloat16)),
         (L.permute_bwd, (_randn(total, 64, grad=False), slot_TK, torch.float32)),
         (L.unpermute_fwd, (y, slot_TK, wk)),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from longctx_moe.model.layers import RMSNorm
 
@@ -112,3 +113,46 @@ def test_rmsnorm_backward_with_several_tiles_per_program(monkeypatch):
         res[kernels] = (y, *_grads([y], (x, norm.weight)))
     for i, (a, b) in enumerate(zip(res["triton"], res["torch"], strict=True)):
         torch.testing.assert_close(a, b, **(DW32 if i == 2 else FP32))
+
+
+class _Ops(TorchDispatchMode):
+    """The aten / custom ops a block runs, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("n, d", [(41, 96), (300, 1024)])
+def test_add_rmsnorm_backward_writes_the_bf16_branch_gradient_as_its_cast(n, d, monkeypatch):
+    """x fp32 (the residual stream) + a bf16 branch output: the branch's gradient comes out of the
+    backward kernel in bf16, bitwise the fp32 gradient (the residual's) rounded to nearest even as
+    torch's cast rounds it, with no cast op; against the torch path as the other tests bound it.
+    300 x 1024 with 2 programs: several tiles per program."""
+    from longctx_moe.kernels import triton_rmsnorm
+
+    monkeypatch.setattr(triton_rmsnorm, "_MAX_PROGS", 2)
+    norms = _norms(d)
+    x = torch.randn(n, d, requires_grad=True)
+    r = (3 * torch.randn(n, d)).to(torch.bfloat16).requires_grad_()
+    res = {}
+    for kernels, norm in norms.items():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            s, y = norm(x, residual=r)
+        g_s = torch.randn(n, d, generator=torch.Generator().manual_seed(1))
+        g_y = torch.randn(n, d, generator=torch.Generator().manual_seed(2)).to(y.dtype)
+        with _Ops() as ops:
+            res[kernels] = torch.autograd.grad((s, y), (x, r, norm.weight), (g_s, g_y))
+        if kernels == "triton":
+            assert "add_rmsnorm_bwd" in ops.names and "_to_copy" not in ops.names, ops.names
+    dx, dr, _ = res["triton"]
+    assert dx.dtype == torch.float32 and dr.dtype == torch.bfloat16
+    assert torch.equal(dr, dx.to(torch.bfloat16))
+    torch.testing.assert_close(dx, res["torch"][0], **FP32)
+    torch.testing.assert_close(dr, res["torch"][1], **BF16)
+    # dw: DW32's bound, which holds N ulps for N <= 50 rows, grown with the rows summed
+    torch.testing.assert_close(res["triton"][2], res["torch"][2], rtol=1e-6, atol=1e-7 * n)
