@@ -175,3 +175,30 @@ def test_rl_offload_has_no_optimizer_on_the_device_and_says_so(capsys):
     said = [line for line in capsys.readouterr().out.splitlines() if "optim.offload=cpu" in line]
     assert said == ["offload: optim.offload=cpu keeps the optimizer's state in host memory; its part has "
                     "nothing on the device to move"]
+
+
+def _pending_gradients_round_trip(rank, world):
+    from rl_hooks import PolicyLossConfig, PolicyTrainer, make_loss
+    from tests.rl_hooks.helpers import config, rollout_batch
+
+    loss = make_loss(PolicyLossConfig(kind="ppo"))
+    sets = ("optim.offload=cpu", "parallel.distributed_optimizer=true")
+    plain, moved = (PolicyTrainer(config(*sets)) for _ in range(2))
+    moved.export_gate.residency.moves = True
+    for policy in (plain, moved):
+        policy.forward_backward(rollout_batch(2), loss)
+    sent = moved.offload()
+    # the slabs' reduced gradients wait on the device for the host step: they move too
+    gone = moved.export_gate.residency.device_bytes() == 0
+    moved.onload()
+    for policy in (plain, moved):
+        policy.optimizer_step()
+    same = all(torch.equal(a, b) for a, b in zip(plain.runtime.model.parameters(), moved.runtime.model.parameters(),
+                                                  strict=True))
+    return sent["grads"], gone, same
+
+
+@pytest.mark.slow
+def test_rl_offload_between_backward_and_step_moves_the_slabs_gradients():
+    for grads, gone, same in run_distributed(_pending_gradients_round_trip, world_size=2, timeout=600):
+        assert grads > 0 and gone and same
