@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                         "--output): its documents' lengths, drawn at random")
     p.add_argument("--tokens-per-step", type=int, required=True, help="tokens of one optimizer step")
     p.add_argument("--top", type=int, default=5)
+    p.add_argument("--rl", action="store_true",
+                   help="memory of an RL policy's step (its rehearsal: rollouts' log-probs, the update, "
+                        "the weight export); time is modeled as a training step's")
     p.add_argument("--rehearse-top", type=int, default=0, metavar="K",
                    help="rehearse the K best layouts in full and print both memory figures")
     p.add_argument("--cache", default="runs/plan-cache", help="where memory measurements are kept")
@@ -128,7 +131,7 @@ class Planned:
 
 def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int = 5,
          gpus_per_node: int = 8, cache_dir: str | None = None, progress=None,
-         memory_bytes: int | None = None) -> dict:
+         memory_bytes: int | None = None, rl: bool = False) -> dict:
     """{"fit": [Planned] fastest first, "excluded": [Planned] faster ones that did not fit or were
     refused, "candidates", "judged", "measured"}."""
     from longctx_moe.plan.layouts import candidates, judge
@@ -150,7 +153,7 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
         work = works.setdefault(n, Workload(docs, n))
         timed.append(Planned(layout, step_time(cfg.model, gpu, gpu_kind, layout, work, counts)))
     timed.sort(key=lambda p: p.time["total_s"])
-    cache = MemoryCache(cfg, cache_dir)
+    cache = MemoryCache(cfg, cache_dir, rl)
     fit, excluded, judged, measured = [], [], 0, -1
     for i, p in enumerate(timed):
         if len(fit) >= top:
@@ -197,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--gpus, --tokens-per-step and --top must be >= 1")
         cfg = base_config(args.model)
         result = plan(cfg, args.gpus, args.gpu, args.lengths, args.tokens_per_step, args.top,
-                      args.gpus_per_node, args.cache, progress=lambda s: print(s, end="", file=sys.stderr))
+                      args.gpus_per_node, args.cache, progress=lambda s: print(s, end="", file=sys.stderr),
+                      rl=args.rl)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -226,8 +230,7 @@ def _rehearse_top(cfg, result: dict, args) -> list[dict]:
     rehearsal runs one micro-batch, so the planner's figure beside it is its one-micro-batch one
     (the plan's own adds the gradients earlier micro-batches accumulate, when it has several)."""
     from longctx_moe.plan.layouts import config_of
-    from longctx_moe.plan.memory import per_rank
-    from longctx_moe.rehearsal.step import rehearse_rank
+    from longctx_moe.plan.memory import per_rank, rehearse_step
 
     lengths_of, longest = length_source(args.lengths)
     out = []
@@ -239,7 +242,7 @@ def _rehearse_top(cfg, result: dict, args) -> list[dict]:
         micro = n * p.layout.cp
         c = dataclasses.replace(c, data=dataclasses.replace(
             c.data, micro_batch_tokens=micro, global_batch_tokens=max(c.data.global_batch_tokens, micro)))
-        report = rehearse_rank(c, p.layout.world, 0, result["gpu"], lengths_of(micro))
+        report = rehearse_step(result["cache"].rl)(c, p.layout.world, 0, result["gpu"], lengths_of(micro))
         peak = sum(planned.values())
         err = peak / report.peak_bytes - 1
         print(f"  {p.layout.label():<48} planner {peak / GIB:6.1f}  rehearsal {report.peak_bytes / GIB:6.1f} "

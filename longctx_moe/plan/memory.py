@@ -70,9 +70,10 @@ def _extrapolate(first: dict, second: dict, layers: tuple[int, int, int]) -> dic
 class MemoryCache:
     """Measurements of one model and precision on disk (JSON), shared by every plan of it."""
 
-    def __init__(self, cfg, directory: str | Path | None):
+    def __init__(self, cfg, directory: str | Path | None, rl: bool = False):
+        self.rl = rl  # the activation probes rehearse an RL policy's step (rehearse_step)
         what = json.dumps([dataclasses.asdict(cfg.model), dataclasses.asdict(cfg.execution),
-                           cfg.train.param_dtype, cfg.train.autocast_dtype, cfg.optim.impl], sort_keys=True,
+                           cfg.train.param_dtype, cfg.train.autocast_dtype, cfg.optim.impl, rl], sort_keys=True,
                           default=str)
         digest = hashlib.sha256(what.encode()).hexdigest()[:16]
         self.path = Path(directory) / f"memory-{digest}.json" if directory else None
@@ -152,14 +153,26 @@ def _probe_layout(layout: Layout) -> Layout:
                   layout.recompute, layout.distributed_optimizer and world > 1, world)
 
 
-def _activation_bytes(cfg, probe: Layout, lengths_of) -> dict:
+def rehearse_step(rl: bool):
+    """The rehearsal of one rank's step: the trainer's (rehearsal.step.rehearse_rank), or with `rl`
+    an RL policy's, which a package above this one registers (as `longctx-moe rehearse --rl`
+    finds it: this package never imports rl_hooks)."""
+    if not rl:
+        from longctx_moe.rehearsal.step import rehearse_rank
+
+        return rehearse_rank
+    from longctx_moe.rehearsal.cli import _policy_step
+
+    return _policy_step()
+
+
+def _activation_bytes(cfg, probe: Layout, lengths_of, rl: bool = False) -> dict:
     """{category: bytes per token of a rank, f"{category} fixed": bytes} at the forward / backward
     peak, from two rehearsals at different token counts: what does not grow with the tokens
     (workspaces, a layer's weights gathered) is a fixed part, not spread over the tokens."""
     from longctx_moe.rehearsal.gpus import GPUS
-    from longctx_moe.rehearsal.step import rehearse_rank
 
-    points = []
+    rehearse_rank, points = rehearse_step(rl), []
     for per_rank in (PROBE_TOKENS * 4**i for i in range(4)):
         report = rehearse_rank(cfg, probe.world, 0, GPUS["h100"], lengths_of(per_rank * probe.cp))
         if report.peak_moment != "optimizer step" and report.peak_split["activations"] > 0:
@@ -189,7 +202,7 @@ def activations(cache: MemoryCache, cfg, layout: Layout, lengths_of) -> dict:
 
     def measure():
         c = config_of(cfg, probe)
-        return [_activation_bytes(_with_layers(c, n), probe, lengths_of) for n in layers[:2]]
+        return [_activation_bytes(_with_layers(c, n), probe, lengths_of, cache.rl) for n in layers[:2]]
 
     first, second = cache.get(key, measure)
     out = _extrapolate(first, second, layers)
