@@ -10,6 +10,7 @@ without this package:
 |---|---|---|
 | MoE permute / unpermute (per-expert padded rows) | triton_permute | moe.LocalDispatcher |
 | router scores + top-k + weights | triton_router | moe.Router |
+| balance statistics (seq aux loss, z-loss, counts) | triton_balance | moe.MoE.stats |
 | log-prob + entropy statistics per vocabulary chunk | triton_logprobs | losses._LinearLogProbs |
 | RMSNorm, and residual add + RMSNorm | triton_rmsnorm | layers._RMSNormFn |
 | SwiGLU activation (experts, dense MLPs) | triton_swiglu | experts._SwiGLUDown, layers._GatedDown |
@@ -37,10 +38,10 @@ from types import SimpleNamespace
 def triton_ops() -> SimpleNamespace:
     """The Triton entry points (imports triton on first call)."""
     mods = {name: importlib.import_module(f"{__package__}.triton_{name}")
-            for name in ("permute", "router", "logprobs", "rmsnorm", "swiglu", "rope")}
+            for name in ("permute", "router", "balance", "logprobs", "rmsnorm", "swiglu", "rope")}
     return SimpleNamespace(
         permute=mods["permute"].permute, unpermute=mods["permute"].unpermute,
-        router_topk=mods["router"].router_topk,
+        router_topk=mods["router"].router_topk, balance_losses=mods["balance"].balance_losses,
         linear_logprobs=mods["logprobs"].linear_logprobs, cross_entropy_rows=mods["logprobs"].cross_entropy_rows,
         rmsnorm=mods["rmsnorm"].rmsnorm, add_rmsnorm=mods["rmsnorm"].add_rmsnorm,
         swiglu=mods["swiglu"].swiglu, swiglu_fwd=mods["swiglu"].swiglu_fwd,

@@ -168,6 +168,7 @@ def _router_setup(ctx, inputs, output):
     _, _, _, sigmoid, renormalize = inputs
     _, idx_TK, _, sum_T = output
     ctx.mark_non_differentiable(idx_TK, sum_T)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the ids and sums: a launch each
     ctx.save_for_backward(*output)
     ctx.opts = (sigmoid, renormalize)
 

@@ -91,7 +91,7 @@ class Router(nn.Module):
             scores_TE, topk_idx_TK, topk_weight_TK = triton_ops().router_topk(
                 logits_TE, self.score, self.top_k, self.renormalize, bias_E)
             if replay_TK is None:
-                return topk_idx_TK, topk_weight_TK * self.scale, RouterAux(logits_TE, scores_TE)
+                return topk_idx_TK, self._scaled(topk_weight_TK), RouterAux(logits_TE, scores_TE)
             # Replayed routes: the given experts' weights are gathered from the kernel's scores.
             return self._weights(logits_TE, scores_TE, topk_idx_TK, replay_TK)
         scores_TE = logits_TE.softmax(-1) if self.score == "softmax" else logits_TE.sigmoid()
@@ -120,7 +120,12 @@ class Router(nn.Module):
         topk_weight_TK = scores_TE.gather(1, topk_idx_TK)
         if self.renormalize:
             topk_weight_TK = topk_weight_TK / topk_weight_TK.sum(-1, keepdim=True).clamp_min(1e-20)
-        return topk_idx_TK, topk_weight_TK * self.scale, aux
+        return topk_idx_TK, self._scaled(topk_weight_TK), aux
+
+    def _scaled(self, topk_weight_TK: torch.Tensor) -> torch.Tensor:
+        """The weights times routed_scaling_factor; a factor of 1 multiplies nothing (a launch
+        each way on a GPU for the same values)."""
+        return topk_weight_TK if self.scale == 1.0 else topk_weight_TK * self.scale
 
     def _replay(self, live_TK: torch.Tensor, given_TK: torch.Tensor, aux: RouterAux) -> torch.Tensor:
         """The given experts where all K are known, live ones elsewhere; records agreement (the
@@ -306,6 +311,12 @@ class MoE(nn.Module):
         loss); each rank's aux/z loss is then its share of the global value."""
         bal, scores_TE, red, real_T = self.balance, aux.scores_TE, layout.reduce_stats, layout.real_mask_T
         known, agree = _replay_counts(aux, real_T)
+        if self._fused_balance(layout):
+            aux_loss, z_loss, counts_E = triton_ops().balance_losses(
+                scores_TE, aux.logits_TE, topk_idx_TK, layout.doc_id_T, layout.num_docs, bal.aux_loss_coeff,
+                bal.z_loss_coeff)
+            return MoEStats(aux_loss=aux_loss, z_loss=z_loss, counts_E=counts_E, topk_idx_TK=topk_idx_TK,
+                            replay_known=known, replay_agree=agree)
         counts_E = id_counts(topk_idx_TK, self.cfg.num_experts,
                              None if real_T is None else real_T[:, None].expand_as(topk_idx_TK))
         zero = scores_TE.new_zeros(())
@@ -325,6 +336,13 @@ class MoE(nn.Module):
         z_loss = bal.z_loss_coeff * router_z_loss(aux.logits_TE, red, real_T) if bal.z_loss_coeff else zero
         return MoEStats(aux_loss=aux_loss, z_loss=z_loss, counts_E=counts_E, topk_idx_TK=topk_idx_TK,
                         replay_known=known, replay_agree=agree)
+
+    def _fused_balance(self, layout: DocLayout) -> bool:
+        """Whether the balance statistics take the Triton kernels (triton_balance, with the
+        router's Triton path): the sequence-wise loss of one rank's documents (no reduction over
+        ranks) and at least one document; the other cases keep the torch path."""
+        return (self.ops.router == "triton" and layout.balance_losses and self.balance.aux_loss_type == "seq"
+                and layout.reduce_stats is None and layout.num_docs > 0)
 
 
 def _replay_counts(aux: RouterAux, real_T: torch.Tensor | None):

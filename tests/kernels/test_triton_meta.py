@@ -15,8 +15,8 @@ from longctx_moe.model.moe import permute_layout
 pytestmark = pytest.mark.triton
 
 OPS = ("rmsnorm_fwd", "add_rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_bwd", "permute_fwd", "permute_bwd",
-       "unpermute_fwd", "unpermute_bwd", "router_topk_fwd", "router_topk_bwd", "logprobs_stats",
-       "logprobs_grad", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd")
+       "unpermute_fwd", "unpermute_bwd", "router_topk_fwd", "router_topk_bwd", "balance_fwd", "balance_bwd",
+       "logprobs_stats", "logprobs_grad", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd")
 
 
 def _randn(*shape, dtype=torch.float32, seed=0, grad=True):
@@ -67,6 +67,14 @@ def _router(score):
     return lambda: ("router_topk", (_randn(37, 12), score, 3, True, torch.linspace(-0.2, 0.2, 12)))
 
 
+def _balance():
+    """Scores and logits of 23 tokens over 12 experts, 3 documents and padding."""
+    z = _randn(23, 12)
+    idx = torch.stack([torch.randperm(12, generator=torch.Generator().manual_seed(i))[:3] for i in range(23)])
+    doc = torch.tensor([0] * 8 + [1] * 3 + [2] * 9 + [-1] * 3)
+    return "balance_losses", (z.softmax(-1), z, idx, doc, 3, 0.01, 1e-3)
+
+
 def _logprobs(cdtype, keep_bytes):
     """bf16 logits (the compute dtype under autocast) with fp32 statistics."""
     labels_N = torch.randint(0, 1500, (20,), generator=torch.Generator().manual_seed(3))
@@ -95,11 +103,11 @@ def _signature(tensors):
 
 
 @pytest.mark.parametrize("case", [_rmsnorm, _add_rmsnorm, _permute, _unpermute,
-                                  _router("softmax"), _router("sigmoid"),
+                                  _router("softmax"), _router("sigmoid"), _balance,
                                   _logprobs(torch.float32, 0), _logprobs(torch.bfloat16, 1 << 20),
                                   _swiglu, _rope(False), _rope(True)],
                          ids=["rmsnorm", "add_rmsnorm", "permute", "unpermute", "router_softmax",
-                              "router_sigmoid", "logprobs", "logprobs_kept_logits", "swiglu",
+                              "router_sigmoid", "balance", "logprobs", "logprobs_kept_logits", "swiglu",
                               "rope", "rope_interleaved"])
 def test_entry_point_on_meta_matches_interpreter_shapes(case, launches):
     name, args = case()
@@ -129,6 +137,9 @@ def _opcheck_cases():
     wk = torch.rand(19, 2).to(torch.bfloat16).requires_grad_()
     z, bias = _randn(37, 12), torch.linspace(-0.2, 0.2, 12)
     s, idx, wr, sums = (t.detach() for t in L.router_topk_fwd(z, bias, 3, True, True))
+    s_b, z_b, idx_b, doc_b, n_b, _, _ = _balance()[1]
+    s_b, z_b = s_b.detach().requires_grad_(), z_b.detach().requires_grad_()
+    _, _, counts_b, tok_b = (t.detach() for t in L.balance_fwd(s_b, z_b, idx_b, doc_b, n_b, 0.01, 1e-3))
     z_CV = _randn(6, 1500, dtype=torch.bfloat16, grad=False)
     cols, own, temp = torch.randint(0, 1500, (6,)), torch.ones(6, dtype=torch.int8), torch.tensor([0.7])
     stats = [_randn(6, seed=i, grad=False) for i in range(4)]
@@ -158,6 +169,12 @@ def _opcheck_cases():
         (L.router_topk_fwd, (_randn(12, 37).t(), None, 3, False, True)),  # strided logits
         (L.router_topk_bwd, (_randn(37, 12, grad=False), _randn(37, 3, grad=False), s, idx, wr,
                              sums, True, True)),
+        (L.balance_fwd, (s_b, z_b, idx_b, doc_b, n_b, 0.01, 1e-3)),
+        (L.balance_fwd, (s_b, z_b, idx_b, doc_b, n_b, 0.01, 0.0)),  # no z-loss
+        (L.balance_bwd, (torch.tensor(0.5), torch.tensor(2.0), s_b.detach(), z_b.detach(), doc_b, counts_b,
+                         tok_b, 3, n_b, 0.01, 1e-3)),
+        (L.balance_bwd, (torch.tensor(0.5), None, s_b.detach(), z_b.detach(), doc_b, counts_b, tok_b, 3, n_b,
+                         0.01, 1e-3)),
         (L.logprobs_stats, (z_CV, cols, own, temp, True)),
         (L.logprobs_grad, (z_CV.clone(), cols, own, *stats, temp, True)),
         (L.swiglu_fwd, (gate, up)),
