@@ -72,6 +72,17 @@ class FastMemTracker(MemTracker):
                 self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                 self._peak_mem_snap[dev] = deepcopy(dev_snap)
 
+    def track_optimizer_tensors(self, optimizer, model) -> None:
+        """File the tensors `optimizer` steps that are not `model`'s parameters (MasterAdamW's
+        fp32 masters of bf16 weights) as optimizer state. torch's tracker sees an optimizer's
+        state and a module's parameters, not the parameters of an optimizer over other tensors,
+        and these were made before the tracked step: untracked, they would be missing from it."""
+        owned = {st for p in model.parameters() for st in get_untyped_storages(p)}
+        for group in optimizer.param_groups:
+            for t in group["params"]:
+                if not get_untyped_storages(t) & owned:
+                    self._update_and_maybe_create_winfos(t, _MemRefType.OPT)
+
     def mark_comm(self, tensors) -> None:
         """File the storages of `tensors` (a collective's outputs) as communication buffers, where
         the tracker holds them as activations or temporaries (not parameters or gradients)."""

@@ -143,6 +143,7 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
     while not isinstance(inner, torch.optim.Optimizer):
         inner = inner.optimizer
     tracker.track_external(runtime.model, inner)
+    tracker.track_optimizer_tensors(inner, runtime.model)
     standins.host_reads.clear()
     _routing_reads(runtime, reset=True)
     rules.on_buffers = tracker.mark_comm
