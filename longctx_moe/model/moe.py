@@ -238,7 +238,8 @@ def _triton_dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts: GroupedExperts,
     un-permute + weighted sum over K as Triton kernels (longctx_moe.kernels.triton_permute).
     `host_rows`: LocalDispatcher.host_rows, for the routed counts (padded ones are host values)."""
     cdtype = experts.compute_dtype(x_TD)
-    pad = wants_padding(x_TD.new_empty(0, dtype=cdtype), experts.batch_invariant)  # the rows the GEMM wants
+    # The rows the GEMM wants: padded groups on CPU only, so no probe tensor is made elsewhere.
+    pad = x_TD.device.type == "cpu" and wants_padding(x_TD.new_empty(0, dtype=cdtype), experts.batch_invariant)
     slot_TK, counts_E, total = permute_layout(topk_idx_TK, experts.num_local_experts, pad)
     x_PD = triton_ops().permute(x_TD, slot_TK, total, cdtype)
     kw = {} if pad else host_rows(experts, counts_E, *topk_idx_TK.shape)
