@@ -47,7 +47,7 @@ class BlockRecompute:
     def __call__(self, x_TD: torch.Tensor, layout, replay_TK: torch.Tensor | None):
         if self.routes_TK is not None:  # the recomputation: the experts the forward chose
             replay_TK = self.routes_TK
-        out_TD, stats = self.block(x_TD, layout, replay_TK)
+        *out, stats = self.block(x_TD, layout, replay_TK)  # the stream and the branch (Block)
         if stats is not None and self.routes_TK is None:
             self.routes_TK = stats.topk_idx_TK.detach()
-        return out_TD, stats
+        return *out, stats

@@ -55,7 +55,13 @@ class LogProbHead:
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + attn(norm(x)); x + ffn(norm(x)) where ffn is MoE or a dense SwiGLU."""
+    """Pre-norm block: x + attn(norm(x)); x + ffn(norm(x)) where ffn is MoE or a dense SwiGLU.
+
+    The block ends before its last add: it returns the stream and the FFN's output h apart, and
+    the next block's attention norm (`branch_TD`) adds them, in one kernel with the norm when it
+    runs in Triton, whose backward writes the bf16 h's gradient in the pass that forms the fp32
+    stream's, where autograd's add would cast it in another (the ffn norm adds the attention's
+    output the same way). The sums and their roundings are those of `x + h`."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops: Ops, balance: BalanceConfig):
         super().__init__()
@@ -66,15 +72,20 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, ops, balance) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.dense_hidden_size,
                                                                          ops.swiglu)
 
-    def forward(self, x_TD: torch.Tensor, layout: DocLayout,
-                replay_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats | None]:
-        # The residual add and the next norm are one kernel when the norm runs in Triton.
-        x_TD, n_TD = self.ffn_norm(x_TD, residual=self.attn(self.attn_norm(x_TD), layout))
+    def forward(self, x_TD: torch.Tensor, layout: DocLayout, replay_TK: torch.Tensor | None = None,
+                branch_TD: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, MoEStats | None]:
+        """-> (x_TD, h_TD, stats): the stream after the attention, the FFN's output (the block's
+        output is their sum), the MoE statistics. `branch_TD`: the previous block's h_TD."""
+        if branch_TD is None:
+            n_TD = self.attn_norm(x_TD)
+        else:
+            x_TD, n_TD = self.attn_norm(x_TD, residual=branch_TD)
+        x_TD, n_TD = self.ffn_norm(x_TD, residual=self.attn(n_TD, layout))
         if self.is_moe:
             h_TD, stats = self.ffn(n_TD, layout, replay_TK)
         else:
             h_TD, stats = self.ffn(n_TD), None
-        return x_TD + h_TD, stats
+        return x_TD, h_TD, stats
 
 
 class Transformer(nn.Module):
@@ -115,15 +126,19 @@ class Transformer(nn.Module):
         layout.rope_cos_sin(self.cfg.head_dim, self.cfg.rope_theta, autocast_dtype(x_TD))
         stats = []
         replay_TLK = layout.replay_TLK
+        h_TD = None  # the last block's FFN output, not yet added to the stream (Block)
         for block in self.layers:
             replay_TK = None if replay_TLK is None or not block.is_moe else replay_TLK[:, len(stats)]
             if self.recompute == "full" and torch.is_grad_enabled():
-                x_TD, s = recompute_call(BlockRecompute(block), x_TD, layout, replay_TK)
+                # A recomputed block keeps only its inputs: the stream summed, not stream and branch.
+                x_TD = x_TD if h_TD is None else x_TD + h_TD
+                x_TD, h_TD, s = recompute_call(BlockRecompute(block), x_TD, layout, replay_TK)
             else:
-                x_TD, s = block(x_TD, layout, replay_TK)
+                x_TD, h_TD, s = block(x_TD, layout, replay_TK, h_TD)
             if s is not None:
                 stats.append(s)
-        return self.norm(x_TD), stats
+        # A plain add before the final norm: sequence parallelism's hook gathers its one output.
+        return self.norm(x_TD if h_TD is None else x_TD + h_TD), stats
 
     def hidden_states(self, batch: PackedBatch, layout: DocLayout | None = None) -> torch.Tensor:
         """x_TD after the final norm (fp32 residual stream under autocast)."""

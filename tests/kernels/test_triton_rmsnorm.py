@@ -10,6 +10,8 @@ the fp32 values straddle a rounding boundary: 1e-2 relative."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -156,3 +158,46 @@ def test_add_rmsnorm_backward_writes_the_bf16_branch_gradient_as_its_cast(n, d, 
     torch.testing.assert_close(dr, res["torch"][1], **BF16)
     # dw: DW32's bound, which holds N ulps for N <= 50 rows, grown with the rows summed
     torch.testing.assert_close(res["triton"][2], res["torch"][2], rtol=1e-6, atol=1e-7 * n)
+
+
+def _block_with_its_own_add(self, x_TD, layout, replay_TK=None, branch_TD=None):
+    """Block.forward as the plain composition: x + attn(norm(x)), then + ffn(norm(.)), summed in
+    the block by autograd's add (no branch handed on)."""
+    x_TD = x_TD if branch_TD is None else x_TD + branch_TD
+    x_TD, n_TD = self.ffn_norm(x_TD, residual=self.attn(self.attn_norm(x_TD), layout))
+    h_TD, stats = self.ffn(n_TD, layout, replay_TK) if self.is_moe else (self.ffn(n_TD), None)
+    return x_TD + h_TD, None, stats
+
+
+def _model_step(monkeypatch, plain: bool):
+    from longctx_moe.model.transformer import Block, build_model
+    from tests.model.helpers import packed_batch, tiny_config, tiny_ops
+
+    if plain:
+        monkeypatch.setattr(Block, "forward", _block_with_its_own_add)
+    torch.manual_seed(0)
+    model = build_model(tiny_config(num_layers=3, first_k_dense=1), tiny_ops(compute=torch.bfloat16, norm="triton"))
+    batch = packed_batch([9, 14], 64, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(batch).ce_sum
+    params = [p for p in model.parameters() if p.requires_grad]
+    with _Ops() as ops:
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return loss, grads, collections.Counter(ops.names)
+
+
+def test_block_end_add_in_the_next_norm_is_the_plain_sum_bitwise(monkeypatch):
+    """Each block hands its FFN output to the next block's attention norm, which adds it to the
+    fp32 stream in its kernel: the loss and every gradient are bitwise those of the blocks summing
+    their own output (the same adds, in fp32, the same norms; the bf16 branch's gradient rounded
+    as autograd's cast rounds it), with one fused backward more per block after the first (3
+    blocks: 2 x 3 - 1 = 5, the last block's sum stays a plain add before the final norm) and one
+    cast of the stream's gradient less."""
+    deferred = _model_step(monkeypatch, plain=False)
+    monkeypatch.undo()
+    plain = _model_step(monkeypatch, plain=True)
+    assert torch.equal(deferred[0], plain[0])
+    for a, b in zip(deferred[1], plain[1], strict=True):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    assert (deferred[2]["add_rmsnorm_bwd"], plain[2]["add_rmsnorm_bwd"]) == (5, 3)
+    assert deferred[2]["_to_copy"] == plain[2]["_to_copy"] - 2
