@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cp_attention.dynamic_cost import H100_ATTN_HALF_TOKENS, DynamicCPCost
+from data_packing.balance import causal_pairs, token_pair_cost
 from longctx_moe.model.flops import active_matmul_params, attention_flops_per_pair
 from longctx_moe.plan.layouts import Layout
 from longctx_moe.rehearsal.gpus import GPU
@@ -109,7 +110,7 @@ def _attention(model, gpu: GPU, gpu_kind: str, layout: Layout, work: Workload) -
     key = ("attn", id(model), gpu, gpu_kind, layout.cp, layout.dynamic_cp, layout.dp, work.rank_tokens)
     if key not in work.memo:
         lengths = work.lengths.astype(float)
-        pair_flops = attention_flops_per_pair(model) * lengths * (lengths + 1) / 2
+        pair_flops = attention_flops_per_pair(model) * causal_pairs(lengths)
         runs = _runs(layout, lengths, work.rank_tokens)
         eff = (lengths / runs) / (lengths / runs + H100_ATTN_HALF_TOKENS)
         attn_device_s = pair_flops / (gpu.bf16_flops * ATTENTION_EFFICIENCY[gpu_kind] * eff)
@@ -188,7 +189,8 @@ def step_time(model, gpu: GPU, gpu_kind: str, layout: Layout, work: Workload,
     exposed_grads = max(0.0, grads - backward) + (grads / 2 if layout.distributed_optimizer else 0.0)
     comm += exposed_grads
     total = compute + comm + imbalance
-    model_flops = gemm_flops + pair_flops
+    model_flops = token_pair_cost(tokens, pair_flops / attention_flops_per_pair(model),
+                                  6.0 * active_matmul_params(model), attention_flops_per_pair(model))
     return {"compute_s": compute, "comm_s": comm, "imbalance_s": imbalance, "total_s": total,
             "mfu": model_flops / (total * world * gpu.bf16_flops),
             "tokens_per_s_per_gpu": tokens / total / world}
