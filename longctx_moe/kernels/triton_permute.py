@@ -10,6 +10,10 @@ occupies are zeros on the way in and are never read on the way out.
 
 Both backwards gather by token (no atomics, so they are deterministic): permute's sums the K
 copies' gradients in fp32; unpermute's writes w * g to each copy's row and dot(g, y) to w.
+The weights may come wider than y (the router's fp32): the kernels round them to y's dtype as a
+cast would, and w's gradient is rounded to y's dtype before it is stored in w's, so the result
+is the cast-then-unpermute one with no cast launched either way. A layout of exactly T*K rows
+is a permutation: every row is written, so the outputs are not zero-filled first.
 The kernels run as torch operators, torch.ops.longctx.{permute,unpermute}_{fwd,bwd}.
 Legend: T tokens, K top-k, D model dim, P permuted (padded) rows.
 """
@@ -53,7 +57,8 @@ def _gather_kernel(src_ptr, slot_ptr, w_ptr, out_ptr, T, D, K: tl.constexpr, HAS
         slot = tl.load(slot_ptr + rows * K + k, mask=ok, other=0)
         tile = tl.load(src_ptr + slot[:, None] * D + cols[None, :], mask=mask, other=0.0).to(acc_ty)
         if HAS_W:
-            tile = tile * tl.load(w_ptr + rows * K + k, mask=ok, other=0.0).to(acc_ty)[:, None]
+            w = cast_rne(tl.load(w_ptr + rows * K + k, mask=ok, other=0.0), src_ptr.dtype.element_ty)
+            tile = tile * w.to(acc_ty)[:, None]
         acc += tile
     tl.store(out_ptr + rows[:, None] * D + cols[None, :], cast_rne(acc, out_ptr.dtype.element_ty),
              mask=mask)
@@ -68,7 +73,7 @@ def _unpermute_bwd_kernel(g_ptr, y_ptr, slot_ptr, w_ptr, gy_ptr, gw_ptr, T, D, K
     acc_ty = tl.float64 if y_ptr.dtype.element_ty == tl.float64 else tl.float32
     for k in tl.static_range(K):
         slot = tl.load(slot_ptr + rows * K + k, mask=ok, other=0)
-        w = tl.load(w_ptr + rows * K + k, mask=ok, other=0.0).to(acc_ty)
+        w = cast_rne(tl.load(w_ptr + rows * K + k, mask=ok, other=0.0), y_ptr.dtype.element_ty).to(acc_ty)
         dot = tl.zeros([BLOCK_T, BLOCK_D], dtype=acc_ty)
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)
@@ -78,8 +83,8 @@ def _unpermute_bwd_kernel(g_ptr, y_ptr, slot_ptr, w_ptr, gy_ptr, gw_ptr, T, D, K
             tl.store(gy_ptr + slot[:, None] * D + cols[None, :],
                      cast_rne(w[:, None] * g, gy_ptr.dtype.element_ty), mask=mask)
             dot += g * y
-        tl.store(gw_ptr + rows * K + k, cast_rne(tl.sum(dot, axis=1), gw_ptr.dtype.element_ty),
-                 mask=ok)
+        gw = cast_rne(tl.sum(dot, axis=1), y_ptr.dtype.element_ty)  # as y's dtype, then widened
+        tl.store(gw_ptr + rows * K + k, gw.to(gw_ptr.dtype.element_ty), mask=ok)
 
 
 def _gather(src_PD, slot_TK, w_TK, out_dtype) -> torch.Tensor:
@@ -110,7 +115,8 @@ def permute_fwd(x_TD: torch.Tensor, slot_TK: torch.Tensor, total: int,
     """x_PD [total, D] in dtype: row slot[t, k] holds x[t], other rows 0."""
     x_TD, slot_TK = x_TD.contiguous(), slot_TK.contiguous()
     t, d = x_TD.shape
-    out_PD = x_TD.new_zeros(total, d, dtype=dtype)
+    # Rows no copy occupies (padding) are zeros; T*K rows are all written.
+    out_PD = (x_TD.new_empty if total == t * slot_TK.shape[1] else x_TD.new_zeros)(total, d, dtype=dtype)
     if t:
         grid = (triton.cdiv(t, _BLOCK_T), triton.cdiv(d, _BLOCK_D))
         _scatter_kernel[grid](x_TD, slot_TK, out_PD, t, d, K=slot_TK.shape[1],
@@ -151,9 +157,10 @@ def unpermute_bwd(g_TD: torch.Tensor, y_PD: torch.Tensor, slot_TK: torch.Tensor,
     """(gy_PD: w[t, k] * g[t] in row slot[t, k], zero on padding rows; gw_TK = dot(g[t],
     y[slot[t, k]]))."""
     g_TD, y_PD, slot_TK, w_TK = (a.contiguous() for a in (g_TD, y_PD, slot_TK, w_TK))
-    gy_PD = torch.zeros_like(y_PD)  # padding rows get no gradient
-    gw_TK = torch.empty_like(w_TK)
     t, k = slot_TK.shape
+    # padding rows get no gradient; T*K rows are all written
+    gy_PD = torch.empty_like(y_PD) if y_PD.shape[0] == t * k else torch.zeros_like(y_PD)
+    gw_TK = torch.empty_like(w_TK)
     if t:
         _unpermute_bwd_kernel[(triton.cdiv(t, _BLOCK_T),)](
             g_TD, y_PD, slot_TK, w_TK, gy_PD, gw_TK, t, y_PD.shape[1], K=k,
@@ -208,9 +215,11 @@ def permute(x_TD: torch.Tensor, slot_TK: torch.Tensor, total: int,
 
 def unpermute(y_PD: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
     """y_TD [T, D] in y's dtype: sum over k of w[t, k] * y[slot[t, k]] (fp32 accumulation).
-    w_TK must have y's dtype (cast it outside, so its gradient reaches the fp32 router)."""
+    w_TK in y's dtype or a wider float (the router's fp32): used rounded to y's dtype, as a cast
+    would round it; its gradient comes back in w's dtype."""
     _check_slots(slot_TK, w_TK.shape[0])
-    if w_TK.dtype != y_PD.dtype or w_TK.shape != slot_TK.shape:
-        raise ValueError(f"w_TK must be {y_PD.dtype} of shape {tuple(slot_TK.shape)}, got "
-                         f"{w_TK.dtype} {tuple(w_TK.shape)}; cast the router weights to y's dtype")
+    wide = w_TK.dtype in (torch.float32, torch.float64) and w_TK.dtype.itemsize >= y_PD.dtype.itemsize
+    if not (w_TK.dtype == y_PD.dtype or wide) or w_TK.shape != slot_TK.shape:
+        raise ValueError(f"w_TK must be {y_PD.dtype} or a wider float of shape {tuple(slot_TK.shape)}, got "
+                         f"{w_TK.dtype} {tuple(w_TK.shape)}; pass the router weights in y's dtype or fp32")
     return unpermute_fwd(y_PD, slot_TK, w_TK)

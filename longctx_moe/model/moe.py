@@ -244,7 +244,7 @@ def _triton_dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts: GroupedExperts,
     x_PD = triton_ops().permute(x_TD, slot_TK, total, cdtype)
     kw = {} if pad else host_rows(experts, counts_E, *topk_idx_TK.shape)
     y_PD = experts(x_PD, counts_E, padded=True, **kw)
-    return triton_ops().unpermute(y_PD, slot_TK, topk_weight_TK.to(y_PD.dtype))
+    return triton_ops().unpermute(y_PD, slot_TK, topk_weight_TK)  # rounds the weights to y's dtype itself
 
 
 class SharedExpert(SwiGLU):

@@ -125,3 +125,26 @@ def test_local_dispatcher_triton_matches_torch_path(dtype, kind):
     for a, b in zip(outs["triton"], outs["torch"], strict=True):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_unpermute_takes_fp32_weights_as_their_bf16_cast(pad):
+    """fp32 router weights with bf16 rows: bitwise the cast-then-unpermute result, forward and
+    both gradients (w's comes back fp32, the bf16 cast's gradient widened)."""
+    t, k, e, d = 29, 2, 6, 300
+    slot_TK, _, total = permute_layout(_routes(t, k, e, seed=5), e, pad)
+    y = torch.randn(total, d).to(torch.bfloat16).requires_grad_()
+    w = torch.rand(t, k, requires_grad=True)
+    out = ops().unpermute(y, slot_TK, w)
+    ref = ops().unpermute(y, slot_TK, w.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    g = torch.randn(t, d).to(torch.bfloat16)
+    gy, gw = torch.autograd.grad(out, (y, w), g)
+    gy_ref, gw_ref = torch.autograd.grad(ref, (y, w), g)
+    assert gw.dtype == torch.float32 and torch.equal(gw, gw_ref) and torch.equal(gy, gy_ref)
+
+
+def test_unpermute_refuses_narrower_weights():
+    slot_TK, _, total = permute_layout(_routes(5, 2, 4, seed=6), 4, False)
+    with pytest.raises(ValueError, match="wider float"):
+        ops().unpermute(torch.randn(total, 8), slot_TK, torch.rand(5, 2).to(torch.bfloat16))

@@ -180,12 +180,14 @@ def test_small_model_step_counts_are_pinned(tiny_step):
     r = tiny_step
     assert (r["launches_per_step"], r["copy_bytes_per_step"], r["host_syncs_per_step"]) == PINNED, \
         "the step's counts changed: read bench/gpu_ops.py's tables and update PINNED if meant"
-    assert [row["launches"] for row in r["layers"]] == [PINNED_LAYER, PINNED_LAYER]
+    assert [row["launches"] for row in r["layers"]] == PINNED_LAYERS
     assert "launches_ratio" not in r  # the baseline is the bench model's, not this one's
 
 
-PINNED = (308, 54797374, 3)
-PINNED_LAYER = 101
+PINNED = (304, 54699070, 3)
+# The module tracker files a few backward ops at a layer boundary under one layer or the next
+# (the bench model's layers count 97 to 101), so each layer is pinned.
+PINNED_LAYERS = [97, 101]
 
 
 # ---- the reductions, on the ops a CUDA device runs
