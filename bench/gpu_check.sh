@@ -5,10 +5,11 @@
 # peak measured in the same run, and rl_hooks' compute_logprobs on ~64K tokens of rollouts. Then
 # the Triton kernels compiled for real, `longctx-moe train` of the tiny config on the GPU, and the
 # verl engine test where verl is installed. Writes under $OUT: env.txt, sections.log (every
-# section's output), gpu_check.json, fp8.json, memory_truth.json, triton_kernels.json and the
-# profile tables of one ~1B step and one compute_logprobs call (8 files: a device call brings back
-# at most 8). Run it in ONE device call, then give the machine back. The timeouts add up to 9
-# minutes;
+# section's output), gpu_check.json, fp8.json, memory_truth.json (the offload check folded in as
+# "offload_gpu"), triton_kernels.json and the profile tables of one ~1B step and one
+# compute_logprobs call (8 files: a device call brings back at most 8). Run it in ONE device call,
+# then give the machine back. The timeouts add up to 600 s, one device call's limit (565 s where
+# verl is not installed, as in the stock image);
 # gpu_check.json is rewritten after each section, so a timeout keeps the sections done.
 #
 #   OUT=/tmp/gpu bash bench/gpu_check.sh        # PYTHON=... picks the interpreter (python3)
@@ -46,6 +47,19 @@ rc=$?
 # the same config rehearsed on meta (world 1, this GPU's kind), and their ratio (mem_ratio_gpu).
 section memory_truth 75 $PY bench/memory_truth_gpu.py --out "$OUT/memory_truth.json"
 rc_mem=$?
+# Offload on this GPU (bench/offload_gpu.py): torch.cuda.memory_allocated around
+# PolicyTrainer.offload() / onload(), the step after the round trip bitwise, optim.offload=cpu
+# against the device optimizer; its JSON is folded into memory_truth.json as "offload_gpu".
+section offload_gpu 50 $PY bench/offload_gpu.py --out /tmp/gpu_check_offload.json
+rc_offload=$?
+$PY - "$OUT/memory_truth.json" /tmp/gpu_check_offload.json <<'PYEOF' || true
+import json, sys
+from pathlib import Path
+main, offload = (Path(p) for p in sys.argv[1:])
+res = json.loads(main.read_text()) if main.exists() else {}
+res["offload_gpu"] = json.loads(offload.read_text()) if offload.exists() else None
+main.write_text(json.dumps(res, indent=2))
+PYEOF
 # The ~1B step again with execution.fp8=torch (FP8 GEMMs; its MFU is still against the bf16 peak),
 # per-tensor scaling, then execution.fp8_recipe=block (its JSON is folded into fp8.json as "block_run").
 section fp8_trainer_step 70 $PY bench/gpu_check.py --sections check.fp8,time.trainer_step \
@@ -80,5 +94,5 @@ else
   echo "verl is not installed in this image: the verl engine test was not run"
   verl_rc=0
 fi
-for r in $rc_mem $rc_fp8 $rc_fp8_block $rc_triton $rc_cli $verl_rc; do [ "$rc" -eq 0 ] && rc=$r; done
+for r in $rc_mem $rc_offload $rc_fp8 $rc_fp8_block $rc_triton $rc_cli $verl_rc; do [ "$rc" -eq 0 ] && rc=$r; done
 exit "$rc"

@@ -97,3 +97,64 @@ def test_memory_truth_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys, a
         memory_truth_gpu.main([*argv, "--out", str(tmp_path / "m.json")])
     assert says in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "m.json").exists()
+
+
+# ---------------------------------------------------------------- the offload section
+
+
+def test_gpu_check_sh_runs_the_offload_section_and_folds_its_json_into_memory_truth(tmp_path):
+    """Its own section with a timeout, arguments its parser takes, its failure failing the script,
+    its JSON folded into memory_truth.json (the device call brings back 8 files), and the
+    timeouts within one device call's 600 s."""
+    import re
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    from bench import offload_gpu
+
+    text = Path(gpu_check.__file__).with_suffix(".sh").read_text()
+    (line,) = re.findall(r"^section offload_gpu (\d+) \$PY (bench/\S+) (.*)$", text, re.M)
+    limit, path, rest = line
+    assert path == "bench/offload_gpu.py" and 0 < int(limit) <= 60
+    args = offload_gpu._parser().parse_args(shlex.split(rest))
+    assert not args.quick and args.out.startswith("/tmp/")
+    assert "$rc_offload" in text.split("for r in", 1)[1]
+    assert sum(int(s) for s in re.findall(r"^\s*section \S+ (\d+) ", text, re.M)) <= 600
+    # the fold, run as the script runs it: into an existing memory_truth.json and into none
+    fold = re.search(r'^\$PY - "\$OUT/memory_truth.json" (\S+) <<\'PYEOF\' \|\| true\n(.*?)^PYEOF$',
+                     text, re.M | re.S)
+    assert fold and fold.group(1) == args.out
+    main, offload = tmp_path / "memory_truth.json", tmp_path / "offload.json"
+    main.write_text(json.dumps({"mem_ratio_gpu": 1.01}))
+    offload.write_text(json.dumps({"offload_bitwise": True}))
+    for _ in range(2):
+        subprocess.run(["python3", "-", str(main), str(offload)], input=fold.group(2), text=True, check=True)
+        assert json.loads(main.read_text()) == {"mem_ratio_gpu": 1.01, "offload_gpu": {"offload_bitwise": True}}
+    main.unlink()
+    subprocess.run(["python3", "-", str(main), str(offload)], input=fold.group(2), text=True, check=True)
+    assert json.loads(main.read_text()) == {"offload_gpu": {"offload_bitwise": True}}
+
+
+def test_offload_check_runs_on_cpu_with_the_copies_forced(tmp_path):
+    """The GPU section's whole path on the tiny model: every storage freed and its bytes sent,
+    back exactly, the step after the round trip bitwise; optim.offload=cpu's losses against the
+    device optimizer's (bitwise on a CPU: the same fused kernel on both), with updates large
+    enough for the GPU's tolerance to tell a lost one from rounding."""
+    from bench import offload_gpu
+
+    out = tmp_path / "offload.json"
+    assert offload_gpu.main(["--quick", "--device", "cpu", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["offload_bitwise"] is True and res["offload_residual_frac_gpu"] is None  # no GPU here
+    for dtype in ("fp32", "bf16"):
+        trip = res[f"round_trip.{dtype}"]
+        assert trip["storage_bytes_after"] == 0 and sum(trip["sent_bytes"].values()) == trip["storage_bytes_before"]
+        assert trip["back_bytes"] == trip["sent_bytes"] and trip["sent_bytes"]["grads"] > 0
+    # bf16 weights: half the parameter bytes, the fp32 masters with the optimizer
+    fp32, bf16 = res["round_trip.fp32"]["sent_bytes"], res["round_trip.bf16"]["sent_bytes"]
+    assert bf16["params"] < fp32["params"] and bf16["optimizer"] > fp32["optimizer"]
+    opt = res["optim_offload"]
+    assert opt["ok"] and res["optim_offload_max_rel_loss_diff"] == 0.0
+    assert opt["min_loss_change"] > 10 * offload_gpu.OPTIM_TOL
+    assert opt["cpu"]["optimizer_host_bytes"] >= 2 * opt["adamw_moment_bytes"]  # masters, gradients, moments
