@@ -9,6 +9,7 @@ without this package:
 | kernel | Triton module | torch path |
 |---|---|---|
 | MoE permute / unpermute (per-expert padded rows) | triton_permute | moe.LocalDispatcher |
+| MoE row layout (counting sort by expert) | triton_layout | moe.permute_layout |
 | router scores + top-k + weights | triton_router | moe.Router |
 | balance statistics (seq aux loss, z-loss, counts) | triton_balance | moe.MoE.stats |
 | log-prob + entropy statistics per vocabulary chunk | triton_logprobs | losses._LinearLogProbs |
@@ -33,14 +34,20 @@ import functools
 import importlib
 from types import SimpleNamespace
 
+# GPU launches of one call of the operators that issue more than one kernel (a fill, then
+# their kernels), by name as the dispatcher names them: a count of the ops a step issues (the
+# rehearsal's, longctx_moe.rehearsal.counts) sees each call once, through its fake implementation.
+LAUNCHES_PER_CALL = {"longctx.balance_fwd": 4, "longctx.route_layout": 3}
+
 
 @functools.cache
 def triton_ops() -> SimpleNamespace:
     """The Triton entry points (imports triton on first call)."""
     mods = {name: importlib.import_module(f"{__package__}.triton_{name}")
-            for name in ("permute", "router", "balance", "logprobs", "rmsnorm", "swiglu", "rope")}
+            for name in ("permute", "layout", "router", "balance", "logprobs", "rmsnorm", "swiglu", "rope")}
     return SimpleNamespace(
         permute=mods["permute"].permute, unpermute=mods["permute"].unpermute,
+        route_layout=mods["layout"].route_layout,
         router_topk=mods["router"].router_topk, balance_losses=mods["balance"].balance_losses,
         linear_logprobs=mods["logprobs"].linear_logprobs, cross_entropy_rows=mods["logprobs"].cross_entropy_rows,
         rmsnorm=mods["rmsnorm"].rmsnorm, add_rmsnorm=mods["rmsnorm"].add_rmsnorm,
@@ -50,4 +57,4 @@ def triton_ops() -> SimpleNamespace:
     )
 
 
-__all__ = ["triton_ops"]
+__all__ = ["LAUNCHES_PER_CALL", "triton_ops"]

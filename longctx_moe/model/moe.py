@@ -240,7 +240,11 @@ def _triton_dispatch(x_TD, topk_idx_TK, topk_weight_TK, experts: GroupedExperts,
     cdtype = experts.compute_dtype(x_TD)
     # The rows the GEMM wants: padded groups on CPU only, so no probe tensor is made elsewhere.
     pad = x_TD.device.type == "cpu" and wants_padding(x_TD.new_empty(0, dtype=cdtype), experts.batch_invariant)
-    slot_TK, counts_E, total = permute_layout(topk_idx_TK, experts.num_local_experts, pad)
+    if pad:
+        slot_TK, counts_E, total = permute_layout(topk_idx_TK, experts.num_local_experts, pad)
+    else:  # the same rows by a counting sort in three launches
+        slot_TK, counts_E = triton_ops().route_layout(topk_idx_TK, experts.num_local_experts)
+        total = topk_idx_TK.numel()
     x_PD = triton_ops().permute(x_TD, slot_TK, total, cdtype)
     kw = {} if pad else host_rows(experts, counts_E, *topk_idx_TK.shape)
     y_PD = experts(x_PD, counts_E, padded=True, **kw)

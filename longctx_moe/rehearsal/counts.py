@@ -10,7 +10,8 @@ The rules:
 - a launch is an op with a device tensor among its inputs or outputs that is not a view,
   metadata op or bare allocation (collectives' table of views, which DeviceRules uses too): a
   fill or an arange on the device launches though no input is there; our Triton and custom ops
-  count as any aten op does. Host-device copies are memcpys, not kernels: counted as `h2d`;
+  count as any aten op does, those of several kernels as many (kernels.LAUNCHES_PER_CALL).
+  Host-device copies are memcpys, not kernels: counted as `h2d`;
 - copy bytes are the bytes read plus written by the ops that only move or convert data:
   `_to_copy` (casts, device moves), `copy_` and `_foreach_copy_`, `clone` (what `.contiguous()`
   runs), `cat` and `stack` (always data movement), `repeat`, `expand_copy`. Gathers and scatters
@@ -40,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.module_tracker import ModuleTracker
 
+from longctx_moe.kernels import LAUNCHES_PER_CALL
 from longctx_moe.rehearsal.collectives import _VIEWS, is_launch, program_line
 
 COPY_OPS = frozenset({"_to_copy", "copy_", "_foreach_copy_", "clone", "cat", "stack", "repeat", "expand_copy",
@@ -117,7 +119,8 @@ class OpCounts(TorchDispatchMode):
             if (on_device or written) and not _VIEWS[func]:  # a copy between host and device memory
                 self._host_copy(name, kwargs, to_device=bool(written))
             return out
-        self.add(name, "launches")  # with no device input: a fill, an arange
+        # with no device input: a fill, an arange; an operator of several kernels: each
+        self.add(name, "launches", LAUNCHES_PER_CALL.get(name, 1))
         if base in COPY_OPS:
             self.add(name, "copy_bytes", _moved_bytes(on_device, out))
         if is_sync(func, kwargs):

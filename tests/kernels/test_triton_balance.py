@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longctx_moe.kernels import triton_ops
+from longctx_moe.kernels import LAUNCHES_PER_CALL, triton_ops
 from longctx_moe.model.losses import id_counts, router_z_loss, sequence_aux_loss
 
 pytestmark = pytest.mark.triton
@@ -79,6 +79,7 @@ def test_launches(launches):
     logits, scores, idx, doc, n = _inputs()
     aux, z, _ = triton_ops().balance_losses(scores, logits, idx, doc, n, AUX, ZC)
     assert len(launches) == 3
+    assert LAUNCHES_PER_CALL["longctx.balance_fwd"] == len(launches) + 1  # what the step's counts take
     launches.clear()
     (aux + z).backward()
     assert len(launches) == 1

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.triton
 
 OPS = ("rmsnorm_fwd", "add_rmsnorm_fwd", "rmsnorm_bwd", "add_rmsnorm_bwd", "permute_fwd", "permute_bwd",
        "unpermute_fwd", "unpermute_bwd", "router_topk_fwd", "router_topk_bwd", "balance_fwd", "balance_bwd",
-       "logprobs_stats", "logprobs_grad", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd")
+       "route_layout", "logprobs_stats", "logprobs_grad", "swiglu_fwd", "swiglu_bwd", "rope_fwd", "rope_bwd")
 
 
 def _randn(*shape, dtype=torch.float32, seed=0, grad=True):
@@ -169,6 +169,8 @@ def _opcheck_cases():
         (L.router_topk_fwd, (_randn(12, 37).t(), None, 3, False, True)),  # strided logits
         (L.router_topk_bwd, (_randn(37, 12, grad=False), _randn(37, 3, grad=False), s, idx, wr,
                              sums, True, True)),
+        (L.route_layout, (idx_b, 12)),
+        (L.route_layout, (idx_b[:0], 12)),  # no token
         (L.balance_fwd, (s_b, z_b, idx_b, doc_b, n_b, 0.01, 1e-3)),
         (L.balance_fwd, (s_b, z_b, idx_b, doc_b, n_b, 0.01, 0.0)),  # no z-loss
         (L.balance_bwd, (torch.tensor(0.5), torch.tensor(2.0), s_b.detach(), z_b.detach(), doc_b, counts_b,
