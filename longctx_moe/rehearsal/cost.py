@@ -10,9 +10,13 @@
   convention, collectives.py) over the link it crosses: NVLink inside a node, the network when
   its group spans nodes (ranks numbered node by node). Counted as exposed: the overlap the
   dispatchers achieve is not modelled, so this is an upper bound of the exposed time.
+- optim.offload=cpu: the gradients' and the weights' copies over the GPU's host link and the
+  host's AdamW (`host_optimizer_seconds`), exposed whole: the step waits on them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -25,8 +29,11 @@ def _spans_nodes(ranks: list[int], per_node: int) -> bool:
     return len({r // per_node for r in ranks}) > 1
 
 
-def model_step_time(flops: float, tracker, rules, gpu: GPU, group_ranks: dict[str, list[int]]) -> dict:
-    """{"compute_s", "host_s", "comm_s", "total_s"} of one rank's step."""
+def model_step_time(flops: float, tracker, rules, gpu: GPU, group_ranks: dict[str, list[int]],
+                    host_step: HostStep | None = None) -> dict:
+    """{"compute_s", "host_s", "comm_s", "offload_s" (with its "pcie_s" and "host_adamw_s"),
+    "total_s"} of one rank's step; `host_step`: what optim.offload=cpu moves and steps on the
+    host (`host_step_of`), None where the optimizer runs on the device."""
     compute = sum(max(f / (gpu.fp8_flops if fp8 else gpu.bf16_flops), b / gpu.hbm_bytes_per_s)
                   for f, b, fp8 in rules.work)
     host = sum(rules.launches.values()) * gpu.launch_s
@@ -35,8 +42,62 @@ def model_step_time(flops: float, tracker, rules, gpu: GPU, group_ranks: dict[st
         ranks = group_ranks.get(label, [])
         bandwidth = gpu.network_bytes_per_s if _spans_nodes(ranks, gpu.gpus_per_node) else gpu.nvlink_bytes_per_s
         comm += t.calls * gpu.collective_latency_s + t.bus_bytes / bandwidth
-    return {"compute_s": compute, "host_s": host, "comm_s": comm, "total_s": max(compute, host) + comm,
-            "flops": flops}
+    offload = host_optimizer_seconds(host_step or HostStep(0, 0, 0), gpu)
+    return {"compute_s": compute, "host_s": host, "comm_s": comm, **offload,
+            "total_s": max(compute, host) + comm + offload["offload_s"], "flops": flops}
+
+
+# ---- optim.offload=cpu
+#
+# HostAdamW (optim_offload.py) runs between the backward and the next forward, one after the
+# other: every gradient device -> host, AdamW on the host's fp32 masters, every weight host ->
+# device. The device waits on all three.
+# - the copies: their bytes over the GPU's host link, each direction in turn (the AdamW between
+#   them), at gpu.host_link_bytes_per_s;
+# - AdamW: torch's fused CPU kernel reads a master, its gradient and the two moments and writes
+#   the master and the moments (28 bytes an fp32 element), and the copies' DMA writes the
+#   gradient and reads the master there (8 more): 36 bytes of the host's memory an element, over
+#   the rank's share of the node's DRAM bandwidth; or the kernel's arithmetic, over the rank's
+#   share of the node's cores, where slower. Fused CPU AdamW measured 0.84 G elements/s on one
+#   core of the machine this project is developed on (a recent x86 server core).
+HOST_ADAMW_BYTES_PER_ELEMENT = 36
+HOST_ADAMW_ELEMENTS_PER_CORE_S = 0.84e9
+
+
+@dataclass(frozen=True)
+class HostStep:
+    """What one rank's host optimizer moves and steps per optimizer step."""
+
+    elements: int  # the fp32 masters AdamW updates on the host
+    grad_bytes: int  # device -> host: the gradients
+    weight_bytes: int  # host -> device: the updated weights, in the device tensors' dtype
+
+
+def host_optimizer_seconds(step: HostStep, gpu: GPU) -> dict:
+    """{"pcie_s", "host_adamw_s", "offload_s" (their sum)} of one rank's optim.offload=cpu step on
+    `gpu`'s node, every rank of the node offloading alike. A planner prices a layout with
+    HostStep(elements an optimizer rank owns, 4 x elements, weight bytes of those elements)."""
+    ranks = gpu.gpus_per_node
+    pcie = (step.grad_bytes + step.weight_bytes) / gpu.host_link_bytes_per_s
+    memory = step.elements * HOST_ADAMW_BYTES_PER_ELEMENT / (gpu.host_memory_bytes_per_s / ranks)
+    arithmetic = step.elements / (HOST_ADAMW_ELEMENTS_PER_CORE_S * gpu.host_cores / ranks)
+    adamw = max(memory, arithmetic)
+    return {"pcie_s": pcie, "host_adamw_s": adamw, "offload_s": pcie + adamw}
+
+
+def host_step_of(optimizer) -> HostStep | None:
+    """The HostStep of a trainer's optimizer (or of the HostAdamW a distributed optimizer wraps),
+    None where none runs on the host."""
+    from longctx_moe.optim_offload import HostAdamW
+
+    opt = optimizer
+    while opt is not None and not isinstance(opt, HostAdamW):
+        opt = getattr(opt, "optimizer", None)
+    if opt is None:
+        return None
+    return HostStep(elements=sum(m.numel() for m in opt.masters),
+                    grad_bytes=sum(g.numel() * g.element_size() for g in opt._grads),
+                    weight_bytes=sum(t.numel() * t.element_size() for t in opt.tensors))
 
 
 # ---- FLOPs per op

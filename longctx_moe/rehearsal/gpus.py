@@ -13,6 +13,17 @@ on NVLink/NVSwitch, one 400 Gb/s InfiniBand NDR port per GPU across nodes):
   datasheets.
 - InfiniBand NDR: 400 Gb/s = 50 GB/s per direction per GPU (ConnectX-7).
 A collective's bandwidth is per direction: half the NVLink figure inside a node.
+
+The node's host, which optim.offload=cpu uses (cost.host_optimizer_seconds):
+- DGX H100 and DGX H200: 2 x Intel Xeon Platinum 8480C, 112 cores, DDR5-4800 on 8 channels a
+  socket: 2 x 8 x 4.8 GT/s x 8 B = 614 GB/s of DRAM bandwidth (peak; a STREAM triad reaches
+  ~75% of it), shared by the node's 8 GPUs' ranks. NVIDIA DGX H100 / H200 datasheets; Intel's
+  product page for the memory channels and speed.
+- DGX B200: 2 x Intel Xeon Platinum 8570, 112 cores, DDR5-5600 on 8 channels a socket: 717 GB/s.
+- The GPU's link to the host: PCIe Gen5 x16 on all three, 32 GT/s x 16 lanes = 64 GB/s per
+  direction raw, ~50 GB/s after the 128b/130b encoding and packet overhead. We assume 40 GB/s
+  per direction per GPU in practice (pinned copies; a PCIe switch on the way shared with a NIC),
+  unmeasured: bench/offload_gpu.py reports the offload's GB/s on a lent GPU.
 Compute capability: 9.0 for Hopper (H100, H200), 10.0 for Blackwell (B200); CUDA's list of GPUs.
 
 `as_cuda_device(gpu)`: for the block, torch.cuda's questions about a device's kind (compute
@@ -47,13 +58,17 @@ class GPU:
     launch_s: float = 5e-6
     capability: tuple[int, int] = (9, 0)
     fp8_flops: float = 1979e12  # dense peak of the FP8 GEMMs (torch._scaled_mm and its grouped form)
+    # the node's host (module docstring): optim.offload=cpu's copies and AdamW
+    host_link_bytes_per_s: float = 40e9  # per direction, per GPU (PCIe Gen5 x16, assumed in practice)
+    host_memory_bytes_per_s: float = 614e9  # the node's DRAM, shared by its GPUs' ranks
+    host_cores: int = 112  # the node's, shared alike
 
 
 GPUS = {
     "h100": GPU("H100 SXM5 80GB", 80 * 10**9, 989e12, 3.35e12, 450e9),
     "h200": GPU("H200 SXM 141GB", 141 * 10**9, 989e12, 4.8e12, 450e9),
     "b200": GPU("B200 180GB", 180 * 10**9, 2.25e15, 7.7e12, 900e9, capability=(10, 0),
-                fp8_flops=4.5e15),
+                fp8_flops=4.5e15, host_memory_bytes_per_s=717e9),
 }
 
 

@@ -126,7 +126,7 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
     the step uses."""
     from longctx_moe.rehearsal import standins
     from longctx_moe.rehearsal.collectives import DeviceRules
-    from longctx_moe.rehearsal.cost import model_step_time
+    from longctx_moe.rehearsal.cost import host_step_of, model_step_time
     from longctx_moe.rehearsal.memtrack import FastMemTracker
     from longctx_moe.rehearsal.meta_autocast import meta_autocast
     from longctx_moe.rehearsal.meta_device import cuda_kernels
@@ -155,7 +155,7 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
     host = next((v for dev, v in snap.items() if torch.device(dev).type == "cpu"), {})
     params = sum(p.numel() for p in runtime.model.parameters())
     flops = sum(w[0] for w in rules.work)  # cost.op_flops per device op
-    seconds = model_step_time(flops, tracker, rules, gpu, group_ranks)
+    seconds = model_step_time(flops, tracker, rules, gpu, group_ranks, host_step_of(trainer.optimizer))
     return RankReport(
         rank=rank, roles=_roles(dims), peak_bytes=peak, peak_split=_split(meta),
         peak_moment=_peak_moment(tracker, peak), params=params,

@@ -84,3 +84,49 @@ def test_torch_varlen_attn_and_views():
         q.view(300, 256).t()
     assert rules.work[before - 1][0] == 2.0 * (100 * 101 // 2 + 200 * 201 // 2) * 4 * 128
     assert len(rules.work) == before and sum(rules.launches.values()) == before
+
+
+def test_optim_offload_cpu_is_priced_by_its_copies_and_the_hosts_adamw():
+    """One rank of a node of 8 H100s steps 1G elements on the host: 8 GB over PCIe (4 GB of fp32
+    gradients down, 4 GB of fp32 weights up) at 40 GB/s, and 36 GB of host memory traffic over an
+    eighth of the node's 614 GB/s (slower than the arithmetic: 1G elements on 14 cores at 0.84 G
+    elements/s a core); the step waits on both."""
+    from longctx_moe.rehearsal.cost import HostStep, host_optimizer_seconds, model_step_time
+    from longctx_moe.rehearsal.gpus import GPUS
+
+    h100 = GPUS["h100"]
+    got = host_optimizer_seconds(HostStep(10**9, 4 * 10**9, 4 * 10**9), h100)
+    assert got["pcie_s"] == 8e9 / 40e9
+    assert got["host_adamw_s"] == 36e9 / (614e9 / 8) > 1e9 / (0.84e9 * 14)
+    assert got["offload_s"] == got["pcie_s"] + got["host_adamw_s"]
+    rules = DeviceRules(rank=0)
+    rules.work = [(1e15, 0, False)]
+    without = model_step_time(0.0, None, rules, h100, {})
+    with_offload = model_step_time(0.0, None, rules, h100, {}, HostStep(10**9, 4 * 10**9, 4 * 10**9))
+    assert without["offload_s"] == 0 and with_offload["compute_s"] == without["compute_s"]
+    assert with_offload["total_s"] == without["total_s"] + got["offload_s"]
+
+
+def test_the_host_step_is_read_from_the_trainers_host_optimizer():
+    """host_step_of: the masters the host AdamW steps (every parameter element on one rank), their
+    fp32 gradients down and the weights up in the parameters' dtype; no host step without
+    optim.offload=cpu."""
+    from longctx_moe.build import build_runtime
+    from longctx_moe.config import load_config
+    from longctx_moe.rehearsal.cost import host_step_of
+    from longctx_moe.trainer import Trainer
+
+    def trainer(*sets):
+        cfg = load_config(None, ["model.vocab_size=64", "model.hidden_size=32", "model.num_layers=1",
+                                 "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
+                                 "model.num_experts=4", "model.expert_hidden_size=16", *sets])
+        return Trainer(cfg, build_runtime(cfg, None, torch.device("cpu")))
+
+    assert host_step_of(trainer().optimizer) is None
+    for dtype in ("fp32", "bf16"):
+        t = trainer("optim.offload=cpu", f"train.param_dtype={dtype}", "train.autocast_dtype=bf16")
+        params = list(t.model.parameters())
+        step = host_step_of(t.optimizer)
+        assert step.elements == sum(p.numel() for p in params) and step.grad_bytes == 4 * step.elements
+        assert step.weight_bytes == sum(p.numel() * p.element_size() for p in params)
+        assert (step.weight_bytes < step.grad_bytes) == (dtype == "bf16")
