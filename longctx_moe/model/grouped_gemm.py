@@ -21,6 +21,7 @@ import functools
 from itertools import accumulate
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from data_packing.batch import pad_to
 from longctx_moe.choices import check_choice
@@ -102,9 +103,20 @@ def host_counts(counts_E: torch.Tensor) -> list[int]:
     return counts_E.tolist()
 
 
+# A layer's four grouped GEMMs (two forward, two in the backward) take the same counts tensor:
+# its group ends are formed once (a launch each on a GPU otherwise), held while the counts live.
+_ENDS = WeakIdKeyDictionary()
+
+
 def _group_ends(counts_E: torch.Tensor) -> torch.Tensor:
-    """`_grouped_mm`'s offs: int32 end row of each group."""
-    return torch.cumsum(counts_E, 0, dtype=torch.int32)
+    """`_grouped_mm`'s offs: int32 end row of each group (memoised per counts tensor and its
+    version: an in-place change of the counts forms them again)."""
+    hit = _ENDS.get(counts_E)
+    if hit is not None and hit[0] == counts_E._version:
+        return hit[1]
+    ends_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+    _ENDS[counts_E] = (counts_E._version, ends_E)
+    return ends_E
 
 
 def grouped_weight_grad(x_MD: torch.Tensor, g_MF: torch.Tensor, counts_E: torch.Tensor,

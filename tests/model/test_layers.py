@@ -144,6 +144,21 @@ def test_grouped_mm_matches_loop_with_empty_experts():
     assert gw[1].abs().max() == 0 and gw[5].abs().max() == 0
 
 
+def test_group_ends_are_formed_once_per_counts_tensor():
+    """A layer's grouped GEMMs share one counts tensor: its ends are formed once; an in-place
+    change of the counts (its version moves) forms them again, so a stale offset never runs."""
+    from longctx_moe.model.grouped_gemm import _group_ends
+
+    torch.manual_seed(0)
+    cnt = torch.tensor([5, 0, 9])
+    first = _group_ends(cnt)
+    assert _group_ends(cnt) is first and first.tolist() == [5, 5, 14]
+    cnt[1] = 2
+    assert _group_ends(cnt).tolist() == [5, 7, 16]
+    x, w = torch.randn(16, 16), torch.randn(3, 16, 8)  # 16-byte rows, as _grouped_mm takes them
+    torch.testing.assert_close(grouped_matmul(x, w, cnt, "grouped_mm")[5:7], x[5:7] @ w[1], atol=1e-5, rtol=1e-5)
+
+
 def test_loop_fallback_float64_and_bad_impl():
     x = torch.randn(7, 4, dtype=torch.float64)
     w = torch.randn(3, 4, 5, dtype=torch.float64)
