@@ -200,6 +200,7 @@ def _(g_ND, gs_ND, s_ND, weight_D, r_N, lo_dtype):
 def _rmsnorm_setup(ctx, inputs, output):
     x_ND, weight_D, _, _ = inputs
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for the row scales: a launch
     ctx.save_for_backward(x_ND, weight_D, output[1])
 
 
@@ -213,6 +214,7 @@ def _add_rmsnorm_setup(ctx, inputs, output):
     x_ND, res_ND, weight_D, _, _ = inputs
     s_ND, _, r_N = output
     ctx.mark_non_differentiable(r_N)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients (row scales, an unused output)
     ctx.save_for_backward(s_ND, weight_D, r_N)
     ctx.dtypes = (x_ND.dtype, res_ND.dtype)
 
