@@ -19,6 +19,12 @@ def test_the_device_holds_no_optimizer_state_with_optim_offload_cpu(tmp_path):
     assert offloaded["peak_bytes"] == on_device["peak_bytes"] - moved
     # AdamW's moments and the masters on the host (its gradient buffers too)
     assert offloaded["host_bytes"] >= on_device["host_bytes"] + moved
+    # the modeled step pays for the copies (cost.host_optimizer_seconds): the moments' 8 bytes an
+    # element the host steps, the same 8 bytes cross PCIe (4 of fp32 gradient down, 4 of fp32
+    # weight up) at the H100 node's 40 GB/s; and for the host's AdamW
+    plain, offload = on_device["step_seconds"], offloaded["step_seconds"]
+    assert plain["offload_s"] == 0 and offload["pcie_s"] == pytest.approx(moved / 40e9, rel=1e-3)
+    assert offload["offload_s"] == offload["pcie_s"] + offload["host_adamw_s"] > offload["pcie_s"]
 
 
 @pytest.mark.slow
