@@ -37,7 +37,9 @@ from types import SimpleNamespace
 # GPU launches of one call of the operators that issue more than one kernel (a fill, then
 # their kernels), by name as the dispatcher names them: a count of the ops a step issues (the
 # rehearsal's, longctx_moe.rehearsal.counts) sees each call once, through its fake implementation.
-LAUNCHES_PER_CALL = {"longctx.balance_fwd": 4, "longctx.route_layout": 3}
+LAUNCHES_PER_CALL = {"longctx.balance_fwd": 4, "longctx.route_layout": 3,
+                     # the weight gradient's per-program partials: zero-filled, then summed
+                     "longctx.rmsnorm_bwd": 3, "longctx.add_rmsnorm_bwd": 3}
 
 
 @functools.cache
