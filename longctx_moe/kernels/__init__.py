@@ -38,8 +38,8 @@ from types import SimpleNamespace
 # their kernels), by name as the dispatcher names them: a count of the ops a step issues (the
 # rehearsal's, longctx_moe.rehearsal.counts) sees each call once, through its fake implementation.
 LAUNCHES_PER_CALL = {"longctx.balance_fwd": 4, "longctx.route_layout": 3,
-                     # the weight gradient's per-program partials: zero-filled, then summed
-                     "longctx.rmsnorm_bwd": 3, "longctx.add_rmsnorm_bwd": 3}
+                     # the kernel, then the sum of the weight gradient's per-program partials
+                     "longctx.rmsnorm_bwd": 2, "longctx.add_rmsnorm_bwd": 2}
 
 
 @functools.cache

@@ -160,7 +160,8 @@ def _backward(g_ND, gs_ND, x_ND, weight_D, r_N, lo_dtype=None):
     progs = max(1, min(_MAX_PROGS, triton.cdiv(n, blocks["ROWS"])))
     dx_ND, _ = _bwd_outputs(x_ND, weight_D)
     lo_ND = None if lo_dtype is None else torch.empty(n, d, dtype=lo_dtype, device=x_ND.device)
-    dw_PD = torch.zeros(progs, d, dtype=r_N.dtype, device=x_ND.device)
+    # every program stores its whole partial row: no fill first, unless no program runs
+    dw_PD = (torch.empty if n else torch.zeros)(progs, d, dtype=r_N.dtype, device=x_ND.device)
     if n:
         _bwd_kernel[(progs,)](g_ND, g_ND if gs_ND is None else gs_ND, x_ND, weight_D, r_N, dx_ND,
                               dx_ND if lo_ND is None else lo_ND, dw_PD, n, d, HAS_GS=gs_ND is not None,

@@ -201,3 +201,12 @@ def test_block_end_add_in_the_next_norm_is_the_plain_sum_bitwise(monkeypatch):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
     assert (deferred[2]["add_rmsnorm_bwd"], plain[2]["add_rmsnorm_bwd"]) == (5, 3)
     assert deferred[2]["_to_copy"] == plain[2]["_to_copy"] - 2
+
+
+def test_backward_of_no_rows_gives_a_zero_weight_gradient():
+    """No row runs the kernel: the weight gradient's partials are zero-filled then (every
+    program of a launch stores its whole row, so they are not otherwise)."""
+    x, w = torch.randn(0, 32), torch.randn(32)
+    _, r = torch.ops.longctx.rmsnorm_fwd(x, w, 1e-6, torch.float32)
+    dx, dw = torch.ops.longctx.rmsnorm_bwd(torch.randn(0, 32), None, x, w, r)
+    assert dx.shape == (0, 32) and torch.equal(dw, torch.zeros(32))
