@@ -3,7 +3,7 @@ pinned host memory and asynchronous copies, which the CPU tests cannot show.
 
 A PolicyTrainer of the ~1B bench MoE's shapes (bench/gpu_check.py MOE_1B) cut to 2 of its 12
 layers (0.27B parameters: ~4 GB of fp32 weights, gradients and AdamW state, so that allocations
-outside the trainer stay far below 2% of it, and six trainers are built in under a minute) runs
+outside the trainer stay far below 2% of it, and the six trainers the section builds stay quick) runs
 GRPO-shaped updates (kind pg, advantage 1 on every response token: its loss is the responses'
 mean negative log-prob, which moves at every step and never sits near 0) on 4,096 tokens.
 
@@ -21,7 +21,7 @@ round_trip.<param dtype> (train.param_dtype fp32 and bf16; bf16 autocast on cuda
   accumulates with atomics in a varying order), so the two trainers start the step from the same
   bytes, and the update is then a deterministic function of them.
 optim_offload: optim.offload=cpu against the device optimizer, STEPS updates each, float32
-  weights and compute. `optim_offload_max_rel_loss_diff` over the steps, against OPTIM_TOL;
+  weights and compute (OPTIM_SETS). `optim_offload_max_rel_loss_diff` over the steps, against OPTIM_TOL;
   HostAdamW's masters and gradient buffers pinned (the host ends of its copies; AdamW's moments
   never cross and are torch's own, unpinned); the optimizer's tensors on the GPU (0 expected) and
   the device bytes the setting saved (memory_allocated after the steps, none minus cpu) against
@@ -59,6 +59,11 @@ from bench.gpu_check import MOE_1B, MOE_TINY  # noqa: E402
 # copied back) moves the loss by a step's change: the updates repeat one batch, whose loss falls
 # by more than 10 x OPTIM_TOL at each (`min_loss_change`; the check fails otherwise).
 OPTIM_TOL = 1e-4
+# float32 throughout; on cuda the flash kernels take no float32 and flex would compile for a
+# minute: the dense reference attention (float64 inside, deterministic) and torch's ops (no
+# float32 Triton compile) serve, since the optimizer is what is compared
+OPTIM_SETS = ["train.param_dtype=fp32", "train.autocast_dtype=none", "execution.attention_backend=reference",
+              "execution.kernels=torch"]
 STEPS = 5
 LOSS_SETS = ["optim.lr=1e-3", "optim.warmup_steps=0", "optim.schedule=constant", "optim.weight_decay=0.1",
              "optim.grad_clip=1.0"]
@@ -231,8 +236,7 @@ def optim_offload(device: torch.device, sizes: dict) -> dict:
     for offload in ("none", "cpu"):
         _free(device)
         base = _allocated(device)
-        policy = _policy(device, sizes, ["train.param_dtype=fp32", "train.autocast_dtype=none",
-                                         f"optim.offload={offload}"])
+        policy = _policy(device, sizes, [*OPTIM_SETS, f"optim.offload={offload}"])
         batch = rollouts(sizes, policy.cfg.model.vocab_size, 10)  # one batch: its loss falls at each update
         losses = [policy.train_step(batch, loss)["loss"] for _ in range(STEPS)]
         held = _allocated(device)
