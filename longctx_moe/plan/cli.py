@@ -167,11 +167,10 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
         judged += 1
         p.refused = judge(cfg, p.layout)
         if p.refused is None:
-            p.memory = resident(cache, cfg, p.layout)
+            n = rank_tokens(p.layout, longest, tokens)
+            p.memory = resident(cache, cfg, p.layout, micro_batches(p.layout, n, tokens))
             if p.peak <= gpu.memory_bytes:  # else refused on its weights and state alone
-                n = rank_tokens(p.layout, longest, tokens)
-                p.memory = per_rank(cache, cfg, p.layout, n, draw,
-                                    micro_batches(p.layout, n, tokens))
+                p.memory = per_rank(cache, cfg, p.layout, n, draw, micro_batches(p.layout, n, tokens))
             if p.peak <= gpu.memory_bytes:
                 fit.append(p)
                 continue

@@ -212,12 +212,16 @@ def activations(cache: MemoryCache, cfg, layout: Layout, lengths_of) -> dict:
     return out
 
 
-def resident(cache: MemoryCache, cfg, layout: Layout) -> dict:
-    """Parameters and optimizer state: what a rank holds at every moment of the step, whatever
-    its tokens. Cheap to measure (no step is run): a layout they alone overflow needs no
-    activation probe to be refused."""
+def resident(cache: MemoryCache, cfg, layout: Layout, micro_batches: int = 1) -> dict:
+    """A floor of the rank's peak that needs no activation probe (the state probe is cheap: no
+    step is run): the optimizer step's measured moment, or parameters, optimizer state and the
+    gradients several micro-batches accumulate, whichever is larger. A layout this alone
+    overflows is refused without probing its activations."""
     state = static(cache, cfg, layout)
-    return {"parameters": state["parameters"], "optimizer state": state["optimizer state"]}
+    held = {"parameters": state["parameters"], "optimizer state": state["optimizer state"],
+            "gradients": state["gradients"] if micro_batches > 1 else 0}
+    step = {k: state.get(f"step {k}", 0) for k in CATEGORIES}
+    return held if sum(held.values()) >= sum(step.values()) else step
 
 
 def per_rank(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, lengths_of,

@@ -160,3 +160,21 @@ def test_rl_measures_the_policy_step(monkeypatch, tmp_path):
     result = plan(_tiny(), 2, "h100", "lognormal:256,0.5,1024", 8192, top=1, cache_dir=str(tmp_path), rl=True)
     assert result["fit"] and seen and all(seen), seen
     assert memory.MemoryCache(_tiny(), tmp_path, rl=True).path != memory.MemoryCache(_tiny(), tmp_path).path
+
+
+def test_the_floor_refuses_without_an_activation_probe(monkeypatch):
+    """Fails if resident() is not a floor of per_rank() (the optimizer step's moment or the
+    accumulated gradients left out), so the plan would skip layouts that fit or probe ones
+    that cannot."""
+    layout = layouts.Layout(1, 1, "ring", 1, 1, 1, False, "none", False, 1)
+    state = {"parameters": 10 * MIB, "gradients": 10 * MIB, "optimizer state": 20 * MIB,
+             "step parameters": 10 * MIB, "step gradients": 10 * MIB, "step optimizer state": 20 * MIB,
+             "step activations": 15 * MIB}
+    monkeypatch.setattr(memory, "static", lambda *a: state)
+    monkeypatch.setattr(memory, "activations", lambda *a: {"activations": 64.0})
+    for tokens in (1024, 1 << 20):
+        for m in (1, 4):
+            floor = sum(memory.resident(None, None, layout, m).values())
+            assert floor <= sum(memory.per_rank(None, None, layout, tokens, None, m).values())
+    assert sum(memory.resident(None, None, layout, 1).values()) == 55 * MIB  # the step's moment
+    assert memory.resident(None, None, layout, 4)["gradients"] == 10 * MIB
