@@ -12,8 +12,11 @@ import importlib.util
 import inspect
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from ._common import default_scale, kernel_lse
+from ._common import default_scale
+
+_NEG_INF, _INF = float("-inf"), float("inf")
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -74,13 +77,35 @@ def _common_args(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
                 rng_state=None)
 
 
+# Trailing-padding masks by boundary tensor: the model hands every layer the same device bounds
+# (its DocLayout's), the ring each step's (RingLayout.step), so a mask costs its launches once per
+# micro-batch and a layer's attention launches only the kernel and the fix-ups below.
+_TAILS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def tail_rows(cu: torch.Tensor, rows: int) -> torch.Tensor:
+    """bool [rows]: True at the rows past cu[-1] (trailing padding), made on cu's device once per
+    boundary tensor and row count (and again if the tensor is written in place)."""
+    version = 0 if cu.is_inference() else cu._version
+    masks = _TAILS.setdefault(cu, {})
+    if (rows, version) not in masks:
+        masks[(rows, version)] = torch.arange(rows, device=cu.device) >= cu[-1]
+    return masks[(rows, version)]
+
+
 def _fix_padding(out_THD, lse_HT, cu_q):
     """Rows past cu_q[-1] are untouched by the kernel; rows that see no key get lse = +inf from
-    flash-attn. Both become out 0, lse -inf (device-side, no host sync)."""
-    rows = torch.arange(out_THD.shape[0], device=out_THD.device) >= cu_q[-1]
-    lse_HT = torch.where(rows[None, :] | ~torch.isfinite(lse_HT), float("-inf"), lse_HT)
-    out_THD = out_THD.masked_fill((rows[:, None] | torch.isinf(lse_HT).t())[..., None], 0)
+    flash-attn. Both become out 0, lse -inf (device-side, no host sync): four launches."""
+    lse_HT = lse_HT.nan_to_num(nan=_NEG_INF, posinf=_NEG_INF, neginf=_NEG_INF)
+    lse_HT = lse_HT.masked_fill_(tail_rows(cu_q, out_THD.shape[0]), _NEG_INF)
+    out_THD = out_THD.masked_fill((lse_HT == _NEG_INF).t()[..., None], 0)
     return out_THD, lse_HT
+
+
+def kernel_lse(lse_HT: torch.Tensor) -> torch.Tensor:
+    """_common.kernel_lse (-inf -> +inf, so a kernel's backward gives rows that see no key no
+    gradient) in one launch instead of three."""
+    return lse_HT.float().nan_to_num(nan=float("nan"), posinf=_INF, neginf=_INF)
 
 
 def forward(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale=None, window=None):
@@ -101,6 +126,6 @@ def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, 
     args = _common_args(q_THD, k_SHD, v_SHD, cu_q, cu_k, max_q, max_k, causal, scale, window)
     dq, dk, dv = torch.zeros_like(q_THD), torch.zeros_like(k_SHD), torch.zeros_like(v_SHD)
     args.update(dout=dout_THD.contiguous(), out=out_THD.contiguous(),
-                softmax_lse=kernel_lse(lse_HT.float()).contiguous(), dq=dq, dk=dk, dv=dv)
+                softmax_lse=kernel_lse(lse_HT).contiguous(), dq=dq, dk=dk, dv=dv)
     _call_by_name(_interface()._flash_attn_varlen_backward, args)
     return dq, dk, dv

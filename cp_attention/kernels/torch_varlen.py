@@ -15,8 +15,7 @@ import inspect
 
 import torch
 
-from ._common import kernel_lse
-from .flash_attn import _fix_padding
+from .flash_attn import _fix_padding, kernel_lse, tail_rows
 
 
 def _varlen_module():
@@ -94,11 +93,12 @@ def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, 
     # the query heads' count, no sum after.
     native_gqa = "enable_gqa" in inspect.signature(_varlen_module().varlen_attn).parameters
     k, v = (k_SHD, v_SHD) if native_gqa else (_expand_kv(k_SHD, groups), _expand_kv(v_SHD, groups))
-    rng_state = torch.zeros(2, dtype=torch.uint64, device=q_THD.device)  # dropout is 0
+    # dropout_p is 0, so the kernel reads no RNG state: an unfilled one launches nothing.
+    rng_state = torch.empty(2, dtype=torch.uint64, device=q_THD.device)
     unused = torch.empty(0, device=q_THD.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         dout_THD.contiguous(), q_THD, k, v, out_THD.contiguous(),
-        kernel_lse(lse_HT.float()).contiguous(), cu_q.int(), cu_k.int(), max_q, max_k, 0.0,
+        kernel_lse(lse_HT).contiguous(), cu_q.int(), cu_k.int(), max_q, max_k, 0.0,
         bool(causal), rng_state, unused, scale=scale,
         **({} if window is None else {"window_size_left": window - 1, "window_size_right": 0}))
     if groups > 1 and not native_gqa:
@@ -106,7 +106,6 @@ def backward(dout_THD, q_THD, k_SHD, v_SHD, out_THD, lse_HT, cu_q, cu_k, max_q, 
         dk = dk.view(s, -1, groups, d).sum(2)
         dv = dv.view(s, -1, groups, d).sum(2)
     # Padding past cu_q[-1] / cu_k[-1] may be left unwritten by the kernel.
-    rows_q = torch.arange(dq.shape[0], device=dq.device) >= cu_q[-1]
-    rows_k = torch.arange(dk.shape[0], device=dk.device) >= cu_k[-1]
+    rows_q, rows_k = tail_rows(cu_q, dq.shape[0]), tail_rows(cu_k, dk.shape[0])
     return (dq.masked_fill(rows_q[:, None, None], 0), dk.masked_fill(rows_k[:, None, None], 0),
             dv.masked_fill(rows_k[:, None, None], 0))

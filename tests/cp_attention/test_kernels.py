@@ -491,3 +491,26 @@ def test_offset_goes_to_a_backend_that_takes_it_or_is_refused():
     q, k, v, _, cu_q, cu_k, mq, mk = _make([4], [4], 2, 2, 8, 0, torch.float64, 0)
     with pytest.raises(ValueError, match="offset=2 moves the causal alignment and needs causal"):
         attn_forward(q, k, v, cu_q, cu_k, mq, mk, False, offset=2)
+
+
+def test_flash_fix_ups_match_their_definition():
+    """The CUDA adapters' fix-ups on CPU, against their definition: rows past cu_q[-1] and rows
+    whose lse is not finite get out 0, lse -inf; the backward's lse maps -inf to +inf only. The
+    trailing-padding mask is made once per boundary tensor and again after an in-place write."""
+    from cp_attention.kernels import flash_attn as fa
+
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(6, 2, 4, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    lse = torch.randn(2, 6, generator=g)
+    lse[0, 1], lse[1, 2], lse[0, 3] = math.inf, math.nan, -math.inf
+    cu = _cu([3, 2])
+    rows = torch.arange(6) >= cu[-1]
+    want_lse = torch.where(rows[None, :] | ~torch.isfinite(lse), NEG_INF, lse)
+    want_out = out.masked_fill((rows[:, None] | torch.isinf(want_lse).t())[..., None], 0)
+    got_out, got_lse = fa._fix_padding(out, lse.clone(), cu)
+    assert torch.equal(got_lse, want_lse) and torch.equal(got_out, want_out)
+    assert torch.equal(fa.kernel_lse(want_lse), torch.where(want_lse == NEG_INF, math.inf, want_lse))
+    assert torch.equal(fa.kernel_lse(lse).isnan(), lse.isnan())
+    assert fa.tail_rows(cu, 6) is fa.tail_rows(cu, 6)
+    cu[-1] = 6
+    assert not fa.tail_rows(cu, 6).any()
