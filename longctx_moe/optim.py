@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils import _foreach_utils
 
 from longctx_moe.config import OptimConfig
 
@@ -32,10 +33,11 @@ def decay_groups(tensors: list[torch.Tensor], weight_decay: float) -> list[dict]
 def _impl_kwargs(impl: str, params: list[torch.Tensor]) -> dict:
     """Pick torch AdamW's implementation: fused (one kernel over all tensors) where available.
 
-    Fused AdamW runs on CPU since torch 2.4 and on CUDA; when a dtype/device is unsupported the
-    constructor raises and build_adamw falls back to foreach. It silently computes wrong updates
-    for non-contiguous tensors (seen on torch 2.13 CPU), which the distributed optimizer's strided
-    slabs are: "auto" takes foreach for those.
+    Fused AdamW runs on the devices torch lists as having its kernels (CPU since torch 2.4, CUDA);
+    "auto" asks that list, so a device is judged as torch's own optimizer judges it. When a dtype
+    is unsupported the constructor raises and build_adamw falls back to foreach. It silently
+    computes wrong updates for non-contiguous tensors (seen on torch 2.13 CPU), which the
+    distributed optimizer's strided slabs are: "auto" takes foreach for those.
     """
     if impl == "fused":
         return {"fused": True}
@@ -44,7 +46,8 @@ def _impl_kwargs(impl: str, params: list[torch.Tensor]) -> dict:
     if impl == "for_loop":
         return {"foreach": False}
     devices = {p.device.type for p in params}
-    fused_ok = devices <= {"cpu", "cuda"} and all(p.is_contiguous() for p in params)
+    fused_ok = (devices <= set(_foreach_utils._get_fused_kernels_supported_devices())
+                and all(p.is_contiguous() for p in params))
     return {"fused": True} if fused_ok else {"foreach": True}
 
 

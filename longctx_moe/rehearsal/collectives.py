@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from longctx_moe.kernels import LAUNCHES_PER_CALL
 from longctx_moe.rehearsal.cost import is_fp8_gemm, op_flops
 
 # the largest host tensor whose values a copy to the device keeps (document boundaries of a
@@ -101,9 +102,10 @@ class DeviceRules(TorchDispatchMode):
         out = func(*args, **kwargs)
         self._keep_host_value(func, args, out)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if is_launch(func, tensors, outs, self.device):
+        launches = launches_of(func, tensors, outs, self.device)
+        if launches:
             ins = [t for t in tensors if t.device.type == self.device]
-            self.launches[func.namespace] += 1
+            self.launches[func.namespace] += launches
             self.work.append((op_flops(func, args, kwargs, out, self.host_values), sum(_nbytes(t) for t in ins + outs),
                               is_fp8_gemm(func)))
         return out
@@ -262,18 +264,24 @@ class _ViewTable(dict):
 _VIEWS = _ViewTable()
 
 
-def is_launch(func, tensors: list, outputs: list, device: str) -> bool:
-    """Whether `func` on `tensors` (its tensor arguments) giving `outputs` launches a kernel on
-    the device whose tensors have type `device`: it touches a device tensor (a fill or an arange
-    writes one with no device input) and is neither a view / metadata op nor a copy between host
-    and device memory (a memcpy, not a kernel). The one rule for DeviceRules' launch count and
-    roofline and for counts.py's table."""
+def launches_of(func, tensors: list, outputs: list, device: str) -> int:
+    """The kernels `func` on `tensors` (its tensor arguments) giving `outputs` launches on the
+    device whose tensors have type `device`: none for a view / metadata op, an op that touches no
+    device tensor, or a copy between host and device memory (a memcpy, not a kernel); else one,
+    or as many as an operator of several kernels runs (kernels.LAUNCHES_PER_CALL: the count sees
+    each call once, through its fake implementation). A fill or an arange writes a device tensor
+    with no device input and launches. The one rule for DeviceRules' launch count and for
+    counts.py's table."""
     if _VIEWS[func]:
-        return False
+        return 0
     if not any(t.device.type == device for t in (*tensors, *outputs)):
-        return False
+        return 0
     base = func.__name__.split(".")[0]
-    return not (base in ("_to_copy", "copy_") and any(t.device.type == "cpu" and t.dim() > 0 for t in tensors))
+    if base in ("_to_copy", "copy_") and any(t.device.type == "cpu" and t.dim() > 0 for t in tensors):
+        return 0
+    return LAUNCHES_PER_CALL.get(f"{func.namespace}.{base}", 1)
+
+
 _COLLECTIVE = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "alltoall_base_": "all_to_all",
                "alltoall_": "all_to_all", "_allgather_base_": "all_gather", "allgather_": "all_gather",
                "allgather_into_tensor_coalesced_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",

@@ -41,8 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.module_tracker import ModuleTracker
 
-from longctx_moe.kernels import LAUNCHES_PER_CALL
-from longctx_moe.rehearsal.collectives import _VIEWS, is_launch, program_line
+from longctx_moe.rehearsal.collectives import _VIEWS, launches_of, program_line
 
 COPY_OPS = frozenset({"_to_copy", "copy_", "_foreach_copy_", "clone", "cat", "stack", "repeat", "expand_copy",
                       "_copy_from"})
@@ -115,12 +114,13 @@ class OpCounts(TorchDispatchMode):
         on_device = [t for t in tensors if t.device.type == self.device]
         written = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type == self.device]
         name, base = _name(func), func.__name__.split(".")[0]
-        if not is_launch(func, tensors, written, self.device):
+        launches = launches_of(func, tensors, written, self.device)
+        if not launches:
             if (on_device or written) and not _VIEWS[func]:  # a copy between host and device memory
                 self._host_copy(name, kwargs, to_device=bool(written))
             return out
         # with no device input: a fill, an arange; an operator of several kernels: each
-        self.add(name, "launches", LAUNCHES_PER_CALL.get(name, 1))
+        self.add(name, "launches", launches)
         if base in COPY_OPS:
             self.add(name, "copy_bytes", _moved_bytes(on_device, out))
         if is_sync(func, kwargs):
@@ -216,7 +216,8 @@ def count_step(cfg, lengths: list[int], world: int = 1, rank: int = 0) -> dict:
     with fake_world(world, rank), as_cuda_device(GPUS["h200"]):
         dtype = PARAM_DTYPES[cfg.train.param_dtype]
         _, runtime = build_rank(cfg, world, rank, dtype)
-        trainer = Trainer(cfg, runtime, "meta")
+        with cuda_kernels():  # the optimizer picks its kernels as on the GPU: fused AdamW
+            trainer = Trainer(cfg, runtime, "meta")
         trainer.compute = gpu_compute(cfg, dtype)
         batch = host_batch(lengths, pad_multiple(cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel))
         report = None

@@ -108,12 +108,14 @@ def rehearse_rank(cfg, world: int, rank: int, gpu: GPU, lengths: list[int], ops=
     from data_packing.batch import pad_multiple
     from longctx_moe.precision import PARAM_DTYPES
     from longctx_moe.rehearsal.fake_world import build_rank, fake_world, gpu_compute, host_batch
+    from longctx_moe.rehearsal.meta_device import cuda_kernels
     from longctx_moe.trainer import Trainer
 
     with fake_world(world, rank), as_cuda_device(gpu):
         dtype = PARAM_DTYPES[cfg.train.param_dtype]
         dims, runtime = build_rank(cfg, world, rank, dtype, ops=ops)
-        trainer = Trainer(cfg, runtime, "meta")
+        with cuda_kernels():  # the optimizer picks its kernels as on the GPU: fused AdamW
+            trainer = Trainer(cfg, runtime, "meta")
         trainer.compute = compute or gpu_compute(cfg, dtype)  # the rehearsed device's, which meta cannot answer
         batch = host_batch(lengths, pad_multiple(cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel))
         return measure_step(lambda: trainer.train_step([batch]), trainer, dims, rank, gpu)
@@ -123,7 +125,7 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
     """Run `step()` twice on the rank `dims` and `trainer` were built for, inside its fake world:
     a warm-up (the first optimizer step creates the optimizer's state), then the measured call, a
     step of the steady state. `trainer`: the Trainer whose runtime, optimizer and compute dtype
-    the step uses."""
+    the step uses, built inside meta_device.cuda_kernels() (its AdamW then the GPU's fused one)."""
     from longctx_moe.rehearsal import standins
     from longctx_moe.rehearsal.collectives import DeviceRules
     from longctx_moe.rehearsal.cost import host_step_of, model_step_time

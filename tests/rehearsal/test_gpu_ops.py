@@ -200,7 +200,16 @@ def test_small_model_step_counts_are_pinned(tiny_step):
     assert "launches_ratio" not in r  # the baseline is the bench model's, not this one's
 
 
-PINNED = (268, 54699070, 3)
+def test_small_model_step_runs_the_gpus_fused_adamw(tiny_step):
+    """count_step builds the optimizer where meta counts as CUDA: AdamW is one fused kernel and
+    one step-count increment per parameter group (two: decayed and not), as on a GPU, not the
+    foreach path's dozen launches."""
+    ops = {op: row["launches"] for op, row in tiny_step["by_op"].items()}
+    assert ops["aten._fused_adamw_"] == 2 and ops["aten._foreach_add_"] == 2, ops
+    assert not {"aten._foreach_lerp_", "aten._foreach_addcdiv_", "aten._foreach_sqrt"} & ops.keys(), ops
+
+
+PINNED = (257, 54699070, 3)
 # The module tracker files a few backward ops at a layer boundary under one layer or the next,
 # not always the same one from run to run: the layers' sum is pinned.
 PINNED_LAYERS_SUM = 162
@@ -269,3 +278,100 @@ def test_attention_padding_bookkeeping_is_made_once_per_micro_batch():
 
     with mock.patch.object(flash_attn, "_TAILS", Forgetful()):
         assert _attention_launches_per_layer() == [16, 16]
+
+
+# ---- the optimizer a CUDA GPU runs, and one launch rule for both counts
+
+
+def _adamw_launches() -> tuple[bool, int]:
+    """(fused?, launches of a steady-state step) of an AdamW built and stepped on meta as the
+    rehearsal does, within meta_device.cuda_kernels()."""
+    from longctx_moe.config import OptimConfig
+    from longctx_moe.optim import build_adamw
+    from longctx_moe.rehearsal.meta_device import cuda_kernels
+
+    params = [nn.Parameter(_meta(8, 8)), nn.Parameter(_meta(8, 8)), nn.Parameter(_meta(8))]
+    with cuda_kernels():
+        opt = build_adamw(params, OptimConfig())
+        for p in params:
+            p.grad = torch.empty_like(p)
+        opt.step()  # creates the state
+        return opt.defaults["fused"] is True, _count(opt.step)["launches_per_step"]
+
+
+def test_rehearsed_adamw_is_fused_as_on_a_gpu():
+    """optim.impl=auto on CUDA is fused AdamW: per parameter group, the step-count increment and
+    the one kernel. A mutation that lists meta for the foreach kernels only (the rehearsal's
+    AdamW then foreach) fails."""
+    from longctx_moe.rehearsal import meta_device
+
+    assert _adamw_launches() == (True, 4)
+    with mock.patch.object(meta_device, "_LISTS", ("_get_foreach_kernels_supported_devices",)):
+        fused, launches = _adamw_launches()
+    assert not fused and launches > 4
+
+
+def _both_counts(fn) -> tuple[int, int]:
+    """(DeviceRules' launches, OpCounts' launches) of `fn()` under both modes at once."""
+    rules = collectives.DeviceRules(rank=0)
+    with rules, C.OpCounts() as c:
+        fn()
+    return sum(rules.launches.values()), c.report()["launches_per_step"]
+
+
+def _small_step() -> None:
+    """A forward, backward and fused AdamW step of a tiny model on meta, the route layout (three
+    kernels a call), a fill, views and a host-to-device copy."""
+    from longctx_moe.config import OptimConfig
+    from longctx_moe.kernels import triton_ops
+    from longctx_moe.optim import build_adamw
+    from longctx_moe.rehearsal.meta_device import cuda_kernels
+
+    model = _Tiny().to("meta")
+    with cuda_kernels():
+        opt = build_adamw(list(model.parameters()), OptimConfig())
+        model(_meta(4, 8)).sum().backward()
+        opt.step()
+    triton_ops().route_layout(torch.zeros(16, 2, dtype=torch.int64, device="meta"), 4)
+    torch.zeros(4, device="meta").view(2, 2).t()
+    torch.arange(4).to("meta")
+
+
+def test_device_rules_and_op_counts_agree_on_launches():
+    """DeviceRules (the modeled step time's launches) and OpCounts (bench/gpu_ops.py) count one
+    rule, collectives.launches_of; a mutation that counts an operator of several kernels once in
+    DeviceRules only fails."""
+    rules_n, counts_n = _both_counts(_small_step)
+    assert rules_n == counts_n and counts_n > 3, (rules_n, counts_n)
+    launches_of = collectives.launches_of
+    once = lambda *a: min(1, launches_of(*a))  # noqa: E731
+    with mock.patch.object(collectives, "launches_of", once):
+        rules_n, counts_n = _both_counts(_small_step)
+    assert rules_n == counts_n - 2  # the route layout's two further kernels
+
+
+_REHEARSE = """
+import json, sys
+from bench.gpu_ops import bench_config
+from longctx_moe.rehearsal import step
+from longctx_moe.rehearsal.gpus import GPUS
+fused, measure = [], step.measure_step
+def seen(fn, trainer, *args):
+    inner = trainer.optimizer
+    while not hasattr(inner, "defaults"):
+        inner = inner.optimizer
+    fused.append(inner.defaults["fused"])
+    return measure(fn, trainer, *args)
+step.measure_step = seen
+cfg, lengths = bench_config(sys.argv[1:], 1024)
+step.rehearse_rank(cfg, 1, 0, GPUS["h200"], lengths)
+print(json.dumps(fused))
+"""
+
+
+@pytest.mark.slow  # a subprocess of a fake world
+def test_rehearse_rank_builds_the_gpus_fused_adamw():
+    done = subprocess.run([sys.executable, "-c", _REHEARSE, *TINY], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True]
