@@ -25,7 +25,7 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --n
 # AVX2 and our CPU probes switched, as on a CPU without native bf16.
 AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 
-.PHONY: install data train test test-fast lint bench clean train-avx2 test-avx2
+.PHONY: install data train test test-fast lint bench clean train-avx2 test-avx2 gpu-wheels
 
 # pip byte-compiles what it installs (--no-compile would save ~30 s of the install): where
 # PYTHONDONTWRITEBYTECODE is set (as on the machines we test on), nothing would cache the compiled modules
@@ -72,6 +72,15 @@ bench: install
 	$(BIN)/python bench/attention_kernels.py --out bench/results/attention_kernels.json
 	$(BIN)/python bench/moe_dispatch.py --out bench/results/moe_dispatch.json
 	$(BIN)/python bench/train_throughput.py --out bench/results/train_throughput.json
+
+# The wheels a GPU device call carries in bench/wheels/ (not in git; gpu_check.sh installs them offline
+# into a temporary directory for its peers section): torchtitan 0.3.0 and the pure-Python modules its
+# qwen3 model imports that the GPU image lacks (its Requires-Dist spmd_types and tyro; tyro's own
+# docstring-parser, typeguard and the typing-extensions typeguard needs). Run it before the call.
+GPU_WHEELS := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 \
+	typing-extensions==4.15.0
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps -d bench/wheels $(GPU_WHEELS)
 
 lint: install
 	$(BIN)/ruff check longctx_moe cp_attention data_packing rl_hooks tests bench
