@@ -241,6 +241,7 @@ def test_peers_torchtitan_builds_from_the_carried_wheels_and_runs_a_forward_on_c
     """The wheels `make gpu-wheels` puts in bench/wheels, installed offline into a directory as
     gpu_check.sh does: torchtitan's Qwen3 MoE at the tiny shape, our parameter count, one forward
     of the packed row with its document mask (flex attention has no backward on CPU)."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -254,7 +255,7 @@ def test_peers_torchtitan_builds_from_the_carried_wheels_and_runs_a_forward_on_c
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "-q", "--target",
                     str(target), *map(str, wheels)], check=True)
     out = tmp_path / "tt.json"
-    env = {**__import__("os").environ, "PYTHONPATH": f"{target}"}
+    env = {**os.environ, "PYTHONPATH": str(target)}
     proc = subprocess.run([sys.executable, peers_gpu.__file__, "--model", "torchtitan", "--quick", "--device",
                            "cpu", "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
