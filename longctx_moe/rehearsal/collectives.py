@@ -106,8 +106,9 @@ class DeviceRules(TorchDispatchMode):
         if launches:
             ins = [t for t in tensors if t.device.type == self.device]
             self.launches[func.namespace] += launches
-            self.work.append((op_flops(func, args, kwargs, out, self.host_values), sum(_nbytes(t) for t in ins + outs),
-                              is_fp8_gemm(func)))
+            unreturned = [t for t in _written_in_place(func, args, kwargs) if not any(t is o for o in outs)]
+            moved = sum(_nbytes(t) for t in ins + outs + unreturned)
+            self.work.append((op_flops(func, args, kwargs, out, self.host_values), moved, is_fp8_gemm(func)))
         return out
 
     def _keep_host_value(self, func, args, out) -> None:
@@ -287,6 +288,21 @@ _COLLECTIVE = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
                "allgather_into_tensor_coalesced_": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
                "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
                "broadcast_": "broadcast", "send": "send", "recv_": "recv", "recv_any_source_": "recv"}
+
+
+def _written_in_place(func, args, kwargs) -> list:
+    """The tensors an op writes through its arguments (`_fused_adamw_`, `_foreach_add_`, `add_`,
+    `out=`): read as inputs and written too; `_fused_adamw_` and the foreach ops return none."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    written = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+        written += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return written
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -53,12 +53,14 @@ def rehearse_policy_rank(cfg, world: int, rank: int, gpu, lengths: list[int],
     share of the rollouts has `lengths` (as each DP rank's); measure it. Call in a process of its
     own."""
     from longctx_moe.rehearsal.fake_world import build_rank, cuda_ops, fake_world
+    from longctx_moe.rehearsal.meta_device import cuda_kernels
 
     if export not in EXPORTS:
         raise ValueError(f"export={export!r}: choose one of {', '.join(EXPORTS)}")
     with fake_world(world, rank):
         dims, runtime = build_rank(cfg, world, rank, ops=cuda_ops(cfg, rl=True))
-        policy = _policy_on(cfg, dims, runtime, _one_micro_batch(cfg, lengths))
+        with cuda_kernels():  # its optimizer resolves as on a GPU (fused AdamW)
+            policy = _policy_on(cfg, dims, runtime, _one_micro_batch(cfg, lengths))
         # every rank passes the whole batch (the trainer splits it over DP): here one of alike
         # ranks', each holding `lengths` (the budget packs a rank's share into one micro-batch)
         batch = rollouts(lengths * dims.dp)

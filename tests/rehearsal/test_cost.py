@@ -130,3 +130,15 @@ def test_the_host_step_is_read_from_the_trainers_host_optimizer():
         assert step.elements == sum(p.numel() for p in params) and step.grad_bytes == 4 * step.elements
         assert step.weight_bytes == sum(p.numel() * p.element_size() for p in params)
         assert (step.weight_bytes < step.grad_bytes) == (dtype == "bf16")
+
+
+def test_an_op_that_writes_its_arguments_counts_those_writes():
+    """`_foreach_add_` returns nothing and writes its first list: the roofline's bytes read both
+    lists and write the first; `add_` returns what it writes, counted once as written."""
+    rules = DeviceRules(rank=0)
+    xs, ys = [_meta(100, 4) for _ in range(3)], [_meta(100, 4) for _ in range(3)]
+    with rules:
+        torch._foreach_add_(xs, ys)
+        xs[0].add_(ys[0])
+    each = 100 * 4 * 2  # bf16
+    assert [w[1] for w in rules.work[-2:]] == [9 * each, 3 * each]
