@@ -14,9 +14,9 @@ its aux and z losses: a few small ops per layer).
 Document boundaries: ours masks attention per document (cu_seqlens); torchtitan's Qwen3 masks
 per document from the positions (each document's restart at 0) with its default attention
 backend, compiled flex attention (its varlen backend turns on FlashAttention-3 on Hopper, which
-needs the flash_attn_interface package the image lacks); transformers masks per document when the model is given the
-position ids and no attention mask (masking_utils.find_packed_sequence_indices) and otherwise runs
-plain causal over the row. Each peer's MFU counts the attention pairs it computes: per document
+needs the flash_attn_interface package the image lacks); transformers masks per document when
+the model is given the position ids and no attention mask (masking_utils.
+find_packed_sequence_indices), and otherwise runs plain causal over the row. Each peer's MFU counts the attention pairs it computes: per document
 when it masks, the whole row's causal pairs when it does not (`document_mask` in the JSON).
 
 torchtitan is not in the GPU image: `make gpu-wheels` downloads its wheel and the pure-Python
