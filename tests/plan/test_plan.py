@@ -34,9 +34,9 @@ def _only(monkeypatch, keep):
 
 
 def _plain(c) -> bool:
-    """Full recompute, ring CP, no Dynamic-CP, no distributed optimizer, no ETP: the axes these
+    """No recompute, ring CP, no Dynamic-CP, no distributed optimizer, no ETP: the axes these
     tests do not move."""
-    return (c.recompute == "full" and c.cp_backend == "ring" and not c.dynamic_cp
+    return (c.recompute == "none" and c.cp_backend == "ring" and not c.dynamic_cp
             and not c.distributed_optimizer and c.etp == 1)
 
 
