@@ -461,11 +461,25 @@ SECTIONS = tuple(f"{kind}.{b}" for b in BACKENDS if b != "reference" for kind in
     "time.trainer_step.kernels_torch", "time.compute_logprobs", "time.compute_logprobs.kernels_torch")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def device_parser(description: str, quick_help: str) -> argparse.ArgumentParser:
+    """The options of every program gpu_check.sh runs on the device: --out, --device, --quick."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="smaller timings and a tiny model (CPU smoke test)")
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    return ap
+
+
+def device_of(ap: argparse.ArgumentParser, args) -> torch.device:
+    """--device, refused in one line where this torch sees no CUDA device."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+    return device
+
+
+def main(argv=None) -> int:
+    ap = device_parser(__doc__.splitlines()[0], "smaller timings and a tiny model (CPU smoke test)")
     ap.add_argument("--sections", help="comma-separated names: run only the sections whose name starts "
                                        "with one of them (time.peak_matmul runs with the trainer's)")
     ap.add_argument("--profile-dir", type=Path, help="write a torch.profiler table of one trainer step "
@@ -480,9 +494,7 @@ def main(argv=None) -> int:
     unknown = [w for w in wanted or () if not any(name.startswith(w) for name in SECTIONS)]
     if unknown:  # a typo would otherwise run nothing and report "all checks passed"
         ap.error(f"--sections {unknown[0]!r} names no section; choose from {', '.join(SECTIONS)}")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        ap.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+    device = device_of(ap, args)
     res: dict = {"torch": torch.__version__, "device": str(device), "quick": args.quick, "sets": EXTRA_SETS,
                  "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
 

@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_io import write_json  # noqa: E402
-from bench.gpu_check import MOE_1B, MOE_TINY  # noqa: E402
+from bench.gpu_check import MOE_1B, MOE_TINY, device_of, device_parser  # noqa: E402
 
 # The GPU's two AdamW kernels against each other, over STEPS updates in float32 (weights and
 # compute, no TF32): CUDA's fused AdamW and the CPU's fused AdamW order the formula's operations
@@ -296,19 +296,14 @@ def _guarded(fn, *args) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="the tiny model on 512 tokens (the CPU smoke run)")
+    ap = device_parser(__doc__.splitlines()[0], "the tiny model on 512 tokens (the CPU smoke run)")
     return ap
 
 
 def main(argv=None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        ap.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+    device = device_of(ap, args)
     sizes = QUICK if args.quick else FULL
     res: dict = {"device": str(device), "quick": args.quick, "model": sizes["model"], "tokens": sizes["tokens"],
                  "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}

@@ -235,20 +235,15 @@ def run_ours(device, sizes: gpu_check.TrainerSizes, peak: dict | None) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = gpu_check.device_parser(__doc__.splitlines()[0], "a tiny shape and a 2,048-token row (the CPU smoke run)")
     ap.add_argument("--model", required=True, choices=MODELS)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="a tiny shape and a 2,048-token row (the CPU smoke run)")
     return ap
 
 
 def main(argv=None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        ap.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+    device = gpu_check.device_of(ap, args)
     sizes = gpu_check.QUICK if args.quick else gpu_check.FULL
     res: dict = {"model": args.model, "torch": torch.__version__, "device": str(device), "quick": args.quick,
                  "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

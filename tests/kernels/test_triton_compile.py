@@ -56,11 +56,17 @@ print(json.dumps(out))
 """
 
 
-def test_kernels_compile_for_hopper(tmp_path):
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path),
+def compile_ahead(script: str, cache_dir) -> dict:
+    """Run `script` (it prints {variant: compiled} as its last line) in a subprocess without the
+    interpreter and with an empty Triton cache `cache_dir`; its JSON."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(cache_dir),
            "TRITON_DEFAULT_FP_FUSION": "1"}
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_kernels_compile_for_hopper(tmp_path):
+    compiled = compile_ahead(_SCRIPT, tmp_path)
     assert len(compiled) == 8 + 16 and all(compiled.values())

@@ -6,16 +6,11 @@ without TRITON_INTERPRET and with an empty cache."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.kernels.test_triton_compile import compile_ahead
+
 pytestmark = pytest.mark.triton
-ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = r"""
 import json
@@ -66,10 +61,5 @@ print(json.dumps(out))
 
 
 def test_routing_kernels_compile_for_hopper(tmp_path):
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path),
-           "TRITON_DEFAULT_FP_FUSION": "1"}
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    compiled = compile_ahead(_SCRIPT, tmp_path)
     assert len(compiled) == 1 + 3 * 2 + 3 + 2 and all(compiled.values()), compiled
