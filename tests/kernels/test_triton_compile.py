@@ -36,7 +36,9 @@ def compiled(fn, sig, consts):
                               target=GPUTarget("cuda", 90, 32)).asm["ptx"]) > 0
 
 out = {}
-for dt, clamped in itertools.product(("bf16", "fp32"), (False, True)):
+# bf16 (what autocast runs) in every variant; fp32 in the plain one of each direction: its
+# constructs are the bf16 ones with other pointer types, a compile of each is enough
+for dt, clamped in (("bf16", False), ("bf16", True), ("fp32", False)):
     tile = dict(CLAMPED=clamped, ACC=32, ROWS=16, BLOCK_F=256)
     out[f"swiglu_fwd {dt} clamped={clamped}"] = compiled(
         triton_swiglu._fwd_kernel, {**ptrs(("g_ptr", "u_ptr", "a_ptr"), dt),
@@ -44,8 +46,8 @@ for dt, clamped in itertools.product(("bf16", "fp32"), (False, True)):
     out[f"swiglu_bwd {dt} clamped={clamped}"] = compiled(
         triton_swiglu._bwd_kernel, {**ptrs(("g_ptr", "u_ptr", "d_ptr", "a_ptr", "dh_ptr"), dt),
                                     **ints(("N", "F", "sg", "su", "sd")), "limit": "fp32"}, tile)
-for dt, backward, interleaved, pass_through in itertools.product(
-        ("bf16", "fp32"), (False, True), (False, True), (0, 64)):
+variants = [("bf16", *v) for v in itertools.product((False, True), (False, True), (0, 64))]
+for dt, backward, interleaved, pass_through in variants + [("fp32", False, False, 0), ("fp32", True, False, 0)]:
     out[f"rope {dt} backward={backward} interleaved={interleaved} P={pass_through}"] = compiled(
         triton_rope._rope_kernel,
         {**ptrs(("q_ptr", "k_ptr", "qo_ptr", "ko_ptr", "cos_ptr", "sin_ptr"), dt),
@@ -69,4 +71,4 @@ def compile_ahead(script: str, cache_dir) -> dict:
 
 def test_kernels_compile_for_hopper(tmp_path):
     compiled = compile_ahead(_SCRIPT, tmp_path)
-    assert len(compiled) == 8 + 16 and all(compiled.values())
+    assert len(compiled) == 6 + 10 and all(compiled.values()), compiled
