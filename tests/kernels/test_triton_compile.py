@@ -1,5 +1,6 @@
 """The SwiGLU and RoPE kernels compile for a Hopper GPU (sm_90) on this machine, with no GPU:
-Triton's front end, its passes and ptxas run ahead of time for each variant the model launches.
+Triton's front end, its passes and ptxas run ahead of time for the variants the model launches
+(every bf16 one; fp32 once per kernel and direction).
 The interpreter tests check the arithmetic; this checks what only a GPU compile would reject
 (constructs the interpreter runs as plain Python). One subprocess without TRITON_INTERPRET and
 with an empty cache (the kernels are compiled, not loaded)."""
