@@ -303,17 +303,7 @@ def _offload_rank(rank: int, world: int, config: str, layouts: list[tuple[str, l
 
 
 def _offload_rehearsed() -> dict:
-    import json
-    import subprocess
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "longctx_moe.cli", "rehearse", *OFFLOAD_REHEARSAL, "--out", f"{tmp}/r.json"]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if done.returncode not in (0, 1):  # 1: the rank does not fit its GPU, reported all the same
-            raise RuntimeError(f"rehearse failed ({done.returncode}): {done.stderr[-2000:]}")
-        (report,) = json.load(open(f"{tmp}/r.json"))["ranks"]
-    return report["phases"]["offload"]
+    return _rehearsed_report(OFFLOAD_REHEARSAL)["phases"]["offload"]
 
 
 def offload(args) -> tuple[list[str], dict]:
@@ -396,19 +386,10 @@ def _optimizer_rank(rank: int, world: int, config: str, layouts: list[tuple[str,
 def _rehearse_offload(config: str, world: int, offload: str) -> dict:
     """The report of rank 0 of `config` on `world` with optim.offload=`offload` (bench/rehearsal.py's
     tokens and lengths)."""
-    import json
-    import subprocess
-    import tempfile
-
     tokens = 32768
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "longctx_moe.cli", "rehearse", "--config", config, "--world", str(world),
-               "--rank", "0", "--gpu", "h100", "--tokens", str(tokens), "--lengths", f"lognormal:1500,1.2,{tokens}",
-               "--set", f"optim.offload={offload}", "--out", f"{tmp}/r.json"]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if done.returncode not in (0, 1):  # 1: the rank does not fit its GPU, reported all the same
-            raise RuntimeError(f"rehearse failed ({done.returncode}): {done.stderr[-2000:]}")
-        (report,) = json.load(open(f"{tmp}/r.json"))["ranks"]
+    report = _rehearsed_report(["--config", config, "--world", str(world), "--rank", "0", "--gpu", "h100",
+                                "--tokens", str(tokens), "--lengths", f"lognormal:1500,1.2,{tokens}",
+                                "--set", f"optim.offload={offload}"])
     keep = ("peak_bytes", "host_bytes", "peak_split", "peak_moment", "fits", "step_seconds")
     return {k: report[k] for k in keep}
 
