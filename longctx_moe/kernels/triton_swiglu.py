@@ -63,11 +63,19 @@ def _clamped(g, u, limit, dtype: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(g_ptr, u_ptr, a_ptr, N, F, sg, su, limit, CLAMPED: tl.constexpr, ACC: tl.constexpr,
-                ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+def _tile(N, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+    """This program's ROWS x BLOCK_F tile of the [N, F] rows: its row and column indices and the
+    mask of those inside."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (rows[:, None] < N) & (cols[None, :] < F)
+    return rows, cols, mask
+
+
+@triton.jit
+def _fwd_kernel(g_ptr, u_ptr, a_ptr, N, F, sg, su, limit, CLAMPED: tl.constexpr, ACC: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+    rows, cols, mask = _tile(N, F, ROWS, BLOCK_F)
     dtype = a_ptr.dtype.element_ty
     acc_ty = tl.float64 if ACC == 64 else tl.float32
     g = _load(g_ptr, rows, sg, cols, mask, acc_ty)
@@ -83,9 +91,7 @@ def _fwd_kernel(g_ptr, u_ptr, a_ptr, N, F, sg, su, limit, CLAMPED: tl.constexpr,
 @triton.jit
 def _bwd_kernel(g_ptr, u_ptr, d_ptr, a_ptr, dh_ptr, N, F, sg, su, sd, limit, CLAMPED: tl.constexpr,
                 ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (rows[:, None] < N) & (cols[None, :] < F)
+    rows, cols, mask = _tile(N, F, ROWS, BLOCK_F)
     dtype = a_ptr.dtype.element_ty
     acc_ty = tl.float64 if ACC == 64 else tl.float32
     g = _load(g_ptr, rows, sg, cols, mask, acc_ty)
