@@ -22,6 +22,7 @@ from longctx_moe.kernels import triton_ops
 from longctx_moe.model.attention import Attention, doc_layout
 from longctx_moe.model.mla import MLAttention
 from longctx_moe.model.rope import apply_partial_rope
+from tests.kernels.test_kernel_setting import changed_ops
 from tests.model.helpers import packed_batch, tiny_config, tiny_ops
 
 pytestmark = pytest.mark.triton
@@ -132,9 +133,7 @@ def test_resolution_picks_triton_on_cuda_and_one_setting_switches_it(monkeypatch
     ops = resolve(ExecutionConfig(), CUDA)
     assert ops.rope == "triton" and "CUDA" in dict(ops.reasons)["rope"]
     off = resolve(ExecutionConfig(rope="torch"), CUDA)
-    changed = {f.name for f in dataclasses.fields(ops)
-               if f.name != "reasons" and getattr(ops, f.name) != getattr(off, f.name)}
-    assert changed == {"rope"} and off.rope == "torch"
+    assert changed_ops(ops, off) == {"rope"} and off.rope == "torch"
     compiled = resolve(ExecutionConfig(), dataclasses.replace(CUDA, compile=True))
     assert compiled.rope == "torch" and "train.compile" in dict(compiled.reasons)["rope"]
     assert resolve(ExecutionConfig(), Target("cpu")).rope == "torch"

@@ -13,7 +13,6 @@ at most 1 in 1000 not equal (a missing or extra rounding step changes a large sh
 
 from __future__ import annotations
 
-import dataclasses
 from unittest import mock
 
 import pytest
@@ -24,6 +23,7 @@ from longctx_moe.kernels import triton_ops
 from longctx_moe.model.experts import GroupedExperts, _activation, _silu_and_act
 from longctx_moe.model.layers import SwiGLU
 from tests.kernels.test_cpu_swiglu import _torch_backward
+from tests.kernels.test_kernel_setting import changed_ops
 from tests.model.helpers import tiny_config, tiny_ops
 
 pytestmark = pytest.mark.triton
@@ -183,9 +183,7 @@ def test_resolution_picks_triton_on_cuda_and_one_setting_switches_it(monkeypatch
     ops = resolve(ExecutionConfig(), CUDA)
     assert ops.swiglu == "triton" and "CUDA" in dict(ops.reasons)["swiglu"]
     off = resolve(ExecutionConfig(swiglu="torch"), CUDA)
-    changed = {f.name for f in dataclasses.fields(ops)
-               if f.name != "reasons" and getattr(ops, f.name) != getattr(off, f.name)}
-    assert changed == {"swiglu"} and off.swiglu == "torch"
+    assert changed_ops(ops, off) == {"swiglu"} and off.swiglu == "torch"
     assert resolve(ExecutionConfig(), Target("cpu")).swiglu != "triton"  # CPUs: the C++ kernel or torch
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="execution.swiglu=triton: .*TRITON_INTERPRET=1.*use execution.swiglu=auto or torch") as e:
