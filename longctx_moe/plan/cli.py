@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                         "--output): its documents' lengths, drawn at random")
     p.add_argument("--tokens-per-step", type=int, required=True, help="tokens of one optimizer step")
     p.add_argument("--top", type=int, default=5)
+    p.add_argument("--precision", default="all",
+                   help="the precisions to consider: all, or a comma list of fp32, fp32+fp8, bf16, fp32+host, "
+                        "fp32+fp8+host, bf16+host (parameters' dtype, FP8 GEMMs, AdamW on the host)")
     p.add_argument("--rl", action="store_true",
                    help="memory of an RL policy's step (its rehearsal: rollouts' log-probs, the update, "
                         "the weight export); time is modeled as a training step's")
@@ -134,7 +137,7 @@ class Planned:
 
 def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int = 5,
          gpus_per_node: int = 8, cache_dir: str | None = None, progress=None,
-         memory_bytes: int | None = None, rl: bool = False) -> dict:
+         memory_bytes: int | None = None, rl: bool = False, precision: str = "all") -> dict:
     """{"fit": [Planned] fastest first, "excluded": [Planned] faster ones that did not fit or were
     refused, "candidates", "judged", "measured"}."""
     from longctx_moe.plan.layouts import candidates, judge
@@ -149,7 +152,7 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
     counts = param_counts(cfg)
     max_cp = 2 ** math.ceil(math.log2(max(1, longest / 512)))  # tiles under 512 tokens never pay
     timed, works = [], {}
-    for layout in candidates(gpus, cfg.model.num_experts, gpus_per_node):
+    for layout in candidates(gpus, cfg.model.num_experts, gpus_per_node, precision):
         if layout.cp > max_cp or tokens // layout.dp < longest:
             continue  # a replica's share must hold the longest document
         n = rank_tokens(layout, longest, tokens)
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = base_config(args.model)
         result = plan(cfg, args.gpus, args.gpu, args.lengths, args.tokens_per_step, args.top,
                       args.gpus_per_node, args.cache, progress=lambda s: print(s, end="", file=sys.stderr),
-                      rl=args.rl)
+                      rl=args.rl, precision=args.precision)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
