@@ -35,8 +35,7 @@ Efficiencies (achieved / datasheet peak, gpus.py's peaks):
   forward (a full recompute's too): 6 bytes an element (4 read, 2 written) at 0.8 of HBM
   bandwidth; bf16 parameters skip it. The embedding's rows are counted with the rest (a lookup,
   not cast: a few % of a model's weights). On the profile's ~1B model: 1.7 ms of the step,
-  taken out of OTHER_BYTES' fit
-  (2.7 of its 270 bytes).
+  taken out of OTHER_BYTES' fit (2.7 of its 270 bytes).
 - FP8 (execution.fp8=torch, tensor recipe): the GEMMs model/fp8.py makes FP8, every block's
   nn.Linear (attention and dense-MLP projections, shared experts) and the routed experts,
   forward and both backward products, run at FP8_GEMM_EFFICIENCY of the FP8 peak; the router,
@@ -52,10 +51,11 @@ Efficiencies (achieved / datasheet peak, gpus.py's peaks):
   clamp, narrow to E4M3 / E5M2: 33 bytes for a bf16 activation or gradient and for an fp32
   weight alike), and copying an FP8 operand into the layout cuBLAS wants 2 (the weight for
   the input gradient, the gradient and the input for the weight gradient). Each forward
-  quantizes each FP8 GEMM's input and weight; each backward its output gradient. At these
-  rates an FP8 GEMM of K x N pays back its quantizing only when K N / (K + N) exceeds ~2,700
-  (both widths above ~5,500 on H100): FP8 speeds up wide models and slows down narrow ones.
-  MFU stays over the bf16 peak.
+  quantizes each FP8 GEMM's input and weight (every expert a rank holds, whatever its rows, in
+  each micro-batch); each backward its output gradient. At these rates an FP8 GEMM of K x N
+  pays back the quantizing of its activations only when K N / (K + N) exceeds ~2,700 (both
+  widths above ~5,500 on H100), before its weights' share: FP8 speeds up wide models and slows
+  down narrow ones. MFU stays over the bf16 peak.
 - Links: NCCL reaches ~45% of NVLink 4's 450 GB/s per direction for send/recv and all-to-all
   inside a node (dynamic_cost.DynamicCPCost.h100's 200 GB/s), 80% of the 50 GB/s of one IB NDR
   port across nodes (assumed); 20 us per collective call (gpus.py).
