@@ -125,6 +125,7 @@ class Planned:
     time: dict
     memory: dict | None = None
     refused: str | None = None
+    estimated: bool = False  # memory is a floor from measured layouts (memory.estimate), not measured
 
     @property
     def peak(self) -> float:
@@ -132,7 +133,8 @@ class Planned:
 
     def as_dict(self) -> dict:
         return {"layout": self.layout.as_dict(), "label": self.layout.label(), "time": self.time,
-                "memory_bytes": self.memory, "peak_bytes": self.peak, "refused": self.refused}
+                "memory_bytes": self.memory, "peak_bytes": self.peak, "refused": self.refused,
+                "memory_estimated": self.estimated}
 
 
 def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int = 5,
@@ -141,7 +143,7 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
     """{"fit": [Planned] fastest first, "excluded": [Planned] faster ones that did not fit or were
     refused, "candidates", "judged", "measured"}."""
     from longctx_moe.plan.layouts import candidates, judge
-    from longctx_moe.plan.memory import MemoryCache, per_rank, resident
+    from longctx_moe.plan.memory import MemoryCache, estimate, per_rank, resident
     from longctx_moe.plan.timing import Workload, step_time
 
     gpu = dataclasses.replace(GPUS[gpu_kind], gpus_per_node=gpus_per_node)
@@ -171,9 +173,15 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
         p.refused = judge(cfg, p.layout)
         if p.refused is None:
             n = rank_tokens(p.layout, longest, tokens)
-            p.memory = resident(cache, cfg, p.layout, micro_batches(p.layout, n, tokens))
+            m = micro_batches(p.layout, n, tokens)
+            floor = estimate(cache, cfg, p.layout, n, m, counts)
+            if floor and sum(floor[0].values()) > gpu.memory_bytes:
+                p.memory, p.estimated = floor[0], not floor[1]  # cannot fit: refused without a probe
+                excluded.append(p)
+                continue
+            p.memory = resident(cache, cfg, p.layout, m)
             if p.peak <= gpu.memory_bytes:  # else refused on its weights and state alone
-                p.memory = per_rank(cache, cfg, p.layout, n, draw, micro_batches(p.layout, n, tokens))
+                p.memory = per_rank(cache, cfg, p.layout, n, draw, m)
             if p.peak <= gpu.memory_bytes:
                 fit.append(p)
                 continue
@@ -219,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     if result["excluded"]:
         print("faster layouts excluded:")
         for p in result["excluded"][:10]:
-            why = p.refused or f"needs {p.peak / GIB:.1f} GiB > {result['gpu'].memory_bytes / GIB:.1f} GiB"
+            why = p.refused or (f"needs {'at least ' if p.estimated else ''}{p.peak / GIB:.1f} GiB > "
+                                f"{result['gpu'].memory_bytes / GIB:.1f} GiB"
+                                f"{' (a floor from measured layouts)' if p.estimated else ''}")
             print(f"  {p.layout.label():<48} {p.time['total_s']:7.3f} s: {why}")
     rehearsed = _rehearse_top(cfg, result, args) if args.rehearse_top else []
     if args.out:

@@ -36,19 +36,33 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
 
 from longctx_moe.plan.layouts import Layout, config_of
 
-# Tokens per rank of an activation probe: meta tensors cost the same at any size, and the step's
-# peak must fall inside the backward (where activations are live), not at the optimizer's step.
+# Tokens per rank of an activation probe (and four times as many): meta tensors cost the same at
+# any size; a rank's share of a micro-batch is rarely smaller.
 PROBE_TOKENS = 8192
 # What grows with a rank's tokens at the forward / backward peak: the saved tensors and the
 # collectives' receive buffers (all-to-all, ring K/V, TP-SP gathers), and the rest.
 TOKEN_CATEGORIES = ("activations", "communication buffers", "rest")
 CATEGORIES = ("parameters", "gradients", "optimizer state") + TOKEN_CATEGORIES
+# What the measurements are (their keys and how they are taken), in the cache's name: a cache of
+# other measurements is not read
+MEASURES = 2
+
+
+def _precision(layout: Layout) -> list:
+    """What of a layout's numerics shapes its memory: the parameters' dtype, FP8, where AdamW runs."""
+    return [layout.param_dtype, layout.fp8, layout.optimizer]
+
+
+def _key(kind: str, **fields) -> str:
+    """A cache key that estimate() can read back: the measurement's kind and what it depends on."""
+    return json.dumps({"kind": kind, **fields}, sort_keys=True)
 
 
 def _shrinks(cfg) -> tuple[int, int, int]:
@@ -72,7 +86,7 @@ class MemoryCache:
 
     def __init__(self, cfg, directory: str | Path | None, rl: bool = False):
         self.rl = rl  # the activation probes rehearse an RL policy's step (rehearse_step)
-        what = json.dumps([dataclasses.asdict(cfg.model), dataclasses.asdict(cfg.execution),
+        what = json.dumps([MEASURES, dataclasses.asdict(cfg.model), dataclasses.asdict(cfg.execution),
                            cfg.train.param_dtype, cfg.train.autocast_dtype, cfg.optim.impl, rl], sort_keys=True,
                           default=str)
         digest = hashlib.sha256(what.encode()).hexdigest()[:16]
@@ -97,10 +111,12 @@ def _state_bytes(cfg, world: int) -> dict:
     program holds them, and the categories at its optimizer step's peak (the step's own
     temporaries, e.g. a foreach AdamW's, filed as activations, as the rehearsal files them)."""
     from longctx_moe.rehearsal.fake_world import build_rank, fake_world
+    from longctx_moe.rehearsal.gpus import GPUS, as_cuda_device
     from longctx_moe.rehearsal.memtrack import FastMemTracker
     from longctx_moe.rehearsal.step import _split
 
-    with fake_world(world, 0):
+    # as a rehearsal builds a rank: on the GPU it stands for (FP8's support is asked of it)
+    with fake_world(world, 0), as_cuda_device(GPUS["h100"]):
         _, runtime = build_rank(cfg, world, 0)
         params = sum(p.numel() * p.element_size() for p in runtime.model.parameters())
         inner = runtime.build_optimizer(cfg.optim)
@@ -129,8 +145,7 @@ def static(cache: MemoryCache, cfg, layout: Layout) -> dict:
     """Bytes of parameters, gradients and optimizer state one rank of `layout` holds."""
     # the world shapes a rank's state only through the distributed optimizer's shards (DP x CP
     # for dense weights, EDP for experts); without it one measurement serves every world
-    world = f" w{layout.world}" if layout.distributed_optimizer else ""
-    key = f"state2 tp{layout.tp} ep{layout.ep} etp{layout.etp} dopt{int(layout.distributed_optimizer)}{world}"
+    key = _state_key(layout)
     layers = _shrinks(cfg)
 
     def measure():
@@ -142,6 +157,11 @@ def static(cache: MemoryCache, cfg, layout: Layout) -> dict:
     return _extrapolate(first, second, layers)
 
 
+def _state_key(layout: Layout) -> str:
+    return _key("state", tp=layout.tp, ep=layout.ep, etp=layout.etp, dopt=layout.distributed_optimizer,
+                world=layout.world if layout.distributed_optimizer else 0, precision=_precision(layout))
+
+
 def _probe_layout(layout: Layout) -> Layout:
     """The small world whose rank runs the layout's activations: its TP, its CP backend on 2 ranks
     (hierarchical: 2 x 2), its EP and ETP (a rank's share of the routed rows and its buffers
@@ -149,8 +169,15 @@ def _probe_layout(layout: Layout) -> Layout:
     cp, inner = {"ring": (2, 2), "ulysses": (2, 2), "hierarchical": (4, 2)}[layout.cp_backend] \
         if layout.cp > 1 else (1, 1)
     world = max(layout.tp * cp, layout.ep * layout.etp)
-    return Layout(layout.tp, cp, layout.cp_backend if cp > 1 else "ring", inner, layout.ep, layout.etp, False,
-                  layout.recompute, layout.distributed_optimizer and world > 1, world)
+    return dataclasses.replace(layout, cp=cp, cp_backend=layout.cp_backend if cp > 1 else "ring", cp_inner=inner,
+                               dynamic_cp=False, distributed_optimizer=layout.distributed_optimizer and world > 1,
+                               world=world)
+
+
+def _activation_key(layout: Layout) -> str:
+    probe = _probe_layout(layout)
+    return _key("activations", recompute=layout.recompute, tp=layout.tp, cp=f"{probe.cp_backend}{probe.cp}",
+                ep=probe.ep, etp=probe.etp, dopt=probe.distributed_optimizer, precision=_precision(layout))
 
 
 def rehearse_step(rl: bool):
@@ -168,24 +195,20 @@ def rehearse_step(rl: bool):
 
 def _activation_bytes(cfg, probe: Layout, lengths_of, rl: bool = False) -> dict:
     """{category: bytes per token of a rank, f"{category} fixed": bytes} at the forward / backward
-    peak, from two rehearsals at different token counts: what does not grow with the tokens
-    (workspaces, a layer's weights gathered) is a fixed part, not spread over the tokens."""
+    peak (the step's peak before its optimizer steps: RankReport.update_free_split), from two
+    rehearsals at different token counts: what does not grow with the tokens (workspaces, a
+    layer's weights gathered) is a fixed part, not spread over the tokens. The first step is
+    measured (no warm-up: half the cost): what it holds before its update is what a steady step
+    holds then, but the optimizer's state, which the state probe measures."""
     from longctx_moe.rehearsal.gpus import GPUS
 
-    rehearse_rank, points, tried = rehearse_step(rl), [], []
-    for per_rank in (PROBE_TOKENS * 4**i for i in range(4)):
-        report = rehearse_rank(cfg, probe.world, 0, GPUS["h100"], lengths_of(per_rank * probe.cp))
-        tried.append((per_rank, report.peak_split))
-        if report.peak_moment != "optimizer step" and report.peak_split["activations"] > 0:
-            points.append((per_rank, report.peak_split))  # a point of the forward / backward's peak
-        if len(points) == 2:
-            break
-    # the tracker names no module where the peak falls inside a recomputed block's backward:
-    # the two largest probes then, whose activations dwarf the optimizer's temporaries
-    (n1, a), (n2, b) = points if len(points) == 2 else tried[-2:]
+    rehearse_rank = rehearse_step(rl)
+    (n1, a), (n2, b) = [
+        (n, rehearse_rank(cfg, probe.world, 0, GPUS["h100"], lengths_of(n * probe.cp), warmup=False).update_free_split)
+        for n in (PROBE_TOKENS, 4 * PROBE_TOKENS)]
     out = {}
     for k in TOKEN_CATEGORIES:
-        slope = (b[k] - a[k]) / (n2 - n1) if n2 > n1 else b[k] / n2
+        slope = (b[k] - a[k]) / (n2 - n1)
         if slope < 0 or a[k] - slope * n1 < 0:  # not linear: the larger point's average
             slope = b[k] / n2
         out[k], out[f"{k} fixed"] = slope, max(0.0, b[k] - slope * n2)
@@ -197,8 +220,7 @@ def activations(cache: MemoryCache, cfg, layout: Layout, lengths_of) -> dict:
     """Bytes per token of a rank (its share of a micro-batch) and the fixed bytes, for the
     activations, the communication buffers and the rest."""
     probe = _probe_layout(layout)
-    key = f"act4 rc={layout.recompute} tp{layout.tp} cp={probe.cp_backend}{probe.cp} ep{probe.ep} etp{probe.etp} " \
-          f"dopt{int(probe.distributed_optimizer)}"
+    key = _activation_key(layout)
     layers = _shrinks(cfg)
 
     def measure():
@@ -217,7 +239,10 @@ def resident(cache: MemoryCache, cfg, layout: Layout, micro_batches: int = 1) ->
     step is run): the optimizer step's measured moment, or parameters, optimizer state and the
     gradients several micro-batches accumulate, whichever is larger. A layout this alone
     overflows is refused without probing its activations."""
-    state = static(cache, cfg, layout)
+    return _floor(static(cache, cfg, layout), micro_batches)
+
+
+def _floor(state: dict, micro_batches: int) -> dict:
     held = {"parameters": state["parameters"], "optimizer state": state["optimizer state"],
             "gradients": state["gradients"] if micro_batches > 1 else 0}
     step = {k: state.get(f"step {k}", 0) for k in CATEGORIES}
@@ -233,11 +258,122 @@ def per_rank(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, lengths_
       micro-batches accumulated (with one micro-batch, those the probe's step had made by its
       peak: gradients are made as the backward runs and freed after the optimizer's step);
     - the optimizer's step (measured: its gradients, state and temporaries)."""
-    state = static(cache, cfg, layout)
-    per_token = activations(cache, cfg, layout, lengths_of)
+    return _peak(static(cache, cfg, layout), activations(cache, cfg, layout, lengths_of), rank_tokens,
+                 micro_batches)
+
+
+def _peak(state: dict, per_token: dict, rank_tokens: int, micro_batches: int) -> dict:
+    """per_rank's two moments from a rank's state (static) and its bytes per token (activations)."""
     backward = {"parameters": state["parameters"], "optimizer state": state["optimizer state"],
                 "gradients": state["gradients"] if micro_batches > 1 else per_token.get("gradients fixed", 0)}
     backward.update({k: per_token.get(k, 0.0) * rank_tokens + per_token.get(f"{k} fixed", 0.0)
                      for k in TOKEN_CATEGORIES})
     step = {k: state.get(f"step {k}", 0) for k in CATEGORIES}
     return backward if sum(backward.values()) >= sum(step.values()) else step
+
+
+# ---- Estimates: the walk's way past layouts that come nowhere near fitting
+#
+# A cold plan would otherwise probe every layout it walks until K fit, and where few fit (a large
+# model on few GPUs) that is most of them, at seconds a probe. The measurements say which of a
+# layout's degrees its memory follows, and how: a rank's weights, gradients and optimizer state
+# are its share of the model's dense and expert parameters (dense / TP, experts / (EP x ETP), the
+# optimizer's over DP x CP and EDP too under the distributed optimizer); its bytes per token do
+# not move with EP or the distributed optimizer (Qwen3-30B-A3B's probes agree to 0.1% across EP 16
+# to 128, both optimizers) and fall as 1 / TP (per layer, to 0.1%). Recompute, CP's backend, ETP
+# and the precision change what is saved, and are not carried across. So a layout no probe has
+# measured is estimated from the nearest measured one; the walk measures it only where the
+# estimate is within a margin of the GPU's memory (ESTIMATE_MARGIN, and more per degree the
+# estimate carries across), so every layout a plan proposes is measured, never estimated.
+ESTIMATE_MARGIN = 0.10
+# added to the margin when the estimate's activations come from a layout of another TP (scaled),
+# CP backend (Ulysses' all-to-all buffers: +7% a token over ring's) or ETP (taken as they are)
+CARRY_MARGIN = {"tp": 0.05, "cp": 0.15, "etp": 0.25}
+# what each recompute mode keeps for the backward, in order: full (a block's input) below
+# selective (all but the SwiGLU's) below none; a layout's activations are at least those of the
+# same layout under a mode that keeps less
+SAVES = {"full": 0, "selective": 1, "none": 2}
+
+
+def _shares(layout: Layout, counts: tuple[int, int]) -> tuple[float, float]:
+    """(parameters a rank holds, parameters its optimizer steps), from the model's (dense, expert)."""
+    dense, expert = counts[0] / layout.tp, counts[1] / (layout.ep * layout.etp)
+    if not layout.distributed_optimizer:
+        return dense + expert, dense + expert
+    return dense + expert, dense / (layout.dp * layout.cp) + expert / layout.edp
+
+
+def _entries(cache: MemoryCache, kind: str):
+    for key, value in cache.entries.items():
+        try:
+            fields = json.loads(key)
+        except ValueError:
+            continue
+        if isinstance(fields, dict) and fields.get("kind") == kind:
+            yield fields, value
+
+
+def _estimated_state(cache: MemoryCache, cfg, layout: Layout, counts) -> dict | None:
+    """static() of `layout` from a measured layout of the same precision, each category scaled by
+    the rank's share of the parameters it follows."""
+    held, stepped = _shares(layout, counts)
+    best = None
+    for fields, value in _entries(cache, "state"):
+        if fields["precision"] != _precision(layout):
+            continue
+        world = fields["world"] or layout.world
+        other = Layout(fields["tp"], 1, "ring", 1, fields["ep"], fields["etp"], False, "none", fields["dopt"], world)
+        o_held, o_stepped = _shares(other, counts)
+        rank = (fields["dopt"] != layout.distributed_optimizer, abs(math.log(o_held / held)))
+        if best is None or rank < best[0]:
+            best = (rank, value, held / o_held, stepped / o_stepped)
+    if best is None:
+        return None
+    _, (first, second), held_ratio, stepped_ratio = best
+    measured = _extrapolate(first, second, _shrinks(cfg))
+    follows_held = ("parameters", "gradients", "step parameters", "step gradients")
+    return {k: v * (held_ratio if k in follows_held else stepped_ratio) for k, v in measured.items()}
+
+
+def _estimated_activations(cache: MemoryCache, cfg, layout: Layout) -> tuple[dict, float] | None:
+    """(activations() of `layout` from the nearest measured layout of the same recompute mode and
+    precision, the margin its differences add), None where none is measured."""
+    probe = _probe_layout(layout)
+    # ring CP on 2 ranks holds a token's activations as no CP does (to 0.3%)
+    want = {"tp": layout.tp, "cp": probe.cp_backend, "etp": probe.etp}
+    best = None
+    for fields, value in _entries(cache, "activations"):
+        if fields["precision"] != _precision(layout) or SAVES[fields["recompute"]] > SAVES[layout.recompute]:
+            continue
+        have = {**fields, "cp": fields["cp"].rstrip("0123456789")}
+        carried = sum(CARRY_MARGIN[k] for k in want if have[k] != want[k])
+        # the same mode first; a mode that keeps less is a floor as it is, the last resort
+        rank = (fields["recompute"] != layout.recompute, carried)
+        if best is None or rank < best[0]:
+            best = (rank, value, fields["tp"] / layout.tp)
+    if best is None:
+        return None
+    (_, carried), (first, second), tp_ratio = best
+    measured = _extrapolate(first, second, _shrinks(cfg))
+    return {k: v if k.endswith("fixed") else v * tp_ratio for k, v in measured.items()}, carried
+
+
+def estimate(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, micro_batches: int,
+             counts: tuple[int, int]) -> tuple[dict, bool] | None:
+    """(a floor of per_rank's figure for `layout` from what is measured, without a probe: the
+    parts carried from other layouts lowered by their margins, its measured parts as they are;
+    whether all of it is measured). A layout whose floor exceeds a GPU's memory cannot fit. None
+    where nothing measured is near enough: the layout is then measured."""
+    state_measured = _state_key(layout) in cache.entries
+    state = static(cache, cfg, layout) if state_measured else _estimated_state(cache, cfg, layout, counts)
+    if state is None:
+        return None
+    state = {k: v * (1.0 if state_measured else 1 - ESTIMATE_MARGIN) for k, v in state.items()}
+    if _activation_key(layout) in cache.entries:
+        return _peak(state, activations(cache, cfg, layout, None), rank_tokens, micro_batches), state_measured
+    act = _estimated_activations(cache, cfg, layout)
+    if act is None:  # no activations of a mode at or below its recompute mode: resident()'s floor
+        return _floor(state, micro_batches), False
+    per_token, carried = act
+    per_token = {k: v * max(0.0, 1 - ESTIMATE_MARGIN - carried) for k, v in per_token.items()}
+    return _peak(state, per_token, rank_tokens, micro_batches), False

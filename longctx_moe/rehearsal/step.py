@@ -42,6 +42,9 @@ class RankReport:
     flops: float
     step_seconds: dict  # compute / memory / communication / total (modeled)
     fits: bool
+    # category -> bytes at the peak before the optimizer's first step began: the forward and
+    # backward's (and the distributed optimizer's gradient traffic), apart from its update
+    update_free_split: dict = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -100,11 +103,12 @@ def _peak_moment(tracker, peak: int) -> str:
 
 
 def rehearse_rank(cfg, world: int, rank: int, gpu: GPU, lengths: list[int], ops=None,
-                  compute=None) -> RankReport:
+                  compute=None, warmup: bool = True) -> RankReport:
     """Build rank `rank`'s part of `cfg` on meta and run one optimizer step of `lengths` (one
     micro-batch of this rank's documents) through the trainer; measure it. Call in a process of
     its own (one default process group per process). `ops` / `compute`: the Ops and ComputeDtype
-    rehearsed (default the GPU's: fake_world.cuda_ops / gpu_compute); truth.py passes a real run's."""
+    rehearsed (default the GPU's: fake_world.cuda_ops / gpu_compute); truth.py passes a real run's.
+    `warmup`: see measure_step."""
     from data_packing.batch import pad_multiple
     from longctx_moe.precision import PARAM_DTYPES
     from longctx_moe.rehearsal.fake_world import build_rank, fake_world, gpu_compute, host_batch
@@ -118,14 +122,18 @@ def rehearse_rank(cfg, world: int, rank: int, gpu: GPU, lengths: list[int], ops=
             trainer = Trainer(cfg, runtime, "meta")
         trainer.compute = compute or gpu_compute(cfg, dtype)  # the rehearsed device's, which meta cannot answer
         batch = host_batch(lengths, pad_multiple(cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel))
-        return measure_step(lambda: trainer.train_step([batch]), trainer, dims, rank, gpu)
+        return measure_step(lambda: trainer.train_step([batch]), trainer, dims, rank, gpu, warmup)
 
 
-def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU) -> RankReport:
+def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU,
+                 warmup: bool = True) -> RankReport:
     """Run `step()` twice on the rank `dims` and `trainer` were built for, inside its fake world:
     a warm-up (the first optimizer step creates the optimizer's state), then the measured call, a
     step of the steady state. `trainer`: the Trainer whose runtime, optimizer and compute dtype
-    the step uses, built inside meta_device.cuda_kernels() (its AdamW then the GPU's fused one)."""
+    the step uses, built inside meta_device.cuda_kernels() (its AdamW then the GPU's fused one).
+    Without `warmup` the first step is measured: its forward and backward hold what a steady
+    step's do but the optimizer's state (made by its own step), so a caller that reads only the
+    token-sized categories (the planner's activation probes) gets them at half the cost."""
     from longctx_moe.rehearsal import standins
     from longctx_moe.rehearsal.collectives import DeviceRules
     from longctx_moe.rehearsal.cost import host_step_of, model_step_time
@@ -136,8 +144,9 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
     runtime, dtype = trainer.runtime, trainer.compute.dtype
     names, group_ranks = _groups(dims)
     rules = DeviceRules(rank=rank, group_names=names)
-    with meta_autocast(dtype), standins.standins(), cuda_kernels(), DeviceRules(rank=rank, group_names=names):
-        step()
+    if warmup:
+        with meta_autocast(dtype), standins.standins(), cuda_kernels(), DeviceRules(rank=rank, group_names=names):
+            step()
     tracker = FastMemTracker()
     # the torch optimizer itself (the distributed optimizer holds one over its slabs, a MasterAdamW
     # one over fp32 masters)
@@ -149,8 +158,16 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
     standins.host_reads.clear()
     _routing_reads(runtime, reset=True)
     rules.on_buffers = tracker.mark_comm
+    before_update: dict = {}
+
+    def peak_so_far(*_) -> None:
+        if not before_update:
+            before_update.update(tracker.get_tracker_snapshot("peak"))
+
+    hook = inner.register_step_pre_hook(peak_so_far)
     with meta_autocast(dtype), standins.standins(), cuda_kernels(), tracker, rules:
         step()
+    hook.remove()
     snap = tracker.get_tracker_snapshot("peak")
     meta = next((v for dev, v in snap.items() if torch.device(dev).type == "meta"), {})
     peak = int(meta.get("Total", 0))
@@ -168,6 +185,8 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU)
                     "routing counts (parallel/comm.py RoutingCounts.read)": _routing_reads(runtime)},
         host_collectives=dict(rules.host_collectives), flops=float(flops),
         step_seconds=seconds, fits=peak <= gpu.memory_bytes,
+        update_free_split=_split(next((v for dev, v in before_update.items() if torch.device(dev).type == "meta"),
+                                      {})),
         host_bytes=int(host.get("Total", 0)))
 
 
