@@ -15,8 +15,10 @@ float32 even for a float64 model, ~1e-7 relative: tests/model/test_hf_interop.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import traceback
 from functools import partial
 
 import pytest
@@ -43,8 +45,6 @@ def _engine_pass(rank: int, world: int, folder: str, dtype: str, layout: list[st
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
 
-    # The plugin arrives through the model config's external_lib, nothing else.
-    assert "rl_hooks.plugins.verl" not in sys.modules
     omega_conf_to_dataclass(OmegaConf.merge(OmegaConf.load(vc.ROOT / "configs/verl_engine.yaml").model_config,
                                             {"path": folder}))
     assert EngineRegistry.get_engine_cls("language_model", "longctx_moe").__module__ == \
@@ -98,16 +98,42 @@ def _engine_pass(rank: int, world: int, folder: str, dtype: str, layout: list[st
             "export": export if rank == 0 else None, "away": away, "left": left}
 
 
-def _offloading(config):
-    """verl's config with param_offload and optimizer_offload true, and the engine's residency
-    made to copy and free its storages on this CPU (rl_hooks/offload.py: on a CPU run it moves
-    nothing otherwise), so that every mode switch runs the GPU's path."""
-    import dataclasses
+def _engine_passes(rank: int, world: int, passes: list[tuple]) -> list:
+    """`_engine_pass` for each of `passes` (its arguments after rank and world), one after another
+    in this rank's process: each rank imports verl and joins the process group once for all the
+    passes of its world size (that start-up was about half of a pass's time). A pass that raises
+    gives its traceback in its place, failing its own test only."""
+    # The plugin arrives through the model config's external_lib, nothing else.
+    assert "rl_hooks.plugins.verl" not in sys.modules
+    out = []
+    for folder, dtype, layout, budget, offload in passes:
+        try:
+            with _forced_moves() if offload else contextlib.nullcontext():
+                out.append(_engine_pass(rank, world, folder, dtype, layout, budget, offload))
+        except Exception:  # noqa: BLE001 - reported by the test of this pass
+            out.append(f"rank {rank}: {traceback.format_exc()}")
+    return out
 
+
+@contextlib.contextmanager
+def _forced_moves():
+    """The engine's residency made to copy and free its storages on this CPU (rl_hooks/offload.py:
+    on a CPU run it moves nothing otherwise), so that every mode switch runs the GPU's path; the
+    passes after this one build theirs as before."""
     from rl_hooks.offload import Residency
 
     init = Residency.__init__
     Residency.__init__ = lambda self, trainer, device, moves=None: init(self, trainer, device, True)
+    try:
+        yield
+    finally:
+        Residency.__init__ = init
+
+
+def _offloading(config):
+    """verl's config with param_offload and optimizer_offload true."""
+    import dataclasses
+
     engine = dataclasses.replace(config.engine_config, param_offload=True, optimizer_offload=True)
     return dataclasses.replace(config, engine_config=engine)
 
@@ -178,24 +204,46 @@ PARAMS = [("float32", "1"), ("float64", "1"), ("float64", "dp2"), ("float64", "c
 OFFLOAD = [("float32", "1"), ("float64", "dp2-distopt")]
 
 
+PASSES = [(dtype, case, False) for dtype, case in PARAMS] + [(dtype, case, True) for dtype, case in OFFLOAD]
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory):
+    """(dtype, case, offload) -> (its HF folder, each rank's `_engine_pass` result). The first
+    test that asks for a pass runs every pass of its world size in one process group."""
+    done: dict = {}
+
+    def runs(dtype: str, case: str, offload: bool):
+        world = CASES[case][0]
+        if (dtype, case, offload) not in done:
+            group = [p for p in PASSES if CASES[p[1]][0] == world]
+            folders = {p: vc.save_hf_model(tmp_path_factory.mktemp(f"{p[0]}-{p[1]}-{p[2]}") / "hf", p[0])
+                       for p in group}
+            args = [(str(folders[p]), p[0], *CASES[p[1]][1:], p[2]) for p in group]
+            per_rank = run_distributed(_engine_passes, world_size=world, args=(args,), timeout=600)
+            done.update({p: (folders[p], [r[i] for r in per_rank]) for i, p in enumerate(group)})
+        return done[dtype, case, offload]
+    return runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,case", PARAMS, ids=[f"{d}-{c}" for d, c in PARAMS])
-def test_training_worker_drives_the_engine_like_transformers_and_verl(tmp_path, dtype, case):
-    _check_engine_pass(tmp_path, dtype, case, offload=False)
+def test_training_worker_drives_the_engine_like_transformers_and_verl(tmp_path, engine_runs, dtype, case):
+    _check_engine_pass(tmp_path, engine_runs, dtype, case, offload=False)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,case", OFFLOAD, ids=[f"{d}-{c}" for d, c in OFFLOAD])
-def test_training_worker_with_param_and_optimizer_offload(tmp_path, dtype, case):
-    runs = _check_engine_pass(tmp_path, dtype, case, offload=True)
+def test_training_worker_with_param_and_optimizer_offload(tmp_path, engine_runs, dtype, case):
+    runs = _check_engine_pass(tmp_path, engine_runs, dtype, case, offload=True)
     assert all(run["away"] == ("params", "grads", "optimizer") and run["left"] == 0 for run in runs)
 
 
-def _check_engine_pass(tmp_path, dtype, case, offload: bool) -> list[dict]:
-    world, layout, budget = CASES[case]
-    folder = vc.save_hf_model(tmp_path / "hf", dtype)
-    runs = run_distributed(_engine_pass, world_size=world,
-                           args=(str(folder), dtype, layout, budget, offload), timeout=600)
+def _check_engine_pass(tmp_path, engine_runs, dtype, case, offload: bool) -> list[dict]:
+    layout = CASES[case][1]
+    folder, runs = engine_runs(dtype, case, offload)
+    failed = [run for run in runs if isinstance(run, str)]
+    assert not failed, failed[0]
     if not offload:
         assert all(run["away"] == () for run in runs)
     export = runs[0]["export"]
