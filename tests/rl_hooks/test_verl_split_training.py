@@ -6,6 +6,7 @@ two halves' ppo_loss summed, one AdamW step (float64: only the summation order d
 
 from __future__ import annotations
 
+import traceback
 from functools import partial
 
 import pytest
@@ -47,6 +48,18 @@ def _split_pass(rank: int, world: int, folder: str, layout: list[str], budget: i
             "export": export if rank == 0 else None}
 
 
+def _split_passes(rank: int, world: int, passes: list[tuple]) -> list:
+    """`_split_pass` for each of `passes` in this rank's one process (verl imported and the group
+    joined once for them all); a pass that raises gives its traceback in its place."""
+    out = []
+    for args in passes:
+        try:
+            out.append(_split_pass(rank, world, *args))
+        except Exception:  # noqa: BLE001 - reported by the test of this pass
+            out.append(f"rank {rank}: {traceback.format_exc()}")
+    return out
+
+
 def _reference(folder):
     """Per-row log-probs, the halves' losses, and the HF state dict after one AdamW step on the
     sum of the two halves' losses."""
@@ -70,13 +83,23 @@ def _reference(folder):
 LAYOUTS = {"dp2": ([], 32), "dp2-dynamic-cp": (["parallel.dynamic_cp=true", "parallel.max_cp=2"], 8)}
 
 
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory) -> dict:
+    """case -> (its HF folder, each rank's `_split_pass` result): both layouts in one 2-rank run."""
+    folders = {case: vc.save_hf_model(tmp_path_factory.mktemp(case) / "hf", "float64") for case in sorted(LAYOUTS)}
+    passes = [(str(folders[case]), *LAYOUTS[case]) for case in folders]
+    per_rank = run_distributed(_split_passes, world_size=2, args=(passes,), timeout=600)
+    return {case: (folders[case], [r[i] for r in per_rank]) for i, case in enumerate(folders)}
+
+
 @pytest.mark.slow  # two gloo ranks
 @pytest.mark.parametrize("case", sorted(LAYOUTS))
-def test_tinker_worker_accumulates_two_forward_backward_calls_into_one_step(tmp_path, case):
+def test_tinker_worker_accumulates_two_forward_backward_calls_into_one_step(tmp_path, split_runs, case):
     """On DP2: each call's gradients are summed over the ranks before they join the earlier
     call's (summing the earlier, already reduced ones again would double them)."""
-    folder = vc.save_hf_model(tmp_path / "hf", "float64")
-    runs = run_distributed(_split_pass, world_size=2, args=(str(folder), *LAYOUTS[case]), timeout=600)
+    folder, runs = split_runs[case]
+    failed = [run for run in runs if isinstance(run, str)]
+    assert not failed, failed[0]
     rows, losses, after = _reference(folder)
     # each half's rows: its first DP chunk (rank 0), then the second (rank 1)
     got_rows = [row for h in range(2) for run in runs for row in run["log_probs"][2 * h:2 * h + 2]]
