@@ -1,5 +1,6 @@
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,14 @@ settings.register_profile(
     "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Bytecode is cached for the test run (in __pycache__, which git ignores) even where
+# PYTHONDONTWRITEBYTECODE is set, as on the machines we test on: otherwise each xdist worker
+# rewrites every test module's assertions again (half of its 7 s collection) and every process
+# the suite starts (CLI runs, torchrun and Ray ranks, rehearsals) compiles the project again.
+# Set before any test module is imported; the processes the tests start inherit it.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 # The Triton kernels' tests run under Triton's interpreter (numpy on CPU tensors; tests/kernels).
 # Triton reads the switch when `@triton.jit` runs, in its own modules too: set before any test
