@@ -128,11 +128,15 @@ def run_distributed(
     try:
         return _run_once(fn, world_size, args, kwargs, timeout, backend, threads_per_rank)
     except DistributedTestError as e:
-        if not any(m in str(e) for m in ("EADDRINUSE", "ddress already in use")):
+        if not _port_taken(str(e)):
             raise
     # The port free_port found was taken before rank 0's store listened on it (make test runs
     # several workers, each launching ranks): once more on another port.
     return _run_once(fn, world_size, args, kwargs, timeout, backend, threads_per_rank)
+
+
+def _port_taken(error: str) -> bool:
+    return any(m in error for m in ("EADDRINUSE", "ddress already in use"))
 
 
 def _run_once(fn, world_size, args, kwargs, timeout, backend, threads_per_rank) -> list[Any]:
@@ -176,6 +180,8 @@ def _run_once(fn, world_size, args, kwargs, timeout, backend, threads_per_rank) 
                 results[rank] = pickle.loads(payload)
             else:
                 errors[rank] = payload
+            if errors and any(_port_taken(tb) for tb in errors.values()):
+                break  # rank 0's store never listened: no peer gets further, and the launch is retried
             if errors:
                 # One rank failed: its peers are likely blocked in a collective; give them a
                 # moment to report their own error, then stop waiting.
