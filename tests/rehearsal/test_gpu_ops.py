@@ -147,31 +147,37 @@ def test_module_rule_mutation_is_caught():
         assert _by_module()["layers"] == []
 
 
+# The step as it is, then under the mutation (the routing seam's reads not counted), one after
+# the other in one process: each count_step builds and tears down its own fake world.
 _EP2 = """
 import json, sys
 from bench.gpu_ops import bench_config
 from longctx_moe.rehearsal import counts
-if sys.argv[1] == "mutated":  # mutation: the routing seam's reads not counted
-    counts._routing_seams = lambda runtime: []
-cfg, lengths = bench_config(sys.argv[2:], 2048)
-r = counts.count_step(cfg, lengths, world=2, rank=0)
-print(json.dumps([row["host_syncs"] for row in r["layers"]]))
+cfg, lengths = bench_config(sys.argv[1:], 2048)
+syncs = {}
+for mode in ("as_is", "mutated"):
+    if mode == "mutated":
+        counts._routing_seams = lambda runtime: []
+    r = counts.count_step(cfg, lengths, world=2, rank=0)
+    syncs[mode] = [row["host_syncs"] for row in r["layers"]]
+print(json.dumps(syncs))
 """
 
 
-def _ep2_layer_syncs(mode: str) -> list:
-    done = subprocess.run([sys.executable, "-c", _EP2, mode, *TINY, "parallel.ep=2"], cwd=ROOT,
+def _ep2_layer_syncs() -> dict[str, list]:
+    done = subprocess.run([sys.executable, "-c", _EP2, *TINY, "parallel.ep=2"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # two subprocesses of a 2-rank fake world
+@pytest.mark.slow  # a subprocess of a 2-rank fake world
 def test_routing_counts_read_is_one_sync_per_layer_under_ep():
     """With EP the dispatcher reads the routing counts once per MoE layer forward (RoutingCounts,
     the program's one routing seam): filed under its layer; a mutation that drops the count fails."""
-    assert _ep2_layer_syncs("as_is") == [1, 1]
-    assert _ep2_layer_syncs("mutated") == [0, 0]
+    syncs = _ep2_layer_syncs()
+    assert syncs["as_is"] == [1, 1]
+    assert syncs["mutated"] == [0, 0]
 
 
 # ---- a small model's step, pinned
