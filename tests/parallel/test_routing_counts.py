@@ -158,10 +158,28 @@ def test_an_moe_layer_runs_on_meta_with_the_counts_from_an_assumption(dispatcher
     assert [s.tokens for _, s in counts.reads] == ([] if dispatcher == "local" else [24])
 
 
-# Run in a process of its own: one default (fake) process group per process.
+# Rank 1 of torch's fake process group of 4, in a process of its own (one default process group
+# per process); each block below runs there in turn, in its own namespace, its printed lines or
+# its traceback kept apart (argv[1]: the blocks as a JSON list; the answer is the last line).
+_FAKE_WORLD_RUNNER = """
+import contextlib, io, json, sys, traceback
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+out = []
+for code in json.loads(sys.argv[1]):
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(code, {})
+        out.append({"lines": printed.getvalue().strip().splitlines()})
+    except Exception:
+        out.append({"error": traceback.format_exc()})
+print(json.dumps(out))
+"""
+
 _FAKE_WORLD = """
 import torch, torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from longctx_moe.model.transformer import Transformer
 from longctx_moe.parallel.config import ParallelConfig
 from longctx_moe.parallel.dims import ParallelDims
@@ -169,7 +187,6 @@ from longctx_moe.parallel.parallelize import parallelize
 from tests.parallel.test_routing_counts import BalancedCounts, META_OPS, _cfg, _meta_step
 from longctx_moe.model.config import BalanceConfig
 
-dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
 layouts = [dict(ep=4), dict(ep=4, dispatcher="allgather"), dict(ep=2, etp=2),
            dict(ep=4, ep_spare_slots=1), dict(ep=4, capacity_factor=1.25, moe_overlap=True),
            dict(ep=2, etp=2, dispatcher="allgather", capacity_factor=1.25)]
@@ -189,16 +206,27 @@ for kw in layouts:
 """
 
 
-def _printed_lines(script: str) -> list[str]:
-    """The lines `script` printed, run in a process of its own (one fake world per process)."""
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def fake_world_printed() -> dict[str, dict]:
+    """Each fake-world block's printed lines (or traceback), from one subprocess (its start-up,
+    torch and the project's imports, was most of each test's time)."""
+    import json
+
+    blocks = {"layers": _FAKE_WORLD, "fp8 layers": _FAKE_WORLD_FP8}
+    done = subprocess.run([sys.executable, "-c", _FAKE_WORLD_RUNNER, json.dumps(list(blocks.values()))], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip().splitlines()
+    return dict(zip(blocks, json.loads(done.stdout.strip().splitlines()[-1]), strict=True))
+
+
+def _printed_lines(printed: dict, block: str) -> list[str]:
+    assert "error" not in printed[block], printed[block]["error"]
+    return printed[block]["lines"]
 
 
 @pytest.mark.slow
-def test_ep_etp_lending_and_allgather_layers_run_on_meta_under_a_fake_world():
-    lines = _printed_lines(_FAKE_WORLD)
+def test_ep_etp_lending_and_allgather_layers_run_on_meta_under_a_fake_world(fake_world_printed):
+    lines = _printed_lines(fake_world_printed, "layers")
     reads = [line.split(" [", 1)[1] for line in lines]
     # One read per forward: the table of the EP group ([1, 4, E + 1]), or of both groups under ETP.
     assert reads == ["(1, 4, 9)]", "(1, 4, 9)]", "(2, 2, 9)]", "(1, 4, 9)]", "(1, 4, 9)]", "(2, 2, 9)]"]
@@ -241,7 +269,6 @@ def test_fp8_experts_loop_by_the_counts_of_the_seam_read_once_per_layer_forward(
 # loop by the counts the dispatcher read through the seam, never by a read of their own.
 _FAKE_WORLD_FP8 = """
 import torch, torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from longctx_moe.kernels import fp8_grouped
 from longctx_moe.model.transformer import Transformer
 from longctx_moe.parallel.config import ParallelConfig
@@ -250,7 +277,6 @@ from longctx_moe.parallel.parallelize import parallelize
 from tests.model.helpers import tiny_config
 from tests.parallel.test_routing_counts import BalancedCounts, META_OPS, _meta_step
 
-dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
 grouped, real = [], fp8_grouped.call
 fp8_grouped.call = lambda *a: grouped.append(1) or real(*a)
 cfg = tiny_config(num_experts=8, top_k=2, hidden_size=128, expert_hidden_size=256, num_heads=4, num_kv_heads=4,
@@ -276,8 +302,8 @@ for ops, kw in runs:
 
 
 @pytest.mark.slow
-def test_fp8_ep_etp_lending_and_allgather_layers_run_on_meta_reading_only_the_seam():
-    lines = _printed_lines(_FAKE_WORLD_FP8)
+def test_fp8_ep_etp_lending_and_allgather_layers_run_on_meta_reading_only_the_seam(fake_world_printed):
+    lines = _printed_lines(fake_world_printed, "fp8 layers")
     # one read of the seam per forward; the per-tensor recipe's two forward GEMMs are one grouped
     # call each (resolved for a Hopper), the block recipe loops
     assert [line.rsplit(" ", 2)[1:] for line in lines] == [["1", "2"]] * 4 + [["1", "0"]] * 2, lines
