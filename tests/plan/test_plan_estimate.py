@@ -1,0 +1,122 @@
+"""The floors a cold plan walks past layouts on (memory.estimate) stand below what the program
+measures, and the plan measures every layout it proposes. A tiny model's layouts are measured
+once for the module (on meta: seconds each); each test reads that cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from longctx_moe.config import load_config
+from longctx_moe.plan import layouts, memory
+from longctx_moe.plan.cli import length_source, param_counts, plan
+
+WORLD = 4
+TOKENS = 16384  # a rank's tokens: the activations matter beside the tiny model's state
+
+
+def _tiny():
+    return load_config("configs/tiny_cpu.yaml", ["train.autocast_dtype=bf16", "model.num_layers=3"])
+
+
+def _layout(tp=1, cp=1, backend="ring", ep=4, recompute="selective", dopt=True):
+    return layouts.Layout(tp, cp, backend, cp, ep, 1, False, recompute, dopt, WORLD)
+
+
+# One layout and its neighbours across each degree a floor is carried over: EP, the distributed
+# optimizer, TP, CP's backend, the recompute mode (both ways)
+FAMILY = [_layout(), _layout(ep=1), _layout(dopt=False), _layout(tp=2), _layout(cp=2, backend="ulysses"),
+          _layout(recompute="full"), _layout(recompute="none")]
+
+
+def _family(c) -> bool:
+    return c in FAMILY
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("plan-memory"))
+
+
+@pytest.fixture(scope="module")
+def measured(cache_dir):
+    """(config, the family's layouts, a cache holding each one's measurements, the exact figures)."""
+    cfg = _tiny()
+    family = [c for c in FAMILY if layouts.judge(cfg, c) is None]
+    assert family == FAMILY
+    draw, _ = length_source("lognormal:256,0.5,1024")
+    cache = memory.MemoryCache(cfg, cache_dir)
+    exact = {c: sum(memory.per_rank(cache, cfg, c, TOKENS, draw).values()) for c in family}
+    return cfg, family, cache, exact
+
+
+def test_floors_stand_below_the_measured_figures(measured):
+    """Fails if a floor carried from other layouts exceeds what the program measures for the
+    layout: activations not scaled as 1/TP (or scaled the wrong way), a recompute mode that keeps
+    more used as a floor, the margins dropped, the state not scaled by the rank's share."""
+    cfg, family, cache, exact = measured
+    counts = param_counts(cfg)
+    floors = 0
+    for layout in family:
+        own = {memory._state_key(layout), memory._activation_key(layout)}
+        held = {k: cache.entries.pop(k) for k in own}  # the layout as not yet measured
+        try:
+            floor = memory.estimate(cache, cfg, layout, TOKENS, 1, counts)
+        finally:
+            cache.entries.update(held)
+        assert floor is not None and not floor[1], layout.label()
+        floors += 1
+        assert sum(floor[0].values()) <= exact[layout], (layout.label(), sum(floor[0].values()), exact[layout])
+    assert floors == len(family)
+
+
+def test_floors_are_close_where_only_ep_or_the_optimizer_differ(measured):
+    """Fails if the floor is loose where the measurements say memory follows the degree exactly
+    (a floor of zero would pass the test above and refuse nothing)."""
+    cfg, family, cache, exact = measured
+    counts = param_counts(cfg)
+    for layout in family[:3]:  # each has a neighbour that differs in EP or the optimizer alone
+        own = memory._activation_key(layout)
+        held = cache.entries.pop(own)
+        try:
+            floor, _ = memory.estimate(cache, cfg, layout, TOKENS, 1, counts)
+        finally:
+            cache.entries[own] = held
+        assert sum(floor.values()) >= (1 - 2 * memory.ESTIMATE_MARGIN) * exact[layout], layout.label()
+
+
+def test_a_cold_plan_measures_what_it_proposes_and_not_what_cannot_fit(monkeypatch, measured, cache_dir,
+                                                                      tmp_path):
+    """Fails if the walk proposes a layout on a floor (not measured), or measures every layout
+    it walks (the floors unused)."""
+    cfg = measured[0]
+    monkeypatch.setattr(layouts, "candidates", lambda *a, **k: list(FAMILY))
+    spec, tokens = "lognormal:4096,0.5,16384", 65536
+    every = plan(cfg, WORLD, "h100", spec, tokens, top=len(FAMILY), cache_dir=cache_dir, memory_bytes=2**40)
+    assert every["measured"] == 0 and len(every["fit"]) == len(FAMILY)  # the module's cache answered
+    leanest = min(every["fit"], key=lambda p: p.peak)
+    # a cold cache, and memory for the leanest layout alone
+    result = plan(cfg, WORLD, "h100", spec, tokens, top=1, cache_dir=str(tmp_path), memory_bytes=int(leanest.peak))
+    assert [p.layout for p in result["fit"]] == [leanest.layout]
+    assert not result["fit"][0].estimated
+    assert memory._activation_key(leanest.layout) in result["cache"].entries
+    on_floors = [p for p in result["excluded"] if p.estimated]
+    probed = {memory._activation_key(p.layout) for p in result["excluded"]} & set(result["cache"].entries)
+    assert on_floors and len(probed) + 1 < len(FAMILY), ([p.layout.label() for p in on_floors], len(probed))
+
+
+def test_a_rank_s_state_follows_its_share_of_the_parameters(measured):
+    """Fails if a layout's weights and optimizer state are carried from another layout unscaled
+    (or scaled by the wrong share): EP 1 against EP 4 holds four times the experts, without the
+    distributed optimizer a rank steps all it holds."""
+    cfg, family, cache, _ = measured
+    counts = param_counts(cfg)
+    for layout in family:
+        own = memory._state_key(layout)
+        exact = memory.static(cache, cfg, layout)
+        held = cache.entries.pop(own)
+        try:
+            carried = memory._estimated_state(cache, cfg, layout, counts)
+        finally:
+            cache.entries[own] = held
+        for k in ("parameters", "optimizer state"):
+            assert carried[k] == pytest.approx(exact[k], rel=memory.ESTIMATE_MARGIN), (layout.label(), k)
