@@ -147,35 +147,72 @@ def test_module_rule_mutation_is_caught():
         assert _by_module()["layers"] == []
 
 
-# The step as it is, then under the mutation (the routing seam's reads not counted), one after
-# the other in one process: each count_step builds and tears down its own fake world.
-_EP2 = """
-import json, sys
+# Two fake worlds, one after the other in one subprocess (each rehearse_rank and count_step builds
+# and tears down its own): rank 0 of one rehearsed with its optimizer recorded, then the EP2
+# step's routing-count syncs as it is and under the mutation (the routing seam's reads not
+# counted). Each part's answer or traceback is kept apart (the last line, JSON).
+_FAKE_WORLDS = """
+import json, sys, traceback
 from bench.gpu_ops import bench_config
-from longctx_moe.rehearsal import counts
-cfg, lengths = bench_config(sys.argv[1:], 2048)
-syncs = {}
-for mode in ("as_is", "mutated"):
-    if mode == "mutated":
-        counts._routing_seams = lambda runtime: []
-    r = counts.count_step(cfg, lengths, world=2, rank=0)
-    syncs[mode] = [row["host_syncs"] for row in r["layers"]]
-print(json.dumps(syncs))
+from longctx_moe.rehearsal import counts, step
+from longctx_moe.rehearsal.gpus import GPUS
+
+def rehearsed_fused():
+    fused, measure = [], step.measure_step
+    def seen(fn, trainer, *args):
+        inner = trainer.optimizer
+        while not hasattr(inner, "defaults"):
+            inner = inner.optimizer
+        fused.append(inner.defaults["fused"])
+        return measure(fn, trainer, *args)
+    step.measure_step = seen
+    try:
+        cfg, lengths = bench_config(sys.argv[1:], 1024)
+        step.rehearse_rank(cfg, 1, 0, GPUS["h200"], lengths)
+    finally:
+        step.measure_step = measure
+    return fused
+
+def ep2_layer_syncs():
+    cfg, lengths = bench_config([*sys.argv[1:], "parallel.ep=2"], 2048)
+    syncs = {}
+    for mode in ("as_is", "mutated"):
+        if mode == "mutated":
+            counts._routing_seams = lambda runtime: []
+        r = counts.count_step(cfg, lengths, world=2, rank=0)
+        syncs[mode] = [row["host_syncs"] for row in r["layers"]]
+    return syncs
+
+out = {}
+for name, part in (("fused", rehearsed_fused), ("ep2_syncs", ep2_layer_syncs)):
+    try:
+        out[name] = {"value": part()}
+    except Exception:
+        out[name] = {"error": traceback.format_exc()}
+print(json.dumps(out))
 """
 
 
-def _ep2_layer_syncs() -> dict[str, list]:
-    done = subprocess.run([sys.executable, "-c", _EP2, *TINY, "parallel.ep=2"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def fake_worlds() -> dict[str, dict]:
+    """Each part of _FAKE_WORLDS' answer (one interpreter start, with torch and the rehearsal's
+    imports, for both tests)."""
+    done = subprocess.run([sys.executable, "-c", _FAKE_WORLDS, *TINY], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # a subprocess of a 2-rank fake world
-def test_routing_counts_read_is_one_sync_per_layer_under_ep():
+def _value(fake_worlds: dict, part: str):
+    assert "error" not in fake_worlds[part], fake_worlds[part]["error"]
+    return fake_worlds[part]["value"]
+
+
+@pytest.mark.slow  # a subprocess of fake worlds
+def test_routing_counts_read_is_one_sync_per_layer_under_ep(fake_worlds):
     """With EP the dispatcher reads the routing counts once per MoE layer forward (RoutingCounts,
     the program's one routing seam): filed under its layer; a mutation that drops the count fails."""
-    syncs = _ep2_layer_syncs()
+    syncs = _value(fake_worlds, "ep2_syncs")
     assert syncs["as_is"] == [1, 1]
     assert syncs["mutated"] == [0, 0]
 
@@ -356,28 +393,6 @@ def test_device_rules_and_op_counts_agree_on_launches():
     assert rules_n == counts_n - 2  # the route layout's two further kernels
 
 
-_REHEARSE = """
-import json, sys
-from bench.gpu_ops import bench_config
-from longctx_moe.rehearsal import step
-from longctx_moe.rehearsal.gpus import GPUS
-fused, measure = [], step.measure_step
-def seen(fn, trainer, *args):
-    inner = trainer.optimizer
-    while not hasattr(inner, "defaults"):
-        inner = inner.optimizer
-    fused.append(inner.defaults["fused"])
-    return measure(fn, trainer, *args)
-step.measure_step = seen
-cfg, lengths = bench_config(sys.argv[1:], 1024)
-step.rehearse_rank(cfg, 1, 0, GPUS["h200"], lengths)
-print(json.dumps(fused))
-"""
-
-
-@pytest.mark.slow  # a subprocess of a fake world
-def test_rehearse_rank_builds_the_gpus_fused_adamw():
-    done = subprocess.run([sys.executable, "-c", _REHEARSE, *TINY], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True]
+@pytest.mark.slow  # a subprocess of fake worlds
+def test_rehearse_rank_builds_the_gpus_fused_adamw(fake_worlds):
+    assert _value(fake_worlds, "fused") == [True]
