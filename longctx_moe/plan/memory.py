@@ -52,7 +52,7 @@ TOKEN_CATEGORIES = ("activations", "communication buffers", "rest")
 CATEGORIES = ("parameters", "gradients", "optimizer state") + TOKEN_CATEGORIES
 # What the measurements are (their keys and how they are taken), in the cache's name: a cache of
 # other measurements is not read
-MEASURES = 2
+MEASURES = 3
 
 
 def _precision(layout: Layout) -> list:
@@ -126,11 +126,13 @@ def _state_bytes(cfg, world: int) -> dict:
             for p in group["params"]:
                 p.grad = torch.zeros_like(p)
         inner.step()  # the state AdamW (and a bf16 run's fp32 masters) allocate
-        state = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
-                    if torch.is_tensor(t) and t.dim() > 0)
+        # on the device only (meta here): host AdamW's state is in the node's host memory
+        on_device = [t for s in inner.state.values() for t in s.values()
+                     if torch.is_tensor(t) and t.dim() > 0 and t.device.type == "meta"]
         masters = getattr(inner, "masters", None)  # optim.MasterAdamW keeps its masters apart
         if isinstance(masters, dict):
-            state += sum(t.numel() * t.element_size() for t in masters.values())
+            on_device += [t for t in masters.values() if t.device.type == "meta"]
+        state = sum(t.numel() * t.element_size() for t in on_device)
         tracker = FastMemTracker()  # a steady-state step: what it holds at its peak
         tracker.track_external(runtime.model, inner)
         with tracker:
@@ -197,14 +199,14 @@ def _activation_bytes(cfg, probe: Layout, lengths_of, rl: bool = False) -> dict:
     """{category: bytes per token of a rank, f"{category} fixed": bytes} at the forward / backward
     peak (the step's peak before its optimizer steps: RankReport.update_free_split), from two
     rehearsals at different token counts: what does not grow with the tokens (workspaces, a
-    layer's weights gathered) is a fixed part, not spread over the tokens. The first step is
-    measured (no warm-up: half the cost): what it holds before its update is what a steady step
-    holds then, but the optimizer's state, which the state probe measures."""
+    layer's weights gathered) is a fixed part, not spread over the tokens. The first step's
+    forward and backward are measured (rehearse_rank's until_update): what a steady step holds
+    there, but the optimizer's state, which the state probe measures."""
     from longctx_moe.rehearsal.gpus import GPUS
 
     rehearse_rank = rehearse_step(rl)
     (n1, a), (n2, b) = [
-        (n, rehearse_rank(cfg, probe.world, 0, GPUS["h100"], lengths_of(n * probe.cp), warmup=False).update_free_split)
+        (n, rehearse_rank(cfg, probe.world, 0, GPUS["h100"], lengths_of(n * probe.cp), until_update=True).update_free_split)
         for n in (PROBE_TOKENS, 4 * PROBE_TOKENS)]
     out = {}
     for k in TOKEN_CATEGORIES:

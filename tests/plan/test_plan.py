@@ -151,7 +151,7 @@ def test_rl_measures_the_policy_step(monkeypatch, tmp_path):
     assert memory.rehearse_step(True).__name__ == "rehearse_policy_rank"
     seen = []
 
-    def fake(cfg, world, rank, gpu, lengths, warmup=True):  # a probe's report: bytes grow with the tokens
+    def fake(cfg, world, rank, gpu, lengths, until_update=False):  # a probe's report: bytes grow with the tokens
         split = {"activations": 100 * sum(lengths), "communication buffers": 0, "rest": 0, "gradients": 0}
         return SimpleNamespace(peak_moment="Transformer (peak_fw)", peak_split=split, update_free_split=split)
 
