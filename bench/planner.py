@@ -5,7 +5,7 @@ Sections (`--sections`, default all):
   speed   a plan of each model of configs/models/ (`--models`) at each GPU count (`--gpus`),
           cold (an empty memory cache: every probe measured) and warm (the cache the cold plan
           left): seconds, candidates, probes, the best layout.
-  memory  for each model at `--rehearse-gpus`, its top `--rehearse-top` layouts rehearsed in full
+  memory  for each model at the first of `--rehearse-gpus` where one fits, its top `--rehearse-top` layouts rehearsed in full
           (rehearsal.step.rehearse_rank, rank 0) beside the planner's one-micro-batch figure:
           the largest relative error. Full-size rehearsals take minutes each; `--rehearse-layers`
           shrinks the models (both sides see the same shrink).
@@ -100,7 +100,8 @@ def speed(models: list[str], gpus: list[int]) -> list[dict]:
     return rows
 
 
-def memory(models: list[str], gpus: int, top: int, layers: int | None) -> list[dict]:
+def memory(models: list[str], gpu_counts: list[int], top: int, layers: int | None) -> list[dict]:
+    """Each model at the first of `gpu_counts` where a layout fits (DeepSeek-V3 fits none under 64)."""
     from longctx_moe.plan.cli import _rehearse_top, base_config, plan
 
     rows = []
@@ -108,8 +109,12 @@ def memory(models: list[str], gpus: int, top: int, layers: int | None) -> list[d
         cfg = base_config(_model_path(name))
         if layers:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=layers))
-        tokens = TOKENS_PER_GPU * gpus
-        result = plan(cfg, gpus, "h100", LENGTHS, tokens, top=top, cache_dir=os.path.join(ROOT, "runs/plan-cache"))
+        for gpus in gpu_counts:
+            tokens = TOKENS_PER_GPU * gpus
+            result = plan(cfg, gpus, "h100", LENGTHS, tokens, top=top,
+                          cache_dir=os.path.join(ROOT, "runs/plan-cache"))
+            if result["fit"]:
+                break
         args = argparse.Namespace(lengths=LENGTHS, tokens_per_step=tokens, rehearse_top=top)
         for r in _rehearse_top(cfg, result, args):
             rows.append({"model": name, "gpus": gpus, "layers": cfg.model.num_layers,
@@ -205,7 +210,8 @@ def main() -> None:
     every = sorted(os.path.basename(f)[:-5] for f in glob.glob(os.path.join(ROOT, "configs/models/*.json")))
     p.add_argument("--models", nargs="+", default=every)
     p.add_argument("--gpus", nargs="+", type=int, default=[8, 64, 1024])
-    p.add_argument("--rehearse-gpus", type=int, default=16)
+    p.add_argument("--rehearse-gpus", type=int, nargs="+", default=[16, 64, 256],
+                   help="each model's memory check at the first of these where a layout fits")
     p.add_argument("--rehearse-top", type=int, default=3)
     p.add_argument("--rehearse-layers", type=int, default=None, help="shrink the models for the memory section")
     p.add_argument("--out")

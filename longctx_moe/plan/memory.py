@@ -52,7 +52,7 @@ TOKEN_CATEGORIES = ("activations", "communication buffers", "rest")
 CATEGORIES = ("parameters", "gradients", "optimizer state") + TOKEN_CATEGORIES
 # What the measurements are (their keys and how they are taken), in the cache's name: a cache of
 # other measurements is not read
-MEASURES = 3
+MEASURES = 4
 
 
 def _precision(layout: Layout) -> list:
@@ -110,6 +110,8 @@ def _state_bytes(cfg, world: int) -> dict:
     """Rank 0 of `cfg` on `world` ranks: its parameters, gradients and optimizer state as the
     program holds them, and the categories at its optimizer step's peak (the step's own
     temporaries, e.g. a foreach AdamW's, filed as activations, as the rehearsal files them)."""
+    from torch.distributed._tools.mem_tracker import get_untyped_storages
+
     from longctx_moe.rehearsal.fake_world import build_rank, fake_world
     from longctx_moe.rehearsal.gpus import GPUS, as_cuda_device
     from longctx_moe.rehearsal.memtrack import FastMemTracker
@@ -119,24 +121,26 @@ def _state_bytes(cfg, world: int) -> dict:
     with fake_world(world, 0), as_cuda_device(GPUS["h100"]):
         _, runtime = build_rank(cfg, world, 0)
         params = sum(p.numel() * p.element_size() for p in runtime.model.parameters())
-        inner = runtime.build_optimizer(cfg.optim)
-        while not isinstance(inner, torch.optim.Optimizer):  # the distributed optimizer's, over slabs
-            inner = inner.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                p.grad = torch.zeros_like(p)
-        inner.step()  # the state AdamW (and a bf16 run's fp32 masters) allocate
-        # on the device only (meta here): host AdamW's state is in the node's host memory
-        on_device = [t for s in inner.state.values() for t in s.values()
-                     if torch.is_tensor(t) and t.dim() > 0 and t.device.type == "meta"]
-        masters = getattr(inner, "masters", None)  # optim.MasterAdamW keeps its masters apart
-        if isinstance(masters, dict):
-            on_device += [t for t in masters.values() if t.device.type == "meta"]
+        chain = [runtime.build_optimizer(cfg.optim)]  # down to the torch optimizer (the distributed
+        while not isinstance(chain[-1], torch.optim.Optimizer):  # optimizer's is over slabs)
+            chain.append(chain[-1].optimizer)
+        inner = chain[-1]
+        # a MasterAdamW / HostAdamW steps its masters from its device tensors' gradients
+        stepper = next((o for o in chain if hasattr(o, "tensors")), inner)
+        for t in [*getattr(stepper, "tensors", []), *(p for g in inner.param_groups for p in g["params"])]:
+            t.grad = torch.zeros_like(t)
+        stepper.step()  # the state AdamW (and a bf16 run's fp32 masters) allocate
+        # on the device only (meta here): host AdamW's state and masters are in host memory
+        owned = {st for p in runtime.model.parameters() for st in get_untyped_storages(p)}
+        masters = [p for g in inner.param_groups for p in g["params"]
+                   if p.device.type == "meta" and not get_untyped_storages(p) & owned]
+        on_device = masters + [t for s in inner.state.values() for t in s.values()
+                               if torch.is_tensor(t) and t.dim() > 0 and t.device.type == "meta"]
         state = sum(t.numel() * t.element_size() for t in on_device)
         tracker = FastMemTracker()  # a steady-state step: what it holds at its peak
         tracker.track_external(runtime.model, inner)
         with tracker:
-            inner.step()
+            stepper.step()
         snap = tracker.get_tracker_snapshot("peak")
     step = _split(next((v for dev, v in snap.items() if torch.device(dev).type == "meta"), {}))
     return {"parameters": params, "gradients": params, "optimizer state": state,
