@@ -52,7 +52,7 @@ TOKEN_CATEGORIES = ("activations", "communication buffers", "rest")
 CATEGORIES = ("parameters", "gradients", "optimizer state") + TOKEN_CATEGORIES
 # What the measurements are (their keys and how they are taken), in the cache's name: a cache of
 # other measurements is not read
-MEASURES = 4
+MEASURES = 6
 
 
 def _precision(layout: Layout) -> list:
@@ -108,39 +108,58 @@ class MemoryCache:
 
 def _state_bytes(cfg, world: int) -> dict:
     """Rank 0 of `cfg` on `world` ranks: its parameters, gradients and optimizer state as the
-    program holds them, and the categories at its optimizer step's peak (the step's own
-    temporaries, e.g. a foreach AdamW's, filed as activations, as the rehearsal files them)."""
+    program holds them, and the categories at the peak of its update: the gradients a backward
+    left reduced over their replicas (the all-reduce buckets or the distributed optimizer's
+    reduce-scatter, their buffers filed as communication) and the optimizer's step (its own
+    temporaries filed as activations, as the rehearsal files them)."""
     from torch.distributed._tools.mem_tracker import get_untyped_storages
 
+    from longctx_moe.rehearsal.collectives import DeviceRules
     from longctx_moe.rehearsal.fake_world import build_rank, fake_world
     from longctx_moe.rehearsal.gpus import GPUS, as_cuda_device
     from longctx_moe.rehearsal.memtrack import FastMemTracker
-    from longctx_moe.rehearsal.step import _split
+    from longctx_moe.rehearsal.meta_device import cuda_kernels
+    from longctx_moe.rehearsal.step import _groups, _split
 
     # as a rehearsal builds a rank: on the GPU it stands for (FP8's support is asked of it)
     with fake_world(world, 0), as_cuda_device(GPUS["h100"]):
-        _, runtime = build_rank(cfg, world, 0)
-        params = sum(p.numel() * p.element_size() for p in runtime.model.parameters())
-        chain = [runtime.build_optimizer(cfg.optim)]  # down to the torch optimizer (the distributed
-        while not isinstance(chain[-1], torch.optim.Optimizer):  # optimizer's is over slabs)
-            chain.append(chain[-1].optimizer)
-        inner = chain[-1]
-        # a MasterAdamW / HostAdamW steps its masters from its device tensors' gradients
-        stepper = next((o for o in chain if hasattr(o, "tensors")), inner)
-        for t in [*getattr(stepper, "tensors", []), *(p for g in inner.param_groups for p in g["params"])]:
-            t.grad = torch.zeros_like(t)
-        stepper.step()  # the state AdamW (and a bf16 run's fp32 masters) allocate
+        dims, runtime = build_rank(cfg, world, 0)
+        model = runtime.model
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        with cuda_kernels():  # the optimizer picks its kernels as on the GPU: fused AdamW
+            optimizer = runtime.build_optimizer(cfg.optim)
+        inner = optimizer  # the torch optimizer (the distributed optimizer's is over slabs)
+        while not isinstance(inner, torch.optim.Optimizer):
+            inner = inner.optimizer
+        names, _ = _groups(dims)
+
+        def backward_done() -> None:  # the gradients as a backward leaves them
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+
+        def update() -> None:
+            runtime.reduce_gradients()
+            optimizer.step()
+
+        backward_done()
+        with cuda_kernels(), DeviceRules(rank=0, group_names=names):
+            update()  # the state AdamW (and a bf16 run's fp32 masters) allocate
         # on the device only (meta here): host AdamW's state and masters are in host memory
-        owned = {st for p in runtime.model.parameters() for st in get_untyped_storages(p)}
+        owned = {st for p in model.parameters() for st in get_untyped_storages(p)}
         masters = [p for g in inner.param_groups for p in g["params"]
                    if p.device.type == "meta" and not get_untyped_storages(p) & owned]
         on_device = masters + [t for s in inner.state.values() for t in s.values()
                                if torch.is_tensor(t) and t.dim() > 0 and t.device.type == "meta"]
         state = sum(t.numel() * t.element_size() for t in on_device)
-        tracker = FastMemTracker()  # a steady-state step: what it holds at its peak
-        tracker.track_external(runtime.model, inner)
-        with tracker:
-            stepper.step()
+        optimizer.zero_grad(set_to_none=True)
+        backward_done()
+        tracker = FastMemTracker()  # a steady-state update: what it holds at its peak
+        tracker.track_external(model, inner)
+        tracker.track_optimizer_tensors(inner, model)  # a bf16 run's fp32 masters
+        rules = DeviceRules(rank=0, group_names=names)
+        rules.on_buffers = tracker.mark_comm
+        with cuda_kernels(), tracker, rules:
+            update()
         snap = tracker.get_tracker_snapshot("peak")
     step = _split(next((v for dev, v in snap.items() if torch.device(dev).type == "meta"), {}))
     return {"parameters": params, "gradients": params, "optimizer state": state,
@@ -235,8 +254,10 @@ def activations(cache: MemoryCache, cfg, layout: Layout, lengths_of) -> dict:
 
     first, second = cache.get(key, measure)
     out = _extrapolate(first, second, layers)
-    if probe.distributed_optimizer:  # its buckets are reduce-scattered and freed as the backward
-        out["gradients fixed"] = second.get("gradients fixed", 0.0)  # goes: held grads do not grow with layers
+    # the peak falls early in the backward, where its activations are all held and the gradients
+    # made are the lm head's and a layer's: not one more per layer of the model (at the
+    # backward's end, where every gradient is held, the update's moment is the larger)
+    out["gradients fixed"] = first.get("gradients fixed", 0.0)
     return out
 
 
