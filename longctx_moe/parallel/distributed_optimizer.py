@@ -125,6 +125,10 @@ class ShardedBucket:
         self.starts = [list(itertools.accumulate((s.numel(j) for s in self.slabs[:-1]), initial=0))
                        for j in range(self.parts)]
         self.segment = max(sum(s.numel(j) for s in self.slabs) for j in range(self.parts))  # S
+        # every parameter split in R equal parts: each lies at one offset in every row, so its R
+        # parts move between the parameter and the rows in one strided copy, not R (a GPU launch
+        # each: R x parameters of them a step otherwise)
+        self.even = all(len(set(s.sizes)) == 1 for s in self.slabs)
         self.ready: set[int] = set()
         self.flat: torch.Tensor | None = None
         self.work = None
@@ -135,6 +139,19 @@ class ShardedBucket:
         """Parameter i's part j inside rank j's row of a buffer, flat."""
         return buffer_S[self.starts[j][i]:self.starts[j][i] + self.slabs[i].numel(j)]
 
+    def _rows(self, buffer_RS: torch.Tensor, i: int) -> torch.Tensor:
+        """[R, *part shape]: parameter i's parts in their rows of a buffer (a view; even buckets)."""
+        start = self.starts[0][i]
+        return buffer_RS[:, start:start + self.slabs[i].numel(0)].view(self.parts, *self.slabs[i].shape(0))
+
+    def _split_R(self, i: int, t: torch.Tensor) -> torch.Tensor | None:
+        """[R, *part shape]: a tensor shaped like parameter i as its R parts (a view, strided where
+        the slab's dim is not 0); None where the bucket's parts are uneven or `t` is strided."""
+        if not self.even or not t.is_contiguous():
+            return None
+        d, shape = self.slabs[i].dim, list(t.shape)
+        return t.view(*shape[:d], self.parts, shape[d] // self.parts, *shape[d + 1:]).movedim(d, 0)
+
     def launch(self) -> None:
         """Pack the gradients, free them, and start the reduce-scatter."""
         p0 = self.params[0]
@@ -142,8 +159,11 @@ class ShardedBucket:
         for i, (p, slab) in enumerate(zip(self.params, self.slabs, strict=True)):
             if p.grad is None:  # e.g. an expert no token reached on this rank: zeros
                 continue
-            for j, part in enumerate(slab.parts(p.grad)):
-                self._row(send_RS[j], j, i).copy_(part.reshape(-1))
+            if (parts_R := self._split_R(i, p.grad)) is not None:
+                self._rows(send_RS, i).copy_(parts_R)
+            else:
+                for j, part in enumerate(slab.parts(p.grad)):
+                    self._row(send_RS[j], j, i).copy_(part.reshape(-1))
             p.grad = None
         self.flat = torch.empty(self.segment, dtype=self.reduce_dtype, device=p0.device)
         with record_function("comm.grad_launch"):
@@ -178,6 +198,10 @@ class ShardedBucket:
         """All-gather the updated slabs into every rank's whole parameters."""
         recv_RS = self._all_gather([slab.data for slab in self.slabs])
         for i, slab in enumerate(self.slabs):
+            # this rank's own part is copied onto itself there: the values it sent
+            if (parts_R := self._split_R(i, slab.param.detach())) is not None:
+                parts_R.copy_(self._rows(recv_RS, i))
+                continue
             for j, part in enumerate(slab.parts(slab.param.detach())):
                 if j != self.rank:
                     part.copy_(self._row(recv_RS[j], j, i).view(part.shape))

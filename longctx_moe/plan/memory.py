@@ -93,6 +93,7 @@ class MemoryCache:
         self.path = Path(directory) / f"memory-{digest}.json" if directory else None
         self.entries = json.loads(self.path.read_text()) if self.path and self.path.is_file() else {}
         self.measured = 0  # measurements taken (not read from disk) by this process
+        self.fields: dict[str, dict] = {}  # key -> what it says (memory._entries)
 
     def get(self, key: str, measure):
         if key not in self.entries:
@@ -331,13 +332,16 @@ def _shares(layout: Layout, counts: tuple[int, int]) -> tuple[float, float]:
 
 
 def _entries(cache: MemoryCache, kind: str):
+    """(the fields of its key, the measurement) of each of the cache's measurements of `kind`."""
     for key, value in cache.entries.items():
-        try:
-            fields = json.loads(key)
-        except ValueError:
-            continue
-        if isinstance(fields, dict) and fields.get("kind") == kind:
-            yield fields, value
+        if key not in cache.fields:  # parsed once: a plan asks this of thousands of layouts
+            try:
+                fields = json.loads(key)
+            except ValueError:
+                fields = None
+            cache.fields[key] = fields if isinstance(fields, dict) else {}
+        if cache.fields[key].get("kind") == kind:
+            yield cache.fields[key], value
 
 
 def _estimated_state(cache: MemoryCache, cfg, layout: Layout, counts) -> dict | None:
