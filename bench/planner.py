@@ -186,7 +186,7 @@ def sanity() -> list[dict]:
             layouts.candidates = every
         p_near = ours["fit"][0] if ours["fit"] else None
         p_pref = preferred["fit"][0] if preferred["fit"] else None
-        h100 = ours["gpu"].memory_bytes
+        h100 = preferred["gpu"].memory_bytes  # (ours ran with unbounded memory: the nearest at any size)
         row = {"model": name, "gpus": gpus, "seq": seq, "published_tflops": published, "their_layout": theirs,
                "nearest": p_near.layout.label() if p_near else None,
                "nearest_tflops": _tflops(p_near, gpus) if p_near else None,
@@ -194,7 +194,8 @@ def sanity() -> list[dict]:
                "nearest_fits": bool(p_near and p_near.peak <= h100),
                "preferred": p_pref.layout.label() if p_pref else None,
                "preferred_tflops": _tflops(p_pref, gpus) if p_pref else None,
-               "preferred_peak_gib": p_pref.peak / GIB if p_pref else None}
+               "preferred_peak_gib": p_pref.peak / GIB if p_pref else None,
+               "nearest_time": p_near.time if p_near else None, "preferred_time": p_pref.time if p_pref else None}
         print(f"{name} {seq // 1024}K on {gpus}: published {published} TFLOP/s ({theirs}); nearest "
               f"{row['nearest']} {row['nearest_tflops'] or 0:.0f} TFLOP/s, {row['nearest_peak_gib'] or 0:.0f} GiB"
               f"{'' if row['nearest_fits'] else ' (does not fit)'}; preferred {row['preferred']} "

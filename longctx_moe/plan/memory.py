@@ -262,42 +262,49 @@ def activations(cache: MemoryCache, cfg, layout: Layout, lengths_of) -> dict:
     return out
 
 
-def resident(cache: MemoryCache, cfg, layout: Layout, micro_batches: int = 1) -> dict:
+def resident(cache: MemoryCache, cfg, layout: Layout) -> dict:
     """A floor of the rank's peak that needs no activation probe (the state probe is cheap: no
-    step is run): the optimizer step's measured moment, or parameters, optimizer state and the
-    gradients several micro-batches accumulate, whichever is larger. A layout this alone
+    forward or backward is run): the update's measured moment, or the parameters, optimizer state
+    and every gradient the backward's end holds, whichever is larger. A layout this alone
     overflows is refused without probing its activations."""
-    return _floor(static(cache, cfg, layout), micro_batches)
+    return _floor(static(cache, cfg, layout))
 
 
-def _floor(state: dict, micro_batches: int) -> dict:
+def _floor(state: dict) -> dict:
+    # the backward's end holds every gradient, whatever the micro-batches (_peak)
     held = {"parameters": state["parameters"], "optimizer state": state["optimizer state"],
-            "gradients": state["gradients"] if micro_batches > 1 else 0}
+            "gradients": state["gradients"]}
     step = {k: state.get(f"step {k}", 0) for k in CATEGORIES}
     return held if sum(held.values()) >= sum(step.values()) else step
 
 
 def per_rank(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, lengths_of,
              micro_batches: int = 1) -> dict:
-    """category -> bytes one rank of `layout` holds at the step's peak, the larger of two moments
-    of the program's step:
+    """category -> bytes one rank of `layout` holds at the step's peak, the largest of the
+    program's step's moments (_peak):
     - the forward / backward peak of a micro-batch of `rank_tokens` tokens: parameters, optimizer
       state, the activations and receive buffers of those tokens, and the gradients the earlier
       micro-batches accumulated (with one micro-batch, those the probe's step had made by its
       peak: gradients are made as the backward runs and freed after the optimizer's step);
+    - the backward's end: every gradient made, none reduced yet;
     - the optimizer's step (measured: its gradients, state and temporaries)."""
     return _peak(static(cache, cfg, layout), activations(cache, cfg, layout, lengths_of), rank_tokens,
                  micro_batches)
 
 
 def _peak(state: dict, per_token: dict, rank_tokens: int, micro_batches: int) -> dict:
-    """per_rank's two moments from a rank's state (static) and its bytes per token (activations)."""
-    backward = {"parameters": state["parameters"], "optimizer state": state["optimizer state"],
-                "gradients": state["gradients"] if micro_batches > 1 else per_token.get("gradients fixed", 0)}
-    backward.update({k: per_token.get(k, 0.0) * rank_tokens + per_token.get(f"{k} fixed", 0.0)
-                     for k in TOKEN_CATEGORIES})
+    """per_rank's moments from a rank's state (static) and its bytes per token (activations):
+    the forward / backward's peak, the backward's end (every gradient made, none yet reduced:
+    the distributed optimizer frees them only as it reduce-scatters, the all-reduce buckets hold
+    them; with what a token's activations leave that does not grow with the tokens), and the
+    update's measured peak. The largest."""
+    fixed = {k: per_token.get(f"{k} fixed", 0.0) for k in TOKEN_CATEGORIES}
+    held = {"parameters": state["parameters"], "optimizer state": state["optimizer state"]}
+    backward = {**held, "gradients": state["gradients"] if micro_batches > 1 else per_token.get("gradients fixed", 0)}
+    backward.update({k: per_token.get(k, 0.0) * rank_tokens + fixed[k] for k in TOKEN_CATEGORIES})
+    end = {**held, "gradients": state["gradients"], **fixed}
     step = {k: state.get(f"step {k}", 0) for k in CATEGORIES}
-    return backward if sum(backward.values()) >= sum(step.values()) else step
+    return max((backward, end, step), key=lambda m: sum(m.values()))
 
 
 # ---- Estimates: the walk's way past layouts that come nowhere near fitting
@@ -404,7 +411,7 @@ def estimate(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, micro_ba
         return _peak(state, activations(cache, cfg, layout, None), rank_tokens, micro_batches), state_measured
     act = _estimated_activations(cache, cfg, layout)
     if act is None:  # no activations of a mode at or below its recompute mode: resident()'s floor
-        return _floor(state, micro_batches), False
+        return _floor(state), False
     per_token, carried = act
     per_token = {k: v * max(0.0, 1 - ESTIMATE_MARGIN - carried) for k, v in per_token.items()}
     return _peak(state, per_token, rank_tokens, micro_batches), False

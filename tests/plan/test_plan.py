@@ -98,7 +98,8 @@ def test_longer_documents_more_cp(monkeypatch, cache_dir):
 
 def test_gradients_held_at_the_forward_only_after_a_micro_batch(monkeypatch):
     """Fails if per_rank counts accumulated gradients with one micro-batch or drops them with
-    several (micro_batches ignored), or if the optimizer step's moment is not compared."""
+    several (micro_batches ignored), or if the optimizer step's moment or the backward's end is
+    not compared."""
     layout = layouts.Layout(1, 1, "ring", 1, 1, 1, False, "none", False, 1)
     state = {"parameters": 10 * MIB, "gradients": 10 * MIB, "optimizer state": 20 * MIB,
              **{f"step {k}": v for k, v in {"parameters": 10 * MIB, "gradients": 10 * MIB,
@@ -112,6 +113,11 @@ def test_gradients_held_at_the_forward_only_after_a_micro_batch(monkeypatch):
     # with few tokens the optimizer step's moment (its temporaries) is the peak
     few = memory.per_rank(None, None, layout, 1024, None, micro_batches=1)
     assert sum(few.values()) == 55 * MIB and few["activations"] == 15 * MIB, few
+    # an update lighter than the backward's end (every gradient held, and the fixed activations)
+    state["step activations"] = 0
+    end = memory.per_rank(None, None, layout, 1024, None, micro_batches=1)
+    assert end == {"parameters": 10 * MIB, "optimizer state": 20 * MIB, "gradients": 10 * MIB,
+                   "activations": MIB, "communication buffers": 0.0, "rest": 0.0}, end
 
 
 def test_lengths_from_a_packed_dataset(tmp_path, monkeypatch):
@@ -174,7 +180,9 @@ def test_the_floor_refuses_without_an_activation_probe(monkeypatch):
     monkeypatch.setattr(memory, "activations", lambda *a: {"activations": 64.0})
     for tokens in (1024, 1 << 20):
         for m in (1, 4):
-            floor = sum(memory.resident(None, None, layout, m).values())
+            floor = sum(memory.resident(None, None, layout).values())
             assert floor <= sum(memory.per_rank(None, None, layout, tokens, None, m).values())
-    assert sum(memory.resident(None, None, layout, 1).values()) == 55 * MIB  # the step's moment
-    assert memory.resident(None, None, layout, 4)["gradients"] == 10 * MIB
+    assert sum(memory.resident(None, None, layout).values()) == 55 * MIB  # the step's moment
+    state["step activations"] = 0  # the backward's end: every gradient with the weights and state
+    assert memory.resident(None, None, layout) == {"parameters": 10 * MIB, "optimizer state": 20 * MIB,
+                                                   "gradients": 10 * MIB}
