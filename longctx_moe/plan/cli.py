@@ -260,9 +260,11 @@ def _rehearse_top(cfg, result: dict, args) -> list[dict]:
         report = rehearse_step(result["cache"].rl)(c, p.layout.world, 0, result["gpu"], lengths_of(micro))
         peak = sum(planned.values())
         err = peak / report.peak_bytes - 1
+        before = sum(report.update_free_split.values())  # the rehearsal's peak before its update
         print(f"  {p.layout.label():<48} planner {peak / GIB:6.1f}  rehearsal {report.peak_bytes / GIB:6.1f} "
-              f"({err * 100:+.1f}%)  " + " ".join(f"{k} {planned.get(k, 0) / GIB:.1f}/{report.peak_split[k] / GIB:.1f}"
+              f"({err * 100:+.1f}%; {before / GIB:.1f} before its update)  " + " ".join(f"{k} {planned.get(k, 0) / GIB:.1f}/{report.peak_split[k] / GIB:.1f}"
                                                    for k in CATEGORIES), flush=True)
         out.append({"label": p.layout.label(), "planner": peak, "rehearsal": report.peak_bytes,
+                    "rehearsal_before_update": before,
                     "planner_split": planned, "rehearsal_split": report.peak_split, "rel_err": err})
     return out

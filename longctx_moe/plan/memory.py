@@ -77,8 +77,12 @@ def _with_layers(cfg, layers: int):
 
 
 def _extrapolate(first: dict, second: dict, layers: tuple[int, int, int]) -> dict:
+    """The model's figures from its two shrinks': the first's, and the second's excess over it
+    once per further MoE layer. A layer adds memory and takes none away: where a figure of the
+    second is the smaller (its peak fell at another moment, and a per-token line's split into
+    slope and fixed part moved), the layer adds none of it, rather than removing it 50 times."""
     extra = layers[2] - layers[0]
-    return {k: first[k] + extra * (second[k] - first[k]) for k in first}
+    return {k: first[k] + extra * max(0.0, second[k] - first[k]) for k in first}
 
 
 class MemoryCache:
