@@ -125,10 +125,12 @@ class ShardedBucket:
         self.starts = [list(itertools.accumulate((s.numel(j) for s in self.slabs[:-1]), initial=0))
                        for j in range(self.parts)]
         self.segment = max(sum(s.numel(j) for s in self.slabs) for j in range(self.parts))  # S
-        # every parameter split in R equal parts: each lies at one offset in every row, so its R
-        # parts move between the parameter and the rows in one strided copy, not R (a GPU launch
-        # each: R x parameters of them a step otherwise)
-        self.even = all(len(set(s.sizes)) == 1 for s in self.slabs)
+        # runs[i]: parameter i's parts as runs of consecutive rows j0..j1 where they have one size
+        # and one offset; each run moves between the parameter and the rows in one strided copy,
+        # not one a part (a GPU launch each: R x parameters of them a step otherwise). An even
+        # split in an evenly split bucket is one run; tensor_split's uneven one (the first parts
+        # one longer) two, and two more for each uneven parameter before it in the bucket.
+        self.runs = [self._runs_of(i) for i in range(len(self.slabs))]
         self.ready: set[int] = set()
         self.flat: torch.Tensor | None = None
         self.work = None
@@ -139,31 +141,40 @@ class ShardedBucket:
         """Parameter i's part j inside rank j's row of a buffer, flat."""
         return buffer_S[self.starts[j][i]:self.starts[j][i] + self.slabs[i].numel(j)]
 
-    def _rows(self, buffer_RS: torch.Tensor, i: int) -> torch.Tensor:
-        """[R, *part shape]: parameter i's parts in their rows of a buffer (a view; even buckets)."""
-        start = self.starts[0][i]
-        return buffer_RS[:, start:start + self.slabs[i].numel(0)].view(self.parts, *self.slabs[i].shape(0))
+    def _runs_of(self, i: int) -> list[tuple[int, int, int]]:
+        """(first row, rows, offset along the slab's dim) of each run of parameter i's parts."""
+        slab, runs, offset = self.slabs[i], [], 0
+        for j in range(self.parts):
+            if runs and (self.starts[j][i], slab.sizes[j]) == (self.starts[runs[-1][0]][i], slab.sizes[runs[-1][0]]):
+                runs[-1][1] += 1
+            else:
+                runs.append([j, 1, offset])
+            offset += slab.sizes[j]
+        return [tuple(r) for r in runs]
 
-    def _split_R(self, i: int, t: torch.Tensor) -> torch.Tensor | None:
-        """[R, *part shape]: a tensor shaped like parameter i as its R parts (a view, strided where
-        the slab's dim is not 0); None where the bucket's parts are uneven or `t` is strided."""
-        if not self.even or not t.is_contiguous():
-            return None
-        d, shape = self.slabs[i].dim, list(t.shape)
-        return t.view(*shape[:d], self.parts, shape[d] // self.parts, *shape[d + 1:]).movedim(d, 0)
+    def _run_pairs(self, i: int, buffer_RS: torch.Tensor, t: torch.Tensor):
+        """(rows of the buffer [n, *part shape], the same parts of `t` [n, *part shape]) per run of
+        parameter i's parts (views; `t`'s strided where the slab's dim is not 0)."""
+        slab, d = self.slabs[i], self.slabs[i].dim
+        for j0, n, offset in self.runs[i]:
+            size = slab.sizes[j0]
+            if size == 0:
+                continue
+            start, shape = self.starts[j0][i], slab.shape(j0)
+            rows = buffer_RS[j0:j0 + n, start:start + math.prod(shape)].view(n, *shape)
+            part = t.narrow(d, offset, n * size)
+            lead = list(part.shape)
+            yield rows, part.reshape(*lead[:d], n, size, *lead[d + 1:]).movedim(d, 0)
 
     def launch(self) -> None:
         """Pack the gradients, free them, and start the reduce-scatter."""
         p0 = self.params[0]
         send_RS = torch.zeros(self.parts, self.segment, dtype=self.reduce_dtype, device=p0.device)
-        for i, (p, slab) in enumerate(zip(self.params, self.slabs, strict=True)):
+        for i, p in enumerate(self.params):
             if p.grad is None:  # e.g. an expert no token reached on this rank: zeros
                 continue
-            if (parts_R := self._split_R(i, p.grad)) is not None:
-                self._rows(send_RS, i).copy_(parts_R)
-            else:
-                for j, part in enumerate(slab.parts(p.grad)):
-                    self._row(send_RS[j], j, i).copy_(part.reshape(-1))
+            for rows, parts in self._run_pairs(i, send_RS, p.grad):
+                rows.copy_(parts)
             p.grad = None
         self.flat = torch.empty(self.segment, dtype=self.reduce_dtype, device=p0.device)
         with record_function("comm.grad_launch"):
@@ -198,13 +209,9 @@ class ShardedBucket:
         """All-gather the updated slabs into every rank's whole parameters."""
         recv_RS = self._all_gather([slab.data for slab in self.slabs])
         for i, slab in enumerate(self.slabs):
-            # this rank's own part is copied onto itself there: the values it sent
-            if (parts_R := self._split_R(i, slab.param.detach())) is not None:
-                parts_R.copy_(self._rows(recv_RS, i))
-                continue
-            for j, part in enumerate(slab.parts(slab.param.detach())):
-                if j != self.rank:
-                    part.copy_(self._row(recv_RS[j], j, i).view(part.shape))
+            # this rank's own part is copied onto itself: the values it sent
+            for rows, parts in self._run_pairs(i, recv_RS, slab.param.detach()):
+                parts.copy_(rows)
 
     @torch.no_grad()
     def gather_grads(self) -> list[torch.Tensor]:
