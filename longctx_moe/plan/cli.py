@@ -179,10 +179,13 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
                 p.memory, p.estimated = floor[0], not floor[1]  # cannot fit: refused without a probe
                 excluded.append(p)
                 continue
-            p.memory = resident(cache, cfg, p.layout)
-            if p.peak <= gpu.memory_bytes:  # else refused on its weights and state alone
-                p.memory = per_rank(cache, cfg, p.layout, n, draw, m)
-            if p.peak <= gpu.memory_bytes:
+            try:
+                p.memory = resident(cache, cfg, p.layout)
+                if p.peak <= gpu.memory_bytes:  # else refused on its weights and state alone
+                    p.memory = per_rank(cache, cfg, p.layout, n, draw, m)
+            except (RuntimeError, ValueError) as e:  # the program refused it on the rehearsed GPU
+                p.memory, p.refused = None, f"its rehearsal stopped: {str(e).splitlines()[0]}"
+            if p.refused is None and p.peak <= gpu.memory_bytes:
                 fit.append(p)
                 continue
         excluded.append(p)

@@ -72,7 +72,10 @@ def _shrinks(cfg) -> tuple[int, int, int]:
 
 
 def _with_layers(cfg, layers: int):
-    model = dataclasses.replace(cfg.model, num_layers=layers, first_k_dense=min(cfg.model.first_k_dense, layers))
+    # per-layer settings (gpt-oss' sliding and full attention layers) as the model's first layers'
+    types = cfg.model.layer_types[:layers] if cfg.model.layer_types else cfg.model.layer_types
+    model = dataclasses.replace(cfg.model, num_layers=layers, first_k_dense=min(cfg.model.first_k_dense, layers),
+                                layer_types=types)
     return dataclasses.replace(cfg, model=model)
 
 

@@ -131,3 +131,36 @@ def test_a_layer_adds_memory_and_takes_none_away():
     out = memory._extrapolate(first, second, (1, 2, 56))
     assert out["activations fixed"] == 1.5e9
     assert out["activations"] == pytest.approx(194e3 + 55 * 158e3)
+
+
+def test_a_shrink_keeps_the_model_s_first_layers_settings():
+    """Fails if a shrink keeps a per-layer list of the whole model (gpt-oss' sliding and full
+    attention layers: the shrink's config is then refused and the plan stops)."""
+    cfg = load_config("configs/tiny_cpu.yaml", ["model.num_layers=4", "model.sliding_window=64",
+                                                "model.layer_types=[sliding_attention,full_attention,"
+                                                "sliding_attention,full_attention]"])
+    shrunk = memory._with_layers(cfg, 3)
+    assert shrunk.model.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    from longctx_moe.config import validate
+
+    validate(shrunk)
+
+
+def test_a_layout_whose_rehearsal_stops_is_refused_with_the_reason(monkeypatch):
+    """Fails if a layout the program refuses on the rehearsed GPU (a RuntimeError in its probe)
+    stops the plan or is proposed."""
+    cfg = _tiny()
+
+    def stops(cache, cfg, layout, *a):
+        if layout.tp == 2:
+            raise RuntimeError("attention backend 'x' cannot do this on meta; use y\nmore")
+        return {"parameters": 2**20}
+
+    monkeypatch.setattr(layouts, "candidates", lambda *a, **k: list(FAMILY))
+    monkeypatch.setattr(memory, "estimate", lambda *a, **k: None)
+    monkeypatch.setattr(memory, "resident", stops)
+    monkeypatch.setattr(memory, "per_rank", lambda *a, **k: {"parameters": 2**20})
+    result = plan(cfg, WORLD, "h100", "lognormal:256,0.5,1024", 16384, top=len(FAMILY))
+    refused = [p for p in result["excluded"] if p.layout.tp == 2]
+    assert refused and refused[0].refused == "its rehearsal stopped: attention backend 'x' cannot do this on meta; use y"
+    assert all(p.layout.tp != 2 for p in result["fit"]) and len(result["fit"]) == len(FAMILY) - 1
