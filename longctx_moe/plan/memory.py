@@ -203,8 +203,12 @@ PROBE_EP = 8
 
 def _probe_layout(layout: Layout) -> Layout:
     """The small world whose rank runs the layout's activations: its TP, its CP backend on 2 ranks
-    (hierarchical: 2 x 2), its EP up to PROBE_EP and its ETP."""
-    cp, inner = {"ring": (2, 2), "ulysses": (2, 2), "hierarchical": (4, 2)}[layout.cp_backend] \
+    (hierarchical: 2 x 2; Ulysses on its own CP up to 4: its all-to-all regroups a rank's heads
+    over the CP ranks' tokens, K/V replicated where a rank has fewer KV heads than CP ranks, so
+    its buffers a token follow the CP size: gpt-oss-120b's TP2 x Ulysses CP4 was 17% over its
+    rehearsal probed at CP 2, 10% at 4), its EP up to PROBE_EP and its ETP."""
+    ulysses = min(layout.cp, 4)
+    cp, inner = {"ring": (2, 2), "ulysses": (ulysses, ulysses), "hierarchical": (4, 2)}[layout.cp_backend] \
         if layout.cp > 1 else (1, 1)
     ep = min(layout.ep, PROBE_EP)
     world = max(layout.tp * cp, ep * layout.etp)
