@@ -195,25 +195,20 @@ def _state_key(layout: Layout) -> str:
                 world=layout.world if layout.distributed_optimizer else 0, precision=_precision(layout))
 
 
-# EP of an activation probe at most: a rank's routed rows are its tokens x top-k under the balanced
-# routing rehearsed, whatever its share of the experts (Qwen3-30B-A3B's bytes per token agree to
-# 0.1% across EP 16 to 128), and a probe's world, hence its cost, grows with EP
-PROBE_EP = 8
-
-
 def _probe_layout(layout: Layout) -> Layout:
     """The small world whose rank runs the layout's activations: its TP, its CP backend on 2 ranks
     (hierarchical: 2 x 2; Ulysses on its own CP up to 4: its all-to-all regroups a rank's heads
     over the CP ranks' tokens, K/V replicated where a rank has fewer KV heads than CP ranks, so
     its buffers a token follow the CP size: gpt-oss-120b's TP2 x Ulysses CP4 was 17% over its
-    rehearsal probed at CP 2, 10% at 4), its EP up to PROBE_EP and its ETP."""
+    rehearsal probed at CP 2, 10% at 4), its EP and ETP (a rank's routed rows and their buffers
+    follow its EP: probed at EP 8, DeepSeek-V3's TP8 x EP64 rank came to 14 GiB of activations
+    at 32K tokens where its rehearsal holds 137)."""
     ulysses = min(layout.cp, 4)
     cp, inner = {"ring": (2, 2), "ulysses": (ulysses, ulysses), "hierarchical": (4, 2)}[layout.cp_backend] \
         if layout.cp > 1 else (1, 1)
-    ep = min(layout.ep, PROBE_EP)
-    world = max(layout.tp * cp, ep * layout.etp)
+    world = max(layout.tp * cp, layout.ep * layout.etp)
     return dataclasses.replace(layout, cp=cp, cp_backend=layout.cp_backend if cp > 1 else "ring", cp_inner=inner,
-                               ep=ep, dynamic_cp=False,
+                               dynamic_cp=False,
                                distributed_optimizer=layout.distributed_optimizer and world > 1, world=world)
 
 
