@@ -326,8 +326,9 @@ def _peak(state: dict, per_token: dict, rank_tokens: int, micro_batches: int) ->
 # layout's degrees its memory follows, and how: a rank's weights, gradients and optimizer state
 # are its share of the model's dense and expert parameters (dense / TP, experts / (EP x ETP), the
 # optimizer's over DP x CP and EDP too under the distributed optimizer); its bytes per token do
-# not move with EP or the distributed optimizer (Qwen3-30B-A3B's probes agree to 0.1% across EP 16
-# to 128, both optimizers) and fall as 1 / TP (per layer, to 0.1%). Recompute, CP's backend, ETP
+# not move with the distributed optimizer and fall as 1 / TP (Qwen3-30B-A3B's probes: to 0.1%), and
+# with EP they stay (Qwen3-30B-A3B, EP 16-128) or grow (DeepSeek-V3's TP8 rank: 14 GiB of
+# activations at EP 8, 137 at EP 64), so they are carried from a smaller or equal EP only. Recompute, CP's backend, ETP
 # and the precision change what is saved, and are not carried across. So a layout no probe has
 # measured is estimated from the nearest measured one; the walk measures it only where the
 # estimate is within a margin of the GPU's memory (ESTIMATE_MARGIN, and more per degree the
@@ -394,6 +395,8 @@ def _estimated_activations(cache: MemoryCache, cfg, layout: Layout) -> tuple[dic
     best = None
     for fields, value in _entries(cache, "activations"):
         if fields["precision"] != _precision(layout) or SAVES[fields["recompute"]] > SAVES[layout.recompute]:
+            continue
+        if fields["ep"] > probe.ep:  # a larger EP may hold more a token (DeepSeek-V3: 10x at 64 over 8)
             continue
         have = {**fields, "cp": fields["cp"].rstrip("0123456789")}
         carried = sum(CARRY_MARGIN[k] for k in want if have[k] != want[k])

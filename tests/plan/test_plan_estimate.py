@@ -74,7 +74,8 @@ def test_floors_are_close_where_only_ep_or_the_optimizer_differ(measured):
     (a floor of zero would pass the test above and refuse nothing)."""
     cfg, family, cache, exact = measured
     counts = param_counts(cfg)
-    for layout in family[:3]:  # each has a neighbour that differs in EP or the optimizer alone
+    for layout in (family[0], family[2]):  # each has a neighbour of no larger EP that differs in EP
+        # or the optimizer alone
         own = memory._activation_key(layout)
         held = cache.entries.pop(own)
         try:
@@ -164,3 +165,15 @@ def test_a_layout_whose_rehearsal_stops_is_refused_with_the_reason(monkeypatch):
     refused = [p for p in result["excluded"] if p.layout.tp == 2]
     assert refused and refused[0].refused == "its rehearsal stopped: attention backend 'x' cannot do this on meta; use y"
     assert all(p.layout.tp != 2 for p in result["fit"]) and len(result["fit"]) == len(FAMILY) - 1
+
+
+def test_activations_are_carried_from_no_larger_ep():
+    """Fails if a layout's bytes per token are carried from a layout of larger EP, which may hold
+    many times more a token (DeepSeek-V3's TP8 rank: 10x at EP 64 over EP 8)."""
+    cfg = _tiny()
+    cache = memory.MemoryCache(cfg, None)
+    per_layer = {"activations": 1000.0, "activations fixed": 0.0}
+    cache.entries[memory._activation_key(_layout(ep=4))] = [per_layer, per_layer]
+    assert memory._estimated_activations(cache, cfg, _layout(ep=2)) is None
+    carried, margin = memory._estimated_activations(cache, cfg, _layout(ep=4, dopt=False))
+    assert carried["activations"] == 1000.0 and margin == 0.0
