@@ -236,13 +236,14 @@ def _activation_bytes(cfg, probe: Layout, lengths_of, rl: bool = False) -> dict:
     peak (the step's peak before its optimizer steps: RankReport.update_free_split), from two
     rehearsals at different token counts: what does not grow with the tokens (workspaces, a
     layer's weights gathered) is a fixed part, not spread over the tokens. The first step's
-    forward and backward are measured (rehearse_rank's until_update): what a steady step holds
+    forward and backward are measured (no warm-up, until_update): what a steady step holds
     there, but the optimizer's state, which the state probe measures."""
     from longctx_moe.rehearsal.gpus import GPUS
 
     rehearse_rank = rehearse_step(rl)
     (n1, a), (n2, b) = [
-        (n, rehearse_rank(cfg, probe.world, 0, GPUS["h100"], lengths_of(n * probe.cp), until_update=True).update_free_split)
+        (n, rehearse_rank(cfg, probe.world, 0, GPUS["h100"], lengths_of(n * probe.cp), warmup=False,
+                          until_update=True).update_free_split)
         for n in (PROBE_TOKENS, 4 * PROBE_TOKENS)]
     out = {}
     for k in TOKEN_CATEGORIES:

@@ -151,13 +151,15 @@ def test_lengths_from_a_packed_dataset(tmp_path, monkeypatch):
 
 def test_rl_measures_the_policy_step(monkeypatch, tmp_path):
     """Fails if --rl is accepted and then ignored: its activation probes must rehearse the RL
-    policy's step (the entry point rl_hooks registers), and its measurements be cached apart."""
+    policy's step (the entry point rl_hooks registers), and its measurements be cached apart; or
+    if a probe runs a warm-up step or the update (the probes read only what precedes the update)."""
     from types import SimpleNamespace
 
     assert memory.rehearse_step(True).__name__ == "rehearse_policy_rank"
-    seen = []
+    seen, steps = [], []
 
-    def fake(cfg, world, rank, gpu, lengths, until_update=False):  # a probe's report: bytes grow with the tokens
+    def fake(cfg, world, rank, gpu, lengths, warmup=True, until_update=False):  # a probe's report: bytes grow with the tokens
+        steps.append((warmup, until_update))
         split = {"activations": 100 * sum(lengths), "communication buffers": 0, "rest": 0, "gradients": 0}
         return SimpleNamespace(peak_moment="Transformer (peak_fw)", peak_split=split, update_free_split=split)
 
@@ -165,6 +167,7 @@ def test_rl_measures_the_policy_step(monkeypatch, tmp_path):
     _only(monkeypatch, lambda c: _plain(c) and c.tp == 1 and c.cp == 1 and c.ep == 2)
     result = plan(_tiny(), 2, "h100", "lognormal:256,0.5,1024", 8192, top=1, cache_dir=str(tmp_path), rl=True)
     assert result["fit"] and seen and all(seen), seen
+    assert steps and set(steps) == {(False, True)}, steps  # the first step, until its update: no warm-up
     assert memory.MemoryCache(_tiny(), tmp_path, rl=True).path != memory.MemoryCache(_tiny(), tmp_path).path
 
 
