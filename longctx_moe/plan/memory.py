@@ -120,12 +120,10 @@ def _state_bytes(cfg, world: int) -> dict:
     left reduced over their replicas (the all-reduce buckets or the distributed optimizer's
     reduce-scatter, their buffers filed as communication) and the optimizer's step (its own
     temporaries filed as activations, as the rehearsal files them)."""
-    from torch.distributed._tools.mem_tracker import get_untyped_storages
-
     from longctx_moe.rehearsal.collectives import DeviceRules
     from longctx_moe.rehearsal.fake_world import build_rank, fake_world
     from longctx_moe.rehearsal.gpus import GPUS, as_cuda_device
-    from longctx_moe.rehearsal.memtrack import FastMemTracker
+    from longctx_moe.rehearsal.memtrack import FastMemTracker, stepped_apart, torch_optimizer
     from longctx_moe.rehearsal.meta_device import cuda_kernels
     from longctx_moe.rehearsal.step import _groups, _split
 
@@ -136,9 +134,7 @@ def _state_bytes(cfg, world: int) -> dict:
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         with cuda_kernels():  # the optimizer picks its kernels as on the GPU: fused AdamW
             optimizer = runtime.build_optimizer(cfg.optim)
-        inner = optimizer  # the torch optimizer (the distributed optimizer's is over slabs)
-        while not isinstance(inner, torch.optim.Optimizer):
-            inner = inner.optimizer
+        inner = torch_optimizer(optimizer)
         names, _ = _groups(dims)
 
         def backward_done() -> None:  # the gradients as a backward leaves them
@@ -153,9 +149,7 @@ def _state_bytes(cfg, world: int) -> dict:
         with cuda_kernels(), DeviceRules(rank=0, group_names=names):
             update()  # the state AdamW (and a bf16 run's fp32 masters) allocate
         # on the device only (meta here): host AdamW's state and masters are in host memory
-        owned = {st for p in model.parameters() for st in get_untyped_storages(p)}
-        masters = [p for g in inner.param_groups for p in g["params"]
-                   if p.device.type == "meta" and not get_untyped_storages(p) & owned]
+        masters = [t for t in stepped_apart(inner, model) if t.device.type == "meta"]
         on_device = masters + [t for s in inner.state.values() for t in s.values()
                                if torch.is_tensor(t) and t.dim() > 0 and t.device.type == "meta"]
         state = sum(t.numel() * t.element_size() for t in on_device)
@@ -329,8 +323,8 @@ def _peak(state: dict, per_token: dict, rank_tokens: int, micro_batches: int) ->
 # optimizer's over DP x CP and EDP too under the distributed optimizer); its bytes per token do
 # not move with the distributed optimizer and fall as 1 / TP (Qwen3-30B-A3B's probes: to 0.1%), and
 # with EP they stay (Qwen3-30B-A3B, EP 16-128) or grow (DeepSeek-V3's TP8 rank: 14 GiB of
-# activations at EP 8, 137 at EP 64), so they are carried from a smaller or equal EP only. Recompute, CP's backend, ETP
-# and the precision change what is saved, and are not carried across. So a layout no probe has
+# activations at EP 8, 137 at EP 64), so they are carried from a smaller or equal EP only.
+# Recompute, CP's backend, ETP and the precision change what is saved, and are not carried across. So a layout no probe has
 # measured is estimated from the nearest measured one; the walk measures it only where the
 # estimate is within a margin of the GPU's memory (ESTIMATE_MARGIN, and more per degree the
 # estimate carries across), so every layout a plan proposes is measured, never estimated.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from copy import deepcopy
 
+import torch
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
 
@@ -77,11 +78,8 @@ class FastMemTracker(MemTracker):
         fp32 masters of bf16 weights) as optimizer state. torch's tracker sees an optimizer's
         state and a module's parameters, not the parameters of an optimizer over other tensors,
         and these were made before the tracked step: untracked, they would be missing from it."""
-        owned = {st for p in model.parameters() for st in get_untyped_storages(p)}
-        for group in optimizer.param_groups:
-            for t in group["params"]:
-                if not get_untyped_storages(t) & owned:
-                    self._update_and_maybe_create_winfos(t, _MemRefType.OPT)
+        for t in stepped_apart(optimizer, model):
+            self._update_and_maybe_create_winfos(t, _MemRefType.OPT)
 
     def mark_comm(self, tensors) -> None:
         """File the storages of `tensors` (a collective's outputs) as communication buffers, where
@@ -92,3 +90,18 @@ class FastMemTracker(MemTracker):
                 if winfo is not None and winfo.reftype in (_MemRefType.ACT, _MemRefType.TEMP):
                     old, winfo.reftype = winfo.reftype, COMM
                     self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
+
+
+def torch_optimizer(optimizer):
+    """The torch optimizer inside ours (the distributed optimizer holds one over its slabs, a
+    MasterAdamW one over fp32 masters)."""
+    while not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def stepped_apart(optimizer, model) -> list:
+    """The tensors torch optimizer `optimizer` steps that share no storage with `model`'s
+    parameters (MasterAdamW's fp32 masters)."""
+    owned = {st for p in model.parameters() for st in get_untyped_storages(p)}
+    return [t for g in optimizer.param_groups for t in g["params"] if not get_untyped_storages(t) & owned]

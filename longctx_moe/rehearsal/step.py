@@ -144,7 +144,7 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU,
     from longctx_moe.rehearsal import standins
     from longctx_moe.rehearsal.collectives import DeviceRules
     from longctx_moe.rehearsal.cost import host_step_of, model_step_time
-    from longctx_moe.rehearsal.memtrack import FastMemTracker
+    from longctx_moe.rehearsal.memtrack import FastMemTracker, torch_optimizer
     from longctx_moe.rehearsal.meta_autocast import meta_autocast
     from longctx_moe.rehearsal.meta_device import cuda_kernels
 
@@ -155,11 +155,7 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU,
         with meta_autocast(dtype), standins.standins(), cuda_kernels(), DeviceRules(rank=rank, group_names=names):
             step()
     tracker = FastMemTracker()
-    # the torch optimizer itself (the distributed optimizer holds one over its slabs, a MasterAdamW
-    # one over fp32 masters)
-    inner = trainer.optimizer
-    while not isinstance(inner, torch.optim.Optimizer):
-        inner = inner.optimizer
+    inner = torch_optimizer(trainer.optimizer)
     tracker.track_external(runtime.model, inner)
     tracker.track_optimizer_tensors(inner, runtime.model)
     standins.host_reads.clear()
