@@ -80,10 +80,6 @@ class Slab:
     def start(self) -> int:
         return sum(self.sizes[:self.rank])
 
-    def parts(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The R parts of a tensor shaped like the parameter (views)."""
-        return torch.split(t, self.sizes, self.dim)
-
     def shape(self, j: int) -> list[int]:
         """Shape of part j."""
         shape = list(self.param.shape)
