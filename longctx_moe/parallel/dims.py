@@ -235,14 +235,18 @@ def _new_group(name: str, ranks: list[int]):
     return made[key]
 
 
-def destroy_process_groups() -> None:
+def destroy_process_groups(collect: bool = True) -> None:
     """End this process's distributed state now: forget the cached groups and destroy the default
     group with all of them. Their gloo worker threads and sockets then close here, while the peer
     ranks still run; left to the interpreter's exit, they were destroyed after a peer had gone and
-    now and then aborted the process ("terminate called without an active exception")."""
+    now and then aborted the process ("terminate called without an active exception").
+    `collect=False` skips the garbage collection that frees groups held in reference cycles:
+    for groups that hold no threads or sockets (the rehearsal's fake ones), where a full
+    collection (~0.15 s with torch loaded) would be most of a small rehearsal's cost."""
     global _made
     _made = (None, {})
-    gc.collect()  # a ParallelDims in a reference cycle would keep its groups alive until exit
+    if collect:
+        gc.collect()  # a ParallelDims in a reference cycle would keep its groups alive until exit
     if dist.is_initialized():
         dist.destroy_process_group()
 
