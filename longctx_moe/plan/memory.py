@@ -52,12 +52,19 @@ TOKEN_CATEGORIES = ("activations", "communication buffers", "rest")
 CATEGORIES = ("parameters", "gradients", "optimizer state") + TOKEN_CATEGORIES
 # What the measurements are (their keys and how they are taken), in the cache's name: a cache of
 # other measurements is not read
-MEASURES = 6
+MEASURES = 7
 
 
 def _precision(layout: Layout) -> list:
     """What of a layout's numerics shapes its memory: the parameters' dtype, FP8, where AdamW runs."""
     return [layout.param_dtype, layout.fp8, layout.optimizer]
+
+
+def _forward_precision(layout: Layout) -> list:
+    """What of its numerics shapes a layout's forward and backward: not where AdamW runs, which
+    shapes only the update (an activation probe stops where the update begins; DeepSeek-V3's
+    probes with AdamW on the host and on the GPU gave the same bytes to the byte)."""
+    return [layout.param_dtype, layout.fp8]
 
 
 def _key(kind: str, **fields) -> str:
@@ -209,7 +216,7 @@ def _probe_layout(layout: Layout) -> Layout:
 def _activation_key(layout: Layout) -> str:
     probe = _probe_layout(layout)
     return _key("activations", recompute=layout.recompute, tp=layout.tp, cp=f"{probe.cp_backend}{probe.cp}",
-                ep=probe.ep, etp=probe.etp, dopt=probe.distributed_optimizer, precision=_precision(layout))
+                ep=probe.ep, etp=probe.etp, dopt=probe.distributed_optimizer, precision=_forward_precision(layout))
 
 
 def rehearse_step(rl: bool):
@@ -389,7 +396,7 @@ def _estimated_activations(cache: MemoryCache, cfg, layout: Layout) -> tuple[dic
     want = {"tp": layout.tp, "cp": probe.cp_backend, "etp": probe.etp}
     best = None
     for fields, value in _entries(cache, "activations"):
-        if fields["precision"] != _precision(layout) or SAVES[fields["recompute"]] > SAVES[layout.recompute]:
+        if fields["precision"] != _forward_precision(layout) or SAVES[fields["recompute"]] > SAVES[layout.recompute]:
             continue
         if fields["ep"] > probe.ep:  # a larger EP may hold more a token (DeepSeek-V3: 10x at 64 over 8)
             continue

@@ -177,3 +177,23 @@ def test_activations_are_carried_from_no_larger_ep():
     assert memory._estimated_activations(cache, cfg, _layout(ep=2)) is None
     carried, margin = memory._estimated_activations(cache, cfg, _layout(ep=4, dopt=False))
     assert carried["activations"] == 1000.0 and margin == 0.0
+
+
+def test_one_activation_probe_serves_adamw_on_the_device_and_on_the_host():
+    """The activation probe stops where the update begins, so where AdamW runs does not enter its
+    key. Fails if the key names the optimizer's placement (two probes where one serves), or if the
+    program's forward / backward comes to depend on it (gradients moved to the host as the
+    backward makes them would change the bytes, and the shared probe would then be wrong)."""
+    cfg = _tiny()
+    draw, _ = length_source("lognormal:256,0.5,1024")
+    on_device = _layout(ep=2)
+    on_host = layouts.Layout(**{**on_device.__dict__, "optimizer": "host"})
+    assert layouts.judge(cfg, on_host) is None
+    assert memory._activation_key(on_host) == memory._activation_key(on_device)
+    assert memory._state_key(on_host) != memory._state_key(on_device)
+    figures = []
+    for layout in (on_device, on_host):
+        probe = memory._probe_layout(layout)
+        c = memory._with_layers(layouts.config_of(cfg, probe), memory._shrinks(cfg)[0])
+        figures.append(memory._activation_bytes(c, probe, draw))
+    assert figures[0] == figures[1]
