@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rehearse-top", type=int, default=0, metavar="K",
                    help="rehearse the K best layouts in full and print both memory figures")
     p.add_argument("--cache", default="runs/plan-cache", help="where memory measurements are kept")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes for the memory probes' rehearsals (default: this machine's cores, "
+                        "up to 4; 1 runs them in this process)")
     p.add_argument("--out", help="write the plan as JSON here")
     return p
 
@@ -139,9 +142,23 @@ class Planned:
 
 def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int = 5,
          gpus_per_node: int = 8, cache_dir: str | None = None, progress=None,
-         memory_bytes: int | None = None, rl: bool = False, precision: str = "all") -> dict:
+         memory_bytes: int | None = None, rl: bool = False, precision: str = "all", jobs: int = 1) -> dict:
     """{"fit": [Planned] fastest first, "excluded": [Planned] faster ones that did not fit or were
-    refused, "candidates", "judged", "measured"}."""
+    refused, "candidates", "judged", "measured"}. `jobs`: worker processes for the memory probes'
+    rehearsals (probes.Probes; 1: in this process)."""
+    from longctx_moe.plan.probes import Probes
+
+    probes = Probes(jobs)
+    probes.start()  # the workers import while the candidates are timed
+    try:
+        return _plan(cfg, gpus, gpu_kind, lengths_spec, tokens, top, gpus_per_node, cache_dir, progress,
+                     memory_bytes, rl, precision, probes)
+    finally:
+        probes.close()
+
+
+def _plan(cfg, gpus, gpu_kind, lengths_spec, tokens, top, gpus_per_node, cache_dir, progress, memory_bytes, rl,
+          precision, probes) -> dict:
     from longctx_moe.plan.layouts import candidates, judge
     from longctx_moe.plan.memory import MemoryCache, estimate, per_rank, resident
     from longctx_moe.plan.timing import Workload, step_time
@@ -161,7 +178,7 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
         work = works.setdefault(n, Workload(docs, n))
         timed.append(Planned(layout, step_time(cfg.model, gpu, gpu_kind, layout, work, counts)))
     timed.sort(key=lambda p: p.time["total_s"])
-    cache = MemoryCache(cfg, cache_dir, rl)
+    cache = MemoryCache(cfg, cache_dir, rl, probes)
     fit, excluded, judged, measured = [], [], 0, -1
     for i, p in enumerate(timed):
         if len(fit) >= top:
@@ -209,6 +226,7 @@ HEADER = (f"{'layout':<48} {'peak':>6} | {'param':>6} {'grad':>6} {'optim':>6} {
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     from longctx_moe.config import ConfigError
+    from longctx_moe.plan.probes import default_jobs
 
     start = time.perf_counter()
     try:
@@ -217,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = base_config(args.model)
         result = plan(cfg, args.gpus, args.gpu, args.lengths, args.tokens_per_step, args.top,
                       args.gpus_per_node, args.cache, progress=lambda s: print(s, end="", file=sys.stderr),
-                      rl=args.rl, precision=args.precision)
+                      rl=args.rl, precision=args.precision, jobs=default_jobs() if args.jobs is None else args.jobs)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from longctx_moe.plan.layouts import Layout, config_of
+from longctx_moe.plan.probes import Probes
 
 # Tokens per rank of an activation probe (and four times as many): meta tensors cost the same at
 # any size; a rank's share of a micro-batch is rarely smaller.
@@ -98,8 +99,9 @@ def _extrapolate(first: dict, second: dict, layers: tuple[int, int, int]) -> dic
 class MemoryCache:
     """Measurements of one model and precision on disk (JSON), shared by every plan of it."""
 
-    def __init__(self, cfg, directory: str | Path | None, rl: bool = False):
+    def __init__(self, cfg, directory: str | Path | None, rl: bool = False, probes: Probes | None = None):
         self.rl = rl  # the activation probes rehearse an RL policy's step (rehearse_step)
+        self.probes = probes or Probes(1)  # where the measurements' rehearsals run
         what = json.dumps([MEASURES, dataclasses.asdict(cfg.model), dataclasses.asdict(cfg.execution),
                            cfg.train.param_dtype, cfg.train.autocast_dtype, cfg.optim.impl, rl], sort_keys=True,
                           default=str)
@@ -153,7 +155,7 @@ def _state_bytes(cfg, world: int) -> dict:
             optimizer.step()
 
         backward_done()
-        with cuda_kernels(), DeviceRules(rank=0, group_names=names):
+        with cuda_kernels(), DeviceRules(rank=0, group_names=names, accounting=False):
             update()  # the state AdamW (and a bf16 run's fp32 masters) allocate
         # on the device only (meta here): host AdamW's state and masters are in host memory
         masters = [t for t in stepped_apart(inner, model) if t.device.type == "meta"]
@@ -165,7 +167,7 @@ def _state_bytes(cfg, world: int) -> dict:
         tracker = FastMemTracker()  # a steady-state update: what it holds at its peak
         tracker.track_external(model, inner)
         tracker.track_optimizer_tensors(inner, model)  # a bf16 run's fp32 masters
-        rules = DeviceRules(rank=0, group_names=names)
+        rules = DeviceRules(rank=0, group_names=names, accounting=False)  # memory is all it reads
         rules.on_buffers = tracker.mark_comm
         with cuda_kernels(), tracker, rules:
             update()
@@ -185,7 +187,7 @@ def static(cache: MemoryCache, cfg, layout: Layout) -> dict:
     def measure():
         probe = dataclasses.replace(layout, cp=1, cp_backend="ring", cp_inner=1, dynamic_cp=False)
         c = config_of(cfg, probe)
-        return [_state_bytes(_with_layers(c, n), layout.world) for n in layers[:2]]
+        return cache.probes.run(_state_bytes, [(_with_layers(c, n), layout.world) for n in layers[:2]])
 
     first, second = cache.get(key, measure)
     return _extrapolate(first, second, layers)
@@ -232,20 +234,22 @@ def rehearse_step(rl: bool):
     return _policy_step()
 
 
-def _activation_bytes(cfg, probe: Layout, lengths_of, rl: bool = False) -> dict:
-    """{category: bytes per token of a rank, f"{category} fixed": bytes} at the forward / backward
-    peak (the step's peak before its optimizer steps: RankReport.update_free_split), from two
-    rehearsals at different token counts: what does not grow with the tokens (workspaces, a
-    layer's weights gathered) is a fixed part, not spread over the tokens. The first step's
-    forward and backward are measured (no warm-up, until_update): what a steady step holds
-    there, but the optimizer's state, which the state probe measures."""
+def _update_free_split(cfg, world: int, lengths: list[int], rl: bool) -> dict:
+    """One rehearsal of an activation probe: rank 0's step of `lengths` on `world` ranks, its
+    first step's forward and backward (no warm-up, stopped where the update begins: what a steady
+    step holds there, but the optimizer's state, which the state probe measures), and the peak
+    there by category (RankReport.update_free_split)."""
     from longctx_moe.rehearsal.gpus import GPUS
 
-    rehearse_rank = rehearse_step(rl)
-    (n1, a), (n2, b) = [
-        (n, rehearse_rank(cfg, probe.world, 0, GPUS["h100"], lengths_of(n * probe.cp), warmup=False,
-                          until_update=True).update_free_split)
-        for n in (PROBE_TOKENS, 4 * PROBE_TOKENS)]
+    return rehearse_step(rl)(cfg, world, 0, GPUS["h100"], lengths, warmup=False, until_update=True,
+                             accounting=False).update_free_split
+
+
+def _per_token(tokens: tuple[int, int], splits: list[dict]) -> dict:
+    """{category: bytes per token of a rank, f"{category} fixed": bytes} from a shrink's peaks at
+    two token counts: what does not grow with the tokens (workspaces, a layer's weights gathered)
+    is a fixed part, not spread over the tokens."""
+    (n1, n2), (a, b) = tokens, splits
     out = {}
     for k in TOKEN_CATEGORIES:
         slope = (b[k] - a[k]) / (n2 - n1)
@@ -254,6 +258,15 @@ def _activation_bytes(cfg, probe: Layout, lengths_of, rl: bool = False) -> dict:
         out[k], out[f"{k} fixed"] = slope, max(0.0, b[k] - slope * n2)
     out["gradients fixed"] = a["gradients"]  # made before the peak (the lm head's, first in the backward)
     return out
+
+
+def _activation_bytes(cache: MemoryCache, shrinks: list, probe: Layout, lengths_of) -> list[dict]:
+    """_per_token of each of `shrinks` (the probe's configs), from rehearsals at PROBE_TOKENS and
+    four times as many a rank, all run at once where the cache's probes have workers."""
+    tokens = (PROBE_TOKENS, 4 * PROBE_TOKENS)
+    tasks = [(c, probe.world, lengths_of(n * probe.cp), cache.rl) for c in shrinks for n in tokens]
+    splits = cache.probes.run(_update_free_split, tasks)
+    return [_per_token(tokens, splits[2 * i:2 * i + 2]) for i in range(len(shrinks))]
 
 
 def activations(cache: MemoryCache, cfg, layout: Layout, lengths_of) -> dict:
@@ -265,7 +278,7 @@ def activations(cache: MemoryCache, cfg, layout: Layout, lengths_of) -> dict:
 
     def measure():
         c = config_of(cfg, probe)
-        return [_activation_bytes(_with_layers(c, n), probe, lengths_of, cache.rl) for n in layers[:2]]
+        return _activation_bytes(cache, [_with_layers(c, n) for n in layers[:2]], probe, lengths_of)
 
     first, second = cache.get(key, measure)
     out = _extrapolate(first, second, layers)
@@ -331,14 +344,22 @@ def _peak(state: dict, per_token: dict, rank_tokens: int, micro_batches: int) ->
 # not move with the distributed optimizer and fall as 1 / TP (Qwen3-30B-A3B's probes: to 0.1%), and
 # with EP they stay (Qwen3-30B-A3B, EP 16-128) or grow (DeepSeek-V3's TP8 rank: 14 GiB of
 # activations at EP 8, 137 at EP 64), so they are carried from a smaller or equal EP only.
-# Recompute, CP's backend, ETP and the precision change what is saved, and are not carried across. So a layout no probe has
-# measured is estimated from the nearest measured one; the walk measures it only where the
-# estimate is within a margin of the GPU's memory (ESTIMATE_MARGIN, and more per degree the
-# estimate carries across), so every layout a plan proposes is measured, never estimated.
+# CP's backend, ETP and the precision change what is saved: carried with a margin each (the
+# precision from bf16 to fp32 parameters only); a recompute mode that keeps less is a floor as it
+# is. So a layout no probe has measured is estimated from the nearest measured one; the walk
+# measures it only where the estimate is within a margin of the GPU's memory (ESTIMATE_MARGIN,
+# and more per degree the estimate carries across), so every layout a plan proposes is
+# measured, never estimated.
 ESTIMATE_MARGIN = 0.10
 # added to the margin when the estimate's activations come from a layout of another TP (scaled),
-# CP backend (Ulysses' all-to-all buffers: +7% a token over ring's) or ETP (taken as they are)
-CARRY_MARGIN = {"tp": 0.05, "cp": 0.15, "etp": 0.25}
+# CP backend (Ulysses' all-to-all buffers: +7% a token over ring's), ETP (taken as they are) or
+# precision: bf16 parameters' activations stand for fp32 parameters' (which hold the bf16 copies
+# autocast makes of their weights besides; Qwen3-30B-A3B's probes: a token's bytes within 1%,
+# the fixed part 1.5x, at one layer a bf16 shrink 0.4% above its fp32 twin)
+CARRY_MARGIN = {"tp": 0.05, "cp": 0.15, "etp": 0.25, "precision": 0.05}
+# the precisions whose activations stand for another's: (parameters' dtype, FP8) -> those it
+# may be carried from
+CARRIED_PRECISION = {("fp32", False): ("bf16", False)}
 # what each recompute mode keeps for the backward, in order: full (a block's input) below
 # selective (all but the SwiGLU's) below none; a layout's activations are at least those of the
 # same layout under a mode that keeps less
@@ -393,10 +414,12 @@ def _estimated_activations(cache: MemoryCache, cfg, layout: Layout) -> tuple[dic
     precision, the margin its differences add), None where none is measured."""
     probe = _probe_layout(layout)
     # ring CP on 2 ranks holds a token's activations as no CP does (to 0.3%)
-    want = {"tp": layout.tp, "cp": probe.cp_backend, "etp": probe.etp}
+    own = _forward_precision(layout)
+    want = {"tp": layout.tp, "cp": probe.cp_backend, "etp": probe.etp, "precision": own}
+    usable = [own, list(CARRIED_PRECISION.get(tuple(own), own))]
     best = None
     for fields, value in _entries(cache, "activations"):
-        if fields["precision"] != _forward_precision(layout) or SAVES[fields["recompute"]] > SAVES[layout.recompute]:
+        if fields["precision"] not in usable or SAVES[fields["recompute"]] > SAVES[layout.recompute]:
             continue
         if fields["ep"] > probe.ep:  # a larger EP may hold more a token (DeepSeek-V3: 10x at 64 over 8)
             continue

@@ -82,6 +82,10 @@ class DeviceRules(TorchDispatchMode):
     host_values: WeakTensorKeyDictionary = field(default_factory=WeakTensorKeyDictionary)
     # called with the buffers each device collective writes (memtrack's mark_comm)
     on_buffers: object = None
+    # each op's checks and counts (host tensors mixed into device work, launches, FLOPs and
+    # bytes for the roofline); off where only memory is wanted (the planner's probes: a quarter
+    # of a rehearsal's time), collectives are checked and counted either way
+    accounting: bool = True
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -97,6 +101,8 @@ class DeviceRules(TorchDispatchMode):
                 # the first argument is what the collective writes (a send's is what it reads)
                 self.on_buffers([t for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)])
             return out
+        if not self.accounting:
+            return func(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         self._mixing(func, tensors)
         out = func(*args, **kwargs)

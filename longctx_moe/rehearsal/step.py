@@ -104,12 +104,13 @@ def _peak_moment(tracker, peak: int) -> str:
 
 
 def rehearse_rank(cfg, world: int, rank: int, gpu: GPU, lengths: list[int], ops=None,
-                  compute=None, warmup: bool = True, until_update: bool = False) -> RankReport:
+                  compute=None, warmup: bool = True, until_update: bool = False,
+                  accounting: bool = True) -> RankReport:
     """Build rank `rank`'s part of `cfg` on meta and run one optimizer step of `lengths` (one
     micro-batch of this rank's documents) through the trainer; measure it. Call in a process of
     its own (one default process group per process). `ops` / `compute`: the Ops and ComputeDtype
     rehearsed (default the GPU's: fake_world.cuda_ops / gpu_compute); truth.py passes a real run's.
-    `warmup`, `until_update`: see measure_step."""
+    `warmup`, `until_update`, `accounting`: see measure_step."""
     from data_packing.batch import pad_multiple
     from longctx_moe.precision import PARAM_DTYPES
     from longctx_moe.rehearsal.fake_world import build_rank, fake_world, gpu_compute, host_batch
@@ -123,7 +124,8 @@ def rehearse_rank(cfg, world: int, rank: int, gpu: GPU, lengths: list[int], ops=
             trainer = Trainer(cfg, runtime, "meta")
         trainer.compute = compute or gpu_compute(cfg, dtype)  # the rehearsed device's, which meta cannot answer
         batch = host_batch(lengths, pad_multiple(cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.sequence_parallel))
-        return measure_step(lambda: trainer.train_step([batch]), trainer, dims, rank, gpu, warmup, until_update)
+        return measure_step(lambda: trainer.train_step([batch]), trainer, dims, rank, gpu, warmup, until_update,
+                            accounting)
 
 
 class _UpdateReached(Exception):
@@ -131,7 +133,7 @@ class _UpdateReached(Exception):
 
 
 def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU, warmup: bool = True,
-                 until_update: bool = False) -> RankReport:
+                 until_update: bool = False, accounting: bool = True) -> RankReport:
     """Run `step()` twice on the rank `dims` and `trainer` were built for, inside its fake world:
     a warm-up (the first optimizer step creates the optimizer's state), then the measured call, a
     step of the steady state. `trainer`: the Trainer whose runtime, optimizer and compute dtype
@@ -139,8 +141,10 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU,
     Without `warmup` the first step is measured: it holds what a steady step holds, its
     optimizer's state made in its own update. `until_update`: the measured step stops where its
     optimizer's update begins (the report's traffic, work and time are then the forward and
-    backward's). The planner's probes take these (update_free_split, the peak before the update,
-    and peak_split) at a fraction of the cost."""
+    backward's). Without `accounting` the device rules count the collectives only, not each op
+    (collectives.DeviceRules.accounting): the report's memory is the same, its FLOPs, launches and
+    time are the collectives' alone. The planner's probes take these (update_free_split, the peak
+    before the update, and peak_split) at a fraction of the cost."""
     from longctx_moe.rehearsal import standins
     from longctx_moe.rehearsal.collectives import DeviceRules
     from longctx_moe.rehearsal.cost import host_step_of, model_step_time
@@ -150,7 +154,7 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU,
 
     runtime, dtype = trainer.runtime, trainer.compute.dtype
     names, group_ranks = _groups(dims)
-    rules = DeviceRules(rank=rank, group_names=names)
+    rules = DeviceRules(rank=rank, group_names=names, accounting=accounting)
     if warmup:
         with meta_autocast(dtype), standins.standins(), cuda_kernels(), DeviceRules(rank=rank, group_names=names):
             step()

@@ -48,10 +48,11 @@ class PolicyReport(RankReport):
 
 
 def rehearse_policy_rank(cfg, world: int, rank: int, gpu, lengths: list[int],
-                         export: str = "shards", warmup: bool = True, until_update: bool = False) -> PolicyReport:
+                         export: str = "shards", warmup: bool = True, until_update: bool = False,
+                         accounting: bool = True) -> PolicyReport:
     """Build rank `rank`'s PolicyTrainer of `cfg` on meta and run one RL step in which this rank's
     share of the rollouts has `lengths` (as each DP rank's); measure it. Call in a process of its
-    own. `warmup`, `until_update`: see rehearsal.step.measure_step."""
+    own. `warmup`, `until_update`, `accounting`: see rehearsal.step.measure_step."""
     from longctx_moe.rehearsal.fake_world import build_rank, cuda_ops, fake_world
     from longctx_moe.rehearsal.meta_device import cuda_kernels
 
@@ -66,7 +67,7 @@ def rehearse_policy_rank(cfg, world: int, rank: int, gpu, lengths: list[int],
         batch = rollouts(lengths * dims.dp)
         phases: dict = {}
         step = lambda: phases.update(policy_step(policy, batch, export, _phase_rules(dims, rank)))  # noqa: E731
-        report = measure_step(step, policy.trainer, dims, rank, gpu, warmup, until_update)
+        report = measure_step(step, policy.trainer, dims, rank, gpu, warmup, until_update, accounting)
     return PolicyReport(**{f.name: getattr(report, f.name) for f in dataclasses.fields(RankReport)},
                         phases=phases)
 

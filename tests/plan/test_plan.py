@@ -152,14 +152,15 @@ def test_lengths_from_a_packed_dataset(tmp_path, monkeypatch):
 def test_rl_measures_the_policy_step(monkeypatch, tmp_path):
     """Fails if --rl is accepted and then ignored: its activation probes must rehearse the RL
     policy's step (the entry point rl_hooks registers), and its measurements be cached apart; or
-    if a probe runs a warm-up step or the update (the probes read only what precedes the update)."""
+    if a probe runs a warm-up step or the update (the probes read only what precedes the update) or
+    counts each op's work, which it does not read."""
     from types import SimpleNamespace
 
     assert memory.rehearse_step(True).__name__ == "rehearse_policy_rank"
     seen, steps = [], []
 
-    def fake(cfg, world, rank, gpu, lengths, warmup=True, until_update=False):  # a probe's report: bytes grow with the tokens
-        steps.append((warmup, until_update))
+    def fake(cfg, world, rank, gpu, lengths, warmup=True, until_update=False, accounting=True):
+        steps.append((warmup, until_update, accounting))  # a probe's report: bytes grow with the tokens
         split = {"activations": 100 * sum(lengths), "communication buffers": 0, "rest": 0, "gradients": 0}
         return SimpleNamespace(peak_moment="Transformer (peak_fw)", peak_split=split, update_free_split=split)
 
@@ -167,7 +168,8 @@ def test_rl_measures_the_policy_step(monkeypatch, tmp_path):
     _only(monkeypatch, lambda c: _plain(c) and c.tp == 1 and c.cp == 1 and c.ep == 2)
     result = plan(_tiny(), 2, "h100", "lognormal:256,0.5,1024", 8192, top=1, cache_dir=str(tmp_path), rl=True)
     assert result["fit"] and seen and all(seen), seen
-    assert steps and set(steps) == {(False, True)}, steps  # the first step, until its update: no warm-up
+    # the first step, until its update (no warm-up), memory all it counts
+    assert steps and set(steps) == {(False, True, False)}, steps
     assert memory.MemoryCache(_tiny(), tmp_path, rl=True).path != memory.MemoryCache(_tiny(), tmp_path).path
 
 
@@ -189,3 +191,24 @@ def test_the_floor_refuses_without_an_activation_probe(monkeypatch):
     state["step activations"] = 0  # the backward's end: every gradient with the weights and state
     assert memory.resident(None, None, layout) == {"parameters": 10 * MIB, "optimizer state": 20 * MIB,
                                                    "gradients": 10 * MIB}
+
+
+def test_probes_in_worker_processes_measure_what_one_process_does(monkeypatch, tmp_path):
+    """A cold plan's probes run over worker processes (`jobs`, `longctx-moe plan --jobs`). Fails
+    if the workers' measurements differ from this process's (a task's arguments mixed up, a
+    shrink's rehearsals paired with another's) or if they do not run there at all."""
+    from longctx_moe.plan import probes
+
+    cfg = _tiny()
+    _only(monkeypatch, lambda c: _plain(c) and c.tp == 1 and c.cp == 2 and c.ep == 2)
+    spec, tokens = "lognormal:256,0.5,1024", 16384
+    here = plan(cfg, 4, "h100", spec, tokens, top=1, cache_dir=str(tmp_path / "one"), memory_bytes=LARGE)
+    ran = []
+    real_run = probes.Probes.run
+    monkeypatch.setattr(probes.Probes, "run", lambda self, fn, tasks: ran.append(self._pool is not None) or
+                        real_run(self, fn, tasks))
+    there = plan(cfg, 4, "h100", spec, tokens, top=1, cache_dir=str(tmp_path / "two"), memory_bytes=LARGE, jobs=2)
+    assert here["measured"] == there["measured"] == 2  # the layout's state and activation probes
+    assert here["cache"].entries == there["cache"].entries
+    assert ran and all(ran)  # the pool had started: the rehearsals went to the workers
+    assert there["cache"].probes._pool is None  # and the plan ended its workers

@@ -1,0 +1,68 @@
+"""Where a plan's rehearsals run: several at once, in worker processes of their own.
+
+A memory probe is independent rehearsals (two shrinks of the model, each at two token counts for
+the activations), each seconds of one core's Python on meta tensors and nothing shared between
+them, so a plan's cold walk is as many times faster as there are cores to run them, up to four.
+The workers are spawned (torch allows one default process group per process, and each rehearsal
+makes and ends its own fake one) when the plan starts, so that their imports overlap the plan's
+timing of every candidate, and they are ended with it. `jobs=1` runs everything in this process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+
+# a probe has at most four rehearsals to run at once (two shrinks x two token counts)
+MAX_JOBS = 4
+
+
+def default_jobs() -> int:
+    """The cores this process may run on, up to MAX_JOBS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_JOBS, cores))
+
+
+def _warm() -> None:
+    """A worker's first task: the imports every rehearsal needs (while the plan times candidates)."""
+    import longctx_moe.plan.memory  # noqa: F401
+    import longctx_moe.rehearsal.step  # noqa: F401
+
+
+class Probes:
+    """Runs a probe's rehearsals: `run(fn, tasks)` -> [fn(*task) for task in tasks], in this
+    process (jobs == 1) or over `jobs` worker processes. `fn` is a module-level function and its
+    arguments pickle (configs, layouts, lengths); an exception a rehearsal raises is raised here."""
+
+    def __init__(self, jobs: int = 1):
+        if jobs < 1:
+            raise ValueError(f"--jobs {jobs}: give 1 or more worker processes")
+        self.jobs = jobs
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def start(self) -> None:
+        """Spawn the workers now and have them import what a rehearsal needs."""
+        if self.jobs > 1 and self._pool is None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                self.jobs, mp_context=multiprocessing.get_context("spawn"))
+            for _ in range(self.jobs):  # one task each: the pool spawns a worker per waiting task
+                self._pool.submit(_warm)
+
+    def run(self, fn: Callable, tasks: Sequence[tuple]) -> list:
+        if self.jobs == 1 or len(tasks) == 1:
+            return [fn(*task) for task in tasks]
+        self.start()
+        try:
+            return list(self._pool.map(fn, *zip(*tasks, strict=True)))
+        except concurrent.futures.process.BrokenProcessPool as e:
+            # a worker died (a crash, or the OS ended it): the layout is refused with why, and the
+            # next probe gets new workers
+            self.close()
+            raise RuntimeError(f"a probe's worker process died ({e})") from None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
