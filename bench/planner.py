@@ -94,20 +94,20 @@ def _best(result) -> dict:
 def speed(models: list[str], gpus: list[int]) -> list[dict]:
     rows = []
     for name in models:
-        cache = tempfile.mkdtemp(prefix="plan-cache-")
-        try:
-            for n in gpus:
+        for n in gpus:
+            cache = tempfile.mkdtemp(prefix="plan-cache-")  # cold: no measurement of this model yet
+            try:
                 _, cold, cold_s = _plan(name, n, cache)
                 _, warm, warm_s = _plan(name, n, cache)
-                row = {"model": name, "gpus": n, "cold_s": cold_s, "warm_s": warm_s,
-                       "cold_cpu_s": cold["cpu_s"], "warm_cpu_s": warm["cpu_s"],
-                       "candidates": cold["candidates"], "judged": cold["judged"],
-                       "probes": cold["measured"], **_best(warm)}
-                print(f"{name:<16} {n:>5} GPUs: cold {cold_s:6.1f} s ({cold['cpu_s']:.0f} CPU s, {cold['measured']} "
-                      f"probes), warm {warm_s:5.1f} s ({warm['cpu_s']:.1f} CPU s), {row['best']}", flush=True)
-                rows.append(row)
-        finally:
-            shutil.rmtree(cache, ignore_errors=True)
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
+            row = {"model": name, "gpus": n, "cold_s": cold_s, "warm_s": warm_s,
+                   "cold_cpu_s": cold["cpu_s"], "warm_cpu_s": warm["cpu_s"],
+                   "candidates": cold["candidates"], "judged": cold["judged"],
+                   "probes": cold["measured"], **_best(warm)}
+            print(f"{name:<16} {n:>5} GPUs: cold {cold_s:6.1f} s ({cold['cpu_s']:.0f} CPU s, {cold['measured']} "
+                  f"probes), warm {warm_s:5.1f} s ({warm['cpu_s']:.1f} CPU s), {row['best']}", flush=True)
+            rows.append(row)
     return rows
 
 

@@ -149,7 +149,6 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
     from longctx_moe.plan.probes import Probes
 
     probes = Probes(jobs)
-    probes.start()  # the workers import while the candidates are timed
     try:
         return _plan(cfg, gpus, gpu_kind, lengths_spec, tokens, top, gpus_per_node, cache_dir, progress,
                      memory_bytes, rl, precision, probes)
@@ -166,6 +165,9 @@ def _plan(cfg, gpus, gpu_kind, lengths_spec, tokens, top, gpus_per_node, cache_d
     gpu = dataclasses.replace(GPUS[gpu_kind], gpus_per_node=gpus_per_node)
     if memory_bytes is not None:  # a smaller or larger part of the same kind
         gpu = dataclasses.replace(gpu, memory_bytes=memory_bytes)
+    cache = MemoryCache(cfg, cache_dir, rl, probes)
+    if not cache.entries:  # a model's first plan probes: its workers import while candidates are timed
+        probes.start()
     draw, longest = length_source(lengths_spec)
     docs = np.array(draw(tokens))
     counts = param_counts(cfg)
@@ -178,7 +180,6 @@ def _plan(cfg, gpus, gpu_kind, lengths_spec, tokens, top, gpus_per_node, cache_d
         work = works.setdefault(n, Workload(docs, n))
         timed.append(Planned(layout, step_time(cfg.model, gpu, gpu_kind, layout, work, counts)))
     timed.sort(key=lambda p: p.time["total_s"])
-    cache = MemoryCache(cfg, cache_dir, rl, probes)
     fit, excluded, judged, measured = [], [], 0, -1
     for i, p in enumerate(timed):
         if len(fit) >= top:
