@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from longctx_moe.plan.layouts import Layout, config_of
-from longctx_moe.plan.probes import Probes
+from longctx_moe.plan.probes import Probes, WorkerDied
 
 # Tokens per rank of an activation probe (and four times as many): meta tensors cost the same at
 # any size; a rank's share of a micro-batch is rarely smaller.
@@ -53,7 +53,7 @@ TOKEN_CATEGORIES = ("activations", "communication buffers", "rest")
 CATEGORIES = ("parameters", "gradients", "optimizer state") + TOKEN_CATEGORIES
 # What the measurements are (their keys and how they are taken), in the cache's name: a cache of
 # other measurements is not read
-MEASURES = 7
+MEASURES = 8
 
 
 def _precision(layout: Layout) -> list:
@@ -112,15 +112,31 @@ class MemoryCache:
         self.fields: dict[str, dict] = {}  # key -> what it says (memory._entries)
 
     def get(self, key: str, measure):
+        """The measurement `key` names, taken by `measure()` once. A probe the program refuses on
+        the rehearsed GPU (RuntimeError / ValueError: sliding windows under ring CP want flex
+        attention, which meta lacks) is kept as such and raised again, not rehearsed again by
+        every later plan; a worker's death (probes.WorkerDied) is not kept."""
         if key not in self.entries:
-            self.entries[key] = measure()
+            try:
+                self.entries[key] = measure()
+            except WorkerDied:
+                raise
+            except (RuntimeError, ValueError) as e:
+                self.entries[key] = {"refused": str(e).splitlines()[0] if str(e) else type(e).__name__}
             self.measured += 1
             if self.path:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = self.path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(self.entries, indent=0))
                 tmp.replace(self.path)
-        return self.entries[key]
+        value = self.entries[key]
+        if isinstance(value, dict) and "refused" in value:
+            raise RuntimeError(value["refused"])
+        return value
+
+    def has(self, key: str) -> bool:
+        """Whether `key` is measured (not refused, nor yet to be taken)."""
+        return key in self.entries and not isinstance(self.entries[key], dict)
 
 
 def _state_bytes(cfg, world: int) -> dict:
@@ -383,7 +399,7 @@ def _entries(cache: MemoryCache, kind: str):
             except ValueError:
                 fields = None
             cache.fields[key] = fields if isinstance(fields, dict) else {}
-        if cache.fields[key].get("kind") == kind:
+        if cache.fields[key].get("kind") == kind and not isinstance(value, dict):  # not a refused probe
             yield cache.fields[key], value
 
 
@@ -442,12 +458,12 @@ def estimate(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, micro_ba
     parts carried from other layouts lowered by their margins, its measured parts as they are;
     whether all of it is measured). A layout whose floor exceeds a GPU's memory cannot fit. None
     where nothing measured is near enough: the layout is then measured."""
-    state_measured = _state_key(layout) in cache.entries
+    state_measured = cache.has(_state_key(layout))
     state = static(cache, cfg, layout) if state_measured else _estimated_state(cache, cfg, layout, counts)
     if state is None:
         return None
     state = {k: v * (1.0 if state_measured else 1 - ESTIMATE_MARGIN) for k, v in state.items()}
-    if _activation_key(layout) in cache.entries:
+    if cache.has(_activation_key(layout)):
         return _peak(state, activations(cache, cfg, layout, None), rank_tokens, micro_batches), state_measured
     act = _estimated_activations(cache, cfg, layout)
     if act is None:  # no activations of a mode at or below its recompute mode: resident()'s floor

@@ -19,6 +19,10 @@ from collections.abc import Callable, Sequence
 MAX_JOBS = 4
 
 
+class WorkerDied(RuntimeError):
+    """A probe's worker process ended without an answer: about this machine, not the layout."""
+
+
 def default_jobs() -> int:
     """The cores this process may run on, up to MAX_JOBS."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -60,7 +64,7 @@ class Probes:
             # a worker died (a crash, or the OS ended it): the layout is refused with why, and the
             # next probe gets new workers
             self.close()
-            raise RuntimeError(f"a probe's worker process died ({e})") from None
+            raise WorkerDied(f"a probe's worker process died ({e})") from None
 
     def close(self) -> None:
         if self._pool is not None:

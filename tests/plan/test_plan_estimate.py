@@ -171,6 +171,37 @@ def test_a_layout_whose_rehearsal_stops_is_refused_with_the_reason(monkeypatch):
     assert all(p.layout.tp != 2 for p in result["fit"]) and len(result["fit"]) == len(FAMILY) - 1
 
 
+def test_a_refused_probe_is_kept_and_not_rehearsed_again(tmp_path):
+    """Fails if a probe the program refuses is rehearsed again by every later plan (gpt-oss-120b's
+    warm plans re-ran its refused ring-CP probes: 20 s), if the refusal is lost on the way (the
+    layout would then be measured as fitting), if a floor is read from it, or if a worker's death
+    is kept as the layout's refusal."""
+    from longctx_moe.plan.probes import WorkerDied
+
+    cfg = _tiny()
+    calls = []
+
+    def refused():
+        calls.append(1)
+        raise RuntimeError("sliding windows under ring CP want flex attention\nmore")
+
+    for _ in range(2):  # the second cache reads the first's file
+        cache = memory.MemoryCache(cfg, tmp_path)
+        with pytest.raises(RuntimeError, match="^sliding windows under ring CP want flex attention$"):
+            cache.get("probe", refused)
+        assert not cache.has("probe")
+    assert len(calls) == 1
+    cache.entries[memory._key("activations", x=1)] = {"refused": "no"}
+    assert list(memory._entries(cache, "activations")) == []
+
+    def died():
+        raise WorkerDied("a probe's worker process died")
+
+    with pytest.raises(WorkerDied):
+        cache.get("other", died)
+    assert "other" not in cache.entries
+
+
 def test_activations_are_carried_from_no_larger_ep():
     """Fails if a layout's bytes per token are carried from a layout of larger EP, which may hold
     many times more a token (DeepSeek-V3's TP8 rank: 10x at EP 64 over EP 8)."""
