@@ -50,7 +50,8 @@ def ep_load_stats(counts_LE: torch.Tensor, ep: int, ran_LR: list | None = None) 
         return [round(v, 4) for v in ratio.tolist()]
 
     c = counts_LE.detach().to(torch.float64).cpu()
-    out = {"ep_load_max": busiest(c.view(c.shape[0], ep, -1).sum(-1))}
+    # the experts' axis named, not inferred: a model of dense layers only has no rows to infer from
+    out = {"ep_load_max": busiest(c.view(c.shape[0], ep, c.shape[1] // ep).sum(-1))}
     if ran_LR is not None:
         out["ep_run_max"] = busiest(torch.tensor(ran_LR, dtype=torch.float64))
     return out

@@ -25,6 +25,8 @@ def test_ep_load_stats_by_owner_and_as_run():
     assert ep_load_stats(counts, 2) == {"ep_load_max": [1.0, 2.0, 0.0]}
     ran = [[20, 20], [25, 15], [0, 0]]  # lending moved 15 of rank 0's rows in layer 1
     assert ep_load_stats(counts, 2, ran)["ep_run_max"] == [1.0, 1.25, 0.0]
+    # no MoE layer (every layer dense, EP > 1): nothing to report, not a reshape error
+    assert ep_load_stats(torch.zeros(0, 4), 2) == {"ep_load_max": []}
 
 
 def test_metrics_file_is_json_lines_even_for_nan(tmp_path):
