@@ -148,7 +148,12 @@ def _state_bytes(cfg, world: int) -> dict:
     from longctx_moe.rehearsal.collectives import DeviceRules
     from longctx_moe.rehearsal.fake_world import build_rank, fake_world
     from longctx_moe.rehearsal.gpus import GPUS, as_cuda_device
-    from longctx_moe.rehearsal.memtrack import FastMemTracker, stepped_apart, torch_optimizer
+    from longctx_moe.rehearsal.memtrack import (
+        FastMemTracker,
+        on_device,
+        stepped_apart,
+        torch_optimizer,
+    )
     from longctx_moe.rehearsal.meta_device import cuda_kernels
     from longctx_moe.rehearsal.step import _groups, _split
 
@@ -175,9 +180,9 @@ def _state_bytes(cfg, world: int) -> dict:
             update()  # the state AdamW (and a bf16 run's fp32 masters) allocate
         # on the device only (meta here): host AdamW's state and masters are in host memory
         masters = [t for t in stepped_apart(inner, model) if t.device.type == "meta"]
-        on_device = masters + [t for s in inner.state.values() for t in s.values()
+        device_state = masters + [t for s in inner.state.values() for t in s.values()
                                if torch.is_tensor(t) and t.dim() > 0 and t.device.type == "meta"]
-        state = sum(t.numel() * t.element_size() for t in on_device)
+        state = sum(t.numel() * t.element_size() for t in device_state)
         optimizer.zero_grad(set_to_none=True)
         backward_done()
         tracker = FastMemTracker()  # a steady-state update: what it holds at its peak
@@ -188,7 +193,7 @@ def _state_bytes(cfg, world: int) -> dict:
         with cuda_kernels(), tracker, rules:
             update()
         snap = tracker.get_tracker_snapshot("peak")
-    step = _split(next((v for dev, v in snap.items() if torch.device(dev).type == "meta"), {}))
+    step = _split(on_device(snap))
     return {"parameters": params, "gradients": params, "optimizer state": state,
             **{f"step {k}": v for k, v in step.items()}}
 

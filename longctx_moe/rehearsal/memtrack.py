@@ -92,6 +92,12 @@ class FastMemTracker(MemTracker):
                     self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
 
 
+def on_device(snapshot: dict, kind: str = "meta") -> dict:
+    """The part of a tracker snapshot ({device: {category: bytes}}) on devices of type `kind`:
+    meta for the rehearsed GPU's memory, cpu for the host's; {} where it holds none."""
+    return next((v for dev, v in snapshot.items() if torch.device(dev).type == kind), {})
+
+
 def torch_optimizer(optimizer):
     """The torch optimizer inside ours (the distributed optimizer holds one over its slabs, a
     MasterAdamW one over fp32 masters)."""

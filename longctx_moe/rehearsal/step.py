@@ -21,8 +21,6 @@ import math
 import random
 from collections.abc import Callable
 
-import torch
-
 from longctx_moe.rehearsal.gpus import GIB, GPU, as_cuda_device
 
 
@@ -93,11 +91,13 @@ def _split(snapshot: dict) -> dict:
 def _peak_moment(tracker, peak: int) -> str:
     """The module and phase whose snapshot reached the step's peak (the optimizer's step when no
     module's did)."""
+    from longctx_moe.rehearsal.memtrack import on_device
+
     best, where = -1, "optimizer step"
     for stats in tracker.all_stats():
         for state, snaps in stats.snapshots.items():
             for snap in snaps:
-                total = sum(v.get("Total", 0) for dev, v in snap.items() if torch.device(dev).type == "meta")
+                total = on_device(snap).get("Total", 0)
                 if total > best:
                     best, where = total, f"{stats.mod_fqn} ({str(state).rsplit('.', 1)[-1].lower()})"
     return where if best >= peak else "optimizer step"
@@ -148,7 +148,7 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU,
     from longctx_moe.rehearsal import standins
     from longctx_moe.rehearsal.collectives import DeviceRules
     from longctx_moe.rehearsal.cost import host_step_of, model_step_time
-    from longctx_moe.rehearsal.memtrack import FastMemTracker, torch_optimizer
+    from longctx_moe.rehearsal.memtrack import FastMemTracker, on_device, torch_optimizer
     from longctx_moe.rehearsal.meta_autocast import meta_autocast
     from longctx_moe.rehearsal.meta_device import cuda_kernels
 
@@ -179,9 +179,9 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU,
         step()
     hook.remove()
     snap = tracker.get_tracker_snapshot("peak")
-    meta = next((v for dev, v in snap.items() if torch.device(dev).type == "meta"), {})
+    meta = on_device(snap)
     peak = int(meta.get("Total", 0))
-    host = next((v for dev, v in snap.items() if torch.device(dev).type == "cpu"), {})
+    host = on_device(snap, "cpu")
     params = sum(p.numel() for p in runtime.model.parameters())
     flops = sum(w[0] for w in rules.work)  # cost.op_flops per device op
     seconds = model_step_time(flops, tracker, rules, gpu, group_ranks, host_step_of(trainer.optimizer))
@@ -195,8 +195,7 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU,
                     "routing counts (parallel/comm.py RoutingCounts.read)": _routing_reads(runtime)},
         host_collectives=dict(rules.host_collectives), flops=float(flops),
         step_seconds=seconds, fits=peak <= gpu.memory_bytes,
-        update_free_split=_split(next((v for dev, v in before_update.items() if torch.device(dev).type == "meta"),
-                                      {})),
+        update_free_split=_split(on_device(before_update)),
         host_bytes=int(host.get("Total", 0)))
 
 

@@ -157,7 +157,7 @@ def _real_step(cfg, world: int, rank: int, lengths: list[int]):
     warm-up step, measured as step.rehearse_rank measures the rehearsal."""
     from data_packing.batch import pack_documents, pad_multiple
     from longctx_moe.build import build_runtime, check_layout
-    from longctx_moe.rehearsal.memtrack import FastMemTracker
+    from longctx_moe.rehearsal.memtrack import FastMemTracker, on_device
     from longctx_moe.rehearsal.step import _roles, _split
     from longctx_moe.trainer import Trainer
 
@@ -177,7 +177,7 @@ def _real_step(cfg, world: int, rank: int, lengths: list[int]):
     with tracker:
         trainer.train_step([batch])
     snap = tracker.get_tracker_snapshot("peak")
-    cpu = next((v for dev, v in snap.items() if torch.device(dev).type == "cpu"), {})
+    cpu = on_device(snap, "cpu")
     return {**_split(cpu), TOTAL: int(cpu.get("Total", 0))}, _roles(dims), runtime.model.ops, trainer.compute
 
 
