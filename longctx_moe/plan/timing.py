@@ -56,6 +56,10 @@ Efficiencies (achieved / datasheet peak, gpus.py's peaks):
   pays back the quantizing of its activations only when K N / (K + N) exceeds ~2,700 (both
   widths above ~5,500 on H100), before its weights' share: FP8 speeds up wide models and slows
   down narrow ones. MFU stays over the bf16 peak.
+- Recompute: a full recompute runs each block's forward again (a third of the GEMMs, 1/3.5 of
+  attention, a third of the rest); a selective one the routed experts' gate / up grouped GEMM
+  (model/recompute.py), at the FP8 rate where the layout runs FP8 (its input's FP8 quantize is
+  not counted again).
 - Links: NCCL reaches ~45% of NVLink 4's 450 GB/s per direction for send/recv and all-to-all
   inside a node (dynamic_cost.DynamicCPCost.h100's 200 GB/s), 80% of the 50 GB/s of one IB NDR
   port across nodes (assumed); 20 us per collective call (gpus.py).
@@ -223,6 +227,19 @@ def _gemm_seconds(model, gpu: GPU, gpu_kind: str, layout: Layout, tokens: float)
                            + fp8 / (gpu.fp8_flops * FP8_GEMM_EFFICIENCY[gpu_kind]))
 
 
+def _recompute_seconds(model, gpu: GPU, gpu_kind: str, layout: Layout, tokens: float, gemm_s: float,
+                       attn_s: float, other: float) -> float:
+    """Device seconds (all ranks) a step's recompute adds (module docstring: Recompute)."""
+    if layout.recompute == "full":
+        return gemm_s / 3 + attn_s / 3.5 + other / 3
+    if layout.recompute == "selective":
+        flops = 2.0 * tokens * model.top_k * model.hidden_size * 2 * model.expert_hidden_size * model.num_moe_layers
+        rate = (gpu.fp8_flops * FP8_GEMM_EFFICIENCY[gpu_kind] if layout.fp8
+                else gpu.bf16_flops * GEMM_EFFICIENCY[gpu_kind])
+        return flops / rate
+    return 0.0
+
+
 def _precision_traffic(model, gpu: GPU, layout: Layout, tokens: float, rank_weights: tuple[float, float],
                        micro_batches: int) -> tuple[float, float]:
     """(device seconds of all ranks' FP8 quantizing of activations and gradients, one rank's
@@ -272,9 +289,8 @@ def step_time(model, gpu: GPU, gpu_kind: str, layout: Layout, work: Workload,
     dense, expert = param_counts
     ep_size = layout.ep * layout.etp
     quant_s, weights_s = _precision_traffic(model, gpu, layout, tokens, (dense / tp, expert / ep_size), micro_batches)
-    compute = (gemm_s + attn_s + other + quant_s) / world + weights_s
-    if layout.recompute == "full":  # the forward again: a third of the GEMMs, 1/3.5 of attention
-        compute += (gemm_s / 3 + attn_s / 3.5 + other / 3) / world
+    recompute_s = _recompute_seconds(model, gpu, gpu_kind, layout, tokens, gemm_s, attn_s, other)
+    compute = (gemm_s + attn_s + other + quant_s + recompute_s) / world + weights_s
     passes = 3 if layout.recompute == "full" else 2  # forward (again), backward
     comm = 0.0
     if tp > 1:

@@ -168,3 +168,19 @@ def test_fp8_widths_the_gemms_cannot_take_are_refused():
     base = _tiny(expert_hidden_size=120)
     assert layouts.judge(base, _layout(world=4, ep=4)) is None
     assert "multiples of 16" in layouts.judge(base, _layout(world=4, ep=4, fp8=True))
+
+
+def test_selective_recompute_costs_the_experts_gate_up_gemm_again():
+    """Fails if selective recompute is priced as none (the planner then ties them and ranks the
+    mode that recomputes as fast), or as a full recompute, or at the bf16 rate under FP8: the
+    experts' gate / up grouped GEMM forward again, 2 x tokens x top-k x d x 2F FLOPs a MoE layer."""
+    cfg = _tiny(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, num_experts=8, top_k=2,
+                expert_hidden_size=4096)
+    m = cfg.model
+    none, selective, full = (_compute(cfg, recompute=r) for r in ("none", "selective", "full"))
+    tokens = _work().tokens
+    gate_up = 2.0 * tokens * m.top_k * m.hidden_size * 2 * m.expert_hidden_size * m.num_moe_layers
+    assert selective - none == pytest.approx(gate_up / (H100.bf16_flops * timing.GEMM_EFFICIENCY["h100"]), rel=1e-9)
+    assert none < selective < full
+    fp8 = _compute(cfg, recompute="selective", fp8=True) - _compute(cfg, recompute="none", fp8=True)
+    assert fp8 == pytest.approx(gate_up / (H100.fp8_flops * timing.FP8_GEMM_EFFICIENCY["h100"]), rel=1e-9)
