@@ -7,10 +7,10 @@ Every candidate layout gets a modeled step time (timing.py); they are walked fas
 judged by the configuration's own layout rules (build.check_layout without its group table; a
 refused one is never proposed) and its memory measured from the program (memory.py, cached
 under --cache: a model's first plan takes its probes, over --jobs worker processes, and later
-plans at any GPU count reuse them), until --top of them fit. The fastest that did not fit are listed with why. --lengths takes a
-lognormal spec or a packed dataset's directory; --rl measures an RL policy's step. --rehearse-top
-K rehearses the K best layouts in full (longctx-moe rehearse's step) and prints both memory
-figures side by side.
+plans at any GPU count reuse them), until --top of them fit. The fastest that did not fit are
+listed with why. --lengths takes a lognormal spec or a packed dataset's directory; --rl measures
+an RL policy's step. --rehearse-top K rehearses the K best layouts in full (longctx-moe
+rehearse's step) and prints both memory figures side by side.
 Exit status 0 with a plan, 1 when no layout fits, 2 for a bad command line or config.
 """
 

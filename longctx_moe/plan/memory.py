@@ -130,13 +130,19 @@ class MemoryCache:
                 tmp.write_text(json.dumps(self.entries, indent=0))
                 tmp.replace(self.path)
         value = self.entries[key]
-        if isinstance(value, dict) and "refused" in value:
+        if _refused(value):
             raise RuntimeError(value["refused"])
         return value
 
     def has(self, key: str) -> bool:
         """Whether `key` is measured (not refused, nor yet to be taken)."""
-        return key in self.entries and not isinstance(self.entries[key], dict)
+        return key in self.entries and not _refused(self.entries[key])
+
+
+def _refused(value) -> bool:
+    """Whether a cache entry records a probe the program refused (a measurement is a list of the
+    two shrinks' figures)."""
+    return isinstance(value, dict) and "refused" in value
 
 
 def _state_bytes(cfg, world: int) -> dict:
@@ -404,7 +410,7 @@ def _entries(cache: MemoryCache, kind: str):
             except ValueError:
                 fields = None
             cache.fields[key] = fields if isinstance(fields, dict) else {}
-        if cache.fields[key].get("kind") == kind and not isinstance(value, dict):  # not a refused probe
+        if cache.fields[key].get("kind") == kind and not _refused(value):
             yield cache.fields[key], value
 
 

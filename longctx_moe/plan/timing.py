@@ -223,8 +223,12 @@ def _gemm_seconds(model, gpu: GPU, gpu_kind: str, layout: Layout, tokens: float)
     FP8 rate where the layout runs FP8."""
     active = active_matmul_params(model)
     fp8 = fp8_gemms(model)[0] if layout.fp8 else 0.0
-    return 6.0 * tokens * ((active - fp8) / (gpu.bf16_flops * GEMM_EFFICIENCY[gpu_kind])
-                           + fp8 / (gpu.fp8_flops * FP8_GEMM_EFFICIENCY[gpu_kind]))
+    return 6.0 * tokens * ((active - fp8) / _gemm_rate(gpu, gpu_kind, False) + fp8 / _gemm_rate(gpu, gpu_kind, True))
+
+
+def _gemm_rate(gpu: GPU, gpu_kind: str, fp8: bool) -> float:
+    """FLOP/s a GEMM achieves: bf16, or FP8 (module docstring: FP8)."""
+    return gpu.fp8_flops * FP8_GEMM_EFFICIENCY[gpu_kind] if fp8 else gpu.bf16_flops * GEMM_EFFICIENCY[gpu_kind]
 
 
 def _recompute_seconds(model, gpu: GPU, gpu_kind: str, layout: Layout, tokens: float, gemm_s: float,
@@ -234,9 +238,7 @@ def _recompute_seconds(model, gpu: GPU, gpu_kind: str, layout: Layout, tokens: f
         return gemm_s / 3 + attn_s / 3.5 + other / 3
     if layout.recompute == "selective":
         flops = 2.0 * tokens * model.top_k * model.hidden_size * 2 * model.expert_hidden_size * model.num_moe_layers
-        rate = (gpu.fp8_flops * FP8_GEMM_EFFICIENCY[gpu_kind] if layout.fp8
-                else gpu.bf16_flops * GEMM_EFFICIENCY[gpu_kind])
-        return flops / rate
+        return flops / _gemm_rate(gpu, gpu_kind, layout.fp8)
     return 0.0
 
 
