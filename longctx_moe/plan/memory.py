@@ -16,10 +16,12 @@ two MoE layers: the same shapes, fewer layers), cached on disk by what they depe
   backward; the activations, communication buffers and the rest there give bytes per token of
   the rank and a fixed part. Keyed by (recompute, tp, CP backend, EP, ETP).
 
-A rank's peak is the larger of two moments (per_rank): a micro-batch's forward / backward
-(parameters, optimizer state, its tokens' activations and receive buffers, and the gradients
-earlier micro-batches accumulated) and the optimizer step. The step runs one micro-batch's worth
-of each, so gradient accumulation adds only the gradients.
+A rank's peak is the largest of its step's moments (per_rank, _peak): a micro-batch's forward /
+backward peak (parameters, optimizer state, its tokens' activations and receive buffers, and the
+gradients earlier micro-batches accumulated), the backward's end (nearly every gradient beside
+the first layers' activations: the probe's backward's own peak, whose gradients not yet made and
+activations are those of the model's at the same layer), and the optimizer step. The step runs
+one micro-batch's worth of each, so gradient accumulation adds only the gradients.
 
 Scaling. Every MoE layer of a model has the same shapes, so the second shrink minus the first is
 one MoE layer's share and the model's is the first plus (L - L0 - 1) of it (exact for weights).
@@ -53,7 +55,7 @@ TOKEN_CATEGORIES = ("activations", "communication buffers", "rest")
 CATEGORIES = ("parameters", "gradients", "optimizer state") + TOKEN_CATEGORIES
 # What the measurements are (their keys and how they are taken), in the cache's name: a cache of
 # other measurements is not read
-MEASURES = 8
+MEASURES = 9
 
 
 def _precision(layout: Layout) -> list:
@@ -261,29 +263,50 @@ def rehearse_step(rl: bool):
     return _policy_step()
 
 
-def _update_free_split(cfg, world: int, lengths: list[int], rl: bool) -> dict:
+def _probe_splits(cfg, world: int, lengths: list[int], rl: bool) -> dict:
     """One rehearsal of an activation probe: rank 0's step of `lengths` on `world` ranks, its
     first step's forward and backward (no warm-up, stopped where the update begins: what a steady
-    step holds there, but the optimizer's state, which the state probe measures), and the peak
-    there by category (RankReport.update_free_split)."""
+    step holds there, but the optimizer's state, which the state probe measures). By category:
+    the peak there ("peak": RankReport.update_free_split) and the backward's own
+    ("backward": RankReport.backward_peak_split)."""
     from longctx_moe.rehearsal.gpus import GPUS
 
-    return rehearse_step(rl)(cfg, world, 0, GPUS["h100"], lengths, warmup=False, until_update=True,
-                             accounting=False).update_free_split
+    report = rehearse_step(rl)(cfg, world, 0, GPUS["h100"], lengths, warmup=False, until_update=True,
+                               accounting=False)
+    return {"peak": report.update_free_split, "backward": report.backward_peak_split}
+
+
+def _line(n1: int, n2: int, a: float, b: float) -> tuple[float, float]:
+    """(bytes per token, fixed bytes) through a category's bytes `a` at `n1` tokens and `b` at
+    `n2`: what does not grow with the tokens (workspaces, a layer's weights gathered) is a fixed
+    part, not spread over the tokens. Where the two are not on a line with a slope and a fixed
+    part of at least zero (the peak fell at another moment), the larger point's average."""
+    slope = (b - a) / (n2 - n1)
+    if slope < 0 or a - slope * n1 < 0:
+        slope = b / n2
+    return slope, max(0.0, b - slope * n2)
+
+
+# The backward's-end moment's keys (_per_token): the token categories at the backward's peak,
+# and the gradients not yet made there
+END = "end "
+END_MISSING = "end gradients missing"
 
 
 def _per_token(tokens: tuple[int, int], splits: list[dict]) -> dict:
-    """{category: bytes per token of a rank, f"{category} fixed": bytes} from a shrink's peaks at
-    two token counts: what does not grow with the tokens (workspaces, a layer's weights gathered)
-    is a fixed part, not spread over the tokens."""
+    """{category: bytes per token of a rank, f"{category} fixed": bytes} at the forward /
+    backward's peak from a shrink's probes at two token counts, the same of the backward's own
+    peak (f"end {category}"), the gradients made before the peak ("gradients fixed": the lm
+    head's, first in the backward) and those not yet made at the backward's peak
+    (END_MISSING)."""
     (n1, n2), (a, b) = tokens, splits
     out = {}
     for k in TOKEN_CATEGORIES:
-        slope = (b[k] - a[k]) / (n2 - n1)
-        if slope < 0 or a[k] - slope * n1 < 0:  # not linear: the larger point's average
-            slope = b[k] / n2
-        out[k], out[f"{k} fixed"] = slope, max(0.0, b[k] - slope * n2)
-    out["gradients fixed"] = a["gradients"]  # made before the peak (the lm head's, first in the backward)
+        out[k], out[f"{k} fixed"] = _line(n1, n2, a["peak"][k], b["peak"][k])
+        out[f"{END}{k}"], out[f"{END}{k} fixed"] = _line(n1, n2, a["backward"][k], b["backward"][k])
+    out["gradients fixed"] = a["peak"]["gradients"]
+    # a bf16 or fp32 gradient is its parameter's size: the shrink's parameters are its gradients
+    out[END_MISSING] = min(max(0.0, s["backward"]["parameters"] - s["backward"]["gradients"]) for s in splits)
     return out
 
 
@@ -292,8 +315,20 @@ def _activation_bytes(cache: MemoryCache, shrinks: list, probe: Layout, lengths_
     four times as many a rank, all run at once where the cache's probes have workers."""
     tokens = (PROBE_TOKENS, 4 * PROBE_TOKENS)
     tasks = [(c, probe.world, lengths_of(n * probe.cp), cache.rl) for c in shrinks for n in tokens]
-    splits = cache.probes.run(_update_free_split, tasks)
+    splits = cache.probes.run(_probe_splits, tasks)
     return [_per_token(tokens, splits[2 * i:2 * i + 2]) for i in range(len(shrinks))]
+
+
+def _model_activations(first: dict, second: dict, layers: tuple[int, int, int]) -> dict:
+    """The model's bytes per token from its two shrinks' (_per_token): at the forward / backward's
+    peak, every layer's saved tensors (_extrapolate); the gradients made by then are the lm head's
+    and a layer's, not one more per layer of the model. The backward's-end moment is the first
+    shrink's as it is: a moment of its backward stands for the model's moment at the same layer
+    (the same layers below it hold their activations and lack their gradients; those above have
+    made theirs, which the state probe's gradients count, and freed their activations)."""
+    out = _extrapolate(first, second, layers)
+    out.update({k: v for k, v in first.items() if k.startswith(END) or k == "gradients fixed"})
+    return out
 
 
 def activations(cache: MemoryCache, cfg, layout: Layout, lengths_of) -> dict:
@@ -308,12 +343,7 @@ def activations(cache: MemoryCache, cfg, layout: Layout, lengths_of) -> dict:
         return _activation_bytes(cache, [_with_layers(c, n) for n in layers[:2]], probe, lengths_of)
 
     first, second = cache.get(key, measure)
-    out = _extrapolate(first, second, layers)
-    # the peak falls early in the backward, where its activations are all held and the gradients
-    # made are the lm head's and a layer's: not one more per layer of the model (at the
-    # backward's end, where every gradient is held, the update's moment is the larger)
-    out["gradients fixed"] = first.get("gradients fixed", 0.0)
-    return out
+    return _model_activations(first, second, layers)
 
 
 def resident(cache: MemoryCache, cfg, layout: Layout) -> dict:
@@ -335,30 +365,39 @@ def _floor(state: dict) -> dict:
 def per_rank(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, lengths_of,
              micro_batches: int = 1) -> dict:
     """category -> bytes one rank of `layout` holds at the step's peak, the largest of the
-    program's step's moments (_peak):
-    - the forward / backward peak of a micro-batch of `rank_tokens` tokens: parameters, optimizer
-      state, the activations and receive buffers of those tokens, and the gradients the earlier
-      micro-batches accumulated (with one micro-batch, those the probe's step had made by its
-      peak: gradients are made as the backward runs and freed after the optimizer's step);
-    - the backward's end: every gradient made, none reduced yet;
-    - the optimizer's step (measured: its gradients, state and temporaries)."""
+    program's step's moments (_peak)."""
     return _peak(static(cache, cfg, layout), activations(cache, cfg, layout, lengths_of), rank_tokens,
                  micro_batches)
 
 
 def _peak(state: dict, per_token: dict, rank_tokens: int, micro_batches: int) -> dict:
-    """per_rank's moments from a rank's state (static) and its bytes per token (activations):
-    the forward / backward's peak, the backward's end (every gradient made, none yet reduced:
-    the distributed optimizer frees them only as it reduce-scatters, the all-reduce buckets hold
-    them; with what a token's activations leave that does not grow with the tokens), and the
-    update's measured peak. The largest."""
-    fixed = {k: per_token.get(f"{k} fixed", 0.0) for k in TOKEN_CATEGORIES}
+    """per_rank's moments from a rank's state (static) and its bytes per token (activations),
+    the largest:
+    - the forward / backward's peak of a micro-batch of `rank_tokens` tokens: parameters,
+      optimizer state, the activations and receive buffers of those tokens, and the gradients the
+      earlier micro-batches accumulated (with one micro-batch, those the probe's step had made by
+      its peak: gradients are made as the backward runs and freed after the optimizer's step);
+    - the backward's end, where the layers above have made their gradients: the first shrink's
+      backward's peak, with the gradients of every layer but those it had still to make (with
+      more micro-batches, every gradient), and after it every gradient made, none yet reduced
+      (the distributed optimizer frees them only as it reduce-scatters, the all-reduce buckets
+      hold them);
+    - the update's measured peak.
+    The forward / backward's peak holds every layer's activations, the backward's end the first
+    layers' with nearly every gradient; a layer between holds fewer of either, and its moment
+    lies on the line between the two."""
+    def tokens(prefix: str = "") -> dict:
+        return {k: per_token.get(f"{prefix}{k}", 0.0) * rank_tokens + per_token.get(f"{prefix}{k} fixed", 0.0)
+                for k in TOKEN_CATEGORIES}
+
     held = {"parameters": state["parameters"], "optimizer state": state["optimizer state"]}
-    backward = {**held, "gradients": state["gradients"] if micro_batches > 1 else per_token.get("gradients fixed", 0)}
-    backward.update({k: per_token.get(k, 0.0) * rank_tokens + fixed[k] for k in TOKEN_CATEGORIES})
-    end = {**held, "gradients": state["gradients"], **fixed}
+    made = state["gradients"] if micro_batches > 1 else per_token.get("gradients fixed", 0)
+    backward = {**held, "gradients": made, **tokens()}
+    missing = 0.0 if micro_batches > 1 else per_token.get(END_MISSING, 0.0)
+    end = {**held, "gradients": max(0.0, state["gradients"] - missing), **tokens(END)}
+    after = {**held, "gradients": state["gradients"]}
     step = {k: state.get(f"step {k}", 0) for k in CATEGORIES}
-    return max((backward, end, step), key=lambda m: sum(m.values()))
+    return max((backward, end, after, step), key=lambda m: sum(m.values()))
 
 
 # ---- Estimates: the walk's way past layouts that come nowhere near fitting
@@ -459,7 +498,7 @@ def _estimated_activations(cache: MemoryCache, cfg, layout: Layout) -> tuple[dic
     if best is None:
         return None
     (_, carried), (first, second), tp_ratio = best
-    measured = _extrapolate(first, second, _shrinks(cfg))
+    measured = _model_activations(first, second, _shrinks(cfg))
     return {k: v if k.endswith("fixed") else v * tp_ratio for k, v in measured.items()}, carried
 
 
@@ -480,5 +519,7 @@ def estimate(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, micro_ba
     if act is None:  # no activations of a mode at or below its recompute mode: resident()'s floor
         return _floor(state), False
     per_token, carried = act
-    per_token = {k: v * max(0.0, 1 - ESTIMATE_MARGIN - carried) for k, v in per_token.items()}
+    # lowered by the margin, but the gradients not yet made (fewer of those is more memory)
+    per_token = {k: v if k == END_MISSING else v * max(0.0, 1 - ESTIMATE_MARGIN - carried)
+                 for k, v in per_token.items()}
     return _peak(state, per_token, rank_tokens, micro_batches), False

@@ -119,7 +119,25 @@ class Workload:
 
     @property
     def tokens(self) -> int:
-        return int(self.lengths.sum())
+        if "tokens" not in self.memo:
+            self.memo["tokens"] = int(self.lengths.sum())
+        return self.memo["tokens"]
+
+
+@dataclass(frozen=True)
+class _ModelSums:
+    """What step_time needs of a model's shapes, the same for every layout of a plan."""
+    active: float  # active_matmul_params
+    fp8: tuple[float, float, float, float]  # fp8_gemms
+    pair_flops: float  # attention_flops_per_pair
+
+
+def _sums(model, work: Workload) -> _ModelSums:
+    key = ("model", id(model))
+    if key not in work.memo:
+        work.memo[key] = _ModelSums(float(active_matmul_params(model)), fp8_gemms(model),
+                                    float(attention_flops_per_pair(model)))
+    return work.memo[key]
 
 
 def _link(gpu: GPU, spans_nodes: bool) -> float:
@@ -152,7 +170,7 @@ def _cp_cost(model, gpu: GPU, gpu_kind: str, layout: Layout, a2a: int) -> Dynami
 def _attention(model, gpu: GPU, gpu_kind: str, layout: Layout, work: Workload) -> tuple[float, float, float]:
     """(device seconds of the step's attention, its FLOPs, the busiest replica's excess seconds),
     memoised on what they depend on: CP, Dynamic-CP, DP and the rank's tokens."""
-    key = ("attn", id(model), gpu, gpu_kind, layout.cp, layout.dynamic_cp, layout.dp, work.rank_tokens)
+    key = ("attn", id(model), id(gpu), gpu_kind, layout.cp, layout.dynamic_cp, layout.dp, work.rank_tokens)
     if key not in work.memo:
         lengths = work.lengths.astype(float)
         pair_flops = attention_flops_per_pair(model) * causal_pairs(lengths)
@@ -168,18 +186,18 @@ def _attention(model, gpu: GPU, gpu_kind: str, layout: Layout, work: Workload) -
 
 def _cp_comm(model, gpu: GPU, gpu_kind: str, layout: Layout, work: Workload) -> float:
     """Seconds of CP traffic one rank spends per step (each document's run), memoised."""
-    key = ("cp", id(model), gpu, gpu_kind, layout.tp, layout.cp, layout.cp_backend, layout.cp_inner,
+    key = ("cp", id(model), id(gpu), gpu_kind, layout.tp, layout.cp, layout.cp_backend, layout.cp_inner,
            layout.dynamic_cp, layout.dp, work.rank_tokens)
     if key not in work.memo:
         a2a = {"ring": 1, "ulysses": layout.cp, "hierarchical": layout.cp_inner}[layout.cp_backend]
         cost = _cp_cost(model, gpu, gpu_kind, layout, a2a)
         lengths = work.lengths.astype(float)
         runs = _runs(layout, lengths, work.rank_tokens)
-        per_doc = np.array([cost.comm_seconds(int(n), int(s)) if s > 1 else 0.0
-                            for n, s in zip(lengths, runs, strict=True)])
+        # a document's seconds are linear in its tokens at a run size: one call per size
+        per_size = sum(s * cost.comm_seconds(float(lengths[runs == s].sum()), int(s)) for s in np.unique(runs) if s > 1)
         rank_tokens_step = lengths.sum() / (layout.dp * layout.cp)
         micro_batches = max(1, math.ceil(rank_tokens_step / work.rank_tokens))
-        work.memo[key] = float((per_doc * runs).sum() / (layout.dp * layout.cp)) + micro_batches * cost.ring_step_seconds
+        work.memo[key] = float(per_size / (layout.dp * layout.cp)) + micro_batches * cost.ring_step_seconds
     return work.memo[key]
 
 
@@ -218,12 +236,11 @@ def _mlp(d: int, hidden: int) -> list[tuple[int, int]]:
     return [(d, hidden), (d, hidden), (hidden, d)]
 
 
-def _gemm_seconds(model, gpu: GPU, gpu_kind: str, layout: Layout, tokens: float) -> float:
+def _gemm_seconds(sums: _ModelSums, gpu: GPU, gpu_kind: str, layout: Layout, tokens: float) -> float:
     """Device seconds of the step's GEMMs (forward and backward, all ranks): the FP8 ones at the
     FP8 rate where the layout runs FP8."""
-    active = active_matmul_params(model)
-    fp8 = fp8_gemms(model)[0] if layout.fp8 else 0.0
-    return 6.0 * tokens * ((active - fp8) / _gemm_rate(gpu, gpu_kind, False) + fp8 / _gemm_rate(gpu, gpu_kind, True))
+    fp8 = sums.fp8[0] if layout.fp8 else 0.0
+    return 6.0 * tokens * ((sums.active - fp8) / _gemm_rate(gpu, gpu_kind, False) + fp8 / _gemm_rate(gpu, gpu_kind, True))
 
 
 def _gemm_rate(gpu: GPU, gpu_kind: str, fp8: bool) -> float:
@@ -242,8 +259,8 @@ def _recompute_seconds(model, gpu: GPU, gpu_kind: str, layout: Layout, tokens: f
     return 0.0
 
 
-def _precision_traffic(model, gpu: GPU, layout: Layout, tokens: float, rank_weights: tuple[float, float],
-                       micro_batches: int) -> tuple[float, float]:
+def _precision_traffic(sums: _ModelSums, gpu: GPU, layout: Layout, tokens: float,
+                       rank_weights: tuple[float, float], micro_batches: int) -> tuple[float, float]:
     """(device seconds of all ranks' FP8 quantizing of activations and gradients, one rank's
     seconds of casting and quantizing its weights) of a step (module docstring: Casts, FP8).
     `rank_weights`: the (dense, expert) weights the rank computes with."""
@@ -252,7 +269,7 @@ def _precision_traffic(model, gpu: GPU, layout: Layout, tokens: float, rank_weig
     dense, expert = rank_weights
     fp8_weights = act_bytes = 0.0
     if layout.fp8:
-        _, inputs, outputs, fp8_dense = fp8_gemms(model)
+        _, inputs, outputs, fp8_dense = sums.fp8
         fp8_weights = fp8_dense / layout.tp + expert
         act_bytes = tokens * (inputs * (FP8_QUANTIZE_BYTES * forwards + FP8_TRANSPOSE_BYTES)
                               + outputs * (FP8_QUANTIZE_BYTES + FP8_TRANSPOSE_BYTES))
@@ -282,15 +299,15 @@ def step_time(model, gpu: GPU, gpu_kind: str, layout: Layout, work: Workload,
     optimizer step of `work` on `layout`, with the optimizer's part of compute_s
     (optimizer_seconds' keys); `param_counts`: the model's (dense, expert) parameters."""
     world, tp, d = layout.world, layout.tp, model.hidden_size
-    tokens = float(work.tokens)
-    gemm_s = _gemm_seconds(model, gpu, gpu_kind, layout, tokens)
+    tokens, sums = float(work.tokens), _sums(model, work)
+    gemm_s = _gemm_seconds(sums, gpu, gpu_kind, layout, tokens)
     attn_s, pair_flops, imbalance = _attention(model, gpu, gpu_kind, layout, work)
     other = OTHER_BYTES * tokens * model.num_layers * d * (1 + model.top_k) / gpu.hbm_bytes_per_s
     rank_tokens_step = tokens / (layout.dp * layout.cp)
     micro_batches = max(1, math.ceil(rank_tokens_step / work.rank_tokens))
     dense, expert = param_counts
     ep_size = layout.ep * layout.etp
-    quant_s, weights_s = _precision_traffic(model, gpu, layout, tokens, (dense / tp, expert / ep_size), micro_batches)
+    quant_s, weights_s = _precision_traffic(sums, gpu, layout, tokens, (dense / tp, expert / ep_size), micro_batches)
     recompute_s = _recompute_seconds(model, gpu, gpu_kind, layout, tokens, gemm_s, attn_s, other)
     compute = (gemm_s + attn_s + other + quant_s + recompute_s) / world + weights_s
     passes = 3 if layout.recompute == "full" else 2  # forward (again), backward
@@ -331,8 +348,7 @@ def step_time(model, gpu: GPU, gpu_kind: str, layout: Layout, work: Workload,
     gather = grads / 2 * param_bytes / GRAD_BYTES if layout.distributed_optimizer else 0.0
     comm += max(0.0, grads - backward) + gather
     total = compute + comm + imbalance
-    model_flops = token_pair_cost(tokens, pair_flops / attention_flops_per_pair(model),
-                                  6.0 * active_matmul_params(model), attention_flops_per_pair(model))
+    model_flops = token_pair_cost(tokens, pair_flops / sums.pair_flops, 6.0 * sums.active, sums.pair_flops)
     return {"compute_s": compute, "comm_s": comm, "imbalance_s": imbalance, "total_s": total,
             "mfu": model_flops / (total * world * gpu.bf16_flops),
             "tokens_per_s_per_gpu": tokens / total / world, **optimizer}

@@ -13,6 +13,10 @@ block. Here each new pass sets the previous passes' per-module statistics aside 
 `all_stats`, named by their pass) and tracks the new pass afresh; the peak and its snapshot span
 the whole step either way.
 
+The tracker also keeps the peak of the backward alone (`backward_peak`): a moment of a shrink's
+backward has its twin in the whole model's, with the gradients of the layers above it made and
+their activations freed (the planner's backward's-end moment, plan.memory._peak).
+
 torch's categories have none for communication buffers; `mark_comm` files a collective's output
 buffers (receive buffers, gradient buckets: tensors the tracker holds as activations or
 temporaries) under "Other", which this program's steps leave otherwise empty, so the rehearsal's
@@ -25,7 +29,13 @@ from copy import deepcopy
 
 import torch
 from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
+from torch.distributed._tools.mem_tracker import (
+    _TOTAL_KEY,
+    MemTracker,
+    _MemRefType,
+    _ModState,
+    _UpdateType,
+)
 
 COMM = _MemRefType.OTH  # the category the communication buffers are filed under
 
@@ -37,6 +47,7 @@ class FastMemTracker(MemTracker):
         self._stats_seen = None
         self._earlier: list = []  # the per-module statistics of the step's earlier passes
         self._passes = 1
+        self._bw_peak: dict = {}  # device -> (bytes, snapshot) at the backward's peak so far
 
     def all_stats(self) -> list:
         """Every pass's per-module statistics (the current pass's last)."""
@@ -72,6 +83,13 @@ class FastMemTracker(MemTracker):
             if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                 self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                 self._peak_mem_snap[dev] = deepcopy(dev_snap)
+            if peak_state == _ModState.PEAK_BW and self._bw_peak.get(dev, (0,))[0] < dev_snap[_TOTAL_KEY]:
+                self._bw_peak[dev] = (dev_snap[_TOTAL_KEY], deepcopy(dev_snap))
+
+    def backward_peak(self) -> dict:
+        """The snapshot ({device: {category: bytes}}) at the largest moment of the backwards run
+        so far, per device."""
+        return {dev: snap for dev, (_, snap) in self._bw_peak.items()}
 
     def track_optimizer_tensors(self, optimizer, model) -> None:
         """File the tensors `optimizer` steps that are not `model`'s parameters (MasterAdamW's

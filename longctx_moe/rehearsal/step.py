@@ -44,6 +44,9 @@ class RankReport:
     # category -> bytes at the peak before the optimizer's first step began: the forward and
     # backward's (and the distributed optimizer's gradient traffic), apart from its update
     update_free_split: dict = dataclasses.field(default_factory=dict)
+    # category -> bytes at the backward's own peak (before the update began): the planner's
+    # backward's-end moment (plan.memory._peak)
+    backward_peak_split: dict = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -166,10 +169,12 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU,
     _routing_reads(runtime, reset=True)
     rules.on_buffers = tracker.mark_comm
     before_update: dict = {}
+    backward: dict = {}
 
     def peak_so_far(*_) -> None:
         if not before_update:
             before_update.update(tracker.get_tracker_snapshot("peak"))
+            backward.update(tracker.backward_peak())
         if until_update:
             raise _UpdateReached
 
@@ -195,7 +200,7 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU,
                     "routing counts (parallel/comm.py RoutingCounts.read)": _routing_reads(runtime)},
         host_collectives=dict(rules.host_collectives), flops=float(flops),
         step_seconds=seconds, fits=peak <= gpu.memory_bytes,
-        update_free_split=_split(on_device(before_update)),
+        update_free_split=_split(on_device(before_update)), backward_peak_split=_split(on_device(backward)),
         host_bytes=int(host.get("Total", 0)))
 
 

@@ -113,11 +113,21 @@ def test_gradients_held_at_the_forward_only_after_a_micro_batch(monkeypatch):
     # with few tokens the optimizer step's moment (its temporaries) is the peak
     few = memory.per_rank(None, None, layout, 1024, None, micro_batches=1)
     assert sum(few.values()) == 55 * MIB and few["activations"] == 15 * MIB, few
-    # an update lighter than the backward's end (every gradient held, and the fixed activations)
+    # an update lighter than the backward's end: its own peak's activations (1024 a token and
+    # 1 MiB) beside every gradient but those still to be made there (1 MiB)
     state["step activations"] = 0
+    per_token = {"activations": 1024.0, "activations fixed": MIB, "end activations": 1024.0,
+                 "end activations fixed": MIB, memory.END_MISSING: MIB}
+    monkeypatch.setattr(memory, "activations", lambda *a: per_token)
     end = memory.per_rank(None, None, layout, 1024, None, micro_batches=1)
-    assert end == {"parameters": 10 * MIB, "optimizer state": 20 * MIB, "gradients": 10 * MIB,
-                   "activations": MIB, "communication buffers": 0.0, "rest": 0.0}, end
+    assert end == {"parameters": 10 * MIB, "optimizer state": 20 * MIB, "gradients": 9 * MIB,
+                   "activations": 2 * MIB, "communication buffers": 0.0, "rest": 0.0}, end
+    # with more micro-batches every gradient is there already
+    assert memory.per_rank(None, None, layout, 1024, None, micro_batches=4)["gradients"] == 10 * MIB
+    # and after the backward every gradient is held, whatever its peak lacked
+    per_token[memory.END_MISSING] = 3 * MIB
+    after = memory.per_rank(None, None, layout, 1024, None, micro_batches=1)
+    assert after == {"parameters": 10 * MIB, "optimizer state": 20 * MIB, "gradients": 10 * MIB}, after
 
 
 def test_lengths_from_a_packed_dataset(tmp_path, monkeypatch):
@@ -162,7 +172,8 @@ def test_rl_measures_the_policy_step(monkeypatch, tmp_path):
     def fake(cfg, world, rank, gpu, lengths, warmup=True, until_update=False, accounting=True):
         steps.append((warmup, until_update, accounting))  # a probe's report: bytes grow with the tokens
         split = {"activations": 100 * sum(lengths), "communication buffers": 0, "rest": 0, "gradients": 0}
-        return SimpleNamespace(peak_moment="Transformer (peak_fw)", peak_split=split, update_free_split=split)
+        return SimpleNamespace(peak_moment="Transformer (peak_fw)", peak_split=split, update_free_split=split,
+                               backward_peak_split={**split, "parameters": 0})
 
     monkeypatch.setattr(memory, "rehearse_step", lambda rl: seen.append(rl) or fake)
     _only(monkeypatch, lambda c: _plain(c) and c.tp == 1 and c.cp == 1 and c.ep == 2)

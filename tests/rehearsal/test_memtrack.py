@@ -61,3 +61,25 @@ def test_a_collective_s_buffers_are_filed_as_communication_buffers():
         after = tracker.get_tracker_snapshot()[cpu]
     moved = {k: after[k] - before[k] for k in after if after[k] != before[k]}
     assert moved[_MemRefType.OTH] == 4000 and sum(moved.values()) == 0 and len(moved) == 2
+
+
+class _ForwardScratch(nn.Module):
+    """A forward that makes and drops a large scratch tensor: the step's peak is in the forward."""
+
+    def forward(self, x):
+        scratch = torch.zeros(2_000_000)  # 8 MB, more than the backward ever holds
+        return x + scratch[:1].sum() * 0
+
+
+def test_the_backward_s_own_peak_leaves_the_forward_out():
+    """Fails if backward_peak records forward moments too (it would equal the step's peak) or
+    none (no gradients, which the backward makes)."""
+    model = nn.Sequential(_ForwardScratch(), _model())
+    tracker = FastMemTracker()
+    tracker.track_external(model)
+    peak = _passes(tracker, model, [512])
+    cpu = torch.device("cpu")
+    backward = tracker.backward_peak()[cpu]
+    assert 0 < backward["Total"] < peak[cpu]["Total"] - 4_000_000
+    grads = sum(v for k, v in backward.items() if str(k).endswith("GRAD"))
+    assert grads > 0, backward
