@@ -59,32 +59,37 @@ def _dynamic_cp(model: nn.Module, dims, cfg: ParallelConfig, capacity_tokens: in
     """The Dynamic-CP scheduler of this layout, or None without parallel.dynamic_cp."""
     if not cfg.dynamic_cp:
         return None
-    from cp_attention.dynamic_cost import DynamicCPCost
-    from longctx_moe.model.flops import active_matmul_params
     from longctx_moe.parallel.dynamic_cp import DynamicCP
 
     capacity = cfg.max_tokens_per_rank or capacity_tokens
     if capacity < 1:
         raise ValueError("parallel.dynamic_cp=true needs parallel.max_tokens_per_rank (or "
                          "data.micro_batch_tokens) >= 1")
-    m = model.cfg
+    cost = dynamic_cp_cost(model.cfg, cfg, a2a_size(cfg, dims.cp_inner))
+    return DynamicCP(dims, capacity, cost, cfg.dynamic_max_cp, cfg.cp_backend, cfg.sequence_parallel)
+
+
+def dynamic_cp_cost(m, cfg: ParallelConfig, a2a_size: int):
+    """The cost model Dynamic-CP schedules a model `m` (ModelConfig) by: its attention's shapes and
+    the parallel.dcp_* constants."""
+    from cp_attention.dynamic_cost import DynamicCPCost
+    from longctx_moe.model.flops import active_matmul_params
+
     heads, kv_heads, qk_dim, v_dim = m.attention_dims()
-    cost = DynamicCPCost.from_model(
+    return DynamicCPCost.from_model(
         num_layers=m.num_layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=qk_dim,
         v_head_dim=v_dim, active_params_per_token=active_matmul_params(m),
         flops_per_s=cfg.dcp_tflops * 1e12, bandwidth=cfg.dcp_bandwidth_gbps * 1e9,
         ring_latency=cfg.dcp_ring_latency_us * 1e-6, attn_half_tokens=cfg.dcp_attn_half_tokens,
-        a2a_size=_a2a_size(dims, cfg),
+        a2a_size=a2a_size,
         window_layers=sum(m.window_of(i) is not None for i in range(m.num_layers)),
         window=m.sliding_window)
-    return DynamicCP(dims, capacity, cost, cfg.dynamic_max_cp, cfg.cp_backend, cfg.sequence_parallel)
 
 
-def _a2a_size(dims, cfg: ParallelConfig) -> int:
+def a2a_size(cfg: ParallelConfig, cp_inner: int) -> int:
     """The most ranks of a Dynamic-CP run that exchange heads by all-to-all (DynamicCP._cp_group):
-    none under ring CP, the whole run under Ulysses, cp_inner under hierarchical CP."""
-    return {"ring": 1, "ulysses": cfg.dynamic_max_cp, "hierarchical": dims.cp_inner}[
-        cfg.cp_backend]
+    none under ring CP, the whole run under Ulysses, `cp_inner` under hierarchical CP."""
+    return {"ring": 1, "ulysses": cfg.dynamic_max_cp, "hierarchical": cp_inner}[cfg.cp_backend]
 
 
 def check_attention_features(model: nn.Module, dims, cfg: ParallelConfig) -> None:

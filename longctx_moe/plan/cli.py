@@ -181,6 +181,7 @@ def _plan(cfg, gpus, gpu_kind, lengths_spec, tokens, top, gpus_per_node, cache_d
         timed.append(Planned(layout, step_time(cfg.model, gpu, gpu_kind, layout, work, counts)))
     timed.sort(key=lambda p: p.time["total_s"])
     fit, excluded, judged, measured = [], [], 0, -1
+    slots: dict = {}
     for i, p in enumerate(timed):
         if len(fit) >= top:
             break
@@ -192,7 +193,8 @@ def _plan(cfg, gpus, gpu_kind, lengths_spec, tokens, top, gpus_per_node, cache_d
         if p.refused is None:
             n = rank_tokens(p.layout, longest, tokens)
             m = micro_batches(p.layout, n, tokens)
-            floor = estimate(cache, cfg, p.layout, n, m, counts)
+            first, later = _passes(cfg, p.layout, n, draw, slots)
+            floor = estimate(cache, cfg, p.layout, first, m, counts, later)
             if floor and sum(floor[0].values()) > gpu.memory_bytes:
                 p.memory, p.estimated = floor[0], not floor[1]  # cannot fit: refused without a probe
                 excluded.append(p)
@@ -200,7 +202,7 @@ def _plan(cfg, gpus, gpu_kind, lengths_spec, tokens, top, gpus_per_node, cache_d
             try:
                 p.memory = resident(cache, cfg, p.layout)
                 if p.peak <= gpu.memory_bytes:  # else refused on its weights and state alone
-                    p.memory = per_rank(cache, cfg, p.layout, n, draw, m)
+                    p.memory = per_rank(cache, cfg, p.layout, first, draw, m, later)
             except (RuntimeError, ValueError) as e:  # the program refused it on the rehearsed GPU
                 p.memory, p.refused = None, f"its rehearsal stopped: {str(e).splitlines()[0]}"
             if p.refused is None and p.peak <= gpu.memory_bytes:
@@ -211,6 +213,19 @@ def _plan(cfg, gpus, gpu_kind, lengths_spec, tokens, top, gpus_per_node, cache_d
         progress("\n")
     return {"fit": fit, "excluded": excluded, "candidates": len(timed), "judged": judged,
             "measured": cache.measured, "gpu": gpu, "cache": cache}
+
+
+def _passes(cfg, layout, n: int, lengths_of, memo: dict) -> tuple[int, int]:
+    """memory.passes of a micro-batch of `n` tokens a rank as the rehearsal draws it, memoised on
+    what it depends on (a plan asks it of thousands of layouts)."""
+    from longctx_moe.plan.memory import passes
+
+    if not layout.dynamic_cp:
+        return passes(cfg, layout, n, [])
+    key = (layout.tp, layout.cp, layout.cp_backend, layout.cp_inner, n)
+    if key not in memo:
+        memo[key] = passes(cfg, layout, n, lengths_of(n * layout.cp))
+    return memo[key]
 
 
 def _line(p: Planned) -> str:
@@ -274,7 +289,8 @@ def _rehearse_top(cfg, result: dict, args) -> list[dict]:
     print("planner (one micro-batch) vs rehearsal, rank 0 (GiB):")
     for p in result["fit"][:args.rehearse_top]:
         n = rank_tokens(p.layout, longest, args.tokens_per_step)
-        planned = per_rank(result["cache"], cfg, p.layout, n, lengths_of, micro_batches=1)
+        first, later = _passes(cfg, p.layout, n, lengths_of, {})
+        planned = per_rank(result["cache"], cfg, p.layout, first, lengths_of, 1, later)
         c = config_of(cfg, p.layout, max_tokens_per_rank=n)
         micro = n * p.layout.cp
         c = dataclasses.replace(c, data=dataclasses.replace(

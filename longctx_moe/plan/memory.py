@@ -363,41 +363,78 @@ def _floor(state: dict) -> dict:
 
 
 def per_rank(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, lengths_of,
-             micro_batches: int = 1) -> dict:
+             micro_batches: int = 1, later_tokens: int = 0) -> dict:
     """category -> bytes one rank of `layout` holds at the step's peak, the largest of the
-    program's step's moments (_peak)."""
+    program's step's moments (_peak). `rank_tokens`: its tokens in its step's first forward /
+    backward; `later_tokens`: the most in a later one of the same micro-batch (Dynamic-CP's slots:
+    passes); 0: none."""
     return _peak(static(cache, cfg, layout), activations(cache, cfg, layout, lengths_of), rank_tokens,
-                 micro_batches)
+                 micro_batches, later_tokens)
 
 
-def _peak(state: dict, per_token: dict, rank_tokens: int, micro_batches: int) -> dict:
+def passes(cfg, layout: Layout, rank_tokens: int, micro: list[int]) -> tuple[int, int]:
+    """(the most tokens a rank holds in the first forward / backward of a micro-batch, the most in
+    a later one; 0: none). Without Dynamic-CP a micro-batch is one pass of `rank_tokens`. Under
+    Dynamic-CP it is slots, each a forward and backward of its own: the program's scheduler
+    (cp_attention.dynamic.schedule, with the cost model the runtime builds) places the documents
+    `micro` of one replica's micro-batch on its CP ranks, each holding at most `rank_tokens` a
+    slot (the program schedules every replica's together, over DP x CP ranks; the replicas hold
+    alike documents, as the rehearsal assumes)."""
+    if not layout.dynamic_cp or layout.cp == 1:
+        return rank_tokens, 0
+    from cp_attention.dynamic import schedule
+    from cp_attention.dynamic_cost import padded_length
+    from longctx_moe.parallel.parallelize import a2a_size, dynamic_cp_cost
+
+    c = config_of(cfg, layout)
+    sp = c.parallel.sequence_parallel
+    cost = dynamic_cp_cost(c.model, c.parallel, a2a_size(c.parallel, layout.cp_inner))
+    plan = schedule(micro, layout.cp, layout.cp, rank_tokens, cost, tp=layout.tp, sequence_parallel=sp)
+
+    def most(slots) -> int:
+        return max((sum(padded_length(micro[i], run.size, layout.tp, sp) for i in run.seq_indices) // run.size
+                    for slot in slots for run in slot), default=0)
+
+    return most(plan.slots[:1]), most(plan.slots[1:])
+
+
+def _peak(state: dict, per_token: dict, rank_tokens: int, micro_batches: int, later_tokens: int = 0) -> dict:
     """per_rank's moments from a rank's state (static) and its bytes per token (activations),
     the largest:
-    - the forward / backward's peak of a micro-batch of `rank_tokens` tokens: parameters,
-      optimizer state, the activations and receive buffers of those tokens, and the gradients the
-      earlier micro-batches accumulated (with one micro-batch, those the probe's step had made by
-      its peak: gradients are made as the backward runs and freed after the optimizer's step);
+    - the first forward / backward's peak, of `rank_tokens` tokens: parameters, optimizer state,
+      the activations and receive buffers of those tokens, and the gradients made by then (the
+      lm head's: gradients are made as the backward runs and freed after the optimizer's step);
+    - a later one's (Dynamic-CP's later slots, `later_tokens`; with more micro-batches, the
+      first pass again), beside every gradient. Its activations are the first pass's scaled by
+      its tokens, where it holds fewer: the fixed part taken as growing with the tokens, a floor
+      (the per-token line through the probes' 8K and 32K tokens a rank overshoots at a few
+      hundred: gpt-oss-120b's 720-token slot holds 6 GiB, the line says 12);
     - the backward's end, where the layers above have made their gradients: the first shrink's
       backward's peak, with the gradients of every layer but those it had still to make (with
-      more micro-batches, every gradient), and after it every gradient made, none yet reduced
-      (the distributed optimizer frees them only as it reduce-scatters, the all-reduce buckets
-      hold them);
+      more micro-batches or passes, every gradient), and after it every gradient made, none yet
+      reduced (the distributed optimizer frees them only as it reduce-scatters, the all-reduce
+      buckets hold them);
     - the update's measured peak.
     The forward / backward's peak holds every layer's activations, the backward's end the first
     layers' with nearly every gradient; a layer between holds fewer of either, and its moment
     lies on the line between the two."""
-    def tokens(prefix: str = "") -> dict:
-        return {k: per_token.get(f"{prefix}{k}", 0.0) * rank_tokens + per_token.get(f"{prefix}{k} fixed", 0.0)
+    def tokens(n: int, prefix: str = "") -> dict:
+        return {k: per_token.get(f"{prefix}{k}", 0.0) * n + per_token.get(f"{prefix}{k} fixed", 0.0)
                 for k in TOKEN_CATEGORIES}
 
     held = {"parameters": state["parameters"], "optimizer state": state["optimizer state"]}
-    made = state["gradients"] if micro_batches > 1 else per_token.get("gradients fixed", 0)
-    backward = {**held, "gradients": made, **tokens()}
-    missing = 0.0 if micro_batches > 1 else per_token.get(END_MISSING, 0.0)
-    end = {**held, "gradients": max(0.0, state["gradients"] - missing), **tokens(END)}
-    after = {**held, "gradients": state["gradients"]}
-    step = {k: state.get(f"step {k}", 0) for k in CATEGORIES}
-    return max((backward, end, after, step), key=lambda m: sum(m.values()))
+    later = max(later_tokens, rank_tokens if micro_batches > 1 else 0)
+    first = {**held, "gradients": per_token.get("gradients fixed", 0), **tokens(rank_tokens)}
+    moments = [first]
+    if later:
+        scaled = {k: first[k] * later / max(1, rank_tokens) for k in TOKEN_CATEGORIES}
+        moments.append({**held, "gradients": state["gradients"],
+                        **{k: min(v, scaled[k]) for k, v in tokens(later).items()}})
+    missing = 0.0 if later else per_token.get(END_MISSING, 0.0)
+    moments.append({**held, "gradients": max(0.0, state["gradients"] - missing), **tokens(rank_tokens, END)})
+    moments.append({**held, "gradients": state["gradients"]})
+    moments.append({k: state.get(f"step {k}", 0) for k in CATEGORIES})
+    return max(moments, key=lambda m: sum(m.values()))
 
 
 # ---- Estimates: the walk's way past layouts that come nowhere near fitting
@@ -503,7 +540,7 @@ def _estimated_activations(cache: MemoryCache, cfg, layout: Layout) -> tuple[dic
 
 
 def estimate(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, micro_batches: int,
-             counts: tuple[int, int]) -> tuple[dict, bool] | None:
+             counts: tuple[int, int], later_tokens: int = 0) -> tuple[dict, bool] | None:
     """(a floor of per_rank's figure for `layout` from what is measured, without a probe: the
     parts carried from other layouts lowered by their margins, its measured parts as they are;
     whether all of it is measured). A layout whose floor exceeds a GPU's memory cannot fit. None
@@ -514,7 +551,8 @@ def estimate(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, micro_ba
         return None
     state = {k: v * (1.0 if state_measured else 1 - ESTIMATE_MARGIN) for k, v in state.items()}
     if cache.has(_activation_key(layout)):
-        return _peak(state, activations(cache, cfg, layout, None), rank_tokens, micro_batches), state_measured
+        return (_peak(state, activations(cache, cfg, layout, None), rank_tokens, micro_batches, later_tokens),
+                state_measured)
     act = _estimated_activations(cache, cfg, layout)
     if act is None:  # no activations of a mode at or below its recompute mode: resident()'s floor
         return _floor(state), False
@@ -522,4 +560,4 @@ def estimate(cache: MemoryCache, cfg, layout: Layout, rank_tokens: int, micro_ba
     # lowered by the margin, but the gradients not yet made (fewer of those is more memory)
     per_token = {k: v if k == END_MISSING else v * max(0.0, 1 - ESTIMATE_MARGIN - carried)
                  for k, v in per_token.items()}
-    return _peak(state, per_token, rank_tokens, micro_batches), False
+    return _peak(state, per_token, rank_tokens, micro_batches, later_tokens), False

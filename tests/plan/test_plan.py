@@ -130,6 +130,37 @@ def test_gradients_held_at_the_forward_only_after_a_micro_batch(monkeypatch):
     assert after == {"parameters": 10 * MIB, "optimizer state": 20 * MIB, "gradients": 10 * MIB}, after
 
 
+def test_a_later_pass_holds_every_gradient(monkeypatch):
+    """Dynamic-CP's later slots (and the micro-batches after the first) run their forward and
+    backward beside every gradient. Fails if later_tokens is ignored (the backward's end, 40 MiB,
+    would be the peak) or if a later pass's activations are the per-token line's (2 MiB at 1,024
+    tokens) rather than the first pass's scaled by its tokens (3 MiB x 1,024 / 2,048)."""
+    layout = layouts.Layout(1, 2, "ring", 1, 1, 1, True, "none", False, 2)
+    state = {"parameters": 10 * MIB, "gradients": 10 * MIB, "optimizer state": 20 * MIB}
+    monkeypatch.setattr(memory, "static", lambda *a: state)
+    monkeypatch.setattr(memory, "activations", lambda *a: {"activations": 1024.0, "activations fixed": MIB})
+    peak = memory.per_rank(None, None, layout, 2048, None, micro_batches=1, later_tokens=1024)
+    assert peak == {"parameters": 10 * MIB, "optimizer state": 20 * MIB, "gradients": 10 * MIB,
+                    "activations": 1.5 * MIB, "communication buffers": 0.0, "rest": 0.0}, peak
+
+
+def test_dynamic_cp_passes_are_the_program_s_slots():
+    """memory.passes: a micro-batch without Dynamic-CP is one pass of the rank's tokens; under it,
+    the program's scheduler's slots. One document that needs every CP rank and short ones beside
+    it: the long one fills the first slot at its share, the short ones wait for a later one.
+    Fails if the slots are not read from the scheduler (one pass) or a rank's share is taken
+    over the run rather than a rank."""
+    cfg = _tiny()
+    static = layouts.Layout(1, 4, "ring", 1, 1, 1, False, "none", False, 4)
+    assert memory.passes(cfg, static, 1024, []) == (1024, 0)
+    dynamic = layouts.Layout(1, 4, "ring", 1, 1, 1, True, "none", False, 4)
+    micro = [4000, 30, 20]
+    first, later = memory.passes(cfg, dynamic, 1024, micro)
+    assert 1000 <= first <= 1024 and 0 < later <= 64, (first, later)
+    # a micro-batch that one rank holds whole is one pass at most of its tokens
+    assert memory.passes(cfg, dynamic, 1024, [300, 200])[1] == 0
+
+
 def test_lengths_from_a_packed_dataset(tmp_path, monkeypatch):
     """Fails if --lengths DATASET_DIR does not draw the dataset's own document lengths (the
     longest bounding CP, every drawn length one of the corpus'), or a bad directory is accepted."""
