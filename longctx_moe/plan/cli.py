@@ -128,7 +128,7 @@ class Planned:
     time: dict
     memory: dict | None = None
     refused: str | None = None
-    estimated: bool = False  # memory is a floor from measured layouts (memory.estimate), not measured
+    estimated: bool = False  # memory is a floor from measured layouts (floors.estimate), not measured
 
     @property
     def peak(self) -> float:
@@ -158,8 +158,9 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
 
 def _plan(cfg, gpus, gpu_kind, lengths_spec, tokens, top, gpus_per_node, cache_dir, progress, memory_bytes, rl,
           precision, probes) -> dict:
+    from longctx_moe.plan.floors import estimate
     from longctx_moe.plan.layouts import candidates, judge
-    from longctx_moe.plan.memory import MemoryCache, estimate, per_rank, resident
+    from longctx_moe.plan.memory import MemoryCache, per_rank, resident
     from longctx_moe.plan.timing import Workload, step_time
 
     gpu = dataclasses.replace(GPUS[gpu_kind], gpus_per_node=gpus_per_node)

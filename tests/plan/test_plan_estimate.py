@@ -1,4 +1,4 @@
-"""The floors a cold plan walks past layouts on (memory.estimate) stand below what the program
+"""The floors a cold plan walks past layouts on (floors.estimate) stand below what the program
 measures, and the plan measures every layout it proposes. A tiny model's layouts are measured
 once for the module (on meta: seconds each); each test reads that cache."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from longctx_moe.config import load_config
-from longctx_moe.plan import layouts, memory
+from longctx_moe.plan import floors, layouts, memory
 from longctx_moe.plan.cli import length_source, param_counts, plan
 
 WORLD = 4
@@ -56,18 +56,18 @@ def test_floors_stand_below_the_measured_figures(measured):
     more used as a floor, the margins dropped, the state not scaled by the rank's share."""
     cfg, family, cache, exact = measured
     counts = param_counts(cfg)
-    floors = 0
+    seen = 0
     for layout in family:
         own = {memory._state_key(layout), memory._activation_key(layout)}
         held = {k: cache.entries.pop(k) for k in own}  # the layout as not yet measured
         try:
-            floor = memory.estimate(cache, cfg, layout, TOKENS, 1, counts)
+            floor = floors.estimate(cache, cfg, layout, TOKENS, 1, counts)
         finally:
             cache.entries.update(held)
         assert floor is not None and not floor[1], layout.label()
-        floors += 1
+        seen += 1
         assert sum(floor[0].values()) <= exact[layout], (layout.label(), sum(floor[0].values()), exact[layout])
-    assert floors == len(family)
+    assert seen == len(family)
 
 
 def test_floors_are_close_where_only_ep_or_the_optimizer_differ(measured):
@@ -80,10 +80,10 @@ def test_floors_are_close_where_only_ep_or_the_optimizer_differ(measured):
         own = memory._activation_key(layout)
         held = cache.entries.pop(own)
         try:
-            floor, _ = memory.estimate(cache, cfg, layout, TOKENS, 1, counts)
+            floor, _ = floors.estimate(cache, cfg, layout, TOKENS, 1, counts)
         finally:
             cache.entries[own] = held
-        assert sum(floor.values()) >= (1 - 2 * memory.ESTIMATE_MARGIN) * exact[layout], layout.label()
+        assert sum(floor.values()) >= (1 - 2 * floors.ESTIMATE_MARGIN) * exact[layout], layout.label()
 
 
 def test_a_cold_plan_measures_what_it_proposes_and_not_what_cannot_fit(monkeypatch, measured, cache_dir,
@@ -120,11 +120,11 @@ def test_a_rank_s_state_follows_its_share_of_the_parameters(measured):
         exact = memory.static(cache, cfg, layout)
         held = cache.entries.pop(own)
         try:
-            carried = memory._estimated_state(cache, cfg, layout, counts)
+            carried = floors._estimated_state(cache, cfg, layout, counts)
         finally:
             cache.entries[own] = held
         for k in ("parameters", "optimizer state"):
-            assert carried[k] == pytest.approx(exact[k], rel=memory.ESTIMATE_MARGIN), (layout.label(), k)
+            assert carried[k] == pytest.approx(exact[k], rel=floors.ESTIMATE_MARGIN), (layout.label(), k)
 
 
 def test_a_layer_adds_memory_and_takes_none_away():
@@ -162,7 +162,7 @@ def test_a_layout_whose_rehearsal_stops_is_refused_with_the_reason(monkeypatch):
         return {"parameters": 2**20}
 
     monkeypatch.setattr(layouts, "candidates", lambda *a, **k: list(FAMILY))
-    monkeypatch.setattr(memory, "estimate", lambda *a, **k: None)
+    monkeypatch.setattr(floors, "estimate", lambda *a, **k: None)
     monkeypatch.setattr(memory, "resident", stops)
     monkeypatch.setattr(memory, "per_rank", lambda *a, **k: {"parameters": 2**20})
     result = plan(cfg, WORLD, "h100", "lognormal:256,0.5,1024", 16384, top=len(FAMILY))
@@ -192,7 +192,7 @@ def test_a_refused_probe_is_kept_and_not_rehearsed_again(tmp_path):
         assert not cache.has("probe")
     assert len(calls) == 1
     cache.entries[memory._key("activations", x=1)] = {"refused": "no"}
-    assert list(memory._entries(cache, "activations")) == []
+    assert list(floors._entries(cache, "activations")) == []
 
     def died():
         raise WorkerDied("a probe's worker process died")
@@ -209,8 +209,8 @@ def test_activations_are_carried_from_no_larger_ep():
     cache = memory.MemoryCache(cfg, None)
     per_layer = {"activations": 1000.0, "activations fixed": 0.0}
     cache.entries[memory._activation_key(_layout(ep=4))] = [per_layer, per_layer]
-    assert memory._estimated_activations(cache, cfg, _layout(ep=2)) is None
-    carried, margin = memory._estimated_activations(cache, cfg, _layout(ep=4, dopt=False))
+    assert floors._estimated_activations(cache, cfg, _layout(ep=2)) is None
+    carried, margin = floors._estimated_activations(cache, cfg, _layout(ep=4, dopt=False))
     assert carried["activations"] == 1000.0 and margin == 0.0
 
 
@@ -267,12 +267,12 @@ def test_bf16_parameters_activations_are_a_floor_for_fp32_parameters(measured):
         if k != keep:
             del cache.entries[k]
     try:
-        floor, _ = memory.estimate(cache, cfg, fp32, TOKENS, 1, counts)
-        assert memory.estimate(cache, cfg, bf16, TOKENS, 1, counts)[1]  # its own, measured
-        assert memory._estimated_activations(cache, cfg, fp32) is not None
+        floor, _ = floors.estimate(cache, cfg, fp32, TOKENS, 1, counts)
+        assert floors.estimate(cache, cfg, bf16, TOKENS, 1, counts)[1]  # its own, measured
+        assert floors._estimated_activations(cache, cfg, fp32) is not None
         cache.entries[memory._activation_key(fp32)] = acts[memory._activation_key(fp32)]
         del cache.entries[keep]
-        assert memory._estimated_activations(cache, cfg, bf16) is None  # not from fp32's
+        assert floors._estimated_activations(cache, cfg, bf16) is None  # not from fp32's
     finally:
         cache.entries.update(acts)
-    assert (1 - 2 * memory.ESTIMATE_MARGIN) * exact[fp32] <= sum(floor.values()) <= exact[fp32]
+    assert (1 - 2 * floors.ESTIMATE_MARGIN) * exact[fp32] <= sum(floor.values()) <= exact[fp32]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from longctx_moe.config import load_config
-from longctx_moe.plan import layouts, memory, timing
+from longctx_moe.plan import floors, layouts, memory, timing
 from longctx_moe.plan.cli import param_counts, plan
 from longctx_moe.plan.layouts import Layout
 from longctx_moe.rehearsal.cost import HostStep, host_optimizer_seconds
@@ -120,7 +120,7 @@ def test_a_refused_precision_is_never_proposed(monkeypatch):
     monkeypatch.setattr(timing, "step_time", planted_first)
     monkeypatch.setattr(memory, "resident", lambda *a, **k: {"parameters": MIB})
     monkeypatch.setattr(memory, "per_rank", lambda *a, **k: {"parameters": MIB})
-    monkeypatch.setattr(memory, "estimate", lambda *a, **k: None, raising=False)
+    monkeypatch.setattr(floors, "estimate", lambda *a, **k: None)
     result = plan(_tiny(), 4, "h100", "lognormal:256,0.5,1024", 16384, top=3)
     assert len(result["fit"]) == 3
     assert not [p for p in result["fit"] if p.layout in planted]
