@@ -431,6 +431,5 @@ def _peak(state: dict, per_token: dict, rank_tokens: int, micro_batches: int, la
                         **{k: min(v, scaled[k]) for k, v in tokens(later).items()}})
     missing = 0.0 if later else per_token.get(END_MISSING, 0.0)
     moments.append({**held, "gradients": max(0.0, state["gradients"] - missing), **tokens(rank_tokens, END)})
-    moments.append({**held, "gradients": state["gradients"]})
-    moments.append({k: state.get(f"step {k}", 0) for k in CATEGORIES})
+    moments.append(_floor(state))  # every gradient made, or the update
     return max(moments, key=lambda m: sum(m.values()))
