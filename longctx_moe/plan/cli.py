@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from cp_attention.dynamic_cost import padded_length
 from longctx_moe.rehearsal.gpus import GIB, GPUS
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "communication buffers", "rest")
@@ -117,9 +118,11 @@ def micro_batches(layout, rank_tokens: int, tokens: int) -> int:
 
 
 def rank_tokens(layout, longest: int, tokens: int) -> int:
-    """Tokens one rank holds of a micro-batch: the longest document's share of its CP run (a
-    micro-batch holds whole documents), at least 4,096 where the step has them (GEMM-sized)."""
-    return max(math.ceil(longest / layout.cp), min(4096, tokens // layout.world))
+    """Tokens one rank holds of a micro-batch: the longest document's share of its CP run, padded
+    as the runtime pads it (a micro-batch holds whole documents; Dynamic-CP refuses a rank too
+    small for the padded share), at least 4,096 where the step has them (GEMM-sized)."""
+    share = padded_length(longest, layout.cp, layout.tp, layout.sequence_parallel) // layout.cp
+    return max(share, min(4096, tokens // layout.world))
 
 
 @dataclasses.dataclass

@@ -67,6 +67,11 @@ class Layout:
         return self.world // (self.ep * self.etp)
 
     @property
+    def sequence_parallel(self) -> bool:
+        """TP runs with sequence parallelism wherever there is TP (config_of)."""
+        return self.tp > 1
+
+    @property
     def model_parallel(self) -> int:
         """Ways one layer's weights are split on a rank (attention's TP times the experts' EP x ETP
         over the attention's): what more memory per GPU lets a layout give up."""
@@ -158,7 +163,7 @@ def config_of(base: Config, layout: Layout, max_tokens_per_rank: int = 0) -> Con
     would run. FP8 runs the tensor recipe (the one timing.py prices; the base's FP8 settings are
     replaced, as its parallel section is)."""
     p = dataclasses.replace(
-        base.parallel, tp=layout.tp, sequence_parallel=layout.tp > 1, cp=layout.cp, dp=-1,
+        base.parallel, tp=layout.tp, sequence_parallel=layout.sequence_parallel, cp=layout.cp, dp=-1,
         ep=layout.ep, etp=layout.etp, cp_backend=layout.cp_backend,
         hierarchical_sizes=[layout.cp_inner, layout.cp // layout.cp_inner]
         if layout.cp_backend == "hierarchical" else None,

@@ -161,6 +161,19 @@ def test_dynamic_cp_passes_are_the_program_s_slots():
     assert memory.passes(cfg, dynamic, 1024, [300, 200])[1] == 0
 
 
+def test_a_rank_holds_the_longest_document_s_padded_share():
+    """A dataset's longest document rarely divides by the CP run's padding (2 x CP x TP chunks
+    with sequence parallelism): a rank sized at its unpadded share is one Dynamic-CP refuses
+    (the scheduler raised out of the plan). Fails if rank_tokens leaves the padding out."""
+    from longctx_moe.plan.cli import rank_tokens
+
+    layout = layouts.Layout(2, 8, "ring", 1, 1, 1, True, "none", False, 16)
+    n = rank_tokens(layout, 30001, 16)
+    assert n == 3752, n  # 30001 padded to a multiple of 32 is 30016, over 8 ranks
+    first, later = memory.passes(_tiny(), layout, n, [30001, 50])
+    assert first == n and 0 < later <= 64, (first, later)
+
+
 def test_lengths_from_a_packed_dataset(tmp_path, monkeypatch):
     """Fails if --lengths DATASET_DIR does not draw the dataset's own document lengths (the
     longest bounding CP, every drawn length one of the corpus'), or a bad directory is accepted."""
