@@ -1,7 +1,8 @@
 """The distributed optimizer: AdamW state sharded over the replicas of each parameter.
 
 Legend: R ranks in a parameter's replica group (dense parameters: dp_cp, experts: edp; the
-groups grad_reduce.reduction_groups names), S elements in one rank's segment of a bucket.
+groups grad_reduce.reduction_groups names), S elements in one rank's segment of a bucket, N
+parameters in a bucket.
 
 A replicated AdamW keeps exp_avg and exp_avg_sq of every parameter on every replica: twice the
 weights' bytes, on every rank. Here rank i of a replica group owns one slab of each parameter
@@ -34,10 +35,10 @@ or into the replicated optimizer.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -103,8 +104,14 @@ def make_slab(param: nn.Parameter, rank: int, parts: int, contiguous_only: bool)
         raise ValueError("parallel.distributed_optimizer=true splits parameters along a dim, but the "
                          "model has a 0-dim parameter; make it 1-D or set distributed_optimizer=false")
     dim = slab_dim(tuple(param.shape), parts, contiguous_only)
-    sizes = [len(r) for r in torch.arange(param.shape[dim]).tensor_split(parts)]
-    return Slab(param, dim, sizes, rank)
+    return Slab(param, dim, split_sizes(param.shape[dim], parts), rank)
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """torch.tensor_split's sizes of `n` indices in `parts` sections: the first n % parts one
+    longer (computed, not split: a bucket of a 1,024-way group asks it of every parameter)."""
+    q, r = divmod(n, parts)
+    return [q + 1] * r + [q] * (parts - r)
 
 
 class ShardedBucket:
@@ -117,16 +124,21 @@ class ShardedBucket:
         self.group, self.params = group, params
         self.parts, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.slabs = [make_slab(p, self.rank, self.parts, contiguous_only) for p in params]
+        # numel_RN[j, i]: elements of parameter i's part j (its size along the slab's dim times
+        # the elements of one index there); as arrays, for groups of a thousand ranks
+        sizes_RN = np.array([s.sizes for s in self.slabs], dtype=np.int64).T.reshape(self.parts, -1)
+        numel_RN = sizes_RN * np.array([s.param.numel() // max(1, s.param.shape[s.dim]) for s in self.slabs],
+                                       dtype=np.int64)
         # starts[j][i]: where parameter i's part j begins in row j of the buffer
-        self.starts = [list(itertools.accumulate((s.numel(j) for s in self.slabs[:-1]), initial=0))
-                       for j in range(self.parts)]
-        self.segment = max(sum(s.numel(j) for s in self.slabs) for j in range(self.parts))  # S
+        starts_RN = np.cumsum(numel_RN, axis=1) - numel_RN
+        self.starts = starts_RN.tolist()
+        self.segment = int(numel_RN.sum(axis=1).max())  # S
         # runs[i]: parameter i's parts as runs of consecutive rows j0..j1 where they have one size
         # and one offset; each run moves between the parameter and the rows in one strided copy,
         # not one a part (a GPU launch each: R x parameters of them a step otherwise). An even
         # split in an evenly split bucket is one run; tensor_split's uneven one (the first parts
         # one longer) two, and two more for each uneven parameter before it in the bucket.
-        self.runs = [self._runs_of(i) for i in range(len(self.slabs))]
+        self.runs = [self._runs_of(starts_RN[:, i], sizes_RN[:, i]) for i in range(len(self.slabs))]
         self.ready: set[int] = set()
         self.flat: torch.Tensor | None = None
         self.work = None
@@ -137,16 +149,16 @@ class ShardedBucket:
         """Parameter i's part j inside rank j's row of a buffer, flat."""
         return buffer_S[self.starts[j][i]:self.starts[j][i] + self.slabs[i].numel(j)]
 
-    def _runs_of(self, i: int) -> list[tuple[int, int, int]]:
-        """(first row, rows, offset along the slab's dim) of each run of parameter i's parts."""
-        slab, runs, offset = self.slabs[i], [], 0
-        for j in range(self.parts):
-            if runs and (self.starts[j][i], slab.sizes[j]) == (self.starts[runs[-1][0]][i], slab.sizes[runs[-1][0]]):
-                runs[-1][1] += 1
-            else:
-                runs.append([j, 1, offset])
-            offset += slab.sizes[j]
-        return [tuple(r) for r in runs]
+    @staticmethod
+    def _runs_of(starts_R: np.ndarray, sizes_R: np.ndarray) -> list[tuple[int, int, int]]:
+        """(first row, rows, offset along the slab's dim) of each run of a parameter's parts,
+        given where each part starts in its row and its size."""
+        new_R = np.ones(len(sizes_R), dtype=bool)
+        new_R[1:] = (starts_R[1:] != starts_R[:-1]) | (sizes_R[1:] != sizes_R[:-1])
+        first = np.flatnonzero(new_R)
+        rows = np.diff(np.append(first, len(sizes_R)))
+        offsets = (np.cumsum(sizes_R) - sizes_R)[first]
+        return [(int(j), int(n), int(o)) for j, n, o in zip(first, rows, offsets, strict=True)]
 
     def _run_pairs(self, i: int, buffer_RS: torch.Tensor, t: torch.Tensor):
         """(rows of the buffer [n, *part shape], the same parts of `t` [n, *part shape]) per run of

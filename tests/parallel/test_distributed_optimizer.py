@@ -23,7 +23,13 @@ import torch
 from longctx_moe.build import model_of
 from longctx_moe.config import load_config
 from longctx_moe.parallel.dims import ParallelDims
-from longctx_moe.parallel.distributed_optimizer import DistributedOptimizer, make_slab, slab_dim
+from longctx_moe.parallel.distributed_optimizer import (
+    DistributedOptimizer,
+    ShardedBucket,
+    make_slab,
+    slab_dim,
+    split_sizes,
+)
 from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.trainer import CrossEntropy, Trainer
 from tests.launcher import run_distributed
@@ -134,3 +140,26 @@ def test_slab_dims_and_zero_dim_refusal():
     assert slab.param[5, 0].item() == 11.0
     with pytest.raises(ValueError, match="0-dim parameter"):
         make_slab(torch.nn.Parameter(torch.tensor(1.0)), 0, 2, False)
+
+
+def test_slab_sizes_and_runs_are_tensor_split_s_and_the_rows_of_one_stride():
+    """The slab layout computed from closed forms (as it must be for groups of a thousand ranks)
+    is the one tensor_split and a part-by-part walk give. Fails if the longer parts are put last,
+    or if a run spans parts of another size or another start."""
+    for n, parts in [(66, 4), (7, 8), (1024, 1024), (4099, 1024), (3, 1)]:
+        assert split_sizes(n, parts) == [len(r) for r in torch.arange(n).tensor_split(parts)], (n, parts)
+    for shapes, parts in [([(66, 32), (17, 3), (8,)], 4), ([(1030, 5), (2050,), (7, 3)], 1024), ([(4, 4)], 4)]:
+        slabs = [make_slab(torch.nn.Parameter(torch.empty(s, device="meta")), 0, parts, True) for s in shapes]
+        numel = [[s.numel(j) for s in slabs] for j in range(parts)]
+        starts = [[sum(row[:i]) for i in range(len(slabs))] for row in numel]
+        for i, slab in enumerate(slabs):
+            walked, offset = [], 0  # a new run wherever the start in the row or the size changes
+            for j in range(parts):
+                if walked and (starts[j][i], slab.sizes[j]) == (starts[j - 1][i], slab.sizes[j - 1]):
+                    walked[-1][1] += 1
+                else:
+                    walked.append([j, 1, offset])
+                offset += slab.sizes[j]
+            starts_R = torch.tensor([row[i] for row in starts]).numpy()
+            got = ShardedBucket._runs_of(starts_R, torch.tensor(slab.sizes).numpy())
+            assert got == [tuple(r) for r in walked], (shapes[i], parts)
