@@ -5,7 +5,8 @@ A cold plan would otherwise probe every layout it walks until K fit, and where f
 model on few GPUs) that is most of them, at seconds a probe. The measurements say which of a
 layout's degrees its memory follows, and how: a rank's weights, gradients and optimizer state
 are its share of the model's dense and expert parameters (dense / TP, experts / (EP x ETP), the
-optimizer's over DP x CP and EDP too under the distributed optimizer); its bytes per token do
+optimizer's over DP x CP and EDP too under the distributed optimizer; from another precision,
+the weights and gradients alone); its bytes per token do
 not move with the distributed optimizer and fall as 1 / TP (Qwen3-30B-A3B's probes: to 0.1%), and
 with EP they stay (Qwen3-30B-A3B, EP 16-128) or grow (DeepSeek-V3's TP8 rank: 14 GiB of
 activations at EP 8, 137 at EP 64), so they are carried from a smaller or equal EP only.
@@ -79,25 +80,37 @@ def _entries(cache: MemoryCache, kind: str):
 
 
 def _estimated_state(cache: MemoryCache, cfg, layout: Layout, counts) -> dict | None:
-    """static() of `layout` from a measured layout of the same precision, each category scaled by
-    the rank's share of the parameters it follows."""
+    """static() of `layout` from a measured layout, each category scaled by the rank's share of
+    the parameters it follows: one of the same precision where there is one, else any, whose
+    weights and gradients alone carry (_carried_weights)."""
     held, stepped = _shares(layout, counts)
     best = None
     for fields, value in _entries(cache, "state"):
-        if fields["precision"] != _precision(layout):
-            continue
+        other = fields["precision"] != _precision(layout)
         world = fields["world"] or layout.world
-        other = Layout(fields["tp"], 1, "ring", 1, fields["ep"], fields["etp"], False, "none", fields["dopt"], world)
-        o_held, o_stepped = _shares(other, counts)
-        rank = (fields["dopt"] != layout.distributed_optimizer, abs(math.log(o_held / held)))
+        shape = Layout(fields["tp"], 1, "ring", 1, fields["ep"], fields["etp"], False, "none", fields["dopt"], world)
+        o_held, o_stepped = _shares(shape, counts)
+        rank = (other, not other and fields["dopt"] != layout.distributed_optimizer, abs(math.log(o_held / held)))
         if best is None or rank < best[0]:
-            best = (rank, value, held / o_held, stepped / o_stepped)
+            best = (rank, value, held / o_held, stepped / o_stepped, fields["precision"])
     if best is None:
         return None
-    _, (first, second), held_ratio, stepped_ratio = best
+    (other, *_), (first, second), held_ratio, stepped_ratio, precision = best
     measured = _extrapolate(first, second, _shrinks(cfg))
     follows_held = ("parameters", "gradients", "step parameters", "step gradients")
-    return {k: v * (held_ratio if k in follows_held else stepped_ratio) for k, v in measured.items()}
+    state = {k: v * (held_ratio if k in follows_held else stepped_ratio) for k, v in measured.items()}
+    return _carried_weights(state, precision[0], layout.param_dtype) if other else state
+
+
+def _carried_weights(state: dict, measured_dtype: str, dtype: str) -> dict:
+    """A floor of a rank's state from one measured in another precision: its weights and their
+    gradients only (the optimizer's state and masters follow where AdamW steps and the dtype:
+    none), at half the bytes from fp32 to bf16 parameters (no parameter is narrower than half
+    its fp32 width) and the same bytes otherwise (bf16 parameters stand for fp32 ones as they
+    are: the embedding, router and norms a bf16 run keeps in fp32 are as wide in either)."""
+    width = 0.5 if (measured_dtype, dtype) == ("fp32", "bf16") else 1.0
+    return {"parameters": state["parameters"] * width, "gradients": state["gradients"] * width,
+            "optimizer state": 0.0}
 
 
 def _estimated_activations(cache: MemoryCache, cfg, layout: Layout) -> tuple[dict, float] | None:

@@ -4,6 +4,8 @@ once for the module (on meta: seconds each); each test reads that cache."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from longctx_moe.config import load_config
@@ -276,3 +278,26 @@ def test_bf16_parameters_activations_are_a_floor_for_fp32_parameters(measured):
     finally:
         cache.entries.update(acts)
     assert (1 - 2 * floors.ESTIMATE_MARGIN) * exact[fp32] <= sum(floor.values()) <= exact[fp32]
+
+
+def test_another_precision_s_weights_are_a_floor_of_a_rank_s_state(measured):
+    """With no state measured in a layout's own precision, its floor carries another's weights
+    and gradients only: half the bytes from fp32 to bf16 parameters, the same from bf16 to fp32.
+    Fails if fp32's bytes are carried to bf16 as they are (over what bf16 holds), if the
+    optimizer's state is carried (fp32's moments are not bf16's masters and moments), or if
+    nothing is (a floor of zero)."""
+    cfg, family, cache, _ = measured
+    counts = param_counts(cfg)
+    for layout in (family[0], family[-2]):  # fp32 and bf16 parameters, the rest alike
+        exact = memory.static(cache, cfg, layout)
+        own = {k: v for k, v in cache.entries.items()
+               if '"state"' in k and memory._precision(layout) == json.loads(k)["precision"]}
+        for k in own:
+            del cache.entries[k]
+        try:
+            carried = floors._estimated_state(cache, cfg, layout, counts)
+        finally:
+            cache.entries.update(own)
+        assert carried["optimizer state"] == 0, layout.label()
+        for k in ("parameters", "gradients"):
+            assert 0.5 * exact[k] <= carried[k] <= exact[k], (layout.label(), k, carried[k], exact[k])
