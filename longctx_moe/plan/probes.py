@@ -29,10 +29,32 @@ def default_jobs() -> int:
     return max(1, min(MAX_JOBS, cores))
 
 
+def _skip_teardown() -> None:
+    """A worker's initializer: its interpreter ends without its teardown. Finalizing an
+    interpreter that imported torch and ran rehearsals takes a worker half a second to a second,
+    and the plan waits for its workers to end; the results are sent by then (the pool's result
+    queue writes as it is put), nothing a worker holds needs finalizing, and the pool reads no
+    exit status (a worker that dies early is seen by its process sentinel)."""
+    import atexit
+
+    # exit handlers run last registered first: those the imports after this one register run,
+    # then this ends the process where the interpreter's teardown would begin
+    atexit.register(os._exit, 0)
+
+
 def _warm() -> None:
-    """A worker's first task: the imports every rehearsal needs (while the plan times candidates)."""
+    """A worker's first task: the imports every rehearsal needs (while the plan times candidates),
+    the program's parallel layer and optimizers, and torch's varlen attention, which the CUDA
+    target's attention backend is resolved against and which imports torch's compiler (a
+    second of a worker's first probe otherwise)."""
+    import longctx_moe.optim_offload  # noqa: F401
+    import longctx_moe.parallel.parallelize  # noqa: F401
     import longctx_moe.plan.memory  # noqa: F401
+    import longctx_moe.rehearsal.fake_world  # noqa: F401
     import longctx_moe.rehearsal.step  # noqa: F401
+    from cp_attention.kernels import torch_varlen
+
+    torch_varlen.unavailable_reason(torch_varlen.torch.device("cuda"))  # None, or why not: imported either way
 
 
 class Probes:
@@ -50,7 +72,7 @@ class Probes:
         """Spawn the workers now and have them import what a rehearsal needs."""
         if self.jobs > 1 and self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                self.jobs, mp_context=multiprocessing.get_context("spawn"))
+                self.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_skip_teardown)
             for _ in range(self.jobs):  # one task each: the pool spawns a worker per waiting task
                 self._pool.submit(_warm)
 
