@@ -476,12 +476,12 @@ def _float_fields(node: Any, prefix: str = ""):
     """(dotted key, value) of every float setting, lists included, in declaration order."""
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _float_fields(value, f"{prefix}{f.name}.")
+        if isinstance(value, float):
+            yield f"{prefix}{f.name}", value
         elif isinstance(value, list):
             yield from ((f"{prefix}{f.name}", v) for v in value if isinstance(v, float))
-        elif isinstance(value, float):
-            yield f"{prefix}{f.name}", value
+        elif hasattr(type(value), "__dataclass_fields__"):  # a section (the planner validates thousands)
+            yield from _float_fields(value, f"{prefix}{f.name}.")
 
 
 def _check_finite(cfg: Config) -> None:

@@ -8,6 +8,7 @@ Shape legend: T query tokens, S key tokens, Hq / Hkv heads, D head dim.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 
@@ -19,8 +20,15 @@ from ._common import default_scale
 _NEG_INF, _INF = float("-inf"), float("inf")
 
 
+@functools.cache
+def _installed() -> bool:
+    # asked once a process: the layout planner resolves the execution choices of thousands of
+    # layouts, and a search of sys.path each time was a tenth of its walk
+    return importlib.util.find_spec("flash_attn") is not None
+
+
 def unavailable_reason(device: torch.device) -> str | None:
-    if importlib.util.find_spec("flash_attn") is None:
+    if not _installed():
         return "the flash-attn package is not installed (pip install 'longctx-moe[gpu]' on a CUDA machine)"
     if device.type != "cuda":
         return f"flash-attn kernels run on CUDA tensors, not {device.type}; use backend='auto'"

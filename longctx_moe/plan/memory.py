@@ -313,9 +313,12 @@ def _activation_bytes(cache: MemoryCache, shrinks: list, probe: Layout, lengths_
     """_per_token of each of `shrinks` (the probe's configs), from rehearsals at PROBE_TOKENS and
     four times as many a rank, all run at once where the cache's probes have workers."""
     tokens = (PROBE_TOKENS, 4 * PROBE_TOKENS)
-    tasks = [(c, probe.world, lengths_of(n * probe.cp), cache.rl) for c in shrinks for n in tokens]
-    splits = cache.probes.run(_probe_splits, tasks)
-    return [_per_token(tokens, splits[2 * i:2 * i + 2]) for i in range(len(shrinks))]
+    # the longest first (more tokens, then more layers): the workers take them in order and the
+    # short ones fill in behind
+    order = [(i, j) for j in reversed(range(len(tokens))) for i in reversed(range(len(shrinks)))]
+    tasks = [(shrinks[i], probe.world, lengths_of(tokens[j] * probe.cp), cache.rl) for i, j in order]
+    splits = dict(zip(order, cache.probes.run(_probe_splits, tasks), strict=True))
+    return [_per_token(tokens, [splits[i, j] for j in range(len(tokens))]) for i in range(len(shrinks))]
 
 
 def _model_activations(first: dict, second: dict, layers: tuple[int, int, int]) -> dict:
