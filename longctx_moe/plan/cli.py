@@ -148,7 +148,8 @@ def plan(cfg, gpus: int, gpu_kind: str, lengths_spec: str, tokens: int, top: int
          memory_bytes: int | None = None, rl: bool = False, precision: str = "all", jobs: int = 1) -> dict:
     """{"fit": [Planned] fastest first, "excluded": [Planned] faster ones that did not fit or were
     refused, "candidates", "judged", "measured"}. `jobs`: worker processes for the memory probes'
-    rehearsals (probes.Probes; 1: in this process)."""
+    rehearsals (probes.Probes; 1: in this process); probes.WorkersUnavailable where they cannot
+    start (they are spawned: a script calls plan() under a main guard)."""
     from longctx_moe.plan.probes import Probes
 
     probes = Probes(jobs)
@@ -246,7 +247,7 @@ HEADER = (f"{'layout':<48} {'peak':>6} | {'param':>6} {'grad':>6} {'optim':>6} {
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     from longctx_moe.config import ConfigError
-    from longctx_moe.plan.probes import default_jobs
+    from longctx_moe.plan.probes import WorkersUnavailable, default_jobs
 
     start = time.perf_counter()
     try:
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         result = plan(cfg, args.gpus, args.gpu, args.lengths, args.tokens_per_step, args.top,
                       args.gpus_per_node, args.cache, progress=lambda s: print(s, end="", file=sys.stderr),
                       rl=args.rl, precision=args.precision, jobs=default_jobs() if args.jobs is None else args.jobs)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, WorkersUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{cfg.model.num_layers}-layer model on {args.gpus} x {args.gpu}: {result['candidates']} candidate "

@@ -23,6 +23,11 @@ class WorkerDied(RuntimeError):
     """A probe's worker process ended without an answer: about this machine, not the layout."""
 
 
+class WorkersUnavailable(Exception):
+    """No worker process of a plan's pool started: every probe would fail alike, so the plan
+    stops (not a RuntimeError, which the walk takes as a layout's refusal)."""
+
+
 def default_jobs() -> int:
     """The cores this process may run on, up to MAX_JOBS."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -62,19 +67,21 @@ class Probes:
     process (jobs == 1) or over `jobs` worker processes. `fn` is a module-level function and its
     arguments pickle (configs, layouts, lengths); an exception a rehearsal raises is raised here."""
 
-    def __init__(self, jobs: int = 1):
+    def __init__(self, jobs: int = 1, warm: Callable[[], None] | None = None):
         if jobs < 1:
             raise ValueError(f"--jobs {jobs}: give 1 or more worker processes")
         self.jobs = jobs
+        self._warm = warm or _warm  # each worker's first task
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._warmed: list = []  # the futures of the workers' first tasks
 
     def start(self) -> None:
         """Spawn the workers now and have them import what a rehearsal needs."""
         if self.jobs > 1 and self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 self.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_skip_teardown)
-            for _ in range(self.jobs):  # one task each: the pool spawns a worker per waiting task
-                self._pool.submit(_warm)
+            # one task each: the pool spawns a worker per waiting task
+            self._warmed = [self._pool.submit(self._warm) for _ in range(self.jobs)]
 
     def run(self, fn: Callable, tasks: Sequence[tuple]) -> list:
         if self.jobs == 1 or len(tasks) == 1:
@@ -83,9 +90,14 @@ class Probes:
         try:
             return list(self._pool.map(fn, *zip(*tasks, strict=True)))
         except concurrent.futures.process.BrokenProcessPool as e:
-            # a worker died (a crash, or the OS ended it): the layout is refused with why, and the
-            # next probe gets new workers
+            started = any(f.done() and not f.cancelled() and f.exception() is None for f in self._warmed)
             self.close()
+            if not started:  # at their start: multiprocessing spawns workers by importing __main__
+                raise WorkersUnavailable(
+                    "the plan's probe worker processes died as they started; call plan() from under "
+                    "`if __name__ == \"__main__\":` in a script (each worker imports it), or pass jobs=1") from None
+            # a worker died later (a crash, or the OS ended it): the layout is refused with why,
+            # and the next probe gets new workers
             raise WorkerDied(f"a probe's worker process died ({e})") from None
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ candidates to the family its rule moves through, so the plan walks and measures 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -267,3 +268,29 @@ def test_probes_in_worker_processes_measure_what_one_process_does(monkeypatch, t
     assert here["cache"].entries == there["cache"].entries
     assert ran and all(ran)  # the pool had started: the rehearsals went to the workers
     assert there["cache"].probes._pool is None  # and the plan ended its workers
+
+
+def _started() -> None:
+    """A worker's first task that imports nothing (the spawned worker imports this module)."""
+
+
+def _die(*_) -> None:
+    os._exit(3)
+
+
+def test_workers_that_die_as_they_start_stop_the_plan_in_one_line():
+    """Workers that die before their first task (a script that calls plan() without a main
+    guard: each spawned worker imports it and dies) stop the plan with why; a worker that dies
+    later refuses the layout being probed. Fails if the first is taken as one layout's refusal:
+    the walk then spawned and lost workers for every layout it walked, and never ended."""
+    from longctx_moe.plan import probes
+
+    dying = probes.Probes(2, warm=_die)
+    with pytest.raises(probes.WorkersUnavailable, match='__name__ == "__main__"'):
+        dying.run(max, [(1, 2), (3, 4)])
+    assert dying._pool is None
+    later = probes.Probes(2, warm=_started)
+    assert later.run(max, [(1, 2), (3, 4)]) == [2, 4]
+    with pytest.raises(probes.WorkerDied):
+        later.run(_die, [(1,), (2,)])
+    later.close()
