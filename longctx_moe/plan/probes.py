@@ -71,7 +71,7 @@ class Probes:
         if jobs < 1:
             raise ValueError(f"--jobs {jobs}: give 1 or more worker processes")
         self.jobs = jobs
-        self._warm = warm or _warm  # each worker's first task
+        self._first_task = warm or _warm  # each worker's first task
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._warmed: list = []  # the futures of the workers' first tasks
 
@@ -81,7 +81,7 @@ class Probes:
             self._pool = concurrent.futures.ProcessPoolExecutor(
                 self.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_skip_teardown)
             # one task each: the pool spawns a worker per waiting task
-            self._warmed = [self._pool.submit(self._warm) for _ in range(self.jobs)]
+            self._warmed = [self._pool.submit(self._first_task) for _ in range(self.jobs)]
 
     def run(self, fn: Callable, tasks: Sequence[tuple]) -> list:
         if self.jobs == 1 or len(tasks) == 1:
