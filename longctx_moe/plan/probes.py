@@ -52,6 +52,8 @@ def _warm() -> None:
     the program's parallel layer and optimizers, and torch's varlen attention, which the CUDA
     target's attention backend is resolved against and which imports torch's compiler (a
     second of a worker's first probe otherwise)."""
+    import torch
+
     import longctx_moe.optim_offload  # noqa: F401
     import longctx_moe.parallel.parallelize  # noqa: F401
     import longctx_moe.plan.memory  # noqa: F401
@@ -59,7 +61,7 @@ def _warm() -> None:
     import longctx_moe.rehearsal.step  # noqa: F401
     from cp_attention.kernels import torch_varlen
 
-    torch_varlen.unavailable_reason(torch_varlen.torch.device("cuda"))  # None, or why not: imported either way
+    torch_varlen.unavailable_reason(torch.device("cuda"))  # imports it where this torch has it
 
 
 class Probes:
