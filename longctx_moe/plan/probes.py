@@ -90,7 +90,8 @@ class Probes:
             return [fn(*task) for task in tasks]
         self.start()
         try:
-            return list(self._pool.map(fn, *zip(*tasks, strict=True)))
+            futures = [self._pool.submit(fn, *task) for task in tasks]
+            return [f.result() for f in futures]
         except concurrent.futures.process.BrokenProcessPool as e:
             started = any(f.done() and not f.cancelled() and f.exception() is None for f in self._warmed)
             self.close()

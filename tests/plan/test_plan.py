@@ -292,5 +292,5 @@ def test_workers_that_die_as_they_start_stop_the_plan_in_one_line():
     later = probes.Probes(2, warm=_started)
     assert later.run(max, [(1, 2), (3, 4)]) == [2, 4]
     with pytest.raises(probes.WorkerDied):
-        later.run(_die, [(1,), (2,)])
+        later.run(_die, [(), ()])  # tasks of no arguments are run too
     later.close()
