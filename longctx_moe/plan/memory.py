@@ -193,8 +193,7 @@ def _state_bytes(cfg, world: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         backward_done()
         tracker = FastMemTracker()  # a steady-state update: what it holds at its peak
-        tracker.track_external(model, inner)
-        tracker.track_optimizer_tensors(inner, model)  # a bf16 run's fp32 masters
+        tracker.track_state(model, optimizer)  # with a bf16 run's fp32 masters
         rules = DeviceRules(rank=0, group_names=names, accounting=False)  # memory is all it reads
         rules.on_buffers = tracker.mark_comm
         with cuda_kernels(), tracker, rules:

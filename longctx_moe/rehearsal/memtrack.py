@@ -137,12 +137,15 @@ class FastMemTracker(MemTracker):
         so far, per device."""
         return {dev: snap for dev, (_, snap) in self._bw_peak.items()}
 
-    def track_optimizer_tensors(self, optimizer, model) -> None:
-        """File the tensors `optimizer` steps that are not `model`'s parameters (MasterAdamW's
-        fp32 masters of bf16 weights) as optimizer state. torch's tracker sees an optimizer's
-        state and a module's parameters, not the parameters of an optimizer over other tensors,
-        and these were made before the tracked step: untracked, they would be missing from it."""
-        for t in stepped_apart(optimizer, model):
+    def track_state(self, model, optimizer) -> None:
+        """Track what a step finds made before it: `model`'s parameters and gradients, the state
+        of the torch optimizer inside ours (torch_optimizer), and the tensors it steps that are
+        not `model`'s parameters (MasterAdamW's fp32 masters of bf16 weights), as optimizer state.
+        torch's tracker sees an optimizer's state and a module's parameters, not the parameters of
+        an optimizer over other tensors: untracked, the masters would be missing from the step."""
+        inner = torch_optimizer(optimizer)
+        self.track_external(model, inner)
+        for t in stepped_apart(inner, model):
             self._update_and_maybe_create_winfos(t, _MemRefType.OPT)
 
     def mark_comm(self, tensors) -> None:

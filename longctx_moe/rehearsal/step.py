@@ -162,9 +162,8 @@ def measure_step(step: Callable[[], object], trainer, dims, rank: int, gpu: GPU,
         with meta_autocast(dtype), standins.standins(), cuda_kernels(), DeviceRules(rank=rank, group_names=names):
             step()
     tracker = FastMemTracker()
-    inner = torch_optimizer(trainer.optimizer)
-    tracker.track_external(runtime.model, inner)
-    tracker.track_optimizer_tensors(inner, runtime.model)
+    tracker.track_state(runtime.model, trainer.optimizer)
+    inner = torch_optimizer(trainer.optimizer)  # its step begins the update
     standins.host_reads.clear()
     _routing_reads(runtime, reset=True)
     rules.on_buffers = tracker.mark_comm

@@ -157,7 +157,7 @@ def _real_step(cfg, world: int, rank: int, lengths: list[int]):
     warm-up step, measured as step.rehearse_rank measures the rehearsal."""
     from data_packing.batch import pack_documents, pad_multiple
     from longctx_moe.build import build_runtime, check_layout
-    from longctx_moe.rehearsal.memtrack import FastMemTracker, on_device, torch_optimizer
+    from longctx_moe.rehearsal.memtrack import FastMemTracker, on_device
     from longctx_moe.rehearsal.step import _roles, _split
     from longctx_moe.trainer import Trainer
 
@@ -172,10 +172,8 @@ def _real_step(cfg, world: int, rank: int, lengths: list[int]):
     p = cfg.parallel
     batch = pack_documents(docs, [d.clone() for d in docs], pad_multiple(p.cp, p.tp, p.sequence_parallel))
     trainer.train_step([batch])  # the first step creates the optimizer's state
-    tracker = FastMemTracker()  # the tensors it did not see made filed as the rehearsal files them
-    inner = torch_optimizer(trainer.optimizer)
-    tracker.track_external(runtime.model, inner)
-    tracker.track_optimizer_tensors(inner, runtime.model)
+    tracker = FastMemTracker()
+    tracker.track_state(runtime.model, trainer.optimizer)
     with tracker:
         trainer.train_step([batch])
     snap = tracker.get_tracker_snapshot("peak")
