@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 # rank that builds a torch.optim optimizer. Left to the ranks it cost each ~1.3 CPU-s.
 PRELOAD = ["torch", "torch.distributed", "numpy", "longctx_moe.trainer",
            "longctx_moe.parallel.parallelize", "cp_attention.ring", "cp_attention.ulysses",
-           "torch._dynamo", "tests.launcher"]
+           "torch._dynamo", "torch.utils.cpp_extension", "tests.launcher", "tests._fork_server"]
 
 
 class DistributedTestError(RuntimeError):
