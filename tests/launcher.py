@@ -96,7 +96,8 @@ def _worker(fn, rank, world_size, port, args, kwargs, result_q, backend, threads
     )
     try:
         import_before_init()
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        if backend is not None:
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args, **kwargs)
         # Plain pickle copies tensors into the message: the queue's own pickler would share
         # their storage by file descriptor, which dies with this process before the parent
@@ -133,6 +134,19 @@ def run_distributed(
     # The port free_port found was taken before rank 0's store listened on it (make test runs
     # several workers, each launching ranks): once more on another port.
     return _run_once(fn, world_size, args, kwargs, timeout, backend, threads_per_rank)
+
+
+def _call(rank: int, world_size: int, fn: Callable[..., Any], *args) -> Any:
+    return fn(*args)
+
+
+def run_forked(fn: Callable[..., Any], *args, timeout: float = 300.0) -> Any:
+    """`fn(*args)` in one process forked from the preloaded server, with no process group: a
+    program's entry point (a CLI's `main`) kept out of the test's process, without the ~3 CPU-s
+    a fresh interpreter spends importing torch, torch._dynamo and the project again."""
+    if tier_check is not None:
+        tier_check()
+    return _run_once(_call, 1, (fn, *args), None, timeout, None, 1)[0]
 
 
 def _port_taken(error: str) -> bool:
