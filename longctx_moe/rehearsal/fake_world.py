@@ -45,13 +45,24 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         destroy_process_groups(collect=False)  # fake groups hold no threads or sockets
 
 
+# What a rehearsed rank imports, loaded once by the server its processes fork from: a spawned
+# process imported them again for each rank (~3 CPU-s, most of a small rank's rehearsal).
+_PRELOAD = ["torch", "torch._dynamo", "longctx_moe.trainer", "longctx_moe.rehearsal.step"]
+
+
 def in_own_process(target: Callable, *args) -> tuple[str, object]:
-    """`target(conn, *args)` in a spawned process of its own (torch allows one default process
-    group per process), which sends one (kind, payload) reply into `conn`; that reply, or
-    ("crash", why) when the process died without one."""
+    """`target(conn, *args)` in a process of its own (torch allows one default process group per
+    process), which sends one (kind, payload) reply into `conn`; that reply, or ("crash", why)
+    when the process died without one. The process is forked from multiprocessing's fork server,
+    which holds no process group, threads or device state of this one's (spawned where there is
+    no fork server)."""
     import multiprocessing
 
-    ctx = multiprocessing.get_context("spawn")
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first call)
+    else:
+        ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=target, args=(child, *args))
     proc.start()
