@@ -19,11 +19,13 @@ parent's current environment and working directory, as a spawned one would.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
 import queue
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -147,6 +149,32 @@ def run_forked(fn: Callable[..., Any], *args, timeout: float = 300.0) -> Any:
     if tier_check is not None:
         tier_check()
     return _run_once(_call, 1, (fn, *args), None, timeout, None, 1)[0]
+
+
+def _script(source: str, argv: tuple[str, ...], cwd: str) -> subprocess.CompletedProcess:
+    os.chdir(cwd)
+    sys.argv = ["-c", *argv]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            exec(compile(source, "<script>", "exec"), {"__name__": "__main__"})
+            status = 0
+        except SystemExit as e:  # as the interpreter ends on one: a message goes to stderr, status 1
+            status = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, status 1
+            traceback.print_exc()
+            status = 1
+    return subprocess.CompletedProcess(["-c", *argv], status, out.getvalue(), err.getvalue())
+
+
+def run_script(source: str, *argv: str, cwd: str | os.PathLike = ".", timeout: float = 300.0):
+    """`python -c SOURCE ARGV...` in a process forked from the preloaded server: the script's
+    status, stdout and stderr as subprocess.run(capture_output=True, text=True) gives them. For
+    scripts that need a process of their own (a fake process group, say), not a fresh
+    interpreter: whatever must run before torch's import needs subprocess."""
+    return run_forked(_script, source, argv, os.fspath(cwd), timeout=timeout)
 
 
 def _port_taken(error: str) -> bool:

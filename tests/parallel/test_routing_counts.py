@@ -9,14 +9,12 @@ layer and forward, and nowhere else.
   and on a GPU each would be a sync) an MoE layer runs forward and backward, balance losses,
   padding and router replay included, with the seam fed from an assumption (every rank routes
   like this one, evenly over the experts): one rank in this process; EP, ETP, lending, capacity
-  and the all-gather dispatcher on 4 ranks of torch's fake process group in a subprocess.
+  and the all-gather dispatcher on 4 ranks of torch's fake process group in a process of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +27,7 @@ from longctx_moe.model.config import BalanceConfig
 from longctx_moe.model.moe import LocalDispatcher, MoE
 from longctx_moe.parallel.comm import RouteTable, RoutingCounts, gather_route_table
 from longctx_moe.parallel.dispatch import AllGatherDispatcher, AllToAllDispatcher, route
+from tests.launcher import run_script
 from tests.model.helpers import packed_batch, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,13 +207,12 @@ for kw in layouts:
 
 @pytest.fixture(scope="module")
 def fake_world_printed() -> dict[str, dict]:
-    """Each fake-world block's printed lines (or traceback), from one subprocess (its start-up,
-    torch and the project's imports, was most of each test's time)."""
+    """Each fake-world block's printed lines (or traceback), from one process forked from
+    the preloaded server (a fresh interpreter's imports were most of each test's time)."""
     import json
 
     blocks = {"layers": _FAKE_WORLD, "fp8 layers": _FAKE_WORLD_FP8}
-    done = subprocess.run([sys.executable, "-c", _FAKE_WORLD_RUNNER, json.dumps(list(blocks.values()))], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = run_script(_FAKE_WORLD_RUNNER, json.dumps(list(blocks.values())), cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(zip(blocks, json.loads(done.stdout.strip().splitlines()[-1]), strict=True))
 

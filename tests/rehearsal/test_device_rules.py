@@ -4,11 +4,11 @@ program's line; and it counts the bytes each group moves. The tests' code runs i
 its own (one default process group per process), each test's block with its own DeviceRules."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.launcher import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,11 +81,10 @@ print(sum(rules.host_collectives.values()))
 
 @pytest.fixture(scope="module")
 def printed() -> dict[str, dict]:
-    """Each block's printed lines (or traceback), from one process (its start-up, torch and the
-    rehearsal's imports, was most of each test's time)."""
+    """Each block's printed lines (or traceback), from one process forked from the
+    preloaded server (a fresh interpreter's imports were most of each test's time)."""
     blocks = {"planted": _PLANTED, "disagree": _DISAGREE, "accepted": _ACCEPTED}
-    done = subprocess.run([sys.executable, "-c", "import json\n" + _SETUP + _BLOCKS, json.dumps(list(blocks.values()))],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = run_script("import json\n" + _SETUP + _BLOCKS, json.dumps(list(blocks.values())), cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return dict(zip(blocks, json.loads(done.stdout.strip().splitlines()[-1]), strict=True))
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from longctx_moe.rehearsal import collectives, standins
 from longctx_moe.rehearsal import counts as C
+from tests.launcher import run_script
 from tests.rehearsal.helpers import ROOT
 
 
@@ -147,7 +148,7 @@ def test_module_rule_mutation_is_caught():
         assert _by_module()["layers"] == []
 
 
-# Two fake worlds, one after the other in one subprocess (each rehearse_rank and count_step builds
+# Two fake worlds, one after the other in one process of their own (each rehearse_rank and count_step builds
 # and tears down its own): rank 0 of one rehearsed with its optimizer recorded, then the EP2
 # step's routing-count syncs as it is and under the mutation (the routing seam's reads not
 # counted). Each part's answer or traceback is kept apart (the last line, JSON).
@@ -195,10 +196,9 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def fake_worlds() -> dict[str, dict]:
-    """Each part of _FAKE_WORLDS' answer (one interpreter start, with torch and the rehearsal's
-    imports, for both tests)."""
-    done = subprocess.run([sys.executable, "-c", _FAKE_WORLDS, *TINY], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    """Each part of _FAKE_WORLDS' answer (one process for both tests, forked from the preloaded
+    server: a fresh interpreter's imports were most of their time)."""
+    done = run_script(_FAKE_WORLDS, *TINY, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -208,7 +208,7 @@ def _value(fake_worlds: dict, part: str):
     return fake_worlds[part]["value"]
 
 
-@pytest.mark.slow  # a subprocess of fake worlds
+@pytest.mark.slow  # a process of fake worlds
 def test_routing_counts_read_is_one_sync_per_layer_under_ep(fake_worlds):
     """With EP the dispatcher reads the routing counts once per MoE layer forward (RoutingCounts,
     the program's one routing seam): filed under its layer; a mutation that drops the count fails."""
@@ -393,6 +393,6 @@ def test_device_rules_and_op_counts_agree_on_launches():
     assert rules_n == counts_n - 2  # the route layout's two further kernels
 
 
-@pytest.mark.slow  # a subprocess of fake worlds
+@pytest.mark.slow  # a process of fake worlds
 def test_rehearse_rank_builds_the_gpus_fused_adamw(fake_worlds):
     assert _value(fake_worlds, "fused") == [True]

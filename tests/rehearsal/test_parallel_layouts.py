@@ -5,12 +5,11 @@ counts no target tokens of its own in the step totals unless host collectives an
 would. Each rehearsal runs in processes of its own (one default process group per process)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.launcher import run_script
 from tests.rehearsal.helpers import rehearse_one
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,8 +125,7 @@ print(json.dumps(dict(rules.calls)))
 
 
 def _rules(rank: int) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", _RULES, str(rank)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    done = run_script(_RULES, str(rank), cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip().splitlines()
 
