@@ -39,7 +39,7 @@ from longctx_moe.parallel.parallelize import parallelize
 from longctx_moe.trainer import Trainer
 from tests.launcher import run_distributed
 from tests.model.helpers import packed_batch
-from tests.parallel.test_train_folded_e2e import train_cli_on_four_ranks
+from tests.parallel.test_train_folded_e2e import train_on_four_forked_ranks
 from tests.parallel.test_train_parallel import DOCS, SETS
 
 STEPS = 2
@@ -214,6 +214,5 @@ def test_world8_tp2_cp2_dp2_etp2_tracks_single_process_float64():
 
 
 @pytest.mark.slow
-@pytest.mark.long
-def test_cli_trains_tp2_etp2_ep2_on_four_ranks(tmp_path, corpus):
-    train_cli_on_four_ranks(tmp_path, corpus, ["parallel.tp=2", "parallel.etp=2", "parallel.ep=2"])
+def test_default_config_trains_tp2_etp2_ep2_on_four_ranks(tmp_path, corpus):
+    train_on_four_forked_ranks(tmp_path, corpus, ["parallel.tp=2", "parallel.etp=2", "parallel.ep=2"])

@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from longctx_moe.config import load_config
+from longctx_moe.train import run as train_run
+from tests.launcher import run_distributed
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 SHORT = [f"train.steps={STEPS}", "data.global_batch_tokens=1024", "data.micro_batch_tokens=512",
@@ -22,11 +26,32 @@ def train_cli_on_four_ranks(tmp_path: Path, corpus: Path, layout: list[str]) -> 
     steps on the packed `corpus`; checks that it trained (finite, not blown up) and returns
     the run directory."""
     run_dir = tmp_path / "run"
-    sets = [*layout, *SHORT, f"train.run_dir={run_dir}", f"data.path={corpus}"]
     cmd = [sys.executable, "-m", "longctx_moe.cli", "train", "--nproc", "4",
-           "--config", str(ROOT / "configs/tiny_cpu.yaml")] + [a for s in sets for a in ("--set", s)]
+           "--config", str(ROOT / "configs/tiny_cpu.yaml")] + [a for s in _sets(layout, run_dir, corpus)
+                                                               for a in ("--set", s)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return _check_trained(run_dir)
+
+
+def _rank_run(rank, world, sets):
+    train_run(load_config(ROOT / "configs/tiny_cpu.yaml", sets))
+
+
+def train_on_four_forked_ranks(tmp_path: Path, corpus: Path, layout: list[str]) -> Path:
+    """The same run as train_cli_on_four_ranks, by the trainer's entry point (longctx_moe.train.run)
+    on 4 gloo ranks forked from the tests' preloaded server: the launcher and four fresh
+    interpreters (the CLI test above runs them) cost more CPU than the 3 steps."""
+    run_dir = tmp_path / "run"
+    run_distributed(_rank_run, 4, args=(_sets(layout, run_dir, corpus),), timeout=400)
+    return _check_trained(run_dir)
+
+
+def _sets(layout: list[str], run_dir: Path, corpus: Path) -> list[str]:
+    return [*layout, *SHORT, f"train.run_dir={run_dir}", f"data.path={corpus}"]
+
+
+def _check_trained(run_dir: Path) -> Path:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
