@@ -8,7 +8,7 @@ import warnings
 # ~1 CPU-s for transformers with the families' config classes (hf_config builds one in every rank
 # that maps weight names), ~1.6 for verl's engine worker (the verl tests' ranks): paid once here,
 # not by every rank. Optional extras: absent, each rank imports what its test needs as before.
-OPTIONAL = ("pytest", "transformers", "verl.workers.engine_workers", "verl.workers.engine")
+OPTIONAL = ("pytest", "verl.workers.engine_workers", "verl.workers.engine")
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # verl warns of every engine whose package it lacks

@@ -160,9 +160,11 @@ def _script(source: str, argv: tuple[str, ...], cwd: str) -> subprocess.Complete
             exec(compile(source, "<script>", "exec"), {"__name__": "__main__"})
             status = 0
         except SystemExit as e:  # as the interpreter ends on one: a message goes to stderr, status 1
-            status = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-            if not isinstance(e.code, (int, type(None))):
+            if e.code is None or isinstance(e.code, int):
+                status = e.code or 0
+            else:
                 print(e.code, file=sys.stderr)
+                status = 1
         except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, status 1
             traceback.print_exc()
             status = 1
