@@ -20,6 +20,7 @@ from longctx_moe.execution import default_ops
 from longctx_moe.kernels import fp8
 from longctx_moe.model import ModelConfig, build_model
 from longctx_moe.model.fp8 import Fp8Linear
+from tests.kernels import scaled_mm
 from tests.model.helpers import packed_batch
 
 TOL = 1e-5
@@ -35,25 +36,36 @@ def _dq(x: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
     return (x.detach().double() * scale).clamp(-top, top).to(fmt).double() / scale
 
 
+def _recorded(monkeypatch, gemm) -> list:
+    """torch._scaled_mm replaced by `gemm`, each call's operand formats recorded."""
+    calls = []
+
+    def recording(a, b, scale_a, scale_b, out_dtype):
+        calls.append((a.dtype, b.dtype))
+        return gemm(a, b, scale_a, scale_b, out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    return calls
+
+
 @pytest.fixture
 def scaled_mm_calls(monkeypatch):
-    """Every torch._scaled_mm call, each checked against what cuBLAS's FP8 GEMM accepts on a GPU
-    (CPU's _scaled_mm accepts more, so a layout or padding slip would pass here unseen):
-    a row-major, b column-major, contraction and output widths multiples of 16, float32 scalar
-    scales, and no E5M2 x E5M2 product."""
-    calls = []
-    real = torch._scaled_mm
+    """Every torch._scaled_mm call, run by CPU's own op, each checked first against what cuBLAS's
+    FP8 GEMM accepts on a GPU (CPU's _scaled_mm accepts more, so a layout or padding slip would
+    pass here unseen): see tests/kernels/scaled_mm.py."""
 
     def checked(a, b, scale_a, scale_b, out_dtype):
-        assert a.stride(1) == 1 and b.stride(0) == 1, (a.stride(), b.stride())
-        assert a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0, (a.shape, b.shape)
-        assert scale_a.dtype == scale_b.dtype == torch.float32 and scale_a.numel() == scale_b.numel() == 1
-        assert not (a.dtype == b.dtype == fp8.E5M2)
-        calls.append((a.dtype, b.dtype))
-        return real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        scaled_mm.check_cublas_operands(a, b, scale_a, scale_b)
+        return scaled_mm.REAL(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
-    monkeypatch.setattr(torch, "_scaled_mm", checked)
-    return calls
+    return _recorded(monkeypatch, checked)
+
+
+@pytest.fixture
+def fast_scaled_mm_calls(monkeypatch):
+    """As scaled_mm_calls, run by the float32 stand-in: for the tests that run a whole model, whose
+    GEMMs CPU's reference-loop op takes seconds over (the GEMMs themselves are judged above)."""
+    return _recorded(monkeypatch, scaled_mm.stand_in)
 
 
 def _close(a: torch.Tensor, ref: torch.Tensor) -> None:
@@ -94,6 +106,23 @@ def test_linear_forward_and_both_gradients_match_the_float64_recipe(m, bias, sca
     assert scaled_mm_calls == [(fp8.E4M3, fp8.E4M3), (fp8.E5M2, fp8.E4M3), (fp8.E5M2, fp8.E4M3)]
     if bias:
         torch.testing.assert_close(b.grad, dy.sum(0), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("formats", [(fp8.E4M3, fp8.E4M3), (fp8.E5M2, fp8.E4M3)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_the_stand_in_computes_what_cpus_scaled_mm_does(formats, out_dtype):
+    """The model-level tests run the float32 stand-in (tests/kernels/scaled_mm.py): it agrees with
+    CPU's op to float32 rounding (the two sum in different orders), and so to one bf16 step."""
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(40, 64, generator=g) * 3).to(formats[0])
+    b = torch.randn(48, 64, generator=g).to(formats[1]).t()
+    scale_a, scale_b = torch.tensor(0.37), torch.tensor(1.9)
+    ours = scaled_mm.stand_in(a, b, scale_a, scale_b, out_dtype).double()
+    cpu = scaled_mm.REAL(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype).double()
+    step = 2.0**-7 if out_dtype == torch.bfloat16 else 1e-6
+    assert float((ours - cpu).abs().max()) <= step * float(cpu.abs().max())
+    with pytest.raises(AssertionError):  # E5M2 x E5M2: cuBLAS has no such product
+        scaled_mm.stand_in(a.float().to(fp8.E5M2), b.float().to(fp8.E5M2), scale_a, scale_b, out_dtype)
 
 
 def test_linear_keeps_leading_dims_and_computes_in_the_autocast_dtype():
@@ -163,13 +192,13 @@ def _loss(model, batch):
     return out.ce_sum / batch.num_target_tokens()
 
 
-def test_the_fp8_model_has_the_same_parameters_and_runs_every_block_gemm_in_fp8(scaled_mm_calls):
+def test_the_fp8_model_has_the_same_parameters_and_runs_every_block_gemm_in_fp8(fast_scaled_mm_calls):
     ref, ours = _model_pair()
     assert list(ref.state_dict()) == list(ours.state_dict())
     ours.load_state_dict(ref.state_dict())
     batch = packed_batch([40, 100, 116], 256, generator=torch.Generator().manual_seed(0))
     routed = sum(int(c > 0) for c in _expert_counts(ours, batch))
-    calls = scaled_mm_calls
+    calls = fast_scaled_mm_calls
     calls.clear()
     loss = _loss(ours, batch)
     n_fwd = len(calls)
@@ -183,16 +212,16 @@ def test_the_fp8_model_has_the_same_parameters_and_runs_every_block_gemm_in_fp8(
         assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, name
 
 
-def test_dense_layers_and_gated_shared_experts_run_in_fp8_but_the_gate_does_not(scaled_mm_calls):
+def test_dense_layers_and_gated_shared_experts_run_in_fp8_but_the_gate_does_not(fast_scaled_mm_calls):
     # layer 0 dense (3 projections), layer 1 MoE with a gated shared expert (3, its gate not)
     _, ours = _model_pair(first_k_dense=1, dense_hidden_size=48, shared_expert_hidden_size=32,
                           shared_expert_gate=True)
     assert type(ours.layers[1].ffn.shared.gate) is torch.nn.Linear
     batch = packed_batch([30, 66], 256, generator=torch.Generator().manual_seed(1))
     routed = sum(int(c > 0) for c in _expert_counts(ours, batch))
-    scaled_mm_calls.clear()
+    fast_scaled_mm_calls.clear()
     _loss(ours, batch).backward()
-    assert len(scaled_mm_calls) == 3 * (2 * 4 + 3 + 3 + 2 * routed)
+    assert len(fast_scaled_mm_calls) == 3 * (2 * 4 + 3 + 3 + 2 * routed)
     assert ours.layers[1].ffn.shared.gate.weight.grad is not None
 
 
@@ -235,7 +264,7 @@ def test_widths_fp8_gemms_cannot_take_are_refused_at_start_up(monkeypatch):
     resolve_ops(load_config(None, ["execution.fp8=torch"]), torch.device("cpu"))  # 128 / 32 wide: fine
 
 
-def test_recompute_reruns_the_fp8_products_exactly():
+def test_recompute_reruns_the_fp8_products_exactly(fast_scaled_mm_calls):
     # quantisation is a pure function of its input: a recomputed forward quantises alike
     _, ours = _model_pair()
     _assert_recompute_exact(ours, packed_batch([40, 100, 116], 256, generator=torch.Generator().manual_seed(0)))
@@ -434,7 +463,7 @@ def _delayed_model():
     return build_model(cfg, default_ops().replace(fp8="torch", fp8_recipe="delayed", fp8_amax_history=4))
 
 
-def test_delayed_recipe_quantises_with_frozen_scales_and_recompute_matches():
+def test_delayed_recipe_quantises_with_frozen_scales_and_recompute_matches(fast_scaled_mm_calls):
     from longctx_moe.model.fp8 import advance_fp8
 
     model = _delayed_model()

@@ -1,7 +1,10 @@
 """execution.fp8=torch under expert parallelism through the Trainer, on gloo with the GPU refusal
 lifted (CPU's scaled GEMMs stand in for the GPU's): every recipe trains with EP=2 and the fp8
 dispatch (the block recipe reading the dispatched payload), both ranks agree on each step's
-global loss, and the delayed recipe's histories advance at every optimizer step on each rank."""
+global loss, and the delayed recipe's histories advance at every optimizer step on each rank.
+The per-tensor recipes' GEMMs run through tests/kernels/scaled_mm.py's float32 stand-in for
+torch._scaled_mm, which judges each call as cuBLAS would (CPU's own op, a reference loop, made
+this a minute per recipe)."""
 
 import math
 
@@ -18,9 +21,11 @@ def _train(rank, world, recipe):
     from longctx_moe.parallel.dims import ParallelDims
     from longctx_moe.parallel.parallelize import parallelize
     from longctx_moe.trainer import Trainer
+    from tests.kernels import scaled_mm
     from tests.model.helpers import packed_batch
 
     fp8.unavailable_reason = lambda *a, **k: None  # as on an FP8 GPU
+    scaled_mm.install()
     sets = ["model.vocab_size=256", "model.hidden_size=128", "model.num_layers=2", "model.num_heads=4",
             "model.num_kv_heads=4", "model.head_dim=32", "model.num_experts=4", "model.expert_hidden_size=128",
             "parallel.ep=2", "parallel.dispatch_dtype=fp8", "execution.fp8=torch", f"execution.fp8_recipe={recipe}",
