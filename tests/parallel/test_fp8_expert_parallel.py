@@ -1,5 +1,5 @@
 """execution.fp8=torch under expert parallelism through the Trainer, on gloo with the GPU refusal
-lifted (CPU's scaled GEMMs stand in for the GPU's): every recipe trains with EP=2 and the fp8
+lifted (CPU GEMMs stand in for the GPU's): every recipe trains with EP=2 and the fp8
 dispatch (the block recipe reading the dispatched payload), both ranks agree on each step's
 global loss, and the delayed recipe's histories advance at every optimizer step on each rank.
 The per-tensor recipes' GEMMs run through tests/kernels/scaled_mm.py's float32 stand-in for
